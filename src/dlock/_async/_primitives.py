@@ -1,0 +1,75 @@
+"""The few operations whose asyncio and threaded forms differ in shape.
+
+Everything else under ``_async/`` is turned into ``_sync/`` by ``scripts/unasync.py``;
+this module is written by hand, once per face, and the generated code calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+IS_ASYNC = True
+Event = asyncio.Event
+Cancelled = asyncio.CancelledError
+Task = asyncio.Task
+
+
+async def sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until the event is set or the timeout passes; True if it was set."""
+    if event.is_set():
+        return True
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def run_blocking(func: Callable[..., T], *args: Any) -> T:
+    """Run a blocking call (SQLite, a synchronous client library) off the event loop."""
+    return await asyncio.to_thread(func, *args)
+
+
+async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:
+    """Bound a backend call; the sync twin relies on the client library's own timeouts."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except asyncio.TimeoutError:  # a distinct class before Python 3.11
+        raise TimeoutError(f"no answer within {timeout:.3f} s") from None
+
+
+def spawn(func: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:
+    async def run() -> None:
+        await func()
+
+    return asyncio.get_running_loop().create_task(run(), name=name)
+
+
+async def join(task: asyncio.Task[None] | None, timeout: float) -> None:
+    if task is None or task.done():
+        return
+    task.cancel()
+    await asyncio.wait([task], timeout=timeout)
+
+
+def current_task() -> asyncio.Task[Any] | None:
+    return asyncio.current_task()
+
+
+def cancel_task(task: asyncio.Task[Any], message: str) -> None:
+    task.cancel(message)
+
+
+def uncancel(task: asyncio.Task[Any] | None) -> None:
+    """Undo our own cancel() so asyncio.timeout() and TaskGroup see a normal exception."""
+    if task is not None and sys.version_info >= (3, 11):
+        task.uncancel()

@@ -1,0 +1,87 @@
+"""The seam between the lock semantics (``lock.py``) and one storage (``backends/*.py``).
+
+A backend stores leases and nothing else: it does not wait, renew, count time on the
+client, or validate arguments; the core does all of that once for every backend.
+
+Rules every backend keeps (the conformance suite checks them):
+
+* ``acquire`` is atomic: it grants the lease when the name is free or its lease has
+  expired *by the backend's clock*, or re-enters when ``reentrant`` and ``token`` is the
+  live holder. A grant returns a fencing token larger than any earlier grant of that name.
+* ``release``, ``extend`` and ``extend_many`` act only on a live lease held by ``token``.
+* Failures to reach or use the backend raise :class:`dlock.BackendError`, never return a
+  grant. Client-library exceptions do not escape.
+* The sync twin is called from two threads: the caller's and the client's renewer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar
+
+from .._types import Acquired, Busy, Holder, Lease, LockInfo
+from ._primitives import sleep
+
+
+class AsyncWaiter:
+    """Waits for "the lock may be free now". This default only sleeps."""
+
+    #: True when ``wait`` returns early because the backend signalled a release.
+    notifies: ClassVar[bool] = False
+
+    async def wait(self, timeout: float) -> None:
+        await sleep(timeout)
+
+
+class AsyncBackend(ABC):
+    @classmethod
+    @abstractmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> AsyncBackend:
+        """Build a backend from a URL and the keyword options given to ``connect``.
+
+        Must not do network I/O: connecting happens on first use.
+        """
+
+    @abstractmethod
+    async def acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy: ...
+
+    @abstractmethod
+    async def release(self, name: str, token: str) -> int | None:
+        """Leave the lease once; return how many entries remain, or None if not held."""
+
+    @abstractmethod
+    async def extend(self, name: str, token: str, ttl: float) -> bool:
+        """Make the lease end ``ttl`` seconds from now; False if ``token`` does not hold it."""
+
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """Renew many leases at once. Backends override this to batch round trips."""
+        return [await self.extend(lease.name, lease.token, lease.ttl) for lease in leases]
+
+    @asynccontextmanager
+    async def waiter(self, name: str) -> AsyncIterator[AsyncWaiter]:
+        """Subscribe to releases of ``name`` for as long as the caller keeps waiting.
+
+        The core makes one more attempt after entering, so a release that happens between
+        the first attempt and the subscription is not missed.
+        """
+        yield AsyncWaiter()
+
+    @abstractmethod
+    async def inspect(self, name: str) -> LockInfo | None:
+        """The live holder of ``name``, or None when it is free."""
+
+    @abstractmethod
+    async def list(self, prefix: str) -> list[LockInfo]:
+        """Every live lock whose name starts with ``prefix``, sorted by name."""
+
+    @abstractmethod
+    async def force_release(self, name: str) -> bool:
+        """Free ``name`` whoever holds it; True if it was held."""
+
+    async def aclose(self) -> None:
+        """Release connections. Held leases are left to expire."""
+        return None

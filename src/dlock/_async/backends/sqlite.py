@@ -1,0 +1,277 @@
+"""The embedded default: a lease table in a SQLite file, for processes on one host.
+
+SQLite has no client/server split and no notifications, so waiters back off with
+jitter. Every statement runs in a worker thread under the asyncio face.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._sql import check_identifier
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import run_blocking
+from ..backend import AsyncBackend
+
+SYNCHRONOUS_MODES = ("off", "normal", "full", "extra")
+
+
+def _read_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+_BOOT_ID = _read_boot_id()
+
+
+def _boot_and_now() -> tuple[str, float]:
+    """The host's clock for leases: time since boot, tagged with the boot's identity.
+
+    Wall-clock steps (NTP, a VM resumed) would shorten or stretch leases; the boot
+    clock does not step, and a lease from an earlier boot is dead by definition.
+    Where there is no boot clock (not Linux), the wall clock it is.
+    """
+    if _BOOT_ID and hasattr(time, "CLOCK_BOOTTIME"):
+        return _BOOT_ID, time.clock_gettime(time.CLOCK_BOOTTIME)
+    return "", time.time()
+
+
+class AsyncSQLiteBackend(AsyncBackend):
+    def __init__(
+        self,
+        path: str,
+        *,
+        table: str = "dlock_locks",
+        busy_timeout: float = 10.0,
+        synchronous: str = "full",
+    ) -> None:
+        self._path = path
+        self._table = check_identifier(table, "table")
+        if synchronous not in SYNCHRONOUS_MODES:
+            raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
+        self._synchronous = synchronous
+        self._busy_timeout = busy_timeout
+        self._connection: sqlite3.Connection | None = None
+        # One connection shared by the caller's thread and the renewer's, one at a time.
+        self._mutex = threading.Lock()
+        self._sql = _statements(self._table)
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> AsyncSQLiteBackend:
+        parts = urlsplit(url)
+        if parts.netloc:
+            raise ConfigurationError(
+                f"{url!r}: a sqlite URL names a file, as sqlite:///absolute/path.db "
+                "or sqlite:relative/path.db"
+            )
+        path = unquote(parts.path)
+        if not path:
+            raise ConfigurationError(f"{url!r} names no database file")
+        settings: dict[str, Any] = dict(parse_qsl(parts.query))
+        settings.update(options)
+        unknown = set(settings) - {"table", "busy_timeout", "synchronous"}
+        if unknown:
+            raise ConfigurationError(f"unknown sqlite option(s): {', '.join(sorted(unknown))}")
+        try:
+            busy_timeout = float(settings.get("busy_timeout", 10.0))
+        except ValueError:
+            raise ConfigurationError("busy_timeout must be a number of seconds") from None
+        return cls(
+            path,
+            table=str(settings.get("table", "dlock_locks")),
+            busy_timeout=busy_timeout,
+            synchronous=str(settings.get("synchronous", "full")).lower(),
+        )
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(
+                self._path,
+                timeout=self._busy_timeout,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={self._synchronous}")
+            conn.execute(self._sql["schema"])
+        except (OSError, sqlite3.Error) as exc:
+            raise BackendUnavailable(f"cannot open SQLite database {self._path!r}: {exc}") from exc
+        return conn
+
+    def _run(self, statement: str, params: dict[str, Any]) -> list[Any]:
+        """Run one statement (its own transaction) and return its rows."""
+        return self._run_batch(statement, [params])[0]
+
+    def _run_batch(self, statement: str, batch: list[dict[str, Any]]) -> list[list[Any]]:
+        """Run a statement once per parameter set, in one transaction (one fsync)."""
+        with self._mutex:
+            if self._connection is None:
+                self._connection = self._connect()
+            conn = self._connection
+            try:
+                if len(batch) == 1:
+                    return [conn.execute(statement, batch[0]).fetchall()]
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    results = [conn.execute(statement, params).fetchall() for params in batch]
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+                return results
+            except sqlite3.Error as exc:
+                raise BackendError(f"SQLite {self._path!r}: {exc}") from exc
+
+    def _acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        boot, now = _boot_and_now()
+        params = {
+            "name": name,
+            "owner": token,
+            "boot": boot,
+            "now": now,
+            "expires": now + ttl,
+            "holder": holder.to_json(),
+            "reentrant": reentrant,
+        }
+        rows = self._run(self._sql["acquire"], params)
+        if rows:
+            return Acquired(fencing_token=rows[0][0], count=rows[0][1])
+        left = self._run(self._sql["time_left"], params)
+        return Busy(retry_after=max(0.0, left[0][0]) if left and left[0][0] is not None else None)
+
+    async def acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        return await run_blocking(self._acquire, name, token, ttl, holder, reentrant)
+
+    def _release(self, name: str, token: str) -> int | None:
+        boot, now = _boot_and_now()
+        params = {"name": name, "owner": token, "boot": boot, "now": now}
+        rows = self._run(self._sql["release"], params)
+        return rows[0][0] if rows else None
+
+    async def release(self, name: str, token: str) -> int | None:
+        return await run_blocking(self._release, name, token)
+
+    def _extend_all(self, leases: list[Lease]) -> list[bool]:
+        boot, now = _boot_and_now()
+        batch = [
+            {"name": x.name, "owner": x.token, "boot": boot, "now": now, "expires": now + x.ttl}
+            for x in leases
+        ]
+        return [bool(rows) for rows in self._run_batch(self._sql["extend"], batch)]
+
+    async def extend(self, name: str, token: str, ttl: float) -> bool:
+        result = await run_blocking(self._extend_all, [Lease(name, token, ttl)])
+        return result[0]
+
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        return await run_blocking(self._extend_all, list(leases))
+
+    def _infos(self, statement: str, params: dict[str, Any]) -> list[LockInfo]:
+        boot, now = _boot_and_now()
+        rows = self._run(statement, {**params, "boot": boot, "now": now})
+        return [
+            LockInfo(
+                name=name,
+                fencing_token=fence,
+                holder=Holder.from_json(holder),
+                expires_in=expires - now,
+                count=count,
+            )
+            for name, fence, count, expires, holder in rows
+        ]
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        infos = await run_blocking(self._infos, self._sql["inspect"], {"name": name})
+        return infos[0] if infos else None
+
+    async def list(self, prefix: str) -> list[LockInfo]:
+        return await run_blocking(self._infos, self._sql["list"], {"prefix": prefix})
+
+    def _force_release(self, name: str) -> bool:
+        boot, now = _boot_and_now()
+        rows = self._run(self._sql["force_release"], {"name": name, "boot": boot, "now": now})
+        return bool(rows)
+
+    async def force_release(self, name: str) -> bool:
+        return await run_blocking(self._force_release, name)
+
+    def _close(self) -> None:
+        with self._mutex:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+
+    async def aclose(self) -> None:
+        await run_blocking(self._close)
+
+
+def _statements(table: str) -> dict[str, str]:
+    """The SQL, with the (validated) table name filled in; values are always parameters.
+
+    A row is kept after release with ``owner`` NULL, so its fencing counter survives.
+    A lease is live when it has an owner, is from this boot, and has not expired.
+    """
+    live = "(owner IS NOT NULL AND boot = :boot AND expires > :now)"
+    reenter = f"({live} AND owner = :owner AND :reentrant)"
+    return {
+        "schema": f"""
+            CREATE TABLE IF NOT EXISTS {table} (
+                name TEXT PRIMARY KEY,
+                owner TEXT,
+                fence INTEGER NOT NULL,
+                count INTEGER NOT NULL DEFAULT 0,
+                boot TEXT NOT NULL DEFAULT '',
+                expires REAL NOT NULL DEFAULT 0,
+                holder TEXT
+            )""",
+        "acquire": f"""
+            INSERT INTO {table} (name, owner, fence, count, boot, expires, holder)
+            VALUES (:name, :owner, 1, 1, :boot, :expires, :holder)
+            ON CONFLICT (name) DO UPDATE SET
+                fence = CASE WHEN {reenter} THEN fence ELSE fence + 1 END,
+                count = CASE WHEN {reenter} THEN count + 1 ELSE 1 END,
+                owner = :owner, boot = :boot, expires = :expires, holder = :holder
+            WHERE NOT {live} OR {reenter}
+            RETURNING fence, count""",
+        "time_left": f"SELECT expires - :now FROM {table} WHERE name = :name AND {live}",
+        "release": f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = :name AND owner = :owner AND boot = :boot AND expires > :now
+            RETURNING count""",
+        "extend": f"""
+            UPDATE {table} SET expires = :expires
+            WHERE name = :name AND owner = :owner AND boot = :boot AND expires > :now
+            RETURNING 1""",
+        "inspect": f"""
+            SELECT name, fence, count, expires, holder FROM {table}
+            WHERE name = :name AND {live}""",
+        "list": f"""
+            SELECT name, fence, count, expires, holder FROM {table}
+            WHERE substr(name, 1, length(:prefix)) = :prefix AND {live}
+            ORDER BY name""",
+        "force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = :name AND {live}
+            RETURNING 1""",
+    }
+
+
+BACKEND = AsyncSQLiteBackend

@@ -1,0 +1,119 @@
+"""The client: one backend connection, one renewer, and the locks made from them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from .._backoff import Backoff
+from .._errors import InvalidArgument
+from .._registry import default_url, load_backend
+from .._types import Holder, LockInfo
+from .._validation import check_name, check_timeout, check_ttl
+from .backend import AsyncBackend
+from .lock import AsyncLock
+from .renewal import AsyncRenewer
+
+DEFAULT_TTL = 30.0
+
+
+def connect(
+    url: str | None = None,
+    *,
+    label: str | None = None,
+    backoff: Backoff | None = None,
+    **options: Any,
+) -> AsyncClient:
+    """Make a client for ``url`` (default: ``$DLOCK_URL``, else the embedded SQLite file).
+
+    No I/O happens here; the backend connects on first use, and an unreachable one
+    raises :class:`dlock.BackendError` from that first operation.
+    """
+    backend = load_backend("dlock._async", url or default_url(), options)
+    return AsyncClient(backend, label=label, backoff=backoff)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        backend: AsyncBackend,
+        *,
+        label: str | None = None,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if label is not None and not isinstance(label, str):
+            raise InvalidArgument(f"label must be a str, not {type(label).__name__}")
+        self._backend = backend
+        self._holder = Holder.current(label)
+        self._backoff = backoff or Backoff()
+        self._clock = clock
+        self._renewer = AsyncRenewer(backend, clock)
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        timeout: float | None = None,
+        reentrant: bool = False,
+        auto_renew: bool = True,
+        on_lost: Callable[[AsyncLock], Any] | None = None,
+        cancel_on_lost: bool = True,
+    ) -> AsyncLock:
+        """Make a lock object for ``name``; nothing is acquired yet.
+
+        ``ttl`` is the lease in seconds; ``timeout`` is what ``with`` waits (None: forever).
+        ``on_lost`` is called once if the lease is lost while held. ``cancel_on_lost``
+        (asyncio only) cancels the task running the ``async with`` body at that moment.
+        """
+        return AsyncLock(
+            self,
+            check_name(name),
+            ttl=check_ttl(ttl),
+            timeout=check_timeout(timeout),
+            reentrant=bool(reentrant),
+            auto_renew=bool(auto_renew),
+            on_lost=on_lost,
+            cancel_on_lost=bool(cancel_on_lost),
+        )
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        """Who holds ``name`` now, or None if nobody does."""
+        return await self._backend.inspect(check_name(name))
+
+    async def list(self, prefix: str = "") -> list[LockInfo]:
+        """Every held lock whose name starts with ``prefix``, sorted by name."""
+        if not isinstance(prefix, str):
+            raise InvalidArgument(f"prefix must be a str, not {type(prefix).__name__}")
+        return await self._backend.list(prefix)
+
+    async def force_release(self, name: str) -> bool:
+        """Free ``name`` whoever holds it (an operator's tool); True if it was held.
+
+        The evicted holder finds out at its next renewal, release or extend.
+        """
+        return await self._backend.force_release(check_name(name))
+
+    async def aclose(self) -> None:
+        """Stop renewing, give back every lock still held, and close the backend."""
+        held = self._renewer.held()
+        await self._renewer.aclose()
+        for lock in held:
+            for _ in range(lock._count):  # a reentrant lock is freed by its last release
+                await lock._release_quietly()
+            lock._forget()
+        await self._backend.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,245 @@
+"""A lock: the acquire loop, ownership, leases and loss, written once for both faces."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from .._errors import AlreadyAcquired, LockError, LockLost, LockTimeout, NotOwner
+from .._types import Acquired, Busy, Lease
+from .._validation import check_timeout, check_ttl
+from ._primitives import Cancelled, cancel_task, current_task, uncancel
+
+if TYPE_CHECKING:
+    from .client import AsyncClient
+
+logger = logging.getLogger("dlock")
+
+#: Share of the TTL after which a held lease is renewed.
+RENEW_AFTER = 1 / 3
+
+
+class AsyncLock:
+    """A named distributed lock with a lease, an owner token and a fencing token.
+
+    Ownership belongs to this object's random owner token, not to a thread or task: any
+    code holding this object may release it, and two objects for one name exclude each
+    other exactly as two processes would.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        name: str,
+        *,
+        ttl: float,
+        timeout: float | None,
+        reentrant: bool,
+        auto_renew: bool,
+        on_lost: Callable[[AsyncLock], Any] | None,
+        cancel_on_lost: bool,
+    ) -> None:
+        self.name = name
+        self.ttl = ttl
+        self.timeout = timeout
+        self.reentrant = reentrant
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.cancel_on_lost = cancel_on_lost
+        self._client = client
+        self._token = secrets.token_hex(16)
+        self._fencing_token: int | None = None
+        self._count = 0
+        self._lost = False
+        self._lost_reason = ""
+        #: Bumped on every fresh acquisition, so a renewal answer for an earlier one is ignored.
+        self._generation = 0
+        #: Local upper bound of the lease: measured from *before* the request was sent.
+        self._deadline = 0.0
+        self._renew_at = 0.0
+        self._body_task: Any = None
+        self._cancelled_by_us = False
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "held" if self._count else "free"
+        return f"<{type(self).__name__} {self.name!r} {state} fencing_token={self._fencing_token}>"
+
+    @property
+    def fencing_token(self) -> int | None:
+        """The fencing token of the latest acquisition (kept after release), or None."""
+        return self._fencing_token
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease ended while held: the backend said so or it ran out."""
+        return self._lost or (self._count > 0 and self._client._clock() >= self._deadline)
+
+    def owned(self) -> bool:
+        """True while this object holds a lease that has not been lost or run out.
+
+        Answered from what this process knows, without a round trip; a paused process can
+        only be sure of fencing tokens, which is why they exist.
+        """
+        return self._count > 0 and not self.lost
+
+    async def acquire(self, timeout: float | None = None) -> bool:
+        """Acquire the lock; True on success, False when ``timeout`` passes first.
+
+        ``None`` waits forever, ``0`` tries once. A reentrant lock that this object holds
+        is entered again; a non-reentrant one raises :class:`AlreadyAcquired`.
+        """
+        wait = check_timeout(timeout)
+        if self._count and self.lost:
+            self._forget()
+        if self._count and not self.reentrant:
+            raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
+        clock = self._client._clock
+        deadline = None if wait is None else clock() + wait
+        busy = await self._attempt()
+        if busy is None:
+            return True
+        if wait == 0:
+            return False
+        backend = self._client._backend
+        async with backend.waiter(self.name) as waiter:
+            attempt = 0
+            while True:
+                busy = await self._attempt()
+                if busy is None:
+                    return True
+                remaining = None if deadline is None else deadline - clock()
+                if remaining is not None and remaining <= 0:
+                    return False
+                delay = self._client._backoff.delay(attempt, busy.retry_after, waiter.notifies)
+                if remaining is not None:
+                    delay = min(delay, remaining)
+                await waiter.wait(delay)
+                attempt += 1
+
+    async def _attempt(self) -> Busy | None:
+        """One round trip to the backend; None means this object now holds the lock."""
+        reentry = self._count > 0
+        started = self._client._clock()
+        try:
+            result = await self._client._backend.acquire(
+                self.name, self._token, self.ttl, self._client._holder, self.reentrant
+            )
+        except BaseException as exc:
+            # Cancelled or interrupted mid-flight: the server may have granted the lease
+            # anyway. Give it back (owner-checked, so harmless) rather than leave an orphan.
+            if not reentry and not isinstance(exc, LockError):
+                await self._release_quietly()
+            raise
+        if isinstance(result, Busy):
+            if reentry:
+                self._declare_lost("the lease was gone when re-entering")
+                raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+            return result
+        self._granted(result, started)
+        return None
+
+    def _granted(self, result: Acquired, started: float) -> None:
+        if self._count == 0:
+            self._generation += 1
+            self._lost = False
+            self._lost_reason = ""
+        self._fencing_token = result.fencing_token
+        self._count = result.count
+        self._lease_renewed(started, self.ttl)
+        if self.auto_renew:
+            self._client._renewer.add(self)
+
+    def _lease_renewed(self, started: float, ttl: float) -> None:
+        self._deadline = started + ttl
+        self._renew_at = started + ttl * RENEW_AFTER
+
+    async def release(self) -> None:
+        """Leave the lock once (a reentrant lock is freed by its last release).
+
+        Raises :class:`NotOwner` if this object does not hold it, and :class:`LockLost`
+        if its lease ended before the release reached the backend.
+        """
+        if not self._count:
+            raise NotOwner(f"lock {self.name!r} is not held by this object")
+        if self._lost:
+            self._forget()
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+        remaining = await self._client._backend.release(self.name, self._token)
+        if remaining is None:
+            self._declare_lost("the lease had expired or been taken over before release")
+            self._forget()
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+        self._count = remaining
+        if remaining == 0:
+            self._client._renewer.discard(self)
+
+    async def extend(self, ttl: float | None = None) -> None:
+        """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
+        seconds = self.ttl if ttl is None else check_ttl(ttl)
+        if not self._count:
+            raise NotOwner(f"lock {self.name!r} is not held by this object")
+        if self.lost:
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason or 'lease ran out'}")
+        started = self._client._clock()
+        if not await self._client._backend.extend(self.name, self._token, seconds):
+            self._declare_lost("the lease had expired or been taken over before extend")
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+        self._lease_renewed(started, seconds)
+
+    def _lease(self) -> Lease:
+        return Lease(self.name, self._token, self.ttl)
+
+    def _declare_lost(self, reason: str) -> None:
+        """Record the loss once and tell the holder: flag, callback, and task cancel."""
+        if self._lost:
+            return
+        self._lost = True
+        self._lost_reason = reason
+        self._client._renewer.discard(self)
+        logger.warning("dlock: lost lock %r: %s", self.name, reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                logger.exception("dlock: on_lost callback for %r failed", self.name)
+        if self.cancel_on_lost and self._body_task is not None:
+            self._cancelled_by_us = True
+            cancel_task(self._body_task, f"dlock: lost lock {self.name!r}")
+
+    def _forget(self) -> None:
+        self._count = 0
+        self._client._renewer.discard(self)
+
+    async def _release_quietly(self) -> None:
+        try:
+            await self._client._backend.release(self.name, self._token)
+        except Exception:
+            logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+
+    async def __aenter__(self) -> AsyncLock:
+        if not await self.acquire(self.timeout):
+            raise LockTimeout(f"lock {self.name!r} not acquired within {self.timeout} s")
+        self._body_task = current_task()
+        self._cancelled_by_us = False
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        task, self._body_task = self._body_task, None
+        if self.lost:
+            self._forget()
+            if not self._lost:
+                # Ran out locally without the backend saying so: free it if still ours.
+                self._declare_lost("the lease ran out before it could be renewed")
+                await self._release_quietly()
+            if self._cancelled_by_us and isinstance(exc, Cancelled):
+                uncancel(task)
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}") from exc
+        await self.release()

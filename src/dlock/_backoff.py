@@ -1,0 +1,33 @@
+"""How long a waiter waits between attempts. Pure arithmetic, no I/O, no clock."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Capped exponential backoff with jitter, bounded by what the backend tells us.
+
+    A backend that can notify wakes the waiter itself, so the delay there is only a
+    fallback for a lost notification or a lease that expires without being released.
+    """
+
+    initial: float = 0.002
+    maximum: float = 0.1
+    #: Longest wait on a notifying backend before trying again regardless.
+    notify_fallback: float = 2.0
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def delay(self, attempt: int, retry_after: float | None, notifies: bool) -> float:
+        if notifies:
+            cap = self.notify_fallback
+        else:
+            cap = min(self.maximum, self.initial * 2.0 ** min(attempt, 30))
+            # Full jitter keeps many waiters from retrying in lockstep.
+            cap = self.rng.uniform(cap / 2, cap)
+        if retry_after is not None:
+            # Never sleep past the moment the current lease runs out.
+            cap = min(cap, retry_after + 0.001)
+        return max(cap, 0.0)

@@ -1,0 +1,65 @@
+"""Every error dlock raises on purpose derives from :class:`LockError`."""
+
+from __future__ import annotations
+
+
+class LockError(Exception):
+    """Base class of dlock's errors."""
+
+
+class LockTimeout(LockError, TimeoutError):
+    """The lock was not acquired within the timeout."""
+
+
+class NotOwner(LockError):
+    """Release or extend by a lock object that does not hold the lock."""
+
+
+class LockLost(NotOwner):
+    """The lease ended while this lock object believed it held it.
+
+    Raised when leaving a ``with`` block whose lease was lost, and by ``release`` or
+    ``extend`` once the backend has expired the lease or handed it to someone else.
+    """
+
+
+class AlreadyAcquired(LockError, RuntimeError):
+    """A non-reentrant lock object was asked to acquire a lock it already holds.
+
+    Waiting would deadlock, so this fails at once (as :class:`trio.Lock` does).
+    """
+
+
+class BackendError(LockError):
+    """The backend failed, is unreachable, or refused the operation.
+
+    Never means "acquired": an acquire that raises this did not get the lock.
+    """
+
+
+class BackendUnavailable(BackendError, ConnectionError):
+    """The backend could not be reached in time."""
+
+
+class ConfigurationError(LockError, ValueError):
+    """A URL or option is wrong: unknown scheme, bad option value, missing extra."""
+
+
+class BackendNotInstalled(ConfigurationError):
+    """The client library a backend needs is not installed; the message names the extra."""
+
+
+class InvalidArgument(LockError, ValueError):
+    """An argument is out of range or of the wrong type."""
+
+
+class InvalidName(InvalidArgument):
+    """A lock name is empty, too long, not a string, or not valid Unicode."""
+
+
+class InvalidTTL(InvalidArgument):
+    """A TTL is not a positive, finite number of seconds."""
+
+
+class InvalidTimeout(InvalidArgument):
+    """A timeout is negative or not a number."""

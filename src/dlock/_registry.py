@@ -1,0 +1,60 @@
+"""Which module implements which URL scheme. Adding a backend adds one line here."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ._errors import BackendNotInstalled, ConfigurationError
+
+
+@dataclass(frozen=True)
+class Entry:
+    #: Module under ``dlock._async.backends`` (and its generated ``dlock._sync`` twin).
+    module: str
+    #: ``pip install 'dlock[extra]'`` brings the client library, or None if none is needed.
+    extra: str | None = None
+    #: Top-level modules whose absence means the extra is missing.
+    requires: tuple[str, ...] = ()
+
+
+BACKENDS: dict[str, Entry] = {
+    "sqlite": Entry("sqlite"),
+}
+
+
+def default_url() -> str:
+    """``$DLOCK_URL``, else a SQLite file in the user's state directory."""
+    if url := os.environ.get("DLOCK_URL"):
+        return url
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return "sqlite://" + str(Path(state, "dlock", "locks.sqlite3").absolute())
+
+
+def scheme_of(url: str) -> str:
+    if not isinstance(url, str) or ":" not in url:
+        raise ConfigurationError(f"not a dlock URL: {url!r} (expected e.g. sqlite:///path/to.db)")
+    return urlsplit(url).scheme.lower()
+
+
+def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
+    """Import the backend for ``url``'s scheme from ``package`` and build it."""
+    scheme = scheme_of(url)
+    entry = BACKENDS.get(scheme)
+    if entry is None:
+        known = ", ".join(sorted(BACKENDS))
+        raise ConfigurationError(f"unknown URL scheme {scheme!r} in {url!r}; known: {known}")
+    try:
+        module = importlib.import_module(f"{package}.backends.{entry.module}")
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in entry.requires:
+            raise BackendNotInstalled(
+                f"the {scheme}:// backend needs {missing!r}: pip install 'dlock[{entry.extra}]'"
+            ) from exc
+        raise
+    return module.BACKEND.from_url(url, options)

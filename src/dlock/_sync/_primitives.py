@@ -1,0 +1,58 @@
+"""Threaded twin of ``dlock._async._primitives``: written by hand, not generated."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+IS_ASYNC = False
+Event = threading.Event
+Task = Any
+
+
+class Cancelled(BaseException):
+    """Never raised: threads cannot be cancelled, so the sync face only reports a loss."""
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def wait_event(event: threading.Event, timeout: float | None) -> bool:
+    return event.wait(timeout)
+
+
+def run_blocking(func: Callable[..., T], *args: Any) -> T:
+    return func(*args)
+
+
+def call_with_timeout(value: T, timeout: float) -> T:
+    # The call has already run by the time we get here; its library's timeouts bound it.
+    return value
+
+
+def spawn(func: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=func, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def join(thread: threading.Thread | None, timeout: float) -> None:
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
+
+
+def current_task() -> Any:
+    return None
+
+
+def cancel_task(task: Any, message: str) -> None:
+    return None
+
+
+def uncancel(task: Any) -> None:
+    return None

@@ -1,0 +1,105 @@
+# DO NOT EDIT: generated from src/dlock/_async/renewal.py by scripts/unasync.py.
+"""The renewal watchdog: one per client, renewing all of its held leases in batches."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._errors import BackendError
+from ._primitives import Event, call_with_timeout, join, spawn, wait_event
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .lock import Lock
+
+logger = logging.getLogger("dlock")
+
+#: A lease due within this share of its TTL is renewed together with one due now.
+BATCH_EARLY = 1 / 6
+#: After a failed renewal, try again after this share of the TTL (while the lease lasts).
+RETRY_AFTER = 1 / 10
+
+
+class Renewer:
+    """Renews every auto-renewed lock of one client from a single task or thread.
+
+    A thread (or task) per lock would cost thousands of wake-ups for thousands of locks;
+    one loop that sleeps until the earliest due lease, then renews everything due soon
+    in one ``extend_many`` call, costs one round trip per batch.
+    """
+
+    def __init__(self, backend: Backend, clock: Callable[[], float]) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._locks: set[Lock] = set()
+        self._wakeup = Event()
+        self._runner: Any = None
+        self._closed = False
+
+    def add(self, lock: Lock) -> None:
+        self._locks.add(lock)
+        if self._runner is None and not self._closed:
+            self._runner = spawn(self._run, name="dlock-renewer")
+        self._wakeup.set()
+
+    def discard(self, lock: Lock) -> None:
+        self._locks.discard(lock)
+
+    def held(self) -> list[Lock]:
+        return list(self._locks)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+        runner, self._runner = self._runner, None
+        join(runner, timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wakeup.clear()
+            self._renew_due()
+            wait_event(self._wakeup, self._next_wakeup())
+
+    def _next_wakeup(self) -> float | None:
+        locks = tuple(self._locks)
+        if not locks:
+            return None
+        now = self._clock()
+        return max(0.0, min(min(lock._renew_at, lock._deadline) for lock in locks) - now)
+
+    def _renew_due(self) -> None:
+        now = self._clock()
+        due: list[tuple[Lock, int]] = []
+        for lock in tuple(self._locks):
+            if now >= lock._deadline:
+                lock._declare_lost("the lease ran out before it could be renewed")
+            elif lock._renew_at - lock.ttl * BATCH_EARLY <= now:
+                due.append((lock, lock._generation))
+        if not due:
+            return
+        started = self._clock()
+        time_left = min(lock._deadline for lock, _ in due) - started
+        try:
+            renewed = call_with_timeout(
+                self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
+            )
+        except Exception as exc:
+            # Unreachable or slow backend: keep trying until each lease's own deadline.
+            log = (
+                logger.warning
+                if isinstance(exc, (BackendError, TimeoutError))
+                else logger.exception
+            )
+            log("dlock: renewal failed, will retry while the leases last: %r", exc)
+            for lock, _ in due:
+                lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
+            return
+        for (lock, generation), ok in zip(due, renewed, strict=True):
+            if lock not in self._locks or lock._generation != generation:
+                continue  # released (or released and re-acquired) while we were renewing
+            if ok:
+                lock._lease_renewed(started, lock.ttl)
+            else:
+                lock._declare_lost("the backend no longer had the lease when renewing")

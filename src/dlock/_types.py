@@ -1,0 +1,73 @@
+"""Small immutable values passed across the backend seam and returned to users."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock: shown by inspection, never used to decide ownership."""
+
+    host: str
+    pid: int
+    label: str | None = None
+
+    @classmethod
+    def current(cls, label: str | None = None) -> Holder:
+        return cls(host=socket.gethostname(), pid=os.getpid(), label=label)
+
+    def to_json(self) -> str:
+        return json.dumps({"host": self.host, "pid": self.pid, "label": self.label})
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None) -> Holder:
+        """Parse what :meth:`to_json` wrote; anything unreadable becomes an unknown holder."""
+        try:
+            data = json.loads(text) if text else {}
+            return cls(host=str(data["host"]), pid=int(data["pid"]), label=data.get("label"))
+        except (ValueError, KeyError, TypeError):
+            return cls(host="?", pid=0, label=None)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """What inspection tells about a held lock."""
+
+    name: str
+    fencing_token: int
+    holder: Holder
+    #: Seconds left on the lease as the backend sees it (None where the backend has no TTL).
+    expires_in: float | None
+    #: How many times the holder has entered a reentrant lock.
+    count: int = 1
+    #: Holders waiting in line, in order, where the backend keeps a queue (ZooKeeper).
+    waiters: tuple[Holder, ...] = ()
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """A backend granted the lease (or re-entered it)."""
+
+    fencing_token: int
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Someone else holds the lease."""
+
+    #: Seconds until the current lease expires, if the backend knows; a hint for waiting.
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One held lease, as handed to a backend's batched renewal."""
+
+    name: str
+    token: str
+    ttl: float

@@ -1,0 +1,399 @@
+"""The conformance suite: every backend, both faces, the same semantics.
+
+Written once for asyncio; ``scripts/unasync.py`` generates the sync twin in ``_sync/``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+import dlock.aio
+from dlock._async._primitives import IS_ASYNC, run_blocking, sleep
+from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
+
+FACE = "_async"
+
+
+def elapsed_since(start: float) -> float:
+    return time.monotonic() - start
+
+
+async def test_acquire_inspect_release(url: str, name: str) -> None:
+    async with dlock.aio.connect(url, label="inspector") as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.fencing_token is None
+        assert await lock.acquire() is True
+        assert lock.owned() and not lock.lost
+        assert isinstance(lock.fencing_token, int)
+        info = await client.inspect(name)
+        assert info is not None
+        assert info.name == name
+        assert info.fencing_token == lock.fencing_token
+        assert info.holder.pid == os.getpid()
+        assert info.holder.label == "inspector"
+        assert info.holder.host
+        assert info.expires_in is not None and 0 < info.expires_in <= 5
+        await lock.release()
+        assert not lock.owned()
+        assert await client.inspect(name) is None
+
+
+async def test_second_lock_excluded_until_release(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        holder = first.lock(name, ttl=5)
+        other = second.lock(name, ttl=5)
+        same_client_other = first.lock(name, ttl=5)
+        assert await holder.acquire(timeout=0)
+        assert await other.acquire(timeout=0) is False
+        assert await same_client_other.acquire(timeout=0) is False
+        await holder.release()
+        assert await other.acquire(timeout=0) is True
+        await other.release()
+
+
+async def test_fencing_tokens_strictly_increase(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        tokens: list[int] = []
+        for client in [first, second] * 4:
+            lock = client.lock(name, ttl=5)
+            async with lock:
+                assert lock.fencing_token is not None
+                tokens.append(lock.fencing_token)
+            assert lock.fencing_token == tokens[-1], "token is kept after release"
+        assert all(a < b for a, b in pairwise(tokens)), tokens
+
+
+async def test_non_owner_cannot_release_or_extend(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        holder = first.lock(name, ttl=5)
+        stranger = second.lock(name, ttl=5)
+        await holder.acquire()
+        with pytest.raises(dlock.NotOwner):
+            await stranger.release()
+        with pytest.raises(dlock.NotOwner):
+            await stranger.extend()
+        info = await second.inspect(name)
+        assert info is not None and info.fencing_token == holder.fencing_token
+        assert holder.owned()
+        await holder.release()
+        with pytest.raises(dlock.NotOwner):
+            await holder.release()
+
+
+async def test_timeouts_are_honoured(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        await first.lock(name, ttl=10).acquire()
+        waiter = second.lock(name, ttl=10)
+        start = time.monotonic()
+        assert await waiter.acquire(timeout=0) is False
+        assert elapsed_since(start) < 1.0
+        start = time.monotonic()
+        assert await waiter.acquire(timeout=0.5) is False
+        assert 0.5 <= elapsed_since(start) < 1.5
+        body_ran = False
+        start = time.monotonic()
+        with pytest.raises(dlock.LockTimeout):
+            async with second.lock(name, ttl=10, timeout=0.3):
+                body_ran = True
+        assert not body_ran
+        assert 0.3 <= elapsed_since(start) < 1.3
+
+
+async def test_expired_lease_is_taken_over(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        stale = first.lock(name, ttl=0.5, auto_renew=False)
+        await stale.acquire()
+        successor = second.lock(name, ttl=5)
+        start = time.monotonic()
+        assert await successor.acquire(timeout=5)
+        assert 0.3 <= elapsed_since(start) < 2.0
+        assert successor.fencing_token is not None and stale.fencing_token is not None
+        assert successor.fencing_token > stale.fencing_token
+        assert stale.lost and not stale.owned()
+        with pytest.raises(dlock.LockLost):
+            await stale.extend()
+        with pytest.raises(dlock.LockLost):
+            await stale.release()
+        info = await second.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        await successor.release()
+
+
+async def test_waiter_gets_the_lock_when_released(url: str, name: str) -> None:
+    holder = start_worker(FACE, "hold", url, name, "10")
+    try:
+        assert read_line(holder).startswith("acquired")
+        async with dlock.aio.connect(url) as client:
+            waiter = client.lock(name, ttl=5)
+            assert await waiter.acquire(timeout=0) is False
+            assert ask(holder, "release").startswith("ok")
+            start = time.monotonic()
+            assert await waiter.acquire(timeout=5)
+            assert elapsed_since(start) < 1.0
+            await waiter.release()
+    finally:
+        finish(holder)
+
+
+async def test_reentrancy(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        lock = first.lock(name, ttl=5, reentrant=True)
+        async with lock:
+            token = lock.fencing_token
+            async with lock:
+                assert lock.fencing_token == token, "re-entry is not a new acquisition"
+                info = await second.inspect(name)
+                assert info is not None and info.count == 2
+            assert lock.owned()
+            assert await second.lock(name, ttl=5).acquire(timeout=0) is False
+        assert not lock.owned()
+        assert await second.inspect(name) is None
+        plain = first.lock(name, ttl=5)
+        async with plain:
+            with pytest.raises(dlock.AlreadyAcquired):
+                await plain.acquire(timeout=0)
+
+
+async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        lock = first.lock(name, ttl=0.6)
+        async with lock:
+            token = lock.fencing_token
+            await sleep(2.0)
+            assert lock.owned() and not lock.lost
+            assert await second.lock(name, ttl=5).acquire(timeout=0) is False
+            info = await second.inspect(name)
+            assert info is not None and info.fencing_token == token
+
+
+async def test_one_client_renews_many_locks(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as client:
+        locks = [client.lock(f"{name}-{i}", ttl=0.8) for i in range(200)]
+        for lock in locks:
+            await lock.acquire()
+        await sleep(2.0)
+        assert all(lock.owned() for lock in locks)
+        assert len(await client.list(name)) == 200
+        for lock in locks:
+            await lock.release()
+
+
+async def test_extend(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        lock = first.lock(name, ttl=0.5, auto_renew=False)
+        await lock.acquire()
+        await lock.extend(3)
+        await sleep(0.8)
+        assert lock.owned()
+        assert await second.lock(name, ttl=5).acquire(timeout=0) is False
+        info = await second.inspect(name)
+        assert info is not None and info.expires_in is not None and info.expires_in > 1.5
+        with pytest.raises(dlock.InvalidTTL):
+            await lock.extend(0)
+        await lock.release()
+
+
+async def test_loss_is_reported(url: str, name: str) -> None:
+    lost: list[object] = []
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, on_lost=lost.append)
+        start = time.monotonic()
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            async with lock:
+                assert await admin.force_release(name) is True
+                for _ in range(30):
+                    await sleep(0.1)
+                body_finished = True
+        assert lost == [lock]
+        assert lock.lost and not lock.owned()
+        if IS_ASYNC:
+            assert not body_finished, "the body task should have been cancelled"
+            assert elapsed_since(start) < 1.5
+        else:
+            assert body_finished, "threads are not interrupted; the loss shows on exit"
+        assert await admin.inspect(name) is None
+
+
+async def test_force_release_and_list(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as client:
+        assert await client.force_release(name) is False
+        locks = [client.lock(f"{name}/{suffix}", ttl=5) for suffix in ("b", "a", "c")]
+        for lock in locks:
+            await lock.acquire()
+        await client.lock(f"other-{name}", ttl=5).acquire()
+        listed = await client.list(f"{name}/")
+        assert [info.name for info in listed] == [f"{name}/a", f"{name}/b", f"{name}/c"]
+        assert await client.force_release(f"{name}/a") is True
+        assert [info.name for info in await client.list(f"{name}/")] == [
+            f"{name}/b",
+            f"{name}/c",
+        ]
+        assert any(info.name == f"other-{name}" for info in await client.list())
+
+
+@pytest.mark.parametrize(
+    "suffix",
+    ["'; DROP TABLE x; --", '"quoted"', "100%_like", "nul\x00byte", "ünïcødé ✓ 鎖", "a/b\\c"],
+)
+async def test_names_are_stored_exactly(url: str, name: str, suffix: str) -> None:
+    async with dlock.aio.connect(url) as client:
+        exact = name + suffix
+        lock = client.lock(exact, ttl=5)
+        await lock.acquire()
+        info = await client.inspect(exact)
+        assert info is not None and info.name == exact
+        assert [info.name for info in await client.list(name)] == [exact]
+        assert await client.lock(name + "x", ttl=5).acquire(timeout=0)
+        assert await client.inspect(name + suffix[:-1]) is None
+        await lock.release()
+
+
+async def test_longest_name_works(url: str) -> None:
+    async with dlock.aio.connect(url) as client:
+        longest = "ü" * dlock.MAX_NAME_LENGTH
+        async with client.lock(longest, ttl=5) as lock:
+            info = await client.inspect(longest)
+            assert info is not None and info.name == longest
+            assert info.fencing_token == lock.fencing_token
+
+
+@pytest.mark.parametrize(
+    ("bad_name", "message"),
+    [
+        ("", "empty"),
+        ("x" * (dlock.MAX_NAME_LENGTH + 1), "limit"),
+        (b"bytes", "str"),
+        (42, "str"),
+        (None, "str"),
+        ("lone \ud800 surrogate", "surrogate"),
+    ],
+)
+async def test_bad_names_are_refused(url: str, bad_name: object, message: str) -> None:
+    async with dlock.aio.connect(url) as client:
+        with pytest.raises(dlock.InvalidName, match=message):
+            client.lock(bad_name, ttl=5)  # type: ignore[arg-type]
+        with pytest.raises(dlock.InvalidName, match=message):
+            await client.inspect(bad_name)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=message):
+            await client.force_release(bad_name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad_ttl", [0, -1, math.nan, math.inf, -math.inf, "5", True, None])
+async def test_bad_ttls_are_refused(url: str, name: str, bad_ttl: object) -> None:
+    async with dlock.aio.connect(url) as client:
+        with pytest.raises(dlock.InvalidTTL, match="ttl"):
+            client.lock(name, ttl=bad_ttl)  # type: ignore[arg-type]
+        lock = client.lock(name, ttl=5)
+        await lock.acquire()
+        if bad_ttl is not None:
+            with pytest.raises(ValueError, match="ttl"):
+                await lock.extend(bad_ttl)  # type: ignore[arg-type]
+        await lock.release()
+
+
+@pytest.mark.parametrize("bad_timeout", [-1, -0.001, math.nan, "1", True])
+async def test_bad_timeouts_are_refused(url: str, name: str, bad_timeout: object) -> None:
+    async with dlock.aio.connect(url) as client:
+        with pytest.raises(dlock.InvalidTimeout, match="timeout"):
+            client.lock(name, timeout=bad_timeout)  # type: ignore[arg-type]
+        with pytest.raises(dlock.InvalidTimeout, match="timeout"):
+            await client.lock(name).acquire(timeout=bad_timeout)  # type: ignore[arg-type]
+        assert await client.inspect(name) is None
+
+
+async def test_unreachable_backend_is_an_error_not_a_lock(unreachable_url: str) -> None:
+    async with dlock.aio.connect(unreachable_url) as client:
+        lock = client.lock("anything", ttl=5)
+        start = time.monotonic()
+        with pytest.raises(dlock.BackendError):
+            await lock.acquire(timeout=1)
+        assert elapsed_since(start) < 15
+        assert not lock.owned()
+        with pytest.raises(dlock.BackendError):
+            await client.inspect("anything")
+
+
+async def test_closing_the_client_gives_back_its_locks(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first:
+        await first.lock(name, ttl=30, reentrant=True).acquire()
+    async with dlock.aio.connect(url) as second:
+        assert await second.inspect(name) is None
+
+
+async def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) -> None:
+    processes, per_process = 4, 125
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    outputs = [tmp_path / f"records-{i}.json" for i in range(processes)]
+    workers = [
+        start_worker(FACE, "sections", url, name, str(per_process), str(out), str(counter))
+        for out in outputs
+    ]
+    for worker in workers:
+        assert await run_blocking(worker.wait, 300) == 0
+        finish(worker)
+    records = load_records(outputs)
+    assert len(records) == processes * per_process
+    for before, after in pairwise(records):
+        assert before[2] <= after[1], f"critical sections overlap: {before} and {after}"
+        assert before[0] < after[0], f"fencing tokens not increasing: {before} then {after}"
+    assert int(counter.read_text()) == processes * per_process
+
+
+async def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> None:
+    ttl = 1.0
+    holder = start_worker(FACE, "hold", url, name, str(ttl))
+    try:
+        acquired = read_line(holder)
+        assert acquired.startswith("acquired")
+        holder.kill()
+        holder.wait()
+        start = time.monotonic()
+        async with dlock.aio.connect(url) as client:
+            successor = client.lock(name, ttl=5)
+            assert await successor.acquire(timeout=0) is False, "the dead holder's lease is live"
+            assert await successor.acquire(timeout=ttl + 5)
+            assert elapsed_since(start) < ttl + 1.0
+            assert successor.fencing_token is not None
+            assert successor.fencing_token > int(acquired.split()[1])
+    finally:
+        finish(holder)
+
+
+async def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(
+    url: str, name: str
+) -> None:
+    ttl = 1.0
+    holder = start_worker(FACE, "hold", url, name, str(ttl))
+    try:
+        acquired = read_line(holder)
+        old_token = int(acquired.split()[1])
+        holder.send_signal(signal.SIGSTOP)
+        async with dlock.aio.connect(url) as client:
+            successor = client.lock(name, ttl=30)
+            start = time.monotonic()
+            assert await successor.acquire(timeout=ttl + 5)
+            assert elapsed_since(start) < ttl + 1.0
+            assert successor.fencing_token is not None and successor.fencing_token > old_token
+            holder.send_signal(signal.SIGCONT)
+            assert ask(holder, "extend") == "LockLost"
+            assert ask(holder, "release") == "LockLost"
+            deadline = time.monotonic() + 5
+            while (answer := ask(holder, "check")) != "ok lost=True on_lost=1 owned=False":
+                assert time.monotonic() < deadline, answer
+                await sleep(0.05)
+            info = await client.inspect(name)
+            assert info is not None and info.fencing_token == successor.fencing_token
+            assert successor.owned()
+            await successor.release()
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        finish(holder)

@@ -1,0 +1,69 @@
+"""A lock user in its own OS process, driven by the conformance tests.
+
+worker.py sections URL NAME COUNT RECORDS COUNTER
+    Enter the critical section COUNT times; record (fencing token, entry, exit) on
+    the system-wide monotonic clock, and increment COUNTER (a file) without any
+    other protection, so that overlapping sections lose increments.
+worker.py hold URL NAME TTL
+    Acquire, print "acquired TOKEN", then obey commands on stdin, one per line:
+    release, extend, check. Exits at end of input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import dlock.aio
+from dlock._async._primitives import run_blocking
+from tests.conformance.helpers import run_main
+
+
+async def sections(url: str, name: str, count: int, records: Path, counter: Path) -> None:
+    log = []
+    async with dlock.aio.connect(url, label="sections") as client:
+        lock = client.lock(name, ttl=10)
+        for _ in range(count):
+            async with lock:
+                entered = time.monotonic()
+                value = int(counter.read_text() or "0")
+                counter.write_text(str(value + 1))
+                exited = time.monotonic()
+            log.append((lock.fencing_token, entered, exited))
+    records.write_text(json.dumps(log))
+
+
+async def hold(url: str, name: str, ttl: float) -> None:
+    lost_calls: list[object] = []
+    async with dlock.aio.connect(url, label="holder") as client:
+        lock = client.lock(name, ttl=ttl, on_lost=lost_calls.append)
+        await lock.acquire()
+        print(f"acquired {lock.fencing_token}", flush=True)
+        while True:
+            command = (await run_blocking(sys.stdin.readline)).strip()
+            if not command:
+                return
+            try:
+                if command == "release":
+                    await lock.release()
+                elif command == "extend":
+                    await lock.extend()
+                answer = f"ok lost={lock.lost} on_lost={len(lost_calls)} owned={lock.owned()}"
+            except dlock.LockError as exc:
+                answer = type(exc).__name__
+            print(answer, flush=True)
+
+
+async def main(argv: list[str]) -> None:
+    if argv[0] == "sections":
+        await sections(argv[1], argv[2], int(argv[3]), Path(argv[4]), Path(argv[5]))
+    elif argv[0] == "hold":
+        await hold(argv[1], argv[2], float(argv[3]))
+    else:
+        raise SystemExit(f"unknown command {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    run_main(main(sys.argv[1:]))

@@ -1,0 +1,398 @@
+# DO NOT EDIT: generated from tests/conformance/_async/test_conformance.py by scripts/unasync.py.
+"""The conformance suite: every backend, both faces, the same semantics.
+
+Written once for asyncio; ``scripts/unasync.py`` generates the sync twin in ``_sync/``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+import dlock
+from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
+from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
+
+FACE = "_sync"
+
+
+def elapsed_since(start: float) -> float:
+    return time.monotonic() - start
+
+
+def test_acquire_inspect_release(url: str, name: str) -> None:
+    with dlock.connect(url, label="inspector") as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.fencing_token is None
+        assert lock.acquire() is True
+        assert lock.owned() and not lock.lost
+        assert isinstance(lock.fencing_token, int)
+        info = client.inspect(name)
+        assert info is not None
+        assert info.name == name
+        assert info.fencing_token == lock.fencing_token
+        assert info.holder.pid == os.getpid()
+        assert info.holder.label == "inspector"
+        assert info.holder.host
+        assert info.expires_in is not None and 0 < info.expires_in <= 5
+        lock.release()
+        assert not lock.owned()
+        assert client.inspect(name) is None
+
+
+def test_second_lock_excluded_until_release(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=5)
+        other = second.lock(name, ttl=5)
+        same_client_other = first.lock(name, ttl=5)
+        assert holder.acquire(timeout=0)
+        assert other.acquire(timeout=0) is False
+        assert same_client_other.acquire(timeout=0) is False
+        holder.release()
+        assert other.acquire(timeout=0) is True
+        other.release()
+
+
+def test_fencing_tokens_strictly_increase(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        tokens: list[int] = []
+        for client in [first, second] * 4:
+            lock = client.lock(name, ttl=5)
+            with lock:
+                assert lock.fencing_token is not None
+                tokens.append(lock.fencing_token)
+            assert lock.fencing_token == tokens[-1], "token is kept after release"
+        assert all(a < b for a, b in pairwise(tokens)), tokens
+
+
+def test_non_owner_cannot_release_or_extend(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=5)
+        stranger = second.lock(name, ttl=5)
+        holder.acquire()
+        with pytest.raises(dlock.NotOwner):
+            stranger.release()
+        with pytest.raises(dlock.NotOwner):
+            stranger.extend()
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == holder.fencing_token
+        assert holder.owned()
+        holder.release()
+        with pytest.raises(dlock.NotOwner):
+            holder.release()
+
+
+def test_timeouts_are_honoured(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        first.lock(name, ttl=10).acquire()
+        waiter = second.lock(name, ttl=10)
+        start = time.monotonic()
+        assert waiter.acquire(timeout=0) is False
+        assert elapsed_since(start) < 1.0
+        start = time.monotonic()
+        assert waiter.acquire(timeout=0.5) is False
+        assert 0.5 <= elapsed_since(start) < 1.5
+        body_ran = False
+        start = time.monotonic()
+        with pytest.raises(dlock.LockTimeout):
+            with second.lock(name, ttl=10, timeout=0.3):
+                body_ran = True
+        assert not body_ran
+        assert 0.3 <= elapsed_since(start) < 1.3
+
+
+def test_expired_lease_is_taken_over(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        stale = first.lock(name, ttl=0.5, auto_renew=False)
+        stale.acquire()
+        successor = second.lock(name, ttl=5)
+        start = time.monotonic()
+        assert successor.acquire(timeout=5)
+        assert 0.3 <= elapsed_since(start) < 2.0
+        assert successor.fencing_token is not None and stale.fencing_token is not None
+        assert successor.fencing_token > stale.fencing_token
+        assert stale.lost and not stale.owned()
+        with pytest.raises(dlock.LockLost):
+            stale.extend()
+        with pytest.raises(dlock.LockLost):
+            stale.release()
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        successor.release()
+
+
+def test_waiter_gets_the_lock_when_released(url: str, name: str) -> None:
+    holder = start_worker(FACE, "hold", url, name, "10")
+    try:
+        assert read_line(holder).startswith("acquired")
+        with dlock.connect(url) as client:
+            waiter = client.lock(name, ttl=5)
+            assert waiter.acquire(timeout=0) is False
+            assert ask(holder, "release").startswith("ok")
+            start = time.monotonic()
+            assert waiter.acquire(timeout=5)
+            assert elapsed_since(start) < 1.0
+            waiter.release()
+    finally:
+        finish(holder)
+
+
+def test_reentrancy(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=5, reentrant=True)
+        with lock:
+            token = lock.fencing_token
+            with lock:
+                assert lock.fencing_token == token, "re-entry is not a new acquisition"
+                info = second.inspect(name)
+                assert info is not None and info.count == 2
+            assert lock.owned()
+            assert second.lock(name, ttl=5).acquire(timeout=0) is False
+        assert not lock.owned()
+        assert second.inspect(name) is None
+        plain = first.lock(name, ttl=5)
+        with plain:
+            with pytest.raises(dlock.AlreadyAcquired):
+                plain.acquire(timeout=0)
+
+
+def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=0.6)
+        with lock:
+            token = lock.fencing_token
+            sleep(2.0)
+            assert lock.owned() and not lock.lost
+            assert second.lock(name, ttl=5).acquire(timeout=0) is False
+            info = second.inspect(name)
+            assert info is not None and info.fencing_token == token
+
+
+def test_one_client_renews_many_locks(url: str, name: str) -> None:
+    with dlock.connect(url) as client:
+        locks = [client.lock(f"{name}-{i}", ttl=0.8) for i in range(200)]
+        for lock in locks:
+            lock.acquire()
+        sleep(2.0)
+        assert all(lock.owned() for lock in locks)
+        assert len(client.list(name)) == 200
+        for lock in locks:
+            lock.release()
+
+
+def test_extend(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=0.5, auto_renew=False)
+        lock.acquire()
+        lock.extend(3)
+        sleep(0.8)
+        assert lock.owned()
+        assert second.lock(name, ttl=5).acquire(timeout=0) is False
+        info = second.inspect(name)
+        assert info is not None and info.expires_in is not None and info.expires_in > 1.5
+        with pytest.raises(dlock.InvalidTTL):
+            lock.extend(0)
+        lock.release()
+
+
+def test_loss_is_reported(url: str, name: str) -> None:
+    lost: list[object] = []
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, on_lost=lost.append)
+        start = time.monotonic()
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                assert admin.force_release(name) is True
+                for _ in range(30):
+                    sleep(0.1)
+                body_finished = True
+        assert lost == [lock]
+        assert lock.lost and not lock.owned()
+        if IS_ASYNC:
+            assert not body_finished, "the body task should have been cancelled"
+            assert elapsed_since(start) < 1.5
+        else:
+            assert body_finished, "threads are not interrupted; the loss shows on exit"
+        assert admin.inspect(name) is None
+
+
+def test_force_release_and_list(url: str, name: str) -> None:
+    with dlock.connect(url) as client:
+        assert client.force_release(name) is False
+        locks = [client.lock(f"{name}/{suffix}", ttl=5) for suffix in ("b", "a", "c")]
+        for lock in locks:
+            lock.acquire()
+        client.lock(f"other-{name}", ttl=5).acquire()
+        listed = client.list(f"{name}/")
+        assert [info.name for info in listed] == [f"{name}/a", f"{name}/b", f"{name}/c"]
+        assert client.force_release(f"{name}/a") is True
+        assert [info.name for info in client.list(f"{name}/")] == [
+            f"{name}/b",
+            f"{name}/c",
+        ]
+        assert any(info.name == f"other-{name}" for info in client.list())
+
+
+@pytest.mark.parametrize(
+    "suffix",
+    ["'; DROP TABLE x; --", '"quoted"', "100%_like", "nul\x00byte", "ünïcødé ✓ 鎖", "a/b\\c"],
+)
+def test_names_are_stored_exactly(url: str, name: str, suffix: str) -> None:
+    with dlock.connect(url) as client:
+        exact = name + suffix
+        lock = client.lock(exact, ttl=5)
+        lock.acquire()
+        info = client.inspect(exact)
+        assert info is not None and info.name == exact
+        assert [info.name for info in client.list(name)] == [exact]
+        assert client.lock(name + "x", ttl=5).acquire(timeout=0)
+        assert client.inspect(name + suffix[:-1]) is None
+        lock.release()
+
+
+def test_longest_name_works(url: str) -> None:
+    with dlock.connect(url) as client:
+        longest = "ü" * dlock.MAX_NAME_LENGTH
+        with client.lock(longest, ttl=5) as lock:
+            info = client.inspect(longest)
+            assert info is not None and info.name == longest
+            assert info.fencing_token == lock.fencing_token
+
+
+@pytest.mark.parametrize(
+    ("bad_name", "message"),
+    [
+        ("", "empty"),
+        ("x" * (dlock.MAX_NAME_LENGTH + 1), "limit"),
+        (b"bytes", "str"),
+        (42, "str"),
+        (None, "str"),
+        ("lone \ud800 surrogate", "surrogate"),
+    ],
+)
+def test_bad_names_are_refused(url: str, bad_name: object, message: str) -> None:
+    with dlock.connect(url) as client:
+        with pytest.raises(dlock.InvalidName, match=message):
+            client.lock(bad_name, ttl=5)  # type: ignore[arg-type]
+        with pytest.raises(dlock.InvalidName, match=message):
+            client.inspect(bad_name)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=message):
+            client.force_release(bad_name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad_ttl", [0, -1, math.nan, math.inf, -math.inf, "5", True, None])
+def test_bad_ttls_are_refused(url: str, name: str, bad_ttl: object) -> None:
+    with dlock.connect(url) as client:
+        with pytest.raises(dlock.InvalidTTL, match="ttl"):
+            client.lock(name, ttl=bad_ttl)  # type: ignore[arg-type]
+        lock = client.lock(name, ttl=5)
+        lock.acquire()
+        if bad_ttl is not None:
+            with pytest.raises(ValueError, match="ttl"):
+                lock.extend(bad_ttl)  # type: ignore[arg-type]
+        lock.release()
+
+
+@pytest.mark.parametrize("bad_timeout", [-1, -0.001, math.nan, "1", True])
+def test_bad_timeouts_are_refused(url: str, name: str, bad_timeout: object) -> None:
+    with dlock.connect(url) as client:
+        with pytest.raises(dlock.InvalidTimeout, match="timeout"):
+            client.lock(name, timeout=bad_timeout)  # type: ignore[arg-type]
+        with pytest.raises(dlock.InvalidTimeout, match="timeout"):
+            client.lock(name).acquire(timeout=bad_timeout)  # type: ignore[arg-type]
+        assert client.inspect(name) is None
+
+
+def test_unreachable_backend_is_an_error_not_a_lock(unreachable_url: str) -> None:
+    with dlock.connect(unreachable_url) as client:
+        lock = client.lock("anything", ttl=5)
+        start = time.monotonic()
+        with pytest.raises(dlock.BackendError):
+            lock.acquire(timeout=1)
+        assert elapsed_since(start) < 15
+        assert not lock.owned()
+        with pytest.raises(dlock.BackendError):
+            client.inspect("anything")
+
+
+def test_closing_the_client_gives_back_its_locks(url: str, name: str) -> None:
+    with dlock.connect(url) as first:
+        first.lock(name, ttl=30, reentrant=True).acquire()
+    with dlock.connect(url) as second:
+        assert second.inspect(name) is None
+
+
+def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) -> None:
+    processes, per_process = 4, 125
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    outputs = [tmp_path / f"records-{i}.json" for i in range(processes)]
+    workers = [
+        start_worker(FACE, "sections", url, name, str(per_process), str(out), str(counter))
+        for out in outputs
+    ]
+    for worker in workers:
+        assert run_blocking(worker.wait, 300) == 0
+        finish(worker)
+    records = load_records(outputs)
+    assert len(records) == processes * per_process
+    for before, after in pairwise(records):
+        assert before[2] <= after[1], f"critical sections overlap: {before} and {after}"
+        assert before[0] < after[0], f"fencing tokens not increasing: {before} then {after}"
+    assert int(counter.read_text()) == processes * per_process
+
+
+def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> None:
+    ttl = 1.0
+    holder = start_worker(FACE, "hold", url, name, str(ttl))
+    try:
+        acquired = read_line(holder)
+        assert acquired.startswith("acquired")
+        holder.kill()
+        holder.wait()
+        start = time.monotonic()
+        with dlock.connect(url) as client:
+            successor = client.lock(name, ttl=5)
+            assert successor.acquire(timeout=0) is False, "the dead holder's lease is live"
+            assert successor.acquire(timeout=ttl + 5)
+            assert elapsed_since(start) < ttl + 1.0
+            assert successor.fencing_token is not None
+            assert successor.fencing_token > int(acquired.split()[1])
+    finally:
+        finish(holder)
+
+
+def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(url: str, name: str) -> None:
+    ttl = 1.0
+    holder = start_worker(FACE, "hold", url, name, str(ttl))
+    try:
+        acquired = read_line(holder)
+        old_token = int(acquired.split()[1])
+        holder.send_signal(signal.SIGSTOP)
+        with dlock.connect(url) as client:
+            successor = client.lock(name, ttl=30)
+            start = time.monotonic()
+            assert successor.acquire(timeout=ttl + 5)
+            assert elapsed_since(start) < ttl + 1.0
+            assert successor.fencing_token is not None and successor.fencing_token > old_token
+            holder.send_signal(signal.SIGCONT)
+            assert ask(holder, "extend") == "LockLost"
+            assert ask(holder, "release") == "LockLost"
+            deadline = time.monotonic() + 5
+            while (answer := ask(holder, "check")) != "ok lost=True on_lost=1 owned=False":
+                assert time.monotonic() < deadline, answer
+                sleep(0.05)
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == successor.fencing_token
+            assert successor.owned()
+            successor.release()
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        finish(holder)

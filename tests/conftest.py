@@ -1,0 +1,53 @@
+"""The conformance fixture: one table of backends, each given as a URL factory.
+
+Adding a backend adds one entry to ``BACKENDS`` (and, for a server, a harness module in
+``tests/servers/``). Every test that takes ``url`` runs once per entry.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@dataclass(frozen=True)
+class BackendUnderTest:
+    #: Makes a URL for a fresh, working backend.
+    url: Callable[[pytest.FixtureRequest, Path], str]
+    #: Makes a URL of the same backend that cannot be reached (down, or misconfigured).
+    unreachable_url: Callable[[pytest.FixtureRequest, Path], str]
+
+
+BACKENDS: dict[str, BackendUnderTest] = {
+    "sqlite": BackendUnderTest(
+        url=lambda request, tmp: f"sqlite://{tmp}/locks.sqlite3",
+        unreachable_url=lambda request, tmp: "sqlite:///proc/dlock-no-such-dir/locks.sqlite3",
+    ),
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> BackendUnderTest:
+    return BACKENDS[request.param]
+
+
+@pytest.fixture
+def url(backend: BackendUnderTest, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return backend.url(request, tmp_path)
+
+
+@pytest.fixture
+def unreachable_url(
+    backend: BackendUnderTest, request: pytest.FixtureRequest, tmp_path: Path
+) -> str:
+    return backend.unreachable_url(request, tmp_path)
+
+
+@pytest.fixture
+def name() -> str:
+    """A lock name no other test uses, so servers need no cleanup between tests."""
+    return f"test-{uuid.uuid4().hex}"

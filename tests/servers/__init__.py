@@ -1,0 +1,134 @@
+"""Real server processes for the tests: started privately, killable, pausable.
+
+Each backend's harness lives in its own module here and builds on :class:`ServerProcess`.
+Nothing here talks to a server that happens to run on the machine already.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def private_dir(prefix: str) -> Path:
+    """A temporary directory outside the source tree (a data dir named ``etcd`` once
+    shadowed an import)."""
+    return Path(tempfile.mkdtemp(prefix=f"dlock-{prefix}-"))
+
+
+class ServerProcess:
+    """One server process that a test may kill, pause (SIGSTOP), resume and restart."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        ready: Callable[[], bool],
+        *,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.command = list(command)
+        self.ready = ready
+        self.workdir = workdir
+        self.env = env
+        self.user = user
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / f"{name}.log"
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.workdir,
+            env={**os.environ, **(self.env or {})},
+            user=self.user,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited at startup:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} not ready in time:\n{self.log_tail()}")
+            time.sleep(0.02)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signum)
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.process is None:
+            return
+        self.resume()
+        self.signal(signal.SIGKILL)
+        self.process.wait(10)
+        self.process = None
+
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM), then SIGKILL."""
+        if self.process is None:
+            return
+        self.resume()
+        self.signal(signal.SIGTERM)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.process.wait(10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+def require_binary(name: str, package: str) -> str:
+    """Path of a server binary; the README's test command installs ``package``."""
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} not found: run ./scripts/test, which installs {package}")
+    return path
