@@ -14,9 +14,33 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 IS_ASYNC = True
-Event = asyncio.Event
 Cancelled = asyncio.CancelledError
-Task = asyncio.Task
+
+
+class WakeupEvent:
+    """An event that a waiting task awaits and that any thread may set."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def set(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._loop is None or running is self._loop:
+            self._event.set()
+        else:
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    async def wait(self, timeout: float | None) -> bool:
+        """Wait until set or the timeout passes; True if it was set."""
+        self._loop = asyncio.get_running_loop()
+        return await wait_event(self._event, timeout)
 
 
 async def sleep(seconds: float) -> None:

@@ -51,6 +51,7 @@ class AsyncClient:
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._renewer = AsyncRenewer(backend, clock)
+        backend.watch_leases(self._renewer.renew_now)
 
     def lock(
         self,

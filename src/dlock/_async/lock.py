@@ -104,7 +104,7 @@ class AsyncLock:
         if wait == 0:
             return False
         backend = self._client._backend
-        async with backend.waiter(self.name) as waiter:
+        async with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:
                 busy = await self._attempt()

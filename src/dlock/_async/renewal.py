@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError
-from ._primitives import Event, call_with_timeout, join, spawn, wait_event
+from ._primitives import WakeupEvent, call_with_timeout, join, spawn
 
 if TYPE_CHECKING:
     from .backend import AsyncBackend
@@ -33,9 +33,10 @@ class AsyncRenewer:
         self._backend = backend
         self._clock = clock
         self._locks: set[AsyncLock] = set()
-        self._wakeup = Event()
+        self._wakeup = WakeupEvent()
         self._runner: Any = None
         self._closed = False
+        self._urgent = False
 
     def add(self, lock: AsyncLock) -> None:
         self._locks.add(lock)
@@ -45,6 +46,11 @@ class AsyncRenewer:
 
     def discard(self, lock: AsyncLock) -> None:
         self._locks.discard(lock)
+
+    def renew_now(self) -> None:
+        """Re-check every held lease at once. Safe from any thread (a backend's own)."""
+        self._urgent = True
+        self._wakeup.set()
 
     def held(self) -> list[AsyncLock]:
         return list(self._locks)
@@ -59,7 +65,7 @@ class AsyncRenewer:
         while not self._closed:
             self._wakeup.clear()
             await self._renew_due()
-            await wait_event(self._wakeup, self._next_wakeup())
+            await self._wakeup.wait(self._next_wakeup())
 
     def _next_wakeup(self) -> float | None:
         locks = tuple(self._locks)
@@ -70,11 +76,12 @@ class AsyncRenewer:
 
     async def _renew_due(self) -> None:
         now = self._clock()
+        urgent, self._urgent = self._urgent, False
         due: list[tuple[AsyncLock, int]] = []
         for lock in tuple(self._locks):
             if now >= lock._deadline:
                 lock._declare_lost("the lease ran out before it could be renewed")
-            elif lock._renew_at - lock.ttl * BATCH_EARLY <= now:
+            elif urgent or lock._renew_at - lock.ttl * BATCH_EARLY <= now:
                 due.append((lock, lock._generation))
         if not due:
             return

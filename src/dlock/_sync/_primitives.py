@@ -10,8 +10,22 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 IS_ASYNC = False
-Event = threading.Event
-Task = Any
+
+
+class WakeupEvent:
+    """Twin of the asyncio WakeupEvent; a threading.Event already works across threads."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._event.wait(timeout)
 
 
 class Cancelled(BaseException):

@@ -18,7 +18,7 @@ Rules every backend keeps (the conformance suite checks them):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -63,13 +63,24 @@ class Backend(ABC):
         return [self.extend(lease.name, lease.token, lease.ttl) for lease in leases]
 
     @contextmanager
-    def waiter(self, name: str) -> Iterator[Waiter]:
-        """Subscribe to releases of ``name`` for as long as the caller keeps waiting.
+    def waiter(self, name: str, token: str) -> Iterator[Waiter]:
+        """Subscribe to releases of ``name`` while ``token`` keeps waiting for it.
 
         The core makes one more attempt after entering, so a release that happens between
-        the first attempt and the subscription is not missed.
+        the first attempt and the subscription is not missed. A backend that queues
+        waiters (for fairness) knows the queued one by ``token`` and must drop it from the
+        queue on exit, which also happens on timeout and cancellation.
         """
         yield Waiter()
+
+    def watch_leases(self, renew_now: Callable[[], None]) -> None:
+        """Called once by the client with a hook that is safe to call from any thread.
+
+        A backend that learns by itself that leases may be gone (a ZooKeeper session
+        suspended or expired, a connection dropped) calls ``renew_now()``; the client's
+        renewer then re-checks every held lease with ``extend_many`` at once.
+        """
+        return None
 
     @abstractmethod
     def inspect(self, name: str) -> LockInfo | None:

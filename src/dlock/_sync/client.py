@@ -52,6 +52,7 @@ class Client:
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._renewer = Renewer(backend, clock)
+        backend.watch_leases(self._renewer.renew_now)
 
     def lock(
         self,

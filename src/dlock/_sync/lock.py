@@ -105,7 +105,7 @@ class Lock:
         if wait == 0:
             return False
         backend = self._client._backend
-        with backend.waiter(self.name) as waiter:
+        with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:
                 busy = self._attempt()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError
-from ._primitives import Event, call_with_timeout, join, spawn, wait_event
+from ._primitives import WakeupEvent, call_with_timeout, join, spawn
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -34,9 +34,10 @@ class Renewer:
         self._backend = backend
         self._clock = clock
         self._locks: set[Lock] = set()
-        self._wakeup = Event()
+        self._wakeup = WakeupEvent()
         self._runner: Any = None
         self._closed = False
+        self._urgent = False
 
     def add(self, lock: Lock) -> None:
         self._locks.add(lock)
@@ -46,6 +47,11 @@ class Renewer:
 
     def discard(self, lock: Lock) -> None:
         self._locks.discard(lock)
+
+    def renew_now(self) -> None:
+        """Re-check every held lease at once. Safe from any thread (a backend's own)."""
+        self._urgent = True
+        self._wakeup.set()
 
     def held(self) -> list[Lock]:
         return list(self._locks)
@@ -60,7 +66,7 @@ class Renewer:
         while not self._closed:
             self._wakeup.clear()
             self._renew_due()
-            wait_event(self._wakeup, self._next_wakeup())
+            self._wakeup.wait(self._next_wakeup())
 
     def _next_wakeup(self) -> float | None:
         locks = tuple(self._locks)
@@ -71,11 +77,12 @@ class Renewer:
 
     def _renew_due(self) -> None:
         now = self._clock()
+        urgent, self._urgent = self._urgent, False
         due: list[tuple[Lock, int]] = []
         for lock in tuple(self._locks):
             if now >= lock._deadline:
                 lock._declare_lost("the lease ran out before it could be renewed")
-            elif lock._renew_at - lock.ttl * BATCH_EARLY <= now:
+            elif urgent or lock._renew_at - lock.ttl * BATCH_EARLY <= now:
                 due.append((lock, lock._generation))
         if not due:
             return
