@@ -145,4 +145,3 @@ def redis_cluster() -> Iterator[RedisCluster]:
 
 def redlock_url(servers: list[RedisServer]) -> str:
     return "redis+redlock://" + ",".join(server.address for server in servers)
-

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -25,6 +25,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import (
     NoScriptError,
+    RedisClusterException,
     RedisError,
 )
 from redis.exceptions import (
@@ -61,6 +62,8 @@ QUEUE_TTL = 6.0
 IDLE_SUBSCRIBERS = 8
 
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
+#: What redis-py raises; its cluster errors do not all derive from RedisError.
+ERRORS = (RedisError, RedisClusterException)
 
 
 def _ms(seconds: float) -> int:
@@ -75,9 +78,11 @@ def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
 
 
-def wrap(exc: RedisError, where: str) -> BackendError:
+def wrap(exc: Exception, where: str) -> BackendError:
     """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable."""
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
+        isinstance(exc, RedisClusterException) and "connect" in str(exc)
+    ):
         return BackendUnavailable(f"Redis {where}: {type(exc).__name__}: {exc}")
     return BackendError(f"Redis {where}: {type(exc).__name__}: {exc}")
 
@@ -118,7 +123,7 @@ class _PubSubWaiter(AsyncWaiter):
                 message = await self._pubsub.get_message(
                     ignore_subscribe_messages=True, timeout=remaining
                 )
-            except (RedisError, OSError):
+            except (*ERRORS, OSError):
                 # The subscription is gone: the core's timer still lets us in.
                 self.broken = True
                 continue
@@ -234,7 +239,7 @@ class AsyncRedisBackend(AsyncBackend):
                     self._client = redis_client.Redis.from_url(
                         self._url, **self._connection_options()
                     )
-            except RedisError as exc:
+            except ERRORS as exc:
                 raise wrap(exc, self._where) from exc
             except (ValueError, TypeError) as exc:
                 raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
@@ -243,20 +248,18 @@ class AsyncRedisBackend(AsyncBackend):
     def _keys(self, name: str) -> Keys:
         return Keys(self._prefix, name)
 
-    async def _call(self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
+    async def _call(
+        self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
+    ) -> Any:
         """EVALSHA, falling back to EVAL when the server forgot the script (restart,
         failover, SCRIPT FLUSH); EVAL caches it again for the next call."""
         client = self._get_client()
         try:
             try:
-                return await client.execute_command(
-                    "EVALSHA", script.sha, len(keys), *keys, *args
-                )
+                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                return await client.execute_command(
-                    "EVAL", script.source, len(keys), *keys, *args
-                )
-        except RedisError as exc:
+                return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+        except ERRORS as exc:
             raise wrap(exc, self._where) from exc
 
     async def _call_many(
@@ -275,10 +278,10 @@ class AsyncRedisBackend(AsyncBackend):
                 )
                 for i, result in zip(missing, again, strict=True):
                     results[i] = result
-        except RedisError as exc:
+        except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         for result in results:
-            if isinstance(result, RedisError):
+            if isinstance(result, ERRORS):
                 raise wrap(result, self._where) from result
             if isinstance(result, Exception):
                 raise BackendError(f"Redis {self._where}: {result!r}") from result
@@ -313,10 +316,8 @@ class AsyncRedisBackend(AsyncBackend):
         return Busy(retry_after=left / 1000 if left >= 0 else None)
 
     async def _release_quietly(self, name: str, token: str) -> None:
-        try:
+        with suppress(BackendError):
             await self.release(name, token)
-        except BackendError:
-            pass
 
     async def release(self, name: str, token: str) -> int | None:
         k = self._keys(name)
@@ -326,7 +327,9 @@ class AsyncRedisBackend(AsyncBackend):
         return None if left < 0 else left
 
     async def extend(self, name: str, token: str, ttl: float) -> bool:
-        return bool(int(await self._call(scripts.EXTEND, (self._keys(name).lease,), (token, _ms(ttl)))))
+        return bool(
+            int(await self._call(scripts.EXTEND, (self._keys(name).lease,), (token, _ms(ttl))))
+        )
 
     async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         calls = [((self._keys(x.name).lease,), (x.token, _ms(x.ttl))) for x in leases]
@@ -355,7 +358,7 @@ class AsyncRedisBackend(AsyncBackend):
                 pubsub = self._new_pubsub()
             await pubsub.subscribe(k.channel)
             waiter = _PubSubWaiter(pubsub, k.channel, token.encode())
-        except (RedisError, OSError):
+        except (*ERRORS, OSError):
             # No subscription (e.g. a node that refuses pub/sub): waiting still works
             # on the core's timer and the lease's time left, only later.
             waiter = AsyncWaiter()
@@ -373,22 +376,21 @@ class AsyncRedisBackend(AsyncBackend):
             try:
                 if reusable:
                     await pubsub.unsubscribe(k.channel)
-            except (RedisError, OSError):
+            except (*ERRORS, OSError):
                 reusable = False
             if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append(pubsub)
             else:
                 await self._close_pubsub(pubsub)
-        try:
+        # If this fails, our place lapses by itself after queue_ttl.
+        with suppress(BackendError):
             await self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
-        except BackendError:
-            pass  # our place lapses by itself after queue_ttl
 
     @staticmethod
     async def _close_pubsub(pubsub: Any) -> None:
         try:
             await pubsub.aclose()
-        except (RedisError, OSError):
+        except (*ERRORS, OSError):
             pass
 
     def _info(self, name: str, reply: Any) -> LockInfo | None:
@@ -420,7 +422,7 @@ class AsyncRedisBackend(AsyncBackend):
                 raw = _bytes(key)
                 if raw.startswith(head) and raw.endswith(tail):
                     names.add(raw[len(head) : -len(tail)].decode("utf-8"))
-        except RedisError as exc:
+        except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         return sorted(names)
 
@@ -453,7 +455,8 @@ class AsyncRedisBackend(AsyncBackend):
     async def _close_client(client: Any) -> None:
         try:
             await client.aclose()
-        except (RedisError, OSError):
+        except (*ERRORS, OSError):
             pass
+
 
 BACKEND = AsyncRedisBackend

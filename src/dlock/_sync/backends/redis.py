@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -25,6 +25,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import (
     NoScriptError,
+    RedisClusterException,
     RedisError,
 )
 from redis.exceptions import (
@@ -62,6 +63,8 @@ QUEUE_TTL = 6.0
 IDLE_SUBSCRIBERS = 8
 
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
+#: What redis-py raises; its cluster errors do not all derive from RedisError.
+ERRORS = (RedisError, RedisClusterException)
 
 
 def _ms(seconds: float) -> int:
@@ -76,9 +79,11 @@ def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
 
 
-def wrap(exc: RedisError, where: str) -> BackendError:
+def wrap(exc: Exception, where: str) -> BackendError:
     """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable."""
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
+        isinstance(exc, RedisClusterException) and "connect" in str(exc)
+    ):
         return BackendUnavailable(f"Redis {where}: {type(exc).__name__}: {exc}")
     return BackendError(f"Redis {where}: {type(exc).__name__}: {exc}")
 
@@ -119,7 +124,7 @@ class _PubSubWaiter(Waiter):
                 message = self._pubsub.get_message(
                     ignore_subscribe_messages=True, timeout=remaining
                 )
-            except (RedisError, OSError):
+            except (*ERRORS, OSError):
                 # The subscription is gone: the core's timer still lets us in.
                 self.broken = True
                 continue
@@ -235,7 +240,7 @@ class RedisBackend(Backend):
                     self._client = redis_client.Redis.from_url(
                         self._url, **self._connection_options()
                     )
-            except RedisError as exc:
+            except ERRORS as exc:
                 raise wrap(exc, self._where) from exc
             except (ValueError, TypeError) as exc:
                 raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
@@ -253,7 +258,7 @@ class RedisBackend(Backend):
                 return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
             except NoScriptError:
                 return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
-        except RedisError as exc:
+        except ERRORS as exc:
             raise wrap(exc, self._where) from exc
 
     def _call_many(
@@ -270,10 +275,10 @@ class RedisBackend(Backend):
                 again = self._pipeline(client, "EVAL", script.source, [calls[i] for i in missing])
                 for i, result in zip(missing, again, strict=True):
                     results[i] = result
-        except RedisError as exc:
+        except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         for result in results:
-            if isinstance(result, RedisError):
+            if isinstance(result, ERRORS):
                 raise wrap(result, self._where) from result
             if isinstance(result, Exception):
                 raise BackendError(f"Redis {self._where}: {result!r}") from result
@@ -308,10 +313,8 @@ class RedisBackend(Backend):
         return Busy(retry_after=left / 1000 if left >= 0 else None)
 
     def _release_quietly(self, name: str, token: str) -> None:
-        try:
+        with suppress(BackendError):
             self.release(name, token)
-        except BackendError:
-            pass
 
     def release(self, name: str, token: str) -> int | None:
         k = self._keys(name)
@@ -348,7 +351,7 @@ class RedisBackend(Backend):
                 pubsub = self._new_pubsub()
             pubsub.subscribe(k.channel)
             waiter = _PubSubWaiter(pubsub, k.channel, token.encode())
-        except (RedisError, OSError):
+        except (*ERRORS, OSError):
             # No subscription (e.g. a node that refuses pub/sub): waiting still works
             # on the core's timer and the lease's time left, only later.
             waiter = Waiter()
@@ -366,22 +369,21 @@ class RedisBackend(Backend):
             try:
                 if reusable:
                     pubsub.unsubscribe(k.channel)
-            except (RedisError, OSError):
+            except (*ERRORS, OSError):
                 reusable = False
             if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append(pubsub)
             else:
                 self._close_pubsub(pubsub)
-        try:
+        # If this fails, our place lapses by itself after queue_ttl.
+        with suppress(BackendError):
             self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
-        except BackendError:
-            pass  # our place lapses by itself after queue_ttl
 
     @staticmethod
     def _close_pubsub(pubsub: Any) -> None:
         try:
             pubsub.close()
-        except (RedisError, OSError):
+        except (*ERRORS, OSError):
             pass
 
     def _info(self, name: str, reply: Any) -> LockInfo | None:
@@ -413,7 +415,7 @@ class RedisBackend(Backend):
                 raw = _bytes(key)
                 if raw.startswith(head) and raw.endswith(tail):
                     names.add(raw[len(head) : -len(tail)].decode("utf-8"))
-        except RedisError as exc:
+        except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         return sorted(names)
 
@@ -446,7 +448,7 @@ class RedisBackend(Backend):
     def _close_client(client: Any) -> None:
         try:
             client.close()
-        except (RedisError, OSError):
+        except (*ERRORS, OSError):
             pass
 
 
