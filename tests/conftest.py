@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.servers import free_port
-from tests.servers.redis import redis_cluster, redis_server, redlock_servers  # noqa: F401
+from tests.servers.redis import (  # noqa: F401
+    redis_cluster,
+    redis_server,
+    redlock_servers,
+    redlock_url,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,12 @@ BACKENDS: dict[str, BackendUnderTest] = {
     "redis-cluster": BackendUnderTest(
         url=lambda request, tmp: request.getfixturevalue("redis_cluster").url,
         unreachable_url=lambda request, tmp: f"redis+cluster://127.0.0.1:{free_port()}",
+    ),
+    "redlock": BackendUnderTest(
+        url=lambda request, tmp: redlock_url(request.getfixturevalue("redlock_servers")),
+        unreachable_url=lambda request, tmp: (
+            "redis+redlock://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+        ),
     ),
 }
 

@@ -349,15 +349,35 @@ class AsyncRedisBackend(AsyncBackend):
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        await self.enqueue(name, token, "")
+        try:
+            async with self.subscription(name, token) as waiter:
+                yield waiter
+        finally:
+            await self.dequeue(name, token)
+
+    async def enqueue(self, name: str, token: str, arrival: str) -> None:
+        """Take a place in ``name``'s queue; ``arrival`` orders it ("" = the server's clock)."""
         k = self._keys(name)
-        await self._enqueue(k, token, "")
+        await self._call(scripts.ENQUEUE, (k.queue, k.qexp), (token, self._queue_ttl_ms, arrival))
+
+    async def dequeue(self, name: str, token: str) -> None:
+        """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        k = self._keys(name)
+        with suppress(BackendError):
+            await self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
+
+    @asynccontextmanager
+    async def subscription(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
+        channel = self._keys(name).channel
         pubsub = self._idle.pop() if self._idle else None
         waiter: AsyncWaiter
         try:
             if pubsub is None:
                 pubsub = self._new_pubsub()
-            await pubsub.subscribe(k.channel)
-            waiter = _PubSubWaiter(pubsub, k.channel, token.encode())
+            await pubsub.subscribe(channel)
+            waiter = _PubSubWaiter(pubsub, channel, token.encode())
         except (*ERRORS, OSError):
             # No subscription (e.g. a node that refuses pub/sub): waiting still works
             # on the core's timer and the lease's time left, only later.
@@ -365,26 +385,25 @@ class AsyncRedisBackend(AsyncBackend):
         try:
             yield waiter
         finally:
-            await self._leave(k, token, pubsub, waiter)
+            if pubsub is not None:
+                await self._put_back(pubsub, channel, waiter)
 
-    async def _enqueue(self, k: Keys, token: str, arrival: str) -> None:
-        await self._call(scripts.ENQUEUE, (k.queue, k.qexp), (token, self._queue_ttl_ms, arrival))
+    async def _put_back(self, pubsub: Any, channel: bytes, waiter: AsyncWaiter) -> None:
+        reusable = isinstance(waiter, _PubSubWaiter) and not waiter.broken
+        try:
+            if reusable:
+                await pubsub.unsubscribe(channel)
+        except (*ERRORS, OSError):
+            reusable = False
+        if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
+            self._idle.append(pubsub)
+        else:
+            await self._close_pubsub(pubsub)
 
-    async def _leave(self, k: Keys, token: str, pubsub: Any, waiter: AsyncWaiter) -> None:
-        if pubsub is not None:
-            reusable = isinstance(waiter, _PubSubWaiter) and not waiter.broken
-            try:
-                if reusable:
-                    await pubsub.unsubscribe(k.channel)
-            except (*ERRORS, OSError):
-                reusable = False
-            if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
-                self._idle.append(pubsub)
-            else:
-                await self._close_pubsub(pubsub)
-        # If this fails, our place lapses by itself after queue_ttl.
-        with suppress(BackendError):
-            await self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
+    async def raise_fence(self, name: str, token: str, floor: int) -> bool:
+        """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
+        k = self._keys(name)
+        return bool(int(await self._call(scripts.RAISE_FENCE, (k.lease, k.fence), (token, floor))))
 
     @staticmethod
     async def _close_pubsub(pubsub: Any) -> None:

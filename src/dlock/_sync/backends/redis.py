@@ -342,15 +342,35 @@ class RedisBackend(Backend):
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[Waiter]:
+        self.enqueue(name, token, "")
+        try:
+            with self.subscription(name, token) as waiter:
+                yield waiter
+        finally:
+            self.dequeue(name, token)
+
+    def enqueue(self, name: str, token: str, arrival: str) -> None:
+        """Take a place in ``name``'s queue; ``arrival`` orders it ("" = the server's clock)."""
         k = self._keys(name)
-        self._enqueue(k, token, "")
+        self._call(scripts.ENQUEUE, (k.queue, k.qexp), (token, self._queue_ttl_ms, arrival))
+
+    def dequeue(self, name: str, token: str) -> None:
+        """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        k = self._keys(name)
+        with suppress(BackendError):
+            self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
+
+    @contextmanager
+    def subscription(self, name: str, token: str) -> Iterator[Waiter]:
+        """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
+        channel = self._keys(name).channel
         pubsub = self._idle.pop() if self._idle else None
         waiter: Waiter
         try:
             if pubsub is None:
                 pubsub = self._new_pubsub()
-            pubsub.subscribe(k.channel)
-            waiter = _PubSubWaiter(pubsub, k.channel, token.encode())
+            pubsub.subscribe(channel)
+            waiter = _PubSubWaiter(pubsub, channel, token.encode())
         except (*ERRORS, OSError):
             # No subscription (e.g. a node that refuses pub/sub): waiting still works
             # on the core's timer and the lease's time left, only later.
@@ -358,26 +378,25 @@ class RedisBackend(Backend):
         try:
             yield waiter
         finally:
-            self._leave(k, token, pubsub, waiter)
+            if pubsub is not None:
+                self._put_back(pubsub, channel, waiter)
 
-    def _enqueue(self, k: Keys, token: str, arrival: str) -> None:
-        self._call(scripts.ENQUEUE, (k.queue, k.qexp), (token, self._queue_ttl_ms, arrival))
+    def _put_back(self, pubsub: Any, channel: bytes, waiter: Waiter) -> None:
+        reusable = isinstance(waiter, _PubSubWaiter) and not waiter.broken
+        try:
+            if reusable:
+                pubsub.unsubscribe(channel)
+        except (*ERRORS, OSError):
+            reusable = False
+        if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
+            self._idle.append(pubsub)
+        else:
+            self._close_pubsub(pubsub)
 
-    def _leave(self, k: Keys, token: str, pubsub: Any, waiter: Waiter) -> None:
-        if pubsub is not None:
-            reusable = isinstance(waiter, _PubSubWaiter) and not waiter.broken
-            try:
-                if reusable:
-                    pubsub.unsubscribe(k.channel)
-            except (*ERRORS, OSError):
-                reusable = False
-            if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
-                self._idle.append(pubsub)
-            else:
-                self._close_pubsub(pubsub)
-        # If this fails, our place lapses by itself after queue_ttl.
-        with suppress(BackendError):
-            self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
+    def raise_fence(self, name: str, token: str, floor: int) -> bool:
+        """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
+        k = self._keys(name)
+        return bool(int(self._call(scripts.RAISE_FENCE, (k.lease, k.fence), (token, floor))))
 
     @staticmethod
     def _close_pubsub(pubsub: Any) -> None:
