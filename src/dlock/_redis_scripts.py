@@ -5,7 +5,9 @@ so each script runs unchanged on a single server, on a Redis Cluster and on each
 Redlock master. Keys of a name (``P`` is the configured prefix)::
 
     P:{n:NAME}:lease   hash owner/count/fence/holder, PEXPIRE = the lease
-    P:{n:NAME}:fence   the fencing counter; never expires, so tokens never go back
+    P:{n:NAME}:fence   the fencing counter; never expires, and starts from the server's
+                       clock in microseconds, so tokens never go back even after a
+                       restart that lost the data
     P:{n:NAME}:queue   zset of waiting owner tokens, scored by arrival
     P:{n:NAME}:qexp    zset of the same tokens, scored by when their place lapses
 
@@ -74,8 +76,14 @@ if head then
     redis.call('ZREM', queue, token)
     redis.call('ZREM', qexp, token)
 end
+if redis.call('EXISTS', fence) == 0 then
+    -- A new (or lost) counter starts at the server's clock in microseconds, so tokens
+    -- keep increasing even after a restart that lost the data.
+    redis.call('SET', fence, t[1] .. string.format('%06d', tonumber(t[2])))
+end
 local f = redis.call('INCR', fence)
-redis.call('HSET', lease, 'owner', token, 'count', 1, 'fence', f, 'holder', ARGV[3])
+redis.call('HSET', lease, 'owner', token, 'count', 1, 'fence', string.format('%.0f', f),
+    'holder', ARGV[3])
 redis.call('PEXPIRE', lease, ARGV[2])
 return {1, f, 1}
 """
@@ -166,10 +174,10 @@ RAISE_FENCE = Script(
     """
 local floor = tonumber(ARGV[2])
 if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
-    redis.call('SET', KEYS[2], floor)
+    redis.call('SET', KEYS[2], ARGV[2])
 end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'fence', floor)
+redis.call('HSET', KEYS[1], 'fence', ARGV[2])
 return 1
 """
 )

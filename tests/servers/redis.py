@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -36,9 +37,16 @@ def _free_cluster_port() -> int:
 
 
 class RedisServer(ServerProcess):
-    def __init__(self, name: str, *extra: str, port: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *extra: str,
+        port: int | None = None,
+        workdir: Path | None = None,
+        cli: tuple[str, ...] = (),
+    ) -> None:
         self.port = port or free_port()
-        workdir = private_dir(name)
+        workdir = workdir or private_dir(name)
         super().__init__(
             name,
             [
@@ -55,7 +63,7 @@ class RedisServer(ServerProcess):
                 str(workdir),
                 *extra,
             ],
-            ready=lambda: _cli(self.port, "ping") == "PONG",
+            ready=lambda: _cli(self.port, *cli, "ping") == "PONG",
             workdir=workdir,
         )
 
@@ -145,3 +153,92 @@ def redis_cluster() -> Iterator[RedisCluster]:
 
 def redlock_url(servers: list[RedisServer]) -> str:
     return "redis+redlock://" + ",".join(server.address for server in servers)
+
+
+@dataclass
+class TLSRedis:
+    server: RedisServer
+    ca: Path
+
+    @property
+    def url(self) -> str:
+        return f"rediss://{self.server.address}?ssl_ca_certs={self.ca}"
+
+
+def _openssl(workdir: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True, timeout=60)
+
+
+def start_tls() -> TLSRedis:
+    """A server that speaks only TLS, with a certificate from a throwaway CA."""
+    workdir = private_dir("redis-tls")
+    _openssl(
+        workdir,
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=dlock test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
+    _openssl(
+        workdir,
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    )
+    (workdir / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        workdir,
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "server.crt",
+    )
+    port = free_port()
+    server = RedisServer(
+        "redis-tls",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(workdir / "server.crt"),
+        "--tls-key-file",
+        str(workdir / "server.key"),
+        "--tls-ca-cert-file",
+        str(workdir / "ca.crt"),
+        "--tls-auth-clients",
+        "no",
+        port=free_port(),
+        workdir=workdir,
+        cli=("--tls", "--cacert", str(workdir / "ca.crt")),
+    )
+    # The plain port is closed ("--port 0" after the defaults); clients reach TLS only.
+    server.command += ["--port", "0"]
+    server.port = port
+    server.start()
+    return TLSRedis(server, workdir / "ca.crt")

@@ -193,6 +193,8 @@ class RedisBackend(Backend):
         unknown = (set(settings) - OPTIONS) | (set(query) - CLIENT_OPTIONS)
         if unknown:
             raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
+        if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
+            raise ConfigurationError("ssl_* options need a rediss:// URL")
         client_options: dict[str, Any] = {}
         for key in ("socket_timeout", "socket_connect_timeout"):
             if key in settings:
