@@ -32,11 +32,14 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# Shared preamble: server time in ms, and dropping queue entries whose place lapsed.
+# Shared preamble. The server's clock is read only when needed (queues, a new counter):
+# the uncontended acquire and release skip it, and every queue operation.
 _PRELUDE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function prune(queue, qexp)
+local function now_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function prune(queue, qexp, now)
     local dead = redis.call('ZRANGEBYSCORE', qexp, '-inf', now, 'LIMIT', 0, 100)
     if #dead > 0 then
         redis.call('ZREM', qexp, unpack(dead))
@@ -63,25 +66,32 @@ if owner then
         redis.call('PEXPIRE', lease, ARGV[2])
         return {1, tonumber(redis.call('HGET', lease, 'fence')), count}
     end
-    redis.call('ZADD', qexp, 'XX', now + tonumber(ARGV[5]), token)
+    if redis.call('EXISTS', qexp) == 1 then
+        redis.call('ZADD', qexp, 'XX', now_ms() + tonumber(ARGV[5]), token)
+    end
     return {0, redis.call('PTTL', lease)}
 end
-prune(queue, qexp)
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-if head and head ~= token then
-    redis.call('ZADD', qexp, 'XX', now + tonumber(ARGV[5]), token)
-    return {0, -1}
-end
-if head then
-    redis.call('ZREM', queue, token)
-    redis.call('ZREM', qexp, token)
-end
-if redis.call('EXISTS', fence) == 0 then
-    -- A new (or lost) counter starts at the server's clock in microseconds, so tokens
-    -- keep increasing even after a restart that lost the data.
-    redis.call('SET', fence, t[1] .. string.format('%06d', tonumber(t[2])))
+if redis.call('EXISTS', queue) == 1 then
+    local now = now_ms()
+    prune(queue, qexp, now)
+    local head = redis.call('ZRANGE', queue, 0, 0)[1]
+    if head and head ~= token then
+        redis.call('ZADD', qexp, 'XX', now + tonumber(ARGV[5]), token)
+        return {0, -1}
+    end
+    if head then
+        redis.call('ZREM', queue, token)
+        redis.call('ZREM', qexp, token)
+    end
 end
 local f = redis.call('INCR', fence)
+if f == 1 then
+    -- A new (or lost) counter starts at the server's clock in microseconds, so tokens
+    -- keep increasing even after a restart that lost the data.
+    local t = redis.call('TIME')
+    redis.call('SET', fence, t[1] .. string.format('%06d', tonumber(t[2])))
+    f = redis.call('INCR', fence)
+end
 redis.call('HSET', lease, 'owner', token, 'count', 1, 'fence', string.format('%.0f', f),
     'holder', ARGV[3])
 redis.call('PEXPIRE', lease, ARGV[2])
@@ -102,8 +112,11 @@ if left > 0 then
     return left
 end
 redis.call('DEL', lease)
-prune(queue, qexp)
-wake(queue, ARGV[2])
+-- Every waiter queues before it waits, so with nobody queued there is nobody to wake.
+if redis.call('EXISTS', queue) == 1 then
+    prune(queue, qexp, now_ms())
+    wake(queue, ARGV[2])
+end
 return 0
 """
 )
@@ -123,6 +136,7 @@ return 0
 ENQUEUE = Script(
     _PRELUDE
     + """
+local now = now_ms()
 local arrival = now
 if ARGV[3] ~= '' then arrival = tonumber(ARGV[3]) end
 redis.call('ZADD', KEYS[1], 'NX', arrival, ARGV[1])
@@ -141,7 +155,7 @@ local head = redis.call('ZRANGE', queue, 0, 0)[1]
 redis.call('ZREM', queue, ARGV[1])
 redis.call('ZREM', qexp, ARGV[1])
 if head == ARGV[1] and redis.call('EXISTS', lease) == 0 then
-    prune(queue, qexp)
+    prune(queue, qexp, now_ms())
     if redis.call('ZCARD', queue) > 0 then wake(queue, ARGV[2]) end
 end
 return 1
@@ -162,7 +176,7 @@ FORCE_RELEASE = Script(
     _PRELUDE
     + """
 if redis.call('DEL', KEYS[1]) == 0 then return 0 end
-prune(KEYS[2], KEYS[3])
+prune(KEYS[2], KEYS[3], now_ms())
 wake(KEYS[2], ARGV[1])
 return 1
 """

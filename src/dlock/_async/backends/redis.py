@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
+from functools import lru_cache
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -100,6 +101,17 @@ class Keys:
         self.queue = base + b"queue"
         self.qexp = base + b"qexp"
         self.channel = base + b"wake"
+
+
+@lru_cache(maxsize=4096)
+def _keys(prefix: bytes, name: str) -> Keys:
+    """Keys of recently used names, so a hot lock does not re-encode its name each time."""
+    return Keys(prefix, name)
+
+
+@lru_cache(maxsize=64)
+def _holder_json(holder: Holder) -> str:
+    return holder.to_json()
 
 
 class _PubSubWaiter(AsyncWaiter):
@@ -248,7 +260,7 @@ class AsyncRedisBackend(AsyncBackend):
         return self._client
 
     def _keys(self, name: str) -> Keys:
-        return Keys(self._prefix, name)
+        return _keys(self._prefix, name)
 
     async def _call(
         self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
@@ -305,7 +317,13 @@ class AsyncRedisBackend(AsyncBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         k = self._keys(name)
-        args = (token, _ms(ttl), holder.to_json(), "1" if reentrant else "0", self._queue_ttl_ms)
+        args = (
+            token,
+            _ms(ttl),
+            _holder_json(holder),
+            "1" if reentrant else "0",
+            self._queue_ttl_ms,
+        )
         try:
             result = await self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
         except BackendUnavailable:

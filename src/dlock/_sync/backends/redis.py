@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from functools import lru_cache
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -101,6 +102,17 @@ class Keys:
         self.queue = base + b"queue"
         self.qexp = base + b"qexp"
         self.channel = base + b"wake"
+
+
+@lru_cache(maxsize=4096)
+def _keys(prefix: bytes, name: str) -> Keys:
+    """Keys of recently used names, so a hot lock does not re-encode its name each time."""
+    return Keys(prefix, name)
+
+
+@lru_cache(maxsize=64)
+def _holder_json(holder: Holder) -> str:
+    return holder.to_json()
 
 
 class _PubSubWaiter(Waiter):
@@ -249,7 +261,7 @@ class RedisBackend(Backend):
         return self._client
 
     def _keys(self, name: str) -> Keys:
-        return Keys(self._prefix, name)
+        return _keys(self._prefix, name)
 
     def _call(self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
         """EVALSHA, falling back to EVAL when the server forgot the script (restart,
@@ -302,7 +314,13 @@ class RedisBackend(Backend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         k = self._keys(name)
-        args = (token, _ms(ttl), holder.to_json(), "1" if reentrant else "0", self._queue_ttl_ms)
+        args = (
+            token,
+            _ms(ttl),
+            _holder_json(holder),
+            "1" if reentrant else "0",
+            self._queue_ttl_ms,
+        )
         try:
             result = self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
         except BackendUnavailable:
