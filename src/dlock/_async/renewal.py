@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +38,17 @@ class AsyncRenewer:
         self._runner: Any = None
         self._closed = False
         self._urgent = False
+        #: When the loop will next wake by itself (inf: never, or it is busy right now).
+        #: A lock due no earlier needs no wake-up: waking a thread per acquire costs
+        #: about as much as the acquire's own round trip on a small machine.
+        self._sleeping_until = math.inf
 
     def add(self, lock: AsyncLock) -> None:
         self._locks.add(lock)
         if self._runner is None and not self._closed:
             self._runner = spawn(self._run, name="dlock-renewer")
-        self._wakeup.set()
+        if lock._renew_at < self._sleeping_until:
+            self._wakeup.set()
 
     def discard(self, lock: AsyncLock) -> None:
         self._locks.discard(lock)
@@ -63,9 +69,12 @@ class AsyncRenewer:
 
     async def _run(self) -> None:
         while not self._closed:
+            self._sleeping_until = math.inf
             self._wakeup.clear()
             await self._renew_due()
-            await self._wakeup.wait(self._next_wakeup())
+            delay = self._next_wakeup()
+            self._sleeping_until = math.inf if delay is None else self._clock() + delay
+            await self._wakeup.wait(delay)
 
     def _next_wakeup(self) -> float | None:
         locks = tuple(self._locks)
