@@ -176,7 +176,9 @@ def main() -> int:
             con = measure_contention(open_lock, config, processes=8, sections=sections)
             print(f"  measured {label}", file=sys.stderr, flush=True)
             rows.append((label, lat, con))
-        print_table("Redis 7, one server (Redlock rows: three masters)", rows, "raw SET NX PX + CAD")
+        print_table(
+            "Redis 7, one server (Redlock rows: three masters)", rows, "raw SET NX PX + CAD"
+        )
         return 0 if all(con is None or con.counter == con.expected for _, _, con in rows) else 1
     finally:
         single.remove()

@@ -52,19 +52,23 @@ local function wake(queue, channel)
 end
 """
 
-#: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms.
-#: Returns {1, fence, count} when granted, {0, ms_left} when busy (-1: free, not our turn).
+#: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms keep_place.
+#: Returns {1, fence, count, left_queue} when granted, {0, ms_left} when busy (ms_left
+#: -1: free, but not our turn). A grant takes the winner out of the queue, saving it a
+#: round trip; Redlock keeps the place (keep_place=1) until a majority granted, since a
+#: minority grant is given back and the waiter must still be first in line afterwards.
 ACQUIRE = Script(
     _PRELUDE
     + """
 local lease, fence, queue, qexp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token = ARGV[1]
+local left_queue = 0
 local owner = redis.call('HGET', lease, 'owner')
 if owner then
     if owner == token and ARGV[4] == '1' then
         local count = redis.call('HINCRBY', lease, 'count', 1)
         redis.call('PEXPIRE', lease, ARGV[2])
-        return {1, tonumber(redis.call('HGET', lease, 'fence')), count}
+        return {1, tonumber(redis.call('HGET', lease, 'fence')), count, 0}
     end
     if redis.call('EXISTS', qexp) == 1 then
         redis.call('ZADD', qexp, 'XX', now_ms() + tonumber(ARGV[5]), token)
@@ -79,9 +83,10 @@ if redis.call('EXISTS', queue) == 1 then
         redis.call('ZADD', qexp, 'XX', now + tonumber(ARGV[5]), token)
         return {0, -1}
     end
-    if head then
+    if head and ARGV[6] ~= '1' then
         redis.call('ZREM', queue, token)
         redis.call('ZREM', qexp, token)
+        left_queue = 1
     end
 end
 local f = redis.call('INCR', fence)
@@ -95,7 +100,7 @@ end
 redis.call('HSET', lease, 'owner', token, 'count', 1, 'fence', string.format('%.0f', f),
     'holder', ARGV[3])
 redis.call('PEXPIRE', lease, ARGV[2])
-return {1, f, 1}
+return {1, f, 1, left_queue}
 """
 )
 

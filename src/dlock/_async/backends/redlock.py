@@ -90,7 +90,9 @@ class AsyncRedlockBackend(AsyncBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         started = time.monotonic()
-        results = await self._each(lambda m: m.acquire(name, token, ttl, holder, reentrant))
+        results = await self._each(
+            lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+        )
         validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
         granted = [
             (master, result)

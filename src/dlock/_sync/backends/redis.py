@@ -181,6 +181,8 @@ class RedisBackend(Backend):
         self._queue_ttl_ms = _ms(queue_ttl)
         self._subscriber: Any = None
         self._idle: list[Any] = []
+        #: Waiting tokens that the acquire script already took out of their queue.
+        self._dequeued: set[str] = set()
         self._where = self._describe()
 
     def _describe(self) -> str:
@@ -311,7 +313,14 @@ class RedisBackend(Backend):
         return list(pipe.execute(raise_on_error=False))
 
     def acquire(
-        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+        self,
+        name: str,
+        token: str,
+        ttl: float,
+        holder: Holder,
+        reentrant: bool,
+        *,
+        keep_place: bool = False,
     ) -> Acquired | Busy:
         k = self._keys(name)
         args = (
@@ -320,6 +329,7 @@ class RedisBackend(Backend):
             _holder_json(holder),
             "1" if reentrant else "0",
             self._queue_ttl_ms,
+            "1" if keep_place else "0",
         )
         try:
             result = self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
@@ -328,6 +338,8 @@ class RedisBackend(Backend):
             self._release_quietly(name, token)
             raise
         if int(result[0]) == 1:
+            if int(result[3]):
+                self._dequeued.add(token)  # the waiter's exit need not leave the queue
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
         left = int(result[1])
         return Busy(retry_after=left / 1000 if left >= 0 else None)
@@ -376,6 +388,9 @@ class RedisBackend(Backend):
 
     def dequeue(self, name: str, token: str) -> None:
         """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        if token in self._dequeued:
+            self._dequeued.discard(token)
+            return
         k = self._keys(name)
         with suppress(BackendError):
             self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))

@@ -88,7 +88,9 @@ class RedlockBackend(Backend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         started = time.monotonic()
-        results = self._each(lambda m: m.acquire(name, token, ttl, holder, reentrant))
+        results = self._each(
+            lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+        )
         validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
         granted = [
             (master, result)
