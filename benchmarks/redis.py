@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 import redis
-import redis_lock
+import redis_lock  # type: ignore[import-untyped]
 from pottery import Redlock
 
 import dlock
