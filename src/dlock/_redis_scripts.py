@@ -52,7 +52,9 @@ local function wake(queue, channel)
 end
 """
 
-#: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms keep_place.
+#: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms keep_place
+#: join. ``join`` (unless empty) first queues the token with that arrival time ("now":
+#: the server's clock): a waiter joins the queue with its first attempt, not a trip of its own.
 #: Returns {1, fence, count, left_queue} when granted, {0, ms_left} when busy (ms_left
 #: -1: free, but not our turn). A grant takes the winner out of the queue, saving it a
 #: round trip; Redlock keeps the place (keep_place=1) until a majority granted, since a
@@ -63,6 +65,13 @@ ACQUIRE = Script(
 local lease, fence, queue, qexp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token = ARGV[1]
 local left_queue = 0
+if ARGV[7] ~= '' then
+    local now = now_ms()
+    local arrival = now
+    if ARGV[7] ~= 'now' then arrival = tonumber(ARGV[7]) end
+    redis.call('ZADD', queue, 'NX', arrival, token)
+    redis.call('ZADD', qexp, now + tonumber(ARGV[5]), token)
+end
 local owner = redis.call('HGET', lease, 'owner')
 if owner then
     if owner == token and ARGV[4] == '1' then
@@ -134,19 +143,6 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
     return 1
 end
 return 0
-"""
-)
-
-#: KEYS queue qexp; ARGV token place_ms arrival (empty: the server's clock).
-ENQUEUE = Script(
-    _PRELUDE
-    + """
-local now = now_ms()
-local arrival = now
-if ARGV[3] ~= '' then arrival = tonumber(ARGV[3]) end
-redis.call('ZADD', KEYS[1], 'NX', arrival, ARGV[1])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return 1
 """
 )
 

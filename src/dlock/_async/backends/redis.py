@@ -182,6 +182,8 @@ class AsyncRedisBackend(AsyncBackend):
         self._idle: list[Any] = []
         #: Waiting tokens that the acquire script already took out of their queue.
         self._dequeued: set[str] = set()
+        #: Waiting tokens whose next acquire attempt also takes their place in the queue.
+        self._joining: dict[str, str] = {}
         self._where = self._describe()
 
     def _describe(self) -> str:
@@ -333,6 +335,7 @@ class AsyncRedisBackend(AsyncBackend):
             "1" if reentrant else "0",
             self._queue_ttl_ms,
             "1" if keep_place else "0",
+            self._joining.get(token, ""),
         )
         try:
             result = await self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
@@ -340,6 +343,7 @@ class AsyncRedisBackend(AsyncBackend):
             # The script may have run before the connection broke: give the lease back.
             await self._release_quietly(name, token)
             raise
+        self._joining.pop(token, None)
         if int(result[0]) == 1:
             if int(result[3]):
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
@@ -381,20 +385,21 @@ class AsyncRedisBackend(AsyncBackend):
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
-        await self.enqueue(name, token, "")
+        self.enqueue(name, token, "now")
         try:
             async with self.subscription(name, token) as waiter:
                 yield waiter
         finally:
             await self.dequeue(name, token)
 
-    async def enqueue(self, name: str, token: str, arrival: str) -> None:
-        """Take a place in ``name``'s queue; ``arrival`` orders it ("" = the server's clock)."""
-        k = self._keys(name)
-        await self._call(scripts.ENQUEUE, (k.queue, k.qexp), (token, self._queue_ttl_ms, arrival))
+    def enqueue(self, name: str, token: str, arrival: str) -> None:
+        """Queue ``token`` with its next acquire attempt (which the core makes right after
+        entering the waiter); ``arrival`` orders the queue ("now": the server's clock)."""
+        self._joining[token] = arrival
 
     async def dequeue(self, name: str, token: str) -> None:
         """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        self._joining.pop(token, None)
         if token in self._dequeued:
             self._dequeued.discard(token)
             return

@@ -183,6 +183,8 @@ class RedisBackend(Backend):
         self._idle: list[Any] = []
         #: Waiting tokens that the acquire script already took out of their queue.
         self._dequeued: set[str] = set()
+        #: Waiting tokens whose next acquire attempt also takes their place in the queue.
+        self._joining: dict[str, str] = {}
         self._where = self._describe()
 
     def _describe(self) -> str:
@@ -330,6 +332,7 @@ class RedisBackend(Backend):
             "1" if reentrant else "0",
             self._queue_ttl_ms,
             "1" if keep_place else "0",
+            self._joining.get(token, ""),
         )
         try:
             result = self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
@@ -337,6 +340,7 @@ class RedisBackend(Backend):
             # The script may have run before the connection broke: give the lease back.
             self._release_quietly(name, token)
             raise
+        self._joining.pop(token, None)
         if int(result[0]) == 1:
             if int(result[3]):
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
@@ -374,7 +378,7 @@ class RedisBackend(Backend):
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[Waiter]:
-        self.enqueue(name, token, "")
+        self.enqueue(name, token, "now")
         try:
             with self.subscription(name, token) as waiter:
                 yield waiter
@@ -382,12 +386,13 @@ class RedisBackend(Backend):
             self.dequeue(name, token)
 
     def enqueue(self, name: str, token: str, arrival: str) -> None:
-        """Take a place in ``name``'s queue; ``arrival`` orders it ("" = the server's clock)."""
-        k = self._keys(name)
-        self._call(scripts.ENQUEUE, (k.queue, k.qexp), (token, self._queue_ttl_ms, arrival))
+        """Queue ``token`` with its next acquire attempt (which the core makes right after
+        entering the waiter); ``arrival`` orders the queue ("now": the server's clock)."""
+        self._joining[token] = arrival
 
     def dequeue(self, name: str, token: str) -> None:
         """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        self._joining.pop(token, None)
         if token in self._dequeued:
             self._dequeued.discard(token)
             return

@@ -153,8 +153,7 @@ class RedlockBackend(Backend):
         # two waiters can each be first on a different minority.
         arrival = str(int(time.time() * 1000))
         for master in self._masters:
-            with suppress(BackendError):
-                master.enqueue(name, token, arrival)
+            master.enqueue(name, token, arrival)
         try:
             # Every master publishes each release; listening to one is enough, and the
             # core's timer covers a dead one.
