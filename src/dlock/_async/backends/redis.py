@@ -182,7 +182,8 @@ class AsyncRedisBackend(AsyncBackend):
         self._idle: list[Any] = []
         #: Waiting tokens that the acquire script already took out of their queue.
         self._dequeued: set[str] = set()
-        #: Waiting tokens whose next acquire attempt also takes their place in the queue.
+        #: Waiting tokens and their arrival: each of their attempts (re)takes their place
+        #: in the queue, so a waiter whose place lapsed (a long fallback wait) gets a new one.
         self._joining: dict[str, str] = {}
         self._where = self._describe()
 
@@ -221,11 +222,13 @@ class AsyncRedisBackend(AsyncBackend):
             queue_ttl = float(settings.get("queue_ttl", QUEUE_TTL))
         except (TypeError, ValueError):
             raise ConfigurationError("queue_ttl must be a number of seconds") from None
-        clean = urlunsplit((base_scheme, parts.netloc, parts.path, urlencode(query), ""))
-        if settings.get("client") is None and not parts.hostname:
-            clean = urlunsplit(
-                (base_scheme, "localhost:6379" + parts.netloc, parts.path, urlencode(query), "")
-            )
+        if not 0 < queue_ttl < math.inf:
+            raise ConfigurationError("queue_ttl must be a positive number of seconds")
+        netloc = parts.netloc
+        if not parts.hostname:
+            auth, at, _ = netloc.rpartition("@")
+            netloc = f"{auth}{at}localhost:6379"
+        clean = urlunsplit((base_scheme, netloc, parts.path, urlencode(query), ""))
         return cls(
             clean if settings.get("client") is None else None,
             cluster=cluster,
@@ -343,7 +346,6 @@ class AsyncRedisBackend(AsyncBackend):
             # The script may have run before the connection broke: give the lease back.
             await self._release_quietly(name, token)
             raise
-        self._joining.pop(token, None)
         if int(result[0]) == 1:
             if int(result[3]):
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
@@ -393,8 +395,9 @@ class AsyncRedisBackend(AsyncBackend):
             await self.dequeue(name, token)
 
     def enqueue(self, name: str, token: str, arrival: str) -> None:
-        """Queue ``token`` with its next acquire attempt (which the core makes right after
-        entering the waiter); ``arrival`` orders the queue ("now": the server's clock)."""
+        """Queue ``token`` with its acquire attempts (the core makes one right after
+        entering the waiter), not a round trip of its own; ``arrival`` orders the queue
+        ("now": the server's clock)."""
         self._joining[token] = arrival
 
     async def dequeue(self, name: str, token: str) -> None:
