@@ -118,12 +118,12 @@ RELEASE = Script(
     _PRELUDE
     + """
 local lease, queue, qexp = KEYS[1], KEYS[2], KEYS[3]
-if redis.call('HGET', lease, 'owner') ~= ARGV[1] then
+local held = redis.call('HMGET', lease, 'owner', 'count')
+if held[1] ~= ARGV[1] then
     return -1
 end
-local left = redis.call('HINCRBY', lease, 'count', -1)
-if left > 0 then
-    return left
+if tonumber(held[2]) > 1 then
+    return redis.call('HINCRBY', lease, 'count', -1)
 end
 redis.call('DEL', lease)
 -- Every waiter queues before it waits, so with nobody queued there is nobody to wake.

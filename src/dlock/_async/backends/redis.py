@@ -11,6 +11,7 @@ fallback timer.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -186,6 +187,8 @@ class AsyncRedisBackend(AsyncBackend):
         #: in the queue, so a waiter whose place lapsed (a long fallback wait) gets a new one.
         self._joining: dict[str, str] = {}
         self._where = self._describe()
+        #: The sync face shares a backend between threads: create each client once.
+        self._creating = threading.Lock()
 
     def _describe(self) -> str:
         if self._url is None:
@@ -249,6 +252,12 @@ class AsyncRedisBackend(AsyncBackend):
         }
 
     def _get_client(self) -> Any:
+        if self._client is None:
+            with self._creating:
+                return self._create_client()
+        return self._client
+
+    def _create_client(self) -> Any:
         if self._client is None:
             assert self._url is not None
             try:
@@ -376,6 +385,10 @@ class AsyncRedisBackend(AsyncBackend):
     def _new_pubsub(self) -> Any:
         """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
         a plain connection to one node hears releases of every slot."""
+        with self._creating:
+            return self._create_pubsub()
+
+    def _create_pubsub(self) -> Any:
         if self._subscriber is None:
             if self._url is not None:
                 self._subscriber = redis_client.Redis.from_url(
@@ -414,7 +427,10 @@ class AsyncRedisBackend(AsyncBackend):
     async def subscription(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
         """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
         channel = self._keys(name).channel
-        pubsub = self._idle.pop() if self._idle else None
+        try:
+            pubsub = self._idle.pop()
+        except IndexError:
+            pubsub = None
         waiter: AsyncWaiter
         try:
             if pubsub is None:

@@ -12,6 +12,7 @@ fallback timer.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -187,6 +188,8 @@ class RedisBackend(Backend):
         #: in the queue, so a waiter whose place lapsed (a long fallback wait) gets a new one.
         self._joining: dict[str, str] = {}
         self._where = self._describe()
+        #: The sync face shares a backend between threads: create each client once.
+        self._creating = threading.Lock()
 
     def _describe(self) -> str:
         if self._url is None:
@@ -250,6 +253,12 @@ class RedisBackend(Backend):
         }
 
     def _get_client(self) -> Any:
+        if self._client is None:
+            with self._creating:
+                return self._create_client()
+        return self._client
+
+    def _create_client(self) -> Any:
         if self._client is None:
             assert self._url is not None
             try:
@@ -369,6 +378,10 @@ class RedisBackend(Backend):
     def _new_pubsub(self) -> Any:
         """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
         a plain connection to one node hears releases of every slot."""
+        with self._creating:
+            return self._create_pubsub()
+
+    def _create_pubsub(self) -> Any:
         if self._subscriber is None:
             if self._url is not None:
                 self._subscriber = redis_client.Redis.from_url(
@@ -407,7 +420,10 @@ class RedisBackend(Backend):
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:
         """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
         channel = self._keys(name).channel
-        pubsub = self._idle.pop() if self._idle else None
+        try:
+            pubsub = self._idle.pop()
+        except IndexError:
+            pubsub = None
         waiter: Waiter
         try:
             if pubsub is None:
