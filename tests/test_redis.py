@@ -338,3 +338,20 @@ def test_keys_share_one_slot_for_awkward_names() -> None:
         keys = Keys(b"dlock", name)
         slots = {key_slot(k) for k in (keys.lease, keys.fence, keys.queue, keys.qexp)}
         assert len(slots) == 1, name
+
+
+def test_waiting_on_one_name_then_another_is_woken_promptly(redis_server: RedisServer) -> None:
+    """Idle subscriptions linger on their last channel; switching names must re-subscribe."""
+    url = url_of(redis_server)
+    with dlock.connect(url) as holder_client, dlock.connect(url) as waiter_client:
+        for name in (unique(), unique(), unique()):
+            holder = holder_client.lock(name, ttl=30)
+            holder.acquire()
+            timer = threading.Timer(0.3, holder.release)
+            timer.start()
+            start = time.monotonic()
+            waiter = waiter_client.lock(name, ttl=5)
+            assert waiter.acquire(timeout=5)
+            assert time.monotonic() - start < 1.0, "woken by the release, not the timer"
+            waiter.release()
+            timer.join()

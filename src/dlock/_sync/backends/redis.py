@@ -61,6 +61,8 @@ CLIENT_OPTIONS = {
 #: How long a waiter's place in the queue lasts unless refreshed by its next attempt;
 #: well above the core's fallback wait (2 s) so a live waiter never loses its place.
 QUEUE_TTL = 6.0
+#: Seconds an idle pub/sub connection stays subscribed to its last channel.
+LINGER = 1.0
 #: Idle pub/sub connections kept for the next waiter.
 IDLE_SUBSCRIBERS = 8
 
@@ -181,7 +183,8 @@ class RedisBackend(Backend):
         self._client_options = client_options or {}
         self._queue_ttl_ms = _ms(queue_ttl)
         self._subscriber: Any = None
-        self._idle: list[Any] = []
+        #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
+        self._idle: list[tuple[Any, bytes | None, float]] = []
         #: Waiting tokens that the acquire script already took out of their queue.
         self._dequeued: set[str] = set()
         #: Waiting tokens and their arrival: each of their attempts (re)takes their place
@@ -420,15 +423,16 @@ class RedisBackend(Backend):
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:
         """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
         channel = self._keys(name).channel
-        try:
-            pubsub = self._idle.pop()
-        except IndexError:
-            pubsub = None
+        self._unsubscribe_lingering()
+        pubsub, subscribed = self._take_idle(channel)
         waiter: Waiter
         try:
             if pubsub is None:
                 pubsub = self._new_pubsub()
-            pubsub.subscribe(channel)
+            if subscribed != channel:
+                if subscribed is not None:
+                    pubsub.unsubscribe(subscribed)
+                pubsub.subscribe(channel)
             waiter = _PubSubWaiter(pubsub, channel, token.encode())
         except (*ERRORS, OSError):
             # No subscription (e.g. a node that refuses pub/sub): waiting still works
@@ -440,17 +444,45 @@ class RedisBackend(Backend):
             if pubsub is not None:
                 self._put_back(pubsub, channel, waiter)
 
+    def _take_idle(self, channel: bytes) -> tuple[Any, bytes | None]:
+        """An idle pub/sub connection, preferably one still subscribed to ``channel``."""
+        with self._creating:
+            if not self._idle:
+                return None, None
+            index = next(
+                (i for i, entry in enumerate(self._idle) if entry[1] == channel),
+                len(self._idle) - 1,
+            )
+            pubsub, subscribed, _ = self._idle.pop(index)
+            return pubsub, subscribed
+
     def _put_back(self, pubsub: Any, channel: bytes, waiter: Waiter) -> None:
-        reusable = isinstance(waiter, _PubSubWaiter) and not waiter.broken
-        try:
-            if reusable:
+        # The subscription lingers for a moment: a process that waits on the same name
+        # again (the usual case under contention) skips UNSUBSCRIBE and SUBSCRIBE, which
+        # would otherwise sit between a wake-up and the caller getting the lock.
+        with self._creating:
+            keep = isinstance(waiter, _PubSubWaiter) and not waiter.broken
+            if keep and len(self._idle) < IDLE_SUBSCRIBERS:
+                self._idle.append((pubsub, channel, time.monotonic()))
+                return
+        self._close_pubsub(pubsub)
+
+    def _unsubscribe_lingering(self) -> None:
+        """Stop idle subscriptions older than LINGER, so idle connections do not keep
+        collecting other clients' wake-ups."""
+        cutoff = time.monotonic() - LINGER
+        with self._creating:
+            stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
+            for entry in stale:
+                self._idle.remove(entry)
+        for pubsub, channel, since in stale:
+            try:
                 pubsub.unsubscribe(channel)
-        except (*ERRORS, OSError):
-            reusable = False
-        if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
-            self._idle.append(pubsub)
-        else:
-            self._close_pubsub(pubsub)
+            except (*ERRORS, OSError):
+                self._close_pubsub(pubsub)
+                continue
+            with self._creating:
+                self._idle.append((pubsub, None, since))
 
     def raise_fence(self, name: str, token: str, floor: int) -> bool:
         """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
@@ -513,7 +545,7 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
-        for pubsub in idle:
+        for pubsub, _, _ in idle:
             self._close_pubsub(pubsub)
         subscriber, self._subscriber = self._subscriber, None
         if subscriber is not None and subscriber is not self._client:
