@@ -13,6 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import free_port
+from tests.servers.redis import (  # noqa: F401
+    redis_cluster,
+    redis_server,
+    redlock_servers,
+    redlock_url,
+)
+
 
 @dataclass(frozen=True)
 class BackendUnderTest:
@@ -26,6 +34,20 @@ BACKENDS: dict[str, BackendUnderTest] = {
     "sqlite": BackendUnderTest(
         url=lambda request, tmp: f"sqlite://{tmp}/locks.sqlite3",
         unreachable_url=lambda request, tmp: "sqlite:///proc/dlock-no-such-dir/locks.sqlite3",
+    ),
+    "redis": BackendUnderTest(
+        url=lambda request, tmp: f"redis://{request.getfixturevalue('redis_server').address}/0",
+        unreachable_url=lambda request, tmp: f"redis://127.0.0.1:{free_port()}/0",
+    ),
+    "redis-cluster": BackendUnderTest(
+        url=lambda request, tmp: request.getfixturevalue("redis_cluster").url,
+        unreachable_url=lambda request, tmp: f"redis+cluster://127.0.0.1:{free_port()}",
+    ),
+    "redlock": BackendUnderTest(
+        url=lambda request, tmp: redlock_url(request.getfixturevalue("redlock_servers")),
+        unreachable_url=lambda request, tmp: (
+            "redis+redlock://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+        ),
     ),
 }
 

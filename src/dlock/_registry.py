@@ -24,6 +24,12 @@ class Entry:
 
 BACKENDS: dict[str, Entry] = {
     "sqlite": Entry("sqlite"),
+    "redis": Entry("redis", "redis", ("redis",)),
+    "rediss": Entry("redis", "redis", ("redis",)),
+    "redis+cluster": Entry("redis", "redis", ("redis",)),
+    "rediss+cluster": Entry("redis", "redis", ("redis",)),
+    "redis+redlock": Entry("redlock", "redis", ("redis",)),
+    "rediss+redlock": Entry("redlock", "redis", ("redis",)),
 }
 
 
