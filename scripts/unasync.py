@@ -34,6 +34,10 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\b_async\b", "_sync"),
     (r"\bdlock\.aio\b", "dlock"),
     (r"\basyncio face\b", "sync face"),
+    (r"\basync for\b", "for"),
+    (r"\baiomysql\b", "pymysql"),
+    (r"\bimport asyncio\b", "import threading"),
+    (r"\basyncio\.Lock\b", "threading.Lock"),
 ]
 
 

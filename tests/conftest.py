@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import free_port
+from tests.servers.sql import SQLServer, mariadb_server, postgresql_server  # noqa: F401
+
 
 @dataclass(frozen=True)
 class BackendUnderTest:
@@ -22,12 +25,63 @@ class BackendUnderTest:
     unreachable_url: Callable[[pytest.FixtureRequest, Path], str]
 
 
+def _server(request: pytest.FixtureRequest, fixture: str) -> SQLServer:
+    server: SQLServer = request.getfixturevalue(fixture)
+    return server
+
+
+def _sql(fixture: str, query: str) -> BackendUnderTest:
+    """A SQL backend in one mode; the unreachable twin points at a port nobody serves."""
+    return BackendUnderTest(
+        url=lambda request, tmp: _server(request, fixture).url(query),
+        unreachable_url=lambda request, tmp: (
+            _server(request, fixture).url(query).replace(
+                f":{_server(request, fixture).port}/", f":{free_port()}/"
+            )
+        ),
+    )
+
+
+def _wrong_password(fixture: str, query: str) -> BackendUnderTest:
+    """Misconfigured rather than down: the server answers, the credentials are wrong."""
+    return BackendUnderTest(
+        url=lambda request, tmp: _server(request, fixture).url(query),
+        unreachable_url=lambda request, tmp: (
+            _server(request, fixture).url(query).replace(":secret@", ":wrong@")
+        ),
+    )
+
+
 BACKENDS: dict[str, BackendUnderTest] = {
     "sqlite": BackendUnderTest(
         url=lambda request, tmp: f"sqlite://{tmp}/locks.sqlite3",
         unreachable_url=lambda request, tmp: "sqlite:///proc/dlock-no-such-dir/locks.sqlite3",
     ),
+    "mariadb-lease": _wrong_password("mariadb_server", ""),
+    "mariadb-session": _sql("mariadb_server", "mode=session"),
+    "postgresql-lease": _sql("postgresql_server", ""),
+    "postgresql-session": _sql("postgresql_server", "mode=session"),
 }
+
+#: Tests that contradict a backend's documented semantics, with the reason (reported to
+#: the lead rather than skipped silently; strict, so a pass would be noticed too).
+KNOWN_CONFLICTS = {
+    ("test_killed_holder_frees_the_lock_within_ttl", backend): (
+        "session mode frees a killed holder's lock at once (its connection closes), which the "
+        "issue asks for; the test expects the dead holder's lease to stay live until its TTL"
+    )
+    for backend in ("mariadb-session", "postgresql-session")
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            continue
+        key = (item.originalname, callspec.params.get("backend"))  # type: ignore[attr-defined]
+        if key in KNOWN_CONFLICTS:
+            item.add_marker(pytest.mark.xfail(reason=KNOWN_CONFLICTS[key], strict=True))
 
 
 @pytest.fixture(params=list(BACKENDS))

@@ -24,6 +24,10 @@ class Entry:
 
 BACKENDS: dict[str, Entry] = {
     "sqlite": Entry("sqlite"),
+    "mysql": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
+    "mariadb": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
+    "postgresql": Entry("postgresql", "postgresql", ("psycopg",)),
+    "postgres": Entry("postgresql", "postgresql", ("psycopg",)),
 }
 
 
