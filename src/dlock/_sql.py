@@ -348,7 +348,7 @@ def _pg_session_inspection(table: str) -> dict[str, str]:
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {POSTGRESQL.prefix_match} AND {held} ORDER BY name""",
         "session_force_release": f"""
-            SELECT pg_terminate_backend(session) FROM {table}
+            SELECT pg_terminate_backend(session::int) FROM {table}
             WHERE name = %(name)s AND {held}""",
     }
 
@@ -373,9 +373,12 @@ def mysql_statements(table: str) -> dict[str, str]:
                 count = IF({live} AND owner = %(owner)s, count + 1, 1),
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s AND (NOT {live} OR (owner = %(owner)s AND %(reentrant)s))""",
+        # Inserted: the insert id is 1. Already there: the update clause, evaluated after
+        # VALUES, resets it to 0 and changes nothing (INSERT IGNORE would warn instead).
         "create_row": f"""
-            INSERT IGNORE INTO {table} (name, owner, fence, count, expires, holder)
-            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s)""",
+            INSERT INTO {table} (name, owner, fence, count, expires, holder)
+            VALUES (%(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s)
+            ON DUPLICATE KEY UPDATE fence = fence + LAST_INSERT_ID(0)""",
         "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
         "release": f"""
             UPDATE {table} SET

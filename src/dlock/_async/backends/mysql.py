@@ -15,6 +15,7 @@ import ssl
 from typing import Any
 
 import aiomysql
+import aiomysql.cursors
 import pymysql
 from pymysql.constants import CLIENT
 
@@ -53,6 +54,14 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     return context
 
 
+class _QuietCursor(aiomysql.cursors.Cursor):
+    """aiomysql turns server notes into Python warnings with an extra SHOW WARNINGS round
+    trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock needs neither."""
+
+    async def _show_warnings(self, conn: Any) -> None:
+        return None
+
+
 class AsyncMySQLBackend(AsyncServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
         super().__init__(settings, mysql_statements(settings.table), MYSQL.schema(settings.table))
@@ -85,6 +94,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             # UPDATE reports matched rows, so an extend that changes nothing still counts.
             "client_flag": CLIENT.FOUND_ROWS,
             "ssl": self._ssl,
+            "cursorclass": _QuietCursor,
         }
         if IS_ASYNC:
             kwargs["db"] = s.database
@@ -158,7 +168,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         if len(self._known) >= KNOWN_NAMES:
             self._known.clear()
         self._known.add(params["name"])
-        if created.rowcount > 0:
+        if created.insert_id == 1:
             return Acquired(1, 1)
         # Someone else's row appeared (or was there): one more try for a free one.
         result = await self._call("acquire", params)

@@ -16,6 +16,7 @@ import ssl
 from typing import Any
 
 import pymysql
+import pymysql.cursors
 from pymysql.constants import CLIENT
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -53,6 +54,14 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     return context
 
 
+class _QuietCursor(pymysql.cursors.Cursor):
+    """pymysql turns server notes into Python warnings with an extra SHOW WARNINGS round
+    trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock needs neither."""
+
+    def _show_warnings(self, conn: Any) -> None:
+        return None
+
+
 class MySQLBackend(ServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
         super().__init__(settings, mysql_statements(settings.table), MYSQL.schema(settings.table))
@@ -85,6 +94,7 @@ class MySQLBackend(ServerSQLBackend):
             # UPDATE reports matched rows, so an extend that changes nothing still counts.
             "client_flag": CLIENT.FOUND_ROWS,
             "ssl": self._ssl,
+            "cursorclass": _QuietCursor,
         }
         if IS_ASYNC:
             kwargs["db"] = s.database
@@ -158,7 +168,7 @@ class MySQLBackend(ServerSQLBackend):
         if len(self._known) >= KNOWN_NAMES:
             self._known.clear()
         self._known.add(params["name"])
-        if created.rowcount > 0:
+        if created.insert_id == 1:
             return Acquired(1, 1)
         # Someone else's row appeared (or was there): one more try for a free one.
         result = self._call("acquire", params)
