@@ -35,9 +35,9 @@ def _sql(fixture: str, query: str) -> BackendUnderTest:
     return BackendUnderTest(
         url=lambda request, tmp: _server(request, fixture).url(query),
         unreachable_url=lambda request, tmp: (
-            _server(request, fixture).url(query).replace(
-                f":{_server(request, fixture).port}/", f":{free_port()}/"
-            )
+            _server(request, fixture)
+            .url(query)
+            .replace(f":{_server(request, fixture).port}/", f":{free_port()}/")
         ),
     )
 

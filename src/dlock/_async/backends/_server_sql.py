@@ -13,6 +13,7 @@ stops renewing (paused, partitioned) loses the lock as it would lose a lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from abc import abstractmethod
@@ -180,10 +181,9 @@ class AsyncServerSQLBackend(AsyncBackend):
             self._overflow.append(conn)
 
     async def _drop(self, conn: Conn) -> None:
-        try:
+        # A broken connection may fail to close; it is gone either way.
+        with contextlib.suppress(Exception):
             await self._driver_close(conn.raw)
-        except Exception:  # noqa: S110 - a broken connection may fail to close; it is gone
-            pass
 
     def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
         if isinstance(exc, BackendError):
@@ -323,10 +323,11 @@ class AsyncServerSQLBackend(AsyncBackend):
         """Re-entry or partial release: keep the row's count (for inspection) in step."""
         async with held.mutex:
             try:
-                result = await self._run(
-                    held.conn, self._sql["session_count"], self._params(held.name, token, delta=delta)
-                )
+                params = self._params(held.name, token, delta=delta)
+                result = await self._run(held.conn, self._sql["session_count"], params)
             except BackendError:
+                result = None
+            if result is None or result.rowcount == 0:
                 await self._session_lost(token, held)
                 return None
         held.count += delta

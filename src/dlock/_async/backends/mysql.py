@@ -54,7 +54,7 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     return context
 
 
-class _QuietCursor(aiomysql.cursors.Cursor):
+class _QuietCursor(aiomysql.cursors.Cursor):  # type: ignore[misc]
     """aiomysql turns server notes into Python warnings with an extra SHOW WARNINGS round
     trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock needs neither."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,19 +67,19 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
                 raw = await raw
             await raw.set_autocommit(True)
             return raw
-        return await psycopg.AsyncConnection.connect(
-            host=s.host,
-            port=s.port,
-            user=s.user,
-            password=s.password,
-            dbname=s.database,
+        params: dict[str, Any] = {
+            "host": s.host,
+            "port": s.port,
+            "user": s.user,
+            "password": s.password,
+            "dbname": s.database,
             # libpq counts whole seconds, at least 2.
-            connect_timeout=max(2, math.ceil(s.connect_timeout)),
+            "connect_timeout": max(2, math.ceil(s.connect_timeout)),
             # The kernel gives up on a peer that stops acknowledging (a dead server).
-            tcp_user_timeout=int(s.timeout * 1000),
-            autocommit=True,
+            "tcp_user_timeout": int(s.timeout * 1000),
             **s.extra,
-        )
+        }
+        return await psycopg.AsyncConnection.connect(autocommit=True, **params)
 
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         cursor = await raw.execute(sql, params)
@@ -135,7 +135,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         result = await self._call("release", params)
         return int(result.rows[0][0]) if result.rows else None
 
-    async def extend_many(self, leases: list[Lease]) -> list[bool]:  # type: ignore[override]
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         if self._session_mode or len(leases) == 1:
             return [await self.extend(x.name, x.token, x.ttl) for x in leases]
         params = {

@@ -13,6 +13,7 @@ stops renewing (paused, partitioned) loses the lock as it would lose a lease.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -179,10 +180,9 @@ class ServerSQLBackend(Backend):
             self._overflow.append(conn)
 
     def _drop(self, conn: Conn) -> None:
-        try:
+        # A broken connection may fail to close; it is gone either way.
+        with contextlib.suppress(Exception):
             self._driver_close(conn.raw)
-        except Exception:  # noqa: S110 - a broken connection may fail to close; it is gone
-            pass
 
     def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
         if isinstance(exc, BackendError):
@@ -322,12 +322,11 @@ class ServerSQLBackend(Backend):
         """Re-entry or partial release: keep the row's count (for inspection) in step."""
         with held.mutex:
             try:
-                result = self._run(
-                    held.conn,
-                    self._sql["session_count"],
-                    self._params(held.name, token, delta=delta),
-                )
+                params = self._params(held.name, token, delta=delta)
+                result = self._run(held.conn, self._sql["session_count"], params)
             except BackendError:
+                result = None
+            if result is None or result.rowcount == 0:
                 self._session_lost(token, held)
                 return None
         held.count += delta

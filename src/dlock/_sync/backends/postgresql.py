@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,19 +68,19 @@ class PostgreSQLBackend(ServerSQLBackend):
                 raw = raw
             raw.set_autocommit(True)
             return raw
-        return psycopg.Connection.connect(
-            host=s.host,
-            port=s.port,
-            user=s.user,
-            password=s.password,
-            dbname=s.database,
+        params: dict[str, Any] = {
+            "host": s.host,
+            "port": s.port,
+            "user": s.user,
+            "password": s.password,
+            "dbname": s.database,
             # libpq counts whole seconds, at least 2.
-            connect_timeout=max(2, math.ceil(s.connect_timeout)),
+            "connect_timeout": max(2, math.ceil(s.connect_timeout)),
             # The kernel gives up on a peer that stops acknowledging (a dead server).
-            tcp_user_timeout=int(s.timeout * 1000),
-            autocommit=True,
+            "tcp_user_timeout": int(s.timeout * 1000),
             **s.extra,
-        )
+        }
+        return psycopg.Connection.connect(autocommit=True, **params)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         cursor = raw.execute(sql, params)
@@ -136,7 +136,7 @@ class PostgreSQLBackend(ServerSQLBackend):
         result = self._call("release", params)
         return int(result.rows[0][0]) if result.rows else None
 
-    def extend_many(self, leases: list[Lease]) -> list[bool]:  # type: ignore[override]
+    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         if self._session_mode or len(leases) == 1:
             return [self.extend(x.name, x.token, x.ttl) for x in leases]
         params = {
