@@ -230,8 +230,10 @@ def run(db: str, iterations: int, processes: int, sections: int) -> None:
         cleanup: list[Callable[[], None]] = []
         loop = asyncio.new_event_loop()
         try:
-            raw = postgresql_raw(server, cleanup) if db == "postgresql" else mariadb_raw(
-                server, cleanup
+            raw = (
+                postgresql_raw(server, cleanup)
+                if db == "postgresql"
+                else mariadb_raw(server, cleanup)
             )
             lease_sync, lease_async = dlock_ops(lease_url, loop, cleanup)
             session_sync, session_async = dlock_ops(session_url, loop, cleanup)

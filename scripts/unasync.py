@@ -36,8 +36,6 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\basyncio face\b", "sync face"),
     (r"\basync for\b", "for"),
     (r"\baiomysql\b", "pymysql"),
-    (r"\bimport asyncio\b", "import threading"),
-    (r"\basyncio\.Lock\b", "threading.Lock"),
 ]
 
 

@@ -180,9 +180,12 @@ def limited_url(server: SQLServer) -> Iterator[str]:
 
 
 def test_missing_privilege_to_create_the_table_is_a_clear_error(limited_url: str) -> None:
-    with dlock.connect(limited_url, table=f"noperm_{uuid.uuid4().hex[:8]}") as client:
-        with pytest.raises(dlock.BackendError, match="dlock init"):
-            client.lock("x", ttl=5).acquire(timeout=0)
+    table = f"noperm_{uuid.uuid4().hex[:8]}"
+    with (
+        dlock.connect(limited_url, table=table) as client,
+        pytest.raises(dlock.BackendError, match="dlock init"),
+    ):
+        client.lock("x", ttl=5).acquire(timeout=0)
 
 
 def test_read_only_server_is_a_clear_error(server: SQLServer, name: str) -> None:
@@ -190,9 +193,11 @@ def test_read_only_server_is_a_clear_error(server: SQLServer, name: str) -> None
     if server.scheme == "postgresql":
         run("ALTER DATABASE postgres SET default_transaction_read_only = on", ())
         try:
-            with dlock.connect(server.url()) as client:
-                with pytest.raises(dlock.BackendError, match="read-only"):
-                    client.lock(name, ttl=5).acquire(timeout=0)
+            with (
+                dlock.connect(server.url()) as client,
+                pytest.raises(dlock.BackendError, match="read-only"),
+            ):
+                client.lock(name, ttl=5).acquire(timeout=0)
         finally:
             with psycopg.connect(server.url(), autocommit=True) as conn:
                 conn.execute("SET default_transaction_read_only = off")
@@ -204,9 +209,11 @@ def test_read_only_server_is_a_clear_error(server: SQLServer, name: str) -> None
     run("SET GLOBAL read_only = 1", ())
     try:
         url = server.url().replace("dlock:secret@", f"{user}:pw@")
-        with dlock.connect(url) as client:
-            with pytest.raises(dlock.BackendError, match="read-only"):
-                client.lock(name, ttl=5).acquire(timeout=0)
+        with (
+            dlock.connect(url) as client,
+            pytest.raises(dlock.BackendError, match="read-only"),
+        ):
+            client.lock(name, ttl=5).acquire(timeout=0)
     finally:
         run("SET GLOBAL read_only = 0", ())
         run(f"DROP USER '{user}'", ())

@@ -239,63 +239,21 @@ MYSQL = Dialect(
 
 
 def postgresql_statements(table: str) -> dict[str, str]:
-    """PostgreSQL: every lease operation is one statement, one round trip."""
+    """PostgreSQL: every operation is one statement, one round trip."""
     d = POSTGRESQL
     now = d.now
     # Inside ON CONFLICT, "x" is the existing row.
     live = d.live("x.")
     reenter = f"({live} AND x.owner = %(owner)s AND %(reentrant)s)"
-    return {
-        # A free or expired name is taken (fence + 1), a live one re-entered by its owner
-        # (count + 1), anything else left alone; the busy branch reports the time left
-        # from the same statement's snapshot, as a hint for the waiter.
-        "acquire": f"""
-            WITH old AS (SELECT expires - {now} AS time_left FROM {table}
-                         WHERE name = %(name)s AND {d.live()}),
-            up AS (
-                INSERT INTO {table} AS x (name, owner, fence, count, expires, holder)
-                VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s)
-                ON CONFLICT (name) DO UPDATE SET
-                    fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
-                    count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
-                    owner = excluded.owner, expires = excluded.expires,
-                    holder = excluded.holder
-                WHERE NOT {live} OR {reenter}
-                RETURNING fence, count)
-            SELECT fence, count, NULL::float8 FROM up
-            UNION ALL
-            SELECT NULL, NULL, time_left FROM old WHERE NOT EXISTS (SELECT 1 FROM up)""",
-        # The last release wakes waiters on the name's channel, in the same statement.
-        "release": f"""
-            WITH r AS (
-                UPDATE {table} SET
-                    count = count - 1,
-                    owner = CASE WHEN count > 1 THEN owner END,
-                    holder = CASE WHEN count > 1 THEN holder END
-                WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
-                RETURNING count)
-            SELECT count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END FROM r""",
-        "extend": d.extend(table) + " RETURNING 1",
-        "extend_many": f"""
-            UPDATE {table} AS x SET expires = {now} + v.ttl
-            FROM (SELECT * FROM unnest(%(names)s::bytea[], %(owners)s::text[],
-                                       %(ttls)s::float8[])) AS v(name, owner, ttl)
-            WHERE x.name = v.name AND x.owner = v.owner AND x.expires > {now}
-            RETURNING x.name, x.owner""",
-        "inspect": d.inspect(table),
-        "list": d.list(table),
-        "force_release": f"""
-            WITH r AS (
-                UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-                WHERE name = %(name)s AND {d.live()} RETURNING 1)
-            SELECT pg_notify(%(channel)s, '') FROM r""",
-        # Session mode: the advisory lock is the lock; the row carries fencing counter,
-        # holder and advisory key for inspection. Taking the lock and bumping the
-        # counter is one statement; the idle timeout makes the server end a session
-        # (freeing its lock) whose holder stops renewing.
-        "session_acquire": f"""
-            WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok,
-                              set_config('idle_session_timeout', %(idle_ms)s, false) AS c)
+    # Session mode: a row is held while its session still holds the advisory lock (the
+    # 64-bit key is split by PostgreSQL into classid, the high half, and objid, the low).
+    held = f"""EXISTS (SELECT 1 FROM pg_locks l
+                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                  AND l.pid = {table}.session
+                  AND l.classid::bigint = ({table}.lock_key >> 32) & 4294967295
+                  AND l.objid::bigint = {table}.lock_key & 4294967295)"""
+    columns = f"name, fence, count, expires - {now}, holder"
+    session_upsert = f"""
             INSERT INTO {table} AS x
                 (name, owner, fence, count, expires, holder, session, lock_key)
             SELECT %(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s,
@@ -305,19 +263,52 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 fence = x.fence + 1, owner = excluded.owner, count = 1,
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
-            RETURNING fence, session""",
-        "session_record": f"""
-            WITH l AS (SELECT set_config('idle_session_timeout', %(idle_ms)s, false) AS c)
-            INSERT INTO {table} AS x
-                (name, owner, fence, count, expires, holder, session, lock_key)
-            SELECT %(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s,
-                   pg_backend_pid(), %(key)s
-            FROM l
+            RETURNING fence, session"""
+    return {
+        # A free or expired name is taken (fence + 1), a live one re-entered by its owner
+        # (count + 1), anything else left alone. The row lock taken by ON CONFLICT
+        # decides; nothing is read first.
+        "acquire": f"""
+            INSERT INTO {table} AS x (name, owner, fence, count, expires, holder)
+            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s)
             ON CONFLICT (name) DO UPDATE SET
-                fence = x.fence + 1, owner = excluded.owner, count = 1,
-                expires = excluded.expires, holder = excluded.holder,
-                session = excluded.session, lock_key = excluded.lock_key
-            RETURNING fence, session""",
+                fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
+                count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
+                owner = excluded.owner, expires = excluded.expires,
+                holder = excluded.holder
+            WHERE NOT {live} OR {reenter}
+            RETURNING fence, count""",
+        # Busy: when does the current lease end? A hint for the waiter.
+        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s",
+        # The last release wakes waiters on the name's channel, in the same statement.
+        "release": f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
+            RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END""",
+        "extend": d.extend(table) + " RETURNING 1",
+        "extend_many": _pg_extend_many(table, ""),
+        "inspect": d.inspect(table),
+        "list": d.list(table),
+        "force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {d.live()}
+            RETURNING pg_notify(%(channel)s, '')""",
+        # Session mode: the advisory lock excludes; the row carries the fencing counter,
+        # the holder, its lease and its session. Taking the lock and bumping the counter
+        # is one statement; when busy, the same statement tells how long the holder's
+        # lease lasts.
+        "session_acquire": f"""
+            WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
+            up AS ({session_upsert})
+            SELECT fence, session, NULL::float8 FROM up
+            UNION ALL
+            SELECT NULL, NULL, expires - {now} FROM {table}, l
+            WHERE NOT l.ok AND name = %(name)s""",
+        # A waiter got the lock inside the server: record it.
+        "session_record": f"WITH l AS (SELECT true AS ok) {session_upsert}",
         "session_wait": """
             SELECT pg_advisory_lock(%(key)s)
             FROM (SELECT set_config('lock_timeout', %(wait_ms)s, false)) AS s""",
@@ -325,32 +316,32 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "session_count": f"""
             UPDATE {table} SET count = count + %(delta)s
             WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
-        "session_extend": f"""
-            WITH l AS (SELECT set_config('idle_session_timeout', %(idle_ms)s, false) AS c)
-            UPDATE {table} SET expires = {now} + %(ttl)s FROM l
-            WHERE name = %(name)s AND owner = %(owner)s RETURNING 1""",
-        **_pg_session_inspection(table),
-    }
-
-
-def _pg_session_inspection(table: str) -> dict[str, str]:
-    now = POSTGRESQL.now
-    # A row is live while its session still holds the advisory lock (the 64-bit key is
-    # split by PostgreSQL into classid, the high half, and objid, the low half).
-    held = f"""EXISTS (SELECT 1 FROM pg_locks l
-                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                  AND l.pid = {table}.session
-                  AND l.classid::bigint = ({table}.lock_key >> 32) & 4294967295
-                  AND l.objid::bigint = {table}.lock_key & 4294967295)"""
-    columns = f"name, fence, count, GREATEST(expires - {now}, 0), holder"
-    return {
-        "session_inspect": f"SELECT {columns} FROM {table} WHERE name = %(name)s AND {held}",
+        "session_extend": d.extend(table) + f" AND {held} RETURNING 1",
+        "session_extend_many": _pg_extend_many(table, f"AND {held}"),
+        # A holder whose lease ran out (paused, partitioned) still holds the advisory lock:
+        # only ending its session frees it, and only while the lease is still expired.
+        "session_evict": f"""
+            SELECT pg_terminate_backend(session::int) FROM {table}
+            WHERE name = %(name)s AND expires <= {now} AND {held}""",
+        "session_inspect": f"""SELECT {columns} FROM {table}
+            WHERE name = %(name)s AND {d.live()} AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}
-            WHERE {POSTGRESQL.prefix_match} AND {held} ORDER BY name""",
+            WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
         "session_force_release": f"""
             SELECT pg_terminate_backend(session::int) FROM {table}
             WHERE name = %(name)s AND {held}""",
     }
+
+
+def _pg_extend_many(table: str, condition: str) -> str:
+    now = POSTGRESQL.now
+    return f"""
+        UPDATE {table} SET expires = {now} + v.ttl
+        FROM (SELECT * FROM unnest(%(names)s::bytea[], %(owners)s::text[],
+                                   %(ttls)s::float8[])) AS v(name, owner, ttl)
+        WHERE {table}.name = v.name AND {table}.owner = v.owner AND {table}.expires > {now}
+        {condition}
+        RETURNING {table}.name, {table}.owner"""
 
 
 def mysql_statements(table: str) -> dict[str, str]:
@@ -362,6 +353,17 @@ def mysql_statements(table: str) -> dict[str, str]:
     d = MYSQL
     now = d.now
     live = d.live()
+    held = "IS_USED_LOCK(lock_key) = session"
+    columns = f"name, fence, count, expires - {now}, holder"
+    session_upsert = f"""
+            INSERT INTO {table} (name, owner, fence, count, expires, holder, session, lock_key)
+            SELECT %(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s,
+                   CONNECTION_ID(), %(key)s
+            FROM DUAL WHERE {{condition}}
+            ON DUPLICATE KEY UPDATE
+                fence = LAST_INSERT_ID(fence + 1), owner = %(owner)s, count = 1,
+                expires = {now} + %(ttl)s, holder = %(holder)s,
+                session = CONNECTION_ID(), lock_key = %(key)s"""
     return {
         # Rows are created free on first use of a name; from then on, acquire is one
         # UPDATE. Single-table UPDATE assigns left to right, so fence and count are
@@ -380,6 +382,7 @@ def mysql_statements(table: str) -> dict[str, str]:
             VALUES (%(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s)
             ON DUPLICATE KEY UPDATE fence = fence + LAST_INSERT_ID(0)""",
         "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
+        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s",
         "release": f"""
             UPDATE {table} SET
                 count = LAST_INSERT_ID(count - 1),
@@ -387,6 +390,13 @@ def mysql_statements(table: str) -> dict[str, str]:
                 holder = IF(count > 0, holder, NULL)
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}""",
         "extend": d.extend(table),
+        # Batches: {pairs} is "(%(n0)s, %(o0)s), (%(n1)s, %(o1)s), ..." built by the caller.
+        "extend_many": f"""
+            UPDATE {table} SET expires = {now} + %(ttl)s
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now}""",
+        "renewed": f"""
+            SELECT name, owner FROM {table}
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now}""",
         "inspect": d.inspect(table),
         "list": d.list(table),
         "force_release": f"""
@@ -394,45 +404,30 @@ def mysql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND {live}""",
         # Session mode: GET_LOCK inside the INSERT takes the lock and bumps the fencing
         # counter in one round trip; the row is written only if the lock was granted.
-        "session_acquire": f"""
-            INSERT INTO {table} (name, owner, fence, count, expires, holder, session, lock_key)
-            SELECT %(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s,
-                   CONNECTION_ID(), %(key)s
-            FROM DUAL WHERE GET_LOCK(%(key)s, 0) = 1
-            ON DUPLICATE KEY UPDATE
-                fence = LAST_INSERT_ID(fence + 1), owner = %(owner)s, count = 1,
-                expires = {now} + %(ttl)s, holder = %(holder)s,
-                session = CONNECTION_ID(), lock_key = %(key)s""",
-        "session_record": f"""
-            INSERT INTO {table} (name, owner, fence, count, expires, holder, session, lock_key)
-            VALUES (%(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s,
-                    CONNECTION_ID(), %(key)s)
-            ON DUPLICATE KEY UPDATE
-                fence = LAST_INSERT_ID(fence + 1), owner = %(owner)s, count = 1,
-                expires = {now} + %(ttl)s, holder = %(holder)s,
-                session = CONNECTION_ID(), lock_key = %(key)s""",
+        "session_acquire": session_upsert.format(condition="GET_LOCK(%(key)s, 0) = 1"),
+        "session_record": session_upsert.format(condition="TRUE"),
+        "session_time_left": f"""
+            SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {held}""",
         "session_wait": "SELECT GET_LOCK(%(key)s, %(wait)s)",
         "session_unlock": "SELECT RELEASE_LOCK(%(key)s)",
         "session_count": f"""
             UPDATE {table} SET count = LAST_INSERT_ID(count + %(delta)s)
             WHERE name = %(name)s AND owner = %(owner)s""",
-        "session_extend": f"""
+        "session_extend": d.extend(table) + f" AND {held}",
+        "session_extend_many": f"""
             UPDATE {table} SET expires = {now} + %(ttl)s
-            WHERE name = %(name)s AND owner = %(owner)s""",
-        "session_timeout": "SET SESSION wait_timeout = %(idle_s)s",
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now} AND {held}""",
+        "session_renewed": f"""
+            SELECT name, owner FROM {table}
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now} AND {held}""",
+        "session_expired_holder": f"""
+            SELECT session FROM {table}
+            WHERE name = %(name)s AND expires <= {now} AND {held}""",
+        "session_inspect": f"""SELECT {columns} FROM {table}
+            WHERE name = %(name)s AND {live} AND {held}""",
+        "session_list": f"""SELECT {columns} FROM {table}
+            WHERE {d.prefix_match} AND {live} AND {held} ORDER BY name""",
+        "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
         # KILL takes a literal; PyMySQL interpolates the integer parameter client-side.
         "kill": "KILL CONNECTION %(id)s",
-        **_mysql_session_inspection(table),
-    }
-
-
-def _mysql_session_inspection(table: str) -> dict[str, str]:
-    now = MYSQL.now
-    held = "IS_USED_LOCK(lock_key) = session"
-    columns = f"name, fence, count, GREATEST(expires - {now}, 0), holder"
-    return {
-        "session_inspect": f"SELECT {columns} FROM {table} WHERE name = %(name)s AND {held}",
-        "session_list": f"""SELECT {columns} FROM {table}
-            WHERE {MYSQL.prefix_match} AND {held} ORDER BY name""",
-        "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
     }

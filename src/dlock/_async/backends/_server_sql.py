@@ -4,27 +4,28 @@ Each database module supplies the driver calls and its dialect's statements
 (``dlock._sql``); the lease rules, the session-lock bookkeeping and the waiting live
 here once.
 
-Lease mode keeps leases in a table, decided by the server's clock. Session mode uses the
-database's own lock (``GET_LOCK``, advisory locks), held by one dedicated connection per
-lock; the server ends that session when it has been idle for the TTL, so a holder that
-stops renewing (paused, partitioned) loses the lock as it would lose a lease.
+Lease mode keeps leases in a table, decided by the server's clock. Session mode takes the
+database's own lock (``GET_LOCK``, advisory locks) on a connection dedicated to it, and
+pairs it with a lease row renewed like lease mode's (in batches, on any connection). A
+crashed holder's connection closes and frees the lock at once; a holder that stops
+renewing (paused, partitioned) is evicted by the next acquirer once its lease has run
+out by the server's clock, by ending its database session.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
 from abc import abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import ServerSettings, encode_name, lock_info
-from ..._types import Acquired, Busy, Holder, LockInfo
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import call_with_timeout
 from ..backend import AsyncBackend, AsyncWaiter
 
@@ -44,8 +45,6 @@ class Conn:
     """A driver connection and what we set on its session."""
 
     raw: Any
-    #: The server closes the session after this many idle seconds (session mode), or None.
-    idle_limit: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     #: The database's id of this session (backend pid, connection id).
     session_id: int | None = None
@@ -62,8 +61,6 @@ class Held:
     key: Any
     fence: int
     count: int = 1
-    #: Serialises the caller's and the renewer's use of the one connection.
-    mutex: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class AsyncServerSQLBackend(AsyncBackend):
@@ -104,15 +101,19 @@ class AsyncServerSQLBackend(AsyncBackend):
         """True when a blocking lock wait ended by its timeout (not a failure)."""
 
     @abstractmethod
-    async def _session_idle(self, conn: Conn, ttl: float, params: dict[str, Any]) -> None:
-        """Make the server end ``conn``'s session after ``ttl`` idle seconds."""
-
-    @abstractmethod
     def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
         """(fence, session id) from a session acquire, or None if the lock was busy."""
 
     @abstractmethod
     def _session_key(self, name: str) -> Any: ...
+
+    @abstractmethod
+    async def _session_time_left(self, name: str, result: Result) -> float | None:
+        """Seconds left on the lease of the holder of a busy session lock, if known."""
+
+    @abstractmethod
+    async def _session_evict(self, name: str) -> None:
+        """End the session of a holder whose lease has run out (it still holds the lock)."""
 
     # -- connections -----------------------------------------------------------------
 
@@ -160,17 +161,10 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._schema_ready = True
 
     async def _take(self) -> Conn:
-        now = time.monotonic()
-        while True:
-            try:
-                conn = self._idle.pop()
-            except IndexError:
-                return await self._connect()
-            # The server ends sessions idle past their limit; do not hand out a dead one.
-            if conn.idle_limit is not None and now - conn.last_used > conn.idle_limit * 0.7:
-                await self._drop(conn)
-                continue
-            return conn
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return await self._connect()
 
     def _give(self, conn: Conn) -> None:
         conn.last_used = time.monotonic()
@@ -204,19 +198,25 @@ class AsyncServerSQLBackend(AsyncBackend):
         except Exception as exc:
             raise self._wrap(exc) from exc
 
-    async def _call(self, key: str, params: dict[str, Any], retry: bool = False) -> Result:
-        """One statement on a pooled connection; ``retry`` once if that one had died."""
+    async def _call(self, key: str, params: dict[str, Any], sql: str | None = None) -> Result:
+        """One statement on a pooled connection.
+
+        A pooled connection may have died while idle (server restarted, session killed):
+        then the statement is tried once more on a new one. Should the first try have
+        committed after all, the retry errs on the safe side: an acquire finds its own
+        lease and reports busy (the lease expires), a release reports the lock lost.
+        """
         conn = await self._take()
-        reused = conn.uses > 0
+        statement = self._sql[key] if sql is None else sql
         try:
-            result = await self._run(conn, self._sql[key], params)
-        except BackendError:
+            result = await self._run(conn, statement, params)
+        except BackendUnavailable:
             await self._drop(conn)
-            if not (retry and reused):
+            if conn.uses == 0:
                 raise
             conn = await self._connect()
             try:
-                result = await self._run(conn, self._sql[key], params)
+                result = await self._run(conn, statement, params)
             except BaseException:
                 await self._drop(conn)
                 raise
@@ -265,18 +265,23 @@ class AsyncServerSQLBackend(AsyncBackend):
     async def extend(self, name: str, token: str, ttl: float) -> bool:
         if self._session_mode:
             return await self._session_extend(name, token, ttl)
-        result = await self._call("extend", self._params(name, token, ttl=ttl), retry=True)
+        result = await self._call("extend", self._params(name, token, ttl=ttl))
         return result.rowcount > 0
+
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        if len(leases) == 1:
+            return [await self.extend(leases[0].name, leases[0].token, leases[0].ttl)]
+        return await self._renewed(leases, await self._extend_batch(leases))
+
+    @abstractmethod
+    async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
+        """Renew many leases in as few round trips as the database allows; return the
+        (name, owner) pairs renewed."""
 
     async def inspect(self, name: str) -> LockInfo | None:
         key = "session_inspect" if self._session_mode else "inspect"
-        result = await self._call(key, {"name": encode_name(name)}, retry=True)
+        result = await self._call(key, {"name": encode_name(name)})
         return lock_info(*result.rows[0]) if result.rows else None
-
-    async def list(self, prefix: str) -> list[LockInfo]:
-        key = "session_list" if self._session_mode else "list"
-        result = await self._call(key, {"prefix": encode_name(prefix)}, retry=True)
-        return [lock_info(*row) for row in result.rows]
 
     # -- session mode ----------------------------------------------------------------
 
@@ -292,51 +297,50 @@ class AsyncServerSQLBackend(AsyncBackend):
         parked = self._parked.pop(token, None)
         conn = parked.conn if parked is not None else await self._take()
         key = self._session_key(name)
-        params = self._params(
-            name, token, ttl=ttl, holder=holder.to_json(), key=key, reentrant=reentrant
-        )
+        params = self._params(name, token, ttl=ttl, holder=holder.to_json(), key=key)
         try:
-            await self._session_idle(conn, ttl, params)
             statement = "session_record" if parked is not None else "session_acquire"
             result = await self._run(conn, self._sql[statement], params)
             granted = self._session_fence(result)
-            if granted is not None and granted[1] is not None and conn.session_id is None:
-                conn.session_id = granted[1]
-            if granted is not None and granted[1] not in (None, conn.session_id):
-                raise ConfigurationError(
-                    "session mode needs the same database session for the lock's lifetime, "
-                    "but consecutive statements ran in different sessions: a transaction-"
-                    "pooling proxy (PgBouncer transaction mode, ProxySQL multiplexing) is in "
-                    "front of the database; connect to it directly or use lease mode"
-                )
+            if granted is not None and granted[1] is not None:
+                if conn.session_id is None:
+                    conn.session_id = granted[1]
+                elif granted[1] != conn.session_id:
+                    raise ConfigurationError(
+                        "session mode needs one database session for the lock's lifetime, but "
+                        "statements on one connection ran in different sessions: a "
+                        "transaction-pooling proxy (PgBouncer transaction mode, ProxySQL "
+                        "multiplexing) is in front of the database; connect directly or use "
+                        "lease mode"
+                    )
         except BaseException:
             # Whatever happened, closing the session frees any lock it may have taken.
             await self._drop(conn)
             raise
         if granted is None:
             self._give(conn)
-            return Busy()
+            left = await self._session_time_left(name, result)
+            if left is not None and left <= 0:
+                await self._session_evict(name)
+                return Busy()
+            return Busy(retry_after=left)
         self._held[token] = Held(conn, name, key, granted[0])
         return Acquired(granted[0], 1)
 
     async def _session_count(self, token: str, held: Held, delta: int) -> int | None:
         """Re-entry or partial release: keep the row's count (for inspection) in step."""
-        async with held.mutex:
-            try:
-                params = self._params(held.name, token, delta=delta)
-                result = await self._run(held.conn, self._sql["session_count"], params)
-            except BackendError:
-                result = None
-            if result is None or result.rowcount == 0:
-                await self._session_lost(token, held)
-                return None
+        result = await self._call("session_count", self._params(held.name, token, delta=delta))
+        if result.rowcount == 0:
+            await self._session_lost(token)
+            return None
         held.count += delta
         return held.count
 
-    async def _session_lost(self, token: str, held: Held) -> None:
-        if self._held.get(token) is held:
-            del self._held[token]
-        await self._drop(held.conn)
+    async def _session_lost(self, token: str) -> None:
+        """Give up a session lock whose lease is gone: close its connection, freeing it."""
+        held = self._held.pop(token, None)
+        if held is not None:
+            await self._drop(held.conn)
 
     async def _session_release(self, name: str, token: str) -> int | None:
         held = self._held.get(token)
@@ -344,14 +348,14 @@ class AsyncServerSQLBackend(AsyncBackend):
             return None
         if held.count > 1:
             return await self._session_count(token, held, -1)
-        async with held.mutex:
-            self._held.pop(token, None)
-            try:
-                result = await self._run(held.conn, self._sql["session_unlock"], {"key": held.key})
-            except BackendError:
-                # The session is gone, and its lock with it: by now it is not ours.
-                await self._drop(held.conn)
-                return None
+        if self._held.pop(token, None) is None:
+            return None  # the renewer gave it up meanwhile
+        try:
+            result = await self._run(held.conn, self._sql["session_unlock"], {"key": held.key})
+        except BackendError:
+            # The session is gone, and its lock with it: by now it is not ours.
+            await self._drop(held.conn)
+            return None
         if result.rows and result.rows[0][0]:
             self._give(held.conn)
             return 0
@@ -359,18 +363,22 @@ class AsyncServerSQLBackend(AsyncBackend):
         return None
 
     async def _session_extend(self, name: str, token: str, ttl: float) -> bool:
-        held = self._held.get(token)
-        if held is None or held.name != name:
-            return False
-        async with held.mutex:
-            params = self._params(name, token, ttl=ttl)
-            try:
-                await self._session_idle(held.conn, ttl, params)
-                result = await self._run(held.conn, self._sql["session_extend"], params)
-            except BackendError:
-                await self._session_lost(token, held)
-                return False
-        return result.rowcount > 0
+        result = await self._call("session_extend", self._params(name, token, ttl=ttl))
+        if result.rowcount > 0:
+            return True
+        await self._session_lost(token)
+        return False
+
+    async def _renewed(
+        self, leases: Sequence[Lease], renewed: set[tuple[bytes, str]]
+    ) -> list[bool]:
+        """Which leases a batch renewed; session locks that were not are given up."""
+        results = [(encode_name(x.name), x.token) in renewed for x in leases]
+        if self._session_mode:
+            for lease, ok in zip(leases, results, strict=True):
+                if not ok:
+                    await self._session_lost(lease.token)
+        return results
 
     async def _session_wait(self, name: str, token: str, timeout: float) -> None:
         """Block inside the server until the lock is ours or ``timeout`` passes.
@@ -445,6 +453,12 @@ class AsyncServerSQLBackend(AsyncBackend):
     async def _session_force_release(self, name: str) -> bool:
         """End the holder's database session: only it can free the database's lock."""
 
+    # Last: below this point ``list`` names the method, not the builtin.
+    async def list(self, prefix: str) -> list[LockInfo]:
+        key = "session_list" if self._session_mode else "list"
+        result = await self._call(key, {"prefix": encode_name(prefix)})
+        return [lock_info(*row) for row in result.rows]
+
 
 class _SessionWaiter(AsyncWaiter):
     #: The wait happens inside the server and ends the moment the lock is free.
@@ -457,8 +471,3 @@ class _SessionWaiter(AsyncWaiter):
 
     async def wait(self, timeout: float) -> None:
         await self._backend._session_wait(self._name, self._token, timeout)
-
-
-def idle_seconds(ttl: float) -> int:
-    """MySQL's wait_timeout counts whole seconds; round up so a lease is never shortened."""
-    return max(1, math.ceil(ttl))

@@ -13,6 +13,7 @@ MariaDB is tested here, as MySQL 8 is not packaged by Debian.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from typing import Any
 
 import pymysql
@@ -28,9 +29,9 @@ from ..._sql import (
     named_lock_key,
     parse_server_url,
 )
-from ..._types import Acquired, Busy, Holder
+from ..._types import Acquired, Busy, Holder, Lease
 from .._primitives import IS_ASYNC
-from ._server_sql import Conn, Result, ServerSQLBackend, idle_seconds
+from ._server_sql import Result, ServerSQLBackend
 
 PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
 #: Names known to have a row; more than this many and the set starts over.
@@ -132,17 +133,29 @@ class MySQLBackend(ServerSQLBackend):
     def _is_lock_timeout(self, exc: BaseException) -> bool:
         return False  # GET_LOCK answers 0 on timeout
 
-    def _session_idle(self, conn: Conn, ttl: float, params: dict[str, Any]) -> None:
-        seconds = idle_seconds(ttl)
-        if conn.idle_limit != seconds:
-            self._run(conn, self._sql["session_timeout"], {"idle_s": seconds})
-            conn.idle_limit = seconds
-
     def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
         return (result.insert_id, None) if result.rowcount > 0 else None
 
     def _session_key(self, name: str) -> Any:
         return named_lock_key(self._table, name)
+
+    def _session_time_left(self, name: str, result: Result) -> float | None:
+        rows = (self._call("session_time_left", {"name": encode_name(name)})).rows
+        return float(rows[0][0]) if rows else None
+
+    def _session_evict(self, name: str) -> None:
+        rows = (self._call("session_expired_holder", {"name": encode_name(name)})).rows
+        for (session,) in rows:
+            self._kill(int(session))
+
+    def _kill(self, session: int) -> bool:
+        try:
+            self._call("kill", {"id": session})
+        except BackendError as exc:
+            if "Unknown thread" not in str(exc):
+                raise
+            return False  # it ended meanwhile
+        return True
 
     def _got_wait(self, result: Result) -> bool:
         return bool(result.rows) and result.rows[0][0] == 1
@@ -183,15 +196,29 @@ class MySQLBackend(ServerSQLBackend):
 
     def _session_force_release(self, name: str) -> bool:
         rows = (self._call("session_holder", {"name": encode_name(name)})).rows
-        if not rows:
-            return False
-        try:
-            self._call("kill", {"id": int(rows[0][0])})
-        except BackendError as exc:
-            if "Unknown thread" not in str(exc):
-                raise
-            return False
-        return True
+        return bool(rows) and self._kill(int(rows[0][0]))
+
+    def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
+        """Two round trips per distinct TTL (usually one): UPDATE, then read what is held."""
+        prefix = "session_" if self._session_mode else ""
+        renewed: set[tuple[bytes, str]] = set()
+        by_ttl: dict[float, list[Lease]] = {}
+        for lease in leases:
+            by_ttl.setdefault(lease.ttl, []).append(lease)
+        for ttl, group in by_ttl.items():
+            params: dict[str, Any] = {"ttl": ttl}
+            pairs = []
+            for i, lease in enumerate(group):
+                params[f"n{i}"] = encode_name(lease.name)
+                params[f"o{i}"] = lease.token
+                pairs.append(f"(%(n{i})s, %(o{i})s)")
+            placeholders = ", ".join(pairs)
+            update = self._sql[f"{prefix}extend_many"].format(pairs=placeholders)
+            self._call("", params, sql=update)
+            select = self._sql[f"{prefix}renewed"].format(pairs=placeholders)
+            rows = (self._call("", params, sql=select)).rows
+            renewed.update((bytes(name), bytes(owner).decode()) for name, owner in rows)
+        return renewed
 
 
 BACKEND = MySQLBackend

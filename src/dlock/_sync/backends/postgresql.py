@@ -104,18 +104,22 @@ class PostgreSQLBackend(ServerSQLBackend):
     def _is_lock_timeout(self, exc: BaseException) -> bool:
         return isinstance(exc, psycopg.errors.LockNotAvailable)
 
-    def _session_idle(self, conn: Conn, ttl: float, params: dict[str, Any]) -> None:
-        # Set in the same statement as the lock (set_config), so no extra round trip.
-        params["idle_ms"] = str(max(1, math.ceil(ttl * 1000)))
-        conn.idle_limit = ttl
-
     def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
-        if not result.rows:
-            return None
+        if not result.rows or result.rows[0][0] is None:
+            return None  # busy: the row is the holder's lease
         return int(result.rows[0][0]), int(result.rows[0][1])
 
     def _session_key(self, name: str) -> Any:
         return advisory_key(self._table, name)
+
+    def _session_time_left(self, name: str, result: Result) -> float | None:
+        # The acquire statement's busy branch reads the holder's lease in the same snapshot.
+        if result.rows and result.rows[0][2] is not None:
+            return float(result.rows[0][2])
+        return None
+
+    def _session_evict(self, name: str) -> None:
+        self._call("session_evict", {"name": encode_name(name)})
 
     # -- lease mode --------------------------------------------------------------------
 
@@ -124,29 +128,26 @@ class PostgreSQLBackend(ServerSQLBackend):
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
         result = self._call("acquire", params)
-        if not result.rows:
-            return Busy()
-        fence, count, left = result.rows[0]
-        if fence is None:
-            return Busy(retry_after=max(0.0, float(left)))
-        return Acquired(int(fence), int(count))
+        if result.rows:
+            return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        # Busy: one more round trip, only on this path, for when the lease ends.
+        left = (self._call("time_left", params)).rows
+        return Busy(retry_after=max(0.0, float(left[0][0])) if left else None)
 
     def _lease_release(self, name: str, token: str) -> int | None:
         params = self._params(name, token, channel=notify_channel(self._table, name))
         result = self._call("release", params)
         return int(result.rows[0][0]) if result.rows else None
 
-    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
-        if self._session_mode or len(leases) == 1:
-            return [self.extend(x.name, x.token, x.ttl) for x in leases]
+    def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         params = {
             "names": [encode_name(x.name) for x in leases],
             "owners": [x.token for x in leases],
             "ttls": [x.ttl for x in leases],
         }
-        result = self._call("extend_many", params, retry=True)
-        renewed = {(bytes(name), owner) for name, owner in result.rows}
-        return [(encode_name(x.name), x.token) in renewed for x in leases]
+        key = "session_extend_many" if self._session_mode else "extend_many"
+        result = self._call(key, params)
+        return {(bytes(name), owner) for name, owner in result.rows}
 
     def _lease_force_release(self, name: str) -> bool:
         params = {"name": encode_name(name), "channel": notify_channel(self._table, name)}
