@@ -141,7 +141,7 @@ def start_mariadb() -> SQLServer:
             "-uroot",
             "-e",
             "CREATE DATABASE dlock; CREATE USER 'dlock'@'%' IDENTIFIED BY 'secret';"
-            " GRANT ALL ON *.* TO 'dlock'@'%';",
+            " GRANT ALL ON *.* TO 'dlock'@'%' WITH GRANT OPTION;",
         ],
         check=True,
         capture_output=True,
