@@ -82,7 +82,8 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         return await psycopg.AsyncConnection.connect(autocommit=True, **params)
 
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
-        cursor = await raw.execute(sql, params)
+        # Without parameters psycopg uses the simple protocol (several statements allowed).
+        cursor = await raw.execute(sql, params or None)
         rows = await cursor.fetchall() if cursor.description else []
         return Result(rows, cursor.rowcount, 0)
 
@@ -154,16 +155,27 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     @asynccontextmanager
     async def _lease_waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
-        """LISTEN on the name's channel: the holder's release notifies in its statement."""
-        channel = check_identifier(notify_channel(self._table, name), "channel")
+        """Waiters queue on an advisory lock (the turnstile); the one in front LISTENs.
+
+        The holder's release notifies in its own statement. Were every waiter to listen,
+        each release would wake them all to race for the lease; through the turnstile the
+        server wakes one, in arrival order, and the rest stay blocked inside the server.
+        """
         try:
             raw = self._listeners.pop()
         except IndexError:
             raw = (await self._connect()).raw
+        waiter = _TurnstileWaiter(
+            self,
+            Conn(raw),
+            check_identifier(notify_channel(self._table, name), "channel"),
+            advisory_key(self._table + ":turnstile", name),
+        )
         try:
-            await self._run(Conn(raw), f"LISTEN {channel}", {})
-            yield _NotifyWaiter(raw)
-            await self._run(Conn(raw), f"UNLISTEN {channel}", {})
+            yield waiter
+            if waiter.in_front:
+                # One simple-protocol round trip; the next waiter moves to the front.
+                await self._run(waiter.conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
         except BaseException:
             await self._driver_close(raw)
             raise
@@ -180,15 +192,35 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         await super().aclose()
 
 
-class _NotifyWaiter(AsyncWaiter):
+class _TurnstileWaiter(AsyncWaiter):
     notifies = True
 
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
+    def __init__(self, backend: AsyncPostgreSQLBackend, conn: Conn, channel: str, key: int):
+        self._backend = backend
+        self.conn = conn
+        self._channel = channel
+        self._key = key
+        self.in_front = False
 
     async def wait(self, timeout: float) -> None:
+        if not self.in_front:
+            # Blocked inside the server until the waiters ahead have got the lock.
+            wait_ms = str(max(1, math.ceil(timeout * 1000)))
+            params = {"key": self._key, "wait_ms": wait_ms}
+            try:
+                await self._backend._run(
+                    self.conn, self._backend._sql["session_wait"], params, wait=timeout
+                )
+            except BackendError as exc:
+                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                    return
+                raise
+            self.in_front = True
+            # Listen before the core's next attempt, so no release goes unnoticed.
+            await self._backend._run(self.conn, f"LISTEN {self._channel}", {})
+            return
         try:
-            async for _ in self._raw.notifies(timeout=timeout, stop_after=1):
+            async for _ in self.conn.raw.notifies(timeout=timeout, stop_after=1):
                 pass
         except psycopg.Error as exc:
             raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc

@@ -83,7 +83,8 @@ class PostgreSQLBackend(ServerSQLBackend):
         return psycopg.Connection.connect(autocommit=True, **params)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
-        cursor = raw.execute(sql, params)
+        # Without parameters psycopg uses the simple protocol (several statements allowed).
+        cursor = raw.execute(sql, params or None)
         rows = cursor.fetchall() if cursor.description else []
         return Result(rows, cursor.rowcount, 0)
 
@@ -155,16 +156,27 @@ class PostgreSQLBackend(ServerSQLBackend):
 
     @contextmanager
     def _lease_waiter(self, name: str, token: str) -> Iterator[Waiter]:
-        """LISTEN on the name's channel: the holder's release notifies in its statement."""
-        channel = check_identifier(notify_channel(self._table, name), "channel")
+        """Waiters queue on an advisory lock (the turnstile); the one in front LISTENs.
+
+        The holder's release notifies in its own statement. Were every waiter to listen,
+        each release would wake them all to race for the lease; through the turnstile the
+        server wakes one, in arrival order, and the rest stay blocked inside the server.
+        """
         try:
             raw = self._listeners.pop()
         except IndexError:
             raw = (self._connect()).raw
+        waiter = _TurnstileWaiter(
+            self,
+            Conn(raw),
+            check_identifier(notify_channel(self._table, name), "channel"),
+            advisory_key(self._table + ":turnstile", name),
+        )
         try:
-            self._run(Conn(raw), f"LISTEN {channel}", {})
-            yield _NotifyWaiter(raw)
-            self._run(Conn(raw), f"UNLISTEN {channel}", {})
+            yield waiter
+            if waiter.in_front:
+                # One simple-protocol round trip; the next waiter moves to the front.
+                self._run(waiter.conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
         except BaseException:
             self._driver_close(raw)
             raise
@@ -181,15 +193,35 @@ class PostgreSQLBackend(ServerSQLBackend):
         super().close()
 
 
-class _NotifyWaiter(Waiter):
+class _TurnstileWaiter(Waiter):
     notifies = True
 
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
+    def __init__(self, backend: PostgreSQLBackend, conn: Conn, channel: str, key: int):
+        self._backend = backend
+        self.conn = conn
+        self._channel = channel
+        self._key = key
+        self.in_front = False
 
     def wait(self, timeout: float) -> None:
+        if not self.in_front:
+            # Blocked inside the server until the waiters ahead have got the lock.
+            wait_ms = str(max(1, math.ceil(timeout * 1000)))
+            params = {"key": self._key, "wait_ms": wait_ms}
+            try:
+                self._backend._run(
+                    self.conn, self._backend._sql["session_wait"], params, wait=timeout
+                )
+            except BackendError as exc:
+                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                    return
+                raise
+            self.in_front = True
+            # Listen before the core's next attempt, so no release goes unnoticed.
+            self._backend._run(self.conn, f"LISTEN {self._channel}", {})
+            return
         try:
-            for _ in self._raw.notifies(timeout=timeout, stop_after=1):
+            for _ in self.conn.raw.notifies(timeout=timeout, stop_after=1):
                 pass
         except psycopg.Error as exc:
             raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
