@@ -39,8 +39,8 @@ def encode_name(name: str) -> bytes:
     return name.encode("utf-8")
 
 
-def decode_name(stored: bytes | bytearray | memoryview) -> str:
-    return bytes(stored).decode("utf-8")
+def decode_name(stored: str | bytes | bytearray | memoryview) -> str:
+    return stored if isinstance(stored, str) else bytes(stored).decode("utf-8")
 
 
 def _digest(table: str, name: str) -> bytes:
@@ -149,7 +149,7 @@ def parse_server_url(
 
 
 def lock_info(
-    name: bytes, fence: int, count: int, expires_in: float | None, holder: str | None
+    name: str | bytes, fence: int, count: int, expires_in: float | None, holder: str | None
 ) -> LockInfo:
     return LockInfo(
         name=decode_name(name),
@@ -162,40 +162,47 @@ def lock_info(
 
 @dataclass(frozen=True)
 class Dialect:
-    """How one server database spells the shared lease table.
+    """How one database spells the shared lease table.
 
     The table keeps a row per name forever (``owner`` NULL when free) so that its
-    fencing counter survives release. Expiry compares ``expires`` with ``now``, the
-    *server's* clock in epoch seconds, so clients with skewed clocks agree.
+    fencing counter survives release. Expiry compares ``expires`` with ``now``: the
+    *server's* clock in epoch seconds for MariaDB/MySQL and PostgreSQL, so clients with
+    skewed clocks agree; for SQLite, which has no server, the host's boot clock.
+    Statements are written with ``%(name)s`` parameters and converted for SQLite.
     """
 
     name: str
-    #: The server's clock, evaluated once per statement.
+    #: The clock, evaluated once per statement.
     now: str
     name_type: str
     owner_type: str
-    key_type: str
-    table_options: str
     #: True when ``name`` starts with the bytes of ``%(prefix)s``.
     prefix_match: str
+    key_type: str = "BIGINT"
+    table_options: str = ""
+    #: Columns only this dialect has (SQLite's boot id): name, type, value on grant.
+    extra_columns: tuple[tuple[str, str, str], ...] = ()
+    #: Session mode columns: which database session holds the database's own lock.
+    session_columns: bool = True
 
     def schema(self, table: str) -> str:
         check_identifier(table, "table")
-        return (
-            f"CREATE TABLE IF NOT EXISTS {table} ("
-            f" name {self.name_type} PRIMARY KEY,"
-            f" owner {self.owner_type},"
-            " fence BIGINT NOT NULL,"
-            " count INTEGER NOT NULL DEFAULT 0,"
-            " expires DOUBLE PRECISION NOT NULL DEFAULT 0,"
-            " holder VARCHAR(1024),"
-            # Session mode only: which database session holds the database's own lock.
-            " session BIGINT,"
-            f" lock_key {self.key_type}){self.table_options}"
-        )
+        columns = [
+            f"name {self.name_type} PRIMARY KEY",
+            f"owner {self.owner_type}",
+            "fence BIGINT NOT NULL",
+            "count INTEGER NOT NULL DEFAULT 0",
+            "expires DOUBLE PRECISION NOT NULL DEFAULT 0",
+            "holder VARCHAR(1024)",
+            *(f"{column} {kind}" for column, kind, _ in self.extra_columns),
+        ]
+        if self.session_columns:
+            columns += ["session BIGINT", f"lock_key {self.key_type}"]
+        return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}){self.table_options}"
 
     def live(self, alias: str = "") -> str:
-        return f"({alias}owner IS NOT NULL AND {alias}expires > {self.now})"
+        extra = "".join(f" AND {alias}{c} = {value}" for c, _, value in self.extra_columns)
+        return f"({alias}owner IS NOT NULL AND {alias}expires > {self.now}{extra})"
 
     def inspect(self, table: str) -> str:
         return (
@@ -212,7 +219,7 @@ class Dialect:
     def extend(self, table: str) -> str:
         return (
             f"UPDATE {table} SET expires = {self.now} + %(ttl)s"
-            f" WHERE name = %(name)s AND owner = %(owner)s AND expires > {self.now}"
+            f" WHERE name = %(name)s AND owner = %(owner)s AND {self.live()}"
         )
 
 
@@ -221,8 +228,6 @@ POSTGRESQL = Dialect(
     now="extract(epoch FROM clock_timestamp())::float8",
     name_type="BYTEA",
     owner_type="TEXT",
-    key_type="BIGINT",
-    table_options="",
     prefix_match="substring(name FROM 1 FOR length(%(prefix)s)) = %(prefix)s",
 )
 MYSQL = Dialect(
@@ -232,19 +237,76 @@ MYSQL = Dialect(
     name_type="VARBINARY(1020)",
     # Binary, so that owner tokens compare exactly, whatever the default collation.
     owner_type="VARBINARY(64)",
+    prefix_match="LEFT(name, LENGTH(%(prefix)s)) = %(prefix)s",
     key_type="VARCHAR(64)",
     table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
-    prefix_match="LEFT(name, LENGTH(%(prefix)s)) = %(prefix)s",
 )
+SQLITE = Dialect(
+    name="sqlite",
+    # The host's boot clock, passed in by the client: SQLite has no server.
+    now="%(now)s",
+    name_type="TEXT",
+    owner_type="TEXT",
+    prefix_match="substr(name, 1, length(%(prefix)s)) = %(prefix)s",
+    # A lease from an earlier boot of the host is dead whatever its clock says.
+    extra_columns=(("boot", "TEXT NOT NULL DEFAULT ''", "%(boot)s"),),
+    session_columns=False,
+)
+
+
+def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
+    """The lease operations where ``INSERT .. ON CONFLICT .. RETURNING`` exists
+    (PostgreSQL, SQLite): each is one statement, one round trip."""
+    now = d.now
+    # Inside ON CONFLICT, "x" is the existing row.
+    live = d.live("x.")
+    reenter = f"({live} AND x.owner = %(owner)s AND %(reentrant)s)"
+    extra = "".join(f", {column}" for column, _, _ in d.extra_columns)
+    extra_values = "".join(f", {value}" for _, _, value in d.extra_columns)
+    extra_set = "".join(f", {column} = excluded.{column}" for column, _, _ in d.extra_columns)
+    return {
+        # A free or expired name is taken (fence + 1), a live one re-entered by its owner
+        # (count + 1), anything else left alone. The row lock taken by ON CONFLICT
+        # decides; nothing is read first.
+        "acquire": f"""
+            INSERT INTO {table} AS x (name, owner, fence, count, expires, holder{extra})
+            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s{extra_values})
+            ON CONFLICT (name) DO UPDATE SET
+                fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
+                count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
+                owner = excluded.owner, expires = excluded.expires,
+                holder = excluded.holder{extra_set}
+            WHERE NOT {live} OR {reenter}
+            RETURNING fence, count""",
+        # Busy: when does the current lease end? A hint for the waiter.
+        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {d.live()}",
+        "release": f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = %(name)s AND owner = %(owner)s AND {d.live()}
+            RETURNING count""",
+        "extend": d.extend(table) + " RETURNING 1",
+        "inspect": d.inspect(table),
+        "list": d.list(table),
+        "force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {d.live()}
+            RETURNING 1""",
+    }
+
+
+def sqlite_statements(table: str) -> dict[str, str]:
+    """SQLite: the same statements, with ``:name`` parameters."""
+    statements = {"schema": SQLITE.schema(table), **upsert_statements(table, SQLITE)}
+    return {key: re.sub(r"%\((\w+)\)s", r":\1", sql) for key, sql in statements.items()}
 
 
 def postgresql_statements(table: str) -> dict[str, str]:
     """PostgreSQL: every operation is one statement, one round trip."""
     d = POSTGRESQL
     now = d.now
-    # Inside ON CONFLICT, "x" is the existing row.
-    live = d.live("x.")
-    reenter = f"({live} AND x.owner = %(owner)s AND %(reentrant)s)"
     # Session mode: a row is held while its session still holds the advisory lock (the
     # 64-bit key is split by PostgreSQL into classid, the high half, and objid, the low).
     held = f"""EXISTS (SELECT 1 FROM pg_locks l
@@ -265,21 +327,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session"""
     return {
-        # A free or expired name is taken (fence + 1), a live one re-entered by its owner
-        # (count + 1), anything else left alone. The row lock taken by ON CONFLICT
-        # decides; nothing is read first.
-        "acquire": f"""
-            INSERT INTO {table} AS x (name, owner, fence, count, expires, holder)
-            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s)
-            ON CONFLICT (name) DO UPDATE SET
-                fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
-                count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
-                owner = excluded.owner, expires = excluded.expires,
-                holder = excluded.holder
-            WHERE NOT {live} OR {reenter}
-            RETURNING fence, count""",
-        # Busy: when does the current lease end? A hint for the waiter.
-        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s",
+        **upsert_statements(table, d),
         # The last release wakes waiters on the name's channel, in the same statement.
         "release": f"""
             UPDATE {table} SET
@@ -288,10 +336,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 holder = CASE WHEN count > 1 THEN holder END
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
             RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END""",
-        "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table, ""),
-        "inspect": d.inspect(table),
-        "list": d.list(table),
         "force_release": f"""
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             WHERE name = %(name)s AND {d.live()}
