@@ -94,6 +94,14 @@ class SQLiteBackend(Backend):
             synchronous=str(settings.get("synchronous", "full")).lower(),
         )
 
+    def schema_sql(self) -> list[str]:
+        """The DDL ``dlock init`` runs (and prints), as on the server databases."""
+        return [self._sql["schema"]]
+
+    def init(self) -> None:
+        """Create the lock table now (opening the database does)."""
+        run_blocking(self._run, "SELECT 1", {})
+
     def _connect(self) -> sqlite3.Connection:
         try:
             Path(self._path).parent.mkdir(parents=True, exist_ok=True)
