@@ -336,7 +336,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 holder = CASE WHEN count > 1 THEN holder END
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
             RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END""",
-        "extend_many": _pg_extend_many(table, ""),
+        "extend_many": _pg_extend_many(table),
         "force_release": f"""
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             WHERE name = %(name)s AND {d.live()}
@@ -362,30 +362,38 @@ def postgresql_statements(table: str) -> dict[str, str]:
             UPDATE {table} SET count = count + %(delta)s
             WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
         "session_extend": d.extend(table) + f" AND {held} RETURNING 1",
-        "session_extend_many": _pg_extend_many(table, f"AND {held}"),
+        # Batched renewal skips the pg_locks check (reading pg_locks costs milliseconds):
+        # force release also clears the row, a new holder overwrites it, and an evicted
+        # holder's lease had expired, so the owner check alone finds every loss.
+        "session_extend_many": _pg_extend_many(table),
         # A holder whose lease ran out (paused, partitioned) still holds the advisory lock:
         # only ending its session frees it, and only while the lease is still expired.
         "session_evict": f"""
-            SELECT pg_terminate_backend(session::int) FROM {table}
-            WHERE name = %(name)s AND expires <= {now} AND {held}""",
+            SELECT 1 FROM {table}
+            WHERE name = %(name)s
+            -- CASE fixes the order: only a session that holds the lock is ended.
+              AND CASE WHEN expires <= {now} AND {held}
+                       THEN pg_terminate_backend(session::int) ELSE false END""",
         "session_inspect": f"""SELECT {columns} FROM {table}
             WHERE name = %(name)s AND {d.live()} AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
+        # Only its own session can free an advisory lock; the row is cleared as well.
         "session_force_release": f"""
-            SELECT pg_terminate_backend(session::int) FROM {table}
-            WHERE name = %(name)s AND {held}""",
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s
+              AND CASE WHEN {held} THEN pg_terminate_backend(session::int) ELSE false END
+            RETURNING 1""",
     }
 
 
-def _pg_extend_many(table: str, condition: str) -> str:
+def _pg_extend_many(table: str) -> str:
     now = POSTGRESQL.now
     return f"""
         UPDATE {table} SET expires = {now} + v.ttl
         FROM (SELECT * FROM unnest(%(names)s::bytea[], %(owners)s::text[],
                                    %(ttls)s::float8[])) AS v(name, owner, ttl)
         WHERE {table}.name = v.name AND {table}.owner = v.owner AND {table}.expires > {now}
-        {condition}
         RETURNING {table}.name, {table}.owner"""
 
 
@@ -473,6 +481,9 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {live} AND {held} ORDER BY name""",
         "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
+        "session_clear": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND session = %(session)s""",
         # KILL takes a literal; PyMySQL interpolates the integer parameter client-side.
         "kill": "KILL CONNECTION %(id)s",
     }

@@ -196,7 +196,12 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
 
     async def _session_force_release(self, name: str) -> bool:
         rows = (await self._call("session_holder", {"name": encode_name(name)})).rows
-        return bool(rows) and await self._kill(int(rows[0][0]))
+        if not rows:
+            return False
+        session = int(rows[0][0])
+        # Clear the row first, so a renewal racing with the kill fails its owner check.
+        await self._call("session_clear", {"name": encode_name(name), "session": session})
+        return await self._kill(session)
 
     async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         """Two round trips per distinct TTL (usually one): UPDATE, then read what is held."""

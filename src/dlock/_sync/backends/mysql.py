@@ -196,7 +196,12 @@ class MySQLBackend(ServerSQLBackend):
 
     def _session_force_release(self, name: str) -> bool:
         rows = (self._call("session_holder", {"name": encode_name(name)})).rows
-        return bool(rows) and self._kill(int(rows[0][0]))
+        if not rows:
+            return False
+        session = int(rows[0][0])
+        # Clear the row first, so a renewal racing with the kill fails its owner check.
+        self._call("session_clear", {"name": encode_name(name), "session": session})
+        return self._kill(session)
 
     def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         """Two round trips per distinct TTL (usually one): UPDATE, then read what is held."""
