@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import free_port
+from tests.servers.zookeeper import zookeeper_ensemble, zookeeper_server  # noqa: F401
+
 
 @dataclass(frozen=True)
 class BackendUnderTest:
@@ -26,6 +29,16 @@ BACKENDS: dict[str, BackendUnderTest] = {
     "sqlite": BackendUnderTest(
         url=lambda request, tmp: f"sqlite://{tmp}/locks.sqlite3",
         unreachable_url=lambda request, tmp: "sqlite:///proc/dlock-no-such-dir/locks.sqlite3",
+    ),
+    # The issue asks for the suite on a three-node ensemble. A lock's TTL maps onto the
+    # session timeout, so sessions here are as short as the suite's shortest crash test.
+    "zookeeper": BackendUnderTest(
+        url=lambda request, tmp: request.getfixturevalue("zookeeper_ensemble").url(
+            f"/dlock-{uuid.uuid4().hex[:8]}", session_timeout=1
+        ),
+        unreachable_url=lambda request, tmp: (
+            f"zookeeper://127.0.0.1:{free_port()}/dlock?connect_timeout=1"
+        ),
     ),
 }
 

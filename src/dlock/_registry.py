@@ -24,6 +24,7 @@ class Entry:
 
 BACKENDS: dict[str, Entry] = {
     "sqlite": Entry("sqlite"),
+    "zookeeper": Entry("zookeeper", extra="zookeeper", requires=("kazoo",)),
 }
 
 
