@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,14 @@ def mode(port: int) -> str | None:
         if line.startswith("Mode:"):
             return line.split(":", 1)[1].strip()
     return None
+
+
+def _readiness(port: int, *, standalone: bool) -> Callable[[], bool]:
+    """A standalone node is ready when it serves; an ensemble node serves only once a
+    quorum exists, which needs the others started too, so it is "up" when it answers."""
+    if standalone:
+        return lambda: mode(port) is not None
+    return lambda: four_letter(port, "ruok") == "imok"
 
 
 class ZooKeeperEnsemble:
@@ -96,11 +104,7 @@ class ZooKeeperEnsemble:
                         "org.apache.zookeeper.server.quorum.QuorumPeerMain",
                         str(conf / "zoo.cfg"),
                     ],
-                    # An ensemble node serves only once a quorum exists, which needs the
-                    # others started too: a node is "up" when its port listens.
-                    ready=(lambda p=port: mode(p) is not None)
-                    if size == 1
-                    else (lambda p=port: four_letter(p, "ruok") == "imok"),
+                    ready=_readiness(port, standalone=size == 1),
                     workdir=conf,
                 )
             )

@@ -21,7 +21,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -120,7 +120,7 @@ class ZooKeeperBackend(Backend):
         ]:
             if not value > 0:
                 raise ConfigurationError(f"{label} must be a positive number of seconds")
-        if not root.startswith("/") or root.endswith("/") and root != "/":
+        if not root.startswith("/") or (root.endswith("/") and root != "/"):
             raise ConfigurationError(f"root {root!r} must be an absolute ZooKeeper path")
         self._root = "" if root == "/" else root
         self._hosts = hosts
@@ -263,19 +263,22 @@ class ZooKeeperBackend(Backend):
             timer = threading.Timer(self._grace(), self._renew_now)
             timer.daemon = True
             timer.start()
+            self._renew_now()
         elif state == KazooState.LOST:
             self._suspended_at = None
             self._end_session(self._session_id)
+            self._renew_now()
         else:  # CONNECTED
             self._suspended_at = None
             zk = self._zk
             session = zk.client_id[0] if zk is not None and zk.client_id else 0
             if session != self._session_id:
-                self._end_session(self._session_id)
+                if self._session_id:
+                    self._end_session(self._session_id)
+                    self._renew_now()
                 self._session_id = session
             if self._orphans:
                 threading.Thread(target=self._delete_orphans, daemon=True).start()
-        self._renew_now()
 
     def _end_session(self, session: int) -> None:
         """The session is gone and its ephemeral nodes with it: so are our leases."""
@@ -308,7 +311,7 @@ class ZooKeeperBackend(Backend):
     def _stripe(self, key: tuple[str, str]) -> threading.Lock:
         """Operations on one (name, token) run one at a time: the caller's and the
         renewer's, or a cancelled attempt still running and its clean-up."""
-        return self._stripes[zlib.crc32(f"{key[0]}\0{key[1]}".encode()) % STRIPES]
+        return self._stripes[_stripe_of(key)]
 
     def _parent(self, name: str) -> str:
         return f"{self._root}/{encode_name(name)}"
@@ -505,7 +508,7 @@ class ZooKeeperBackend(Backend):
                         self._delete(zk, key, node)
                     self._forget(key, node)
                     return None
-                count = node.data["count"]
+                count = int(node.data["count"])
                 if count > 1:
                     data = {**node.data, "count": count - 1}
                     try:
@@ -531,6 +534,20 @@ class ZooKeeperBackend(Backend):
         inspection tells how long the lease has left.
         """
         zk = self._client()
+        # Hold the stripes of the whole batch (in one order, and no other operation
+        # holds two) so a re-entry or release cannot interleave with the rewrite.
+        stripes = [
+            self._stripes[i] for i in sorted({_stripe_of((x.name, x.token)) for x in leases})
+        ]
+        for stripe in stripes:
+            stripe.acquire()
+        try:
+            return self._extend_locked(zk, leases)
+        finally:
+            for stripe in reversed(stripes):
+                stripe.release()
+
+    def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
         answers: list[bool] = [False] * len(leases)
         pending: list[tuple[int, _Node, dict[str, Any], Any]] = []
         for index, lease in enumerate(leases):
@@ -702,10 +719,8 @@ class ZooKeeperBackend(Backend):
 
     def _prune(self, zk: KazooClient, parent: str) -> None:
         """Drop an empty lock node (a create racing with this just makes it again)."""
-        try:
+        with suppress(NoNodeError, NotEmptyError):
             self._call(zk.delete_async(parent))
-        except (NoNodeError, NotEmptyError):
-            pass
 
     def force_release(self, name: str) -> bool:
         return run_blocking(self._force_release, name)
@@ -729,6 +744,10 @@ class ZooKeeperBackend(Backend):
         run_blocking(self._close)
 
 
+def _stripe_of(key: tuple[str, str]) -> int:
+    return zlib.crc32(f"{key[0]}\0{key[1]}".encode()) % STRIPES
+
+
 def _truthy(value: object) -> bool:
     return str(value).lower() in {"1", "true", "yes", "on"}
 
@@ -748,10 +767,8 @@ def _info(name: str, entries: list[tuple[bytes, ZnodeStat]]) -> LockInfo:
     """The first node holds the lock; the rest wait in this order."""
     data, stat = entries[0]
     fields: dict[str, Any] = {}
-    try:
+    with suppress(ValueError):
         fields = json.loads(data)
-    except ValueError:
-        pass
     ttl = fields.get("ttl")
     expires_in = None
     if isinstance(ttl, (int, float)):
