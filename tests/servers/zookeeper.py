@@ -9,6 +9,7 @@ to kill for the leader-failure tests.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -161,3 +162,55 @@ def zookeeper_ensemble() -> Iterator[ZooKeeperEnsemble]:
     ensemble.start()
     yield ensemble
     ensemble.stop()
+
+
+class Partition:
+    """A TCP relay to one server that can be cut: while cut, bytes are neither read nor
+    passed on, as when a network partition swallows packets (no reset, no FIN)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.port = free_port()
+        self.cut = threading.Event()
+        self._closed = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        source.settimeout(0.05)
+        with source, sink:
+            while not self._closed.is_set():
+                if self.cut.is_set():
+                    time.sleep(0.01)
+                    continue
+                try:
+                    chunk = source.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                try:
+                    sink.sendall(chunk)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()

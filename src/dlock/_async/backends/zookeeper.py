@@ -556,6 +556,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
             if not self._session_alive(node):
                 self._give_up((lease.name, lease.token), node)
                 continue
+            if self._suspended_at is not None:
+                # A write would only queue until the connection is back. The session
+                # surely lives until the grace ends, when the renewer asks again.
+                answers[index] = True
+                continue
             data = {**node.data, "ttl": lease.ttl}
             pending.append((index, node, data, zk.set_async(node.path, _dump(data))))
         for index, node, data, result in pending:
