@@ -41,9 +41,11 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
     existing = KazooClient(hosts=zookeeper_server.hosts)
     existing.start()
     try:
-        with dlock.connect("zookeeper:///dlock-existing", client=existing) as client:
-            with client.lock("shared", ttl=5) as lock:
-                assert lock.fencing_token is not None
+        with (
+            dlock.connect("zookeeper:///dlock-existing", client=existing) as client,
+            client.lock("shared", ttl=5) as lock,
+        ):
+            assert lock.fencing_token is not None
         assert existing.connected, "a client passed in is the caller's to close"
     finally:
         existing.stop()
@@ -138,7 +140,7 @@ def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble
         thread = threading.Thread(target=lambda: got.append(waiter.acquire(20)))
         thread.start()
         # The classic way to expire a session: another client joins it and closes it.
-        zk = first._backend._zk
+        zk = first._backend._zk  # type: ignore[attr-defined]
         assert zk is not None
         twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
         twin.start()
