@@ -38,12 +38,15 @@ class Renewer:
         self._runner: Any = None
         self._closed = False
         self._urgent = False
+        #: When the loop will next wake by itself; adding a lock due later needs no wake-up.
+        self._planned_wakeup = float("inf")
 
     def add(self, lock: Lock) -> None:
         self._locks.add(lock)
         if self._runner is None and not self._closed:
             self._runner = spawn(self._run, name="dlock-renewer")
-        self._wakeup.set()
+        if lock._renew_at < self._planned_wakeup:
+            self._wakeup.set()
 
     def discard(self, lock: Lock) -> None:
         self._locks.discard(lock)
@@ -65,15 +68,14 @@ class Renewer:
     def _run(self) -> None:
         while not self._closed:
             self._wakeup.clear()
+            self._planned_wakeup = float("-inf")  # while renewing, every add() wakes us
             self._renew_due()
-            self._wakeup.wait(self._next_wakeup())
-
-    def _next_wakeup(self) -> float | None:
-        locks = tuple(self._locks)
-        if not locks:
-            return None
-        now = self._clock()
-        return max(0.0, min(min(lock._renew_at, lock._deadline) for lock in locks) - now)
+            locks = tuple(self._locks)
+            self._planned_wakeup = min((lock._renew_at for lock in locks), default=float("inf"))
+            timeout = None
+            if locks:
+                timeout = max(0.0, self._planned_wakeup - self._clock())
+            self._wakeup.wait(timeout)
 
     def _renew_due(self) -> None:
         now = self._clock()

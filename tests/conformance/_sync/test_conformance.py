@@ -6,10 +6,13 @@ Written once for asyncio; ``scripts/unasync.py`` generates the sync twin in ``_s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
+import threading
 import time
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 
 import dlock
 from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
+from dlock._types import Lease
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
 FACE = "_sync"
@@ -174,14 +178,35 @@ def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
             assert info is not None and info.fencing_token == token
 
 
-def test_one_client_renews_many_locks(url: str, name: str) -> None:
+def running_workers() -> int:
+    """Tasks (sync face) or threads (sync face) alive in this process."""
+    return len(asyncio.all_tasks()) if IS_ASYNC else threading.active_count()
+
+
+def test_one_client_renews_many_locks_together(url: str, name: str) -> None:
     with dlock.connect(url) as client:
+        backend = client._backend
+        renew_batches: list[int] = []
+        extend_many = backend.extend_many
+
+        def counting_extend_many(leases: Sequence[Lease]) -> list[bool]:
+            renew_batches.append(len(leases))
+            return extend_many(leases)
+
+        backend.extend_many = counting_extend_many  # type: ignore[method-assign]
         locks = [client.lock(f"{name}-{i}", ttl=0.8) for i in range(200)]
-        for lock in locks:
+        locks[0].acquire()
+        sleep(0.1)  # let the renewer settle into its wait
+        workers = running_workers()
+        for lock in locks[1:]:
             lock.acquire()
+        sleep(0.1)
+        assert running_workers() == workers, "one renewer per client, not one per lock"
         sleep(2.0)
         assert all(lock.owned() for lock in locks)
         assert len(client.list(name)) == 200
+        assert sum(renew_batches) >= 200 * 3, "every lease renewed several times"
+        assert len(renew_batches) <= 20, f"renewals not batched: {len(renew_batches)} calls"
         for lock in locks:
             lock.release()
 
@@ -221,6 +246,20 @@ def test_loss_is_reported(url: str, name: str) -> None:
         else:
             assert body_finished, "threads are not interrupted; the loss shows on exit"
         assert admin.inspect(name) is None
+
+
+def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, cancel_on_lost=False)
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                assert admin.force_release(name) is True
+                for _ in range(15):
+                    sleep(0.1)
+                assert lock.lost, "told while still in the body"
+                body_finished = True
+        assert body_finished
 
 
 def test_force_release_and_list(url: str, name: str) -> None:

@@ -147,7 +147,7 @@ class AsyncSQLiteBackend(AsyncBackend):
             "reentrant": reentrant,
         }
         rows = self._run(self._sql["acquire"], params)
-        if rows:
+        if rows:  # granted (or re-entered); otherwise ask how long the current lease lasts
             return Acquired(fencing_token=rows[0][0], count=rows[0][1])
         left = self._run(self._sql["time_left"], params)
         return Busy(retry_after=max(0.0, left[0][0]) if left and left[0][0] is not None else None)

@@ -1,0 +1,183 @@
+"""Measuring locks the same way for every backend: latency, and contention across processes.
+
+Timings are noisy on a shared machine, so every table compares against a baseline row
+measured in the same run, and reports ratios.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any, Protocol
+
+
+class LockHandle(Protocol):
+    def acquire(self) -> None: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Latency:
+    median_us: float
+    p99_us: float
+
+
+@dataclass(frozen=True)
+class Contention:
+    sections_per_s: float
+    median_handoff_ms: float
+    longest_wait_ms: float
+    counter: int
+    expected: int
+
+
+def _samples(op: Callable[[], object], iterations: int) -> list[float]:
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter_ns()
+        op()
+        samples.append((time.perf_counter_ns() - start) / 1000)
+    return samples
+
+
+def _summary(samples: list[float]) -> Latency:
+    samples = sorted(samples)
+    return Latency(statistics.median(samples), samples[max(0, int(len(samples) * 0.99) - 1)])
+
+
+def measure_latency(op: Callable[[], object], iterations: int = 2000, warmup: int = 200) -> Latency:
+    """Median and 99th percentile of one call of ``op``, in microseconds."""
+    _samples(op, warmup)
+    return _summary(_samples(op, iterations))
+
+
+def measure_latencies(
+    ops: dict[str, Callable[[], object]],
+    iterations: int = 2000,
+    warmup: int = 200,
+    rounds: int = 10,
+) -> dict[str, Latency]:
+    """Like :func:`measure_latency` for several ops, interleaved in ``rounds`` blocks.
+
+    Interleaving spreads the machine's drift (other load, disk state) over every op
+    alike, so their ratios mean something even when absolute timings wander.
+    """
+    for op in ops.values():
+        _samples(op, warmup)
+    samples: dict[str, list[float]] = {label: [] for label in ops}
+    for _ in range(rounds):
+        for label, op in ops.items():
+            samples[label] += _samples(op, max(1, iterations // rounds))
+    return {label: _summary(values) for label, values in samples.items()}
+
+
+def _contender(
+    open_lock: Callable[[Any], LockHandle],
+    config: Any,
+    sections: int,
+    barrier: Any,
+    counter: Any,
+    results: Any,
+) -> None:
+    handle = open_lock(config)
+    barrier.wait()
+    records = []
+    for _ in range(sections):
+        waiting = time.monotonic()
+        handle.acquire()
+        acquired = time.monotonic()
+        # Unprotected read-modify-write: overlapping critical sections lose increments.
+        value = counter.value
+        time.sleep(0)
+        counter.value = value + 1
+        released = time.monotonic()
+        handle.release()
+        records.append((waiting, acquired, released))
+    handle.close()
+    results.put(records)
+
+
+def measure_contention(
+    open_lock: Callable[[Any], LockHandle],
+    config: Any,
+    processes: int = 8,
+    sections: int = 50,
+) -> Contention:
+    """Run ``processes`` spawned processes that each take the lock ``sections`` times.
+
+    ``open_lock`` must be a module-level function: it runs in the spawned processes.
+    Hand-off is the time from one holder's release to the next holder's acquire, counted
+    only when the next holder was already waiting.
+    """
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    counter = context.RawValue("q", 0)
+    results = context.Queue()
+    workers = [
+        context.Process(
+            target=_contender, args=(open_lock, config, sections, barrier, counter, results)
+        )
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    records = [record for _ in workers for record in results.get(timeout=600)]
+    for worker in workers:
+        worker.join()
+        if worker.exitcode != 0:
+            raise RuntimeError(f"a contending process exited with {worker.exitcode}")
+    records.sort(key=lambda record: record[1])
+    span = records[-1][2] - records[0][1]
+    handoffs = [
+        (after[1] - before[2]) * 1000 for before, after in pairwise(records) if after[0] < before[2]
+    ]
+    return Contention(
+        sections_per_s=len(records) / span if span > 0 else float("inf"),
+        median_handoff_ms=statistics.median(handoffs) if handoffs else 0.0,
+        longest_wait_ms=max(acquired - waiting for waiting, acquired, _ in records) * 1000,
+        counter=int(counter.value),
+        expected=processes * sections,
+    )
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def print_table(
+    title: str,
+    rows: list[tuple[str, Latency | None, Contention | None]],
+    baseline: str,
+) -> None:
+    """Print one run's results with ratios against the row labelled ``baseline``."""
+    base = {label: (lat, con) for label, lat, con in rows}[baseline]
+    base_lat = base[0].median_us if base[0] else None
+    base_con = base[1].sections_per_s if base[1] else None
+    header = (
+        f"{'':28} {'median µs':>10} {'p99 µs':>9} {'vs base':>8} │ {'sect/s':>8} "
+        f"{'vs base':>8} {'hand-off ms':>11} {'max wait ms':>11} {'counter':>11}"
+    )
+    print(f"\n{title}  (baseline: {baseline})")
+    print(header)
+    print("─" * len(header))
+    for label, lat, con in rows:
+        left = (
+            f"{lat.median_us:10.1f} {lat.p99_us:9.1f} {_ratio(lat.median_us, base_lat):>8}"
+            if lat
+            else f"{'-':>10} {'-':>9} {'-':>8}"
+        )
+        right = (
+            f"{con.sections_per_s:8.0f} {_ratio(con.sections_per_s, base_con):>8} "
+            f"{con.median_handoff_ms:11.2f} {con.longest_wait_ms:11.1f} "
+            f"{con.counter:>5}/{con.expected:<5}"
+            if con
+            else f"{'-':>8} {'-':>8} {'-':>11} {'-':>11} {'-':>11}"
+        )
+        print(f"{label:28} {left} │ {right}")
