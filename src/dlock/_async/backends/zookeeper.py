@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NoNodeError, NotEmptyError
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.protocol.states import KazooState, WatchedEvent, ZnodeStat
+from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -87,8 +87,14 @@ class AsyncZooKeeperWaiter(AsyncWaiter):
 
     def __init__(self) -> None:
         self._event = WakeupEvent()
+        #: The only node ahead of ours, when ours was second in line.
+        self.head: str | None = None
+        #: Watched nodes that ZooKeeper told us were deleted.
+        self.deleted: set[str] = set()
 
     def wake(self, event: WatchedEvent | None = None) -> None:
+        if event is not None and event.type == EventType.DELETED:
+            self.deleted.add(event.path)
         self._event.set()
 
     async def wait(self, timeout: float) -> None:
@@ -420,6 +426,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
     ) -> Acquired | Busy | None:
         """Held if our node is the lowest; else queue behind the predecessor (inside a
         waiter) or leave (outside one). None: our node vanished, start again."""
+        waiter = self._waiters.get(key)
+        if (
+            waiter is not None
+            and waiter.head is not None
+            and waiter.head in waiter.deleted
+            and self._session_alive(node)
+        ):
+            # The hand-off without a round trip: sequence numbers only grow, so once the
+            # only node ahead of ours is deleted, nothing can ever be ahead of ours again.
+            waiter.head = None
+            return self._granted(node, ttl)
         parent, child = node.path.rsplit("/", 1)
         children = sorted(self._call(zk.get_children_async(parent)), key=sequence_of)
         if child not in children:
@@ -427,18 +444,22 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return None
         position = children.index(child)
         if position == 0:
-            node.held = True
-            node.deadline = time.monotonic() + ttl
-            self._start_reaper()
-            return Acquired(fencing_token=node.czxid, count=node.data["count"])
-        waiter = self._waiters.get(key)
+            return self._granted(node, ttl)
         if waiter is None:
             self._delete(zk, key, node)
             return Busy()
         predecessor = f"{parent}/{children[position - 1]}"
+        waiter.head = predecessor if position == 1 else None
         if self._call(zk.exists_async(predecessor, watch=waiter.wake)) is None:
+            waiter.deleted.add(predecessor)
             waiter.wake()
         return Busy()
+
+    def _granted(self, node: _Node, ttl: float) -> Acquired:
+        node.held = True
+        node.deadline = time.monotonic() + ttl
+        self._start_reaper()
+        return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
 
     async def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
