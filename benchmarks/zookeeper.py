@@ -14,13 +14,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
 
 import dlock
 import dlock.aio
-from benchmarks.common import Latency, measure_contention, measure_latencies, print_table
+from benchmarks.common import (
+    Latency,
+    LockHandle,
+    measure_contention,
+    measure_latencies,
+    print_table,
+)
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
 RAW = "raw create+children+delete"
@@ -131,10 +138,11 @@ def main() -> None:
         rows: list[tuple[str, Latency | None, Any]] = [
             (label, latency, None) for label, latency in latencies.items()
         ]
-        for label, opener, config in [
+        openers: list[tuple[str, Callable[[str], LockHandle], str]] = [
             ("dlock", open_dlock, url),
             ("kazoo Lock", open_kazoo, servers.hosts),
-        ]:
+        ]
+        for label, opener, config in openers:
             contention = measure_contention(opener, config, args.processes, args.sections)
             rows.append((f"{label}, {args.processes} processes", None, contention))
         kind = "3-node ensemble" if args.ensemble else "standalone server"

@@ -34,7 +34,7 @@ BACKENDS: dict[str, BackendUnderTest] = {
     # session timeout, so sessions here are as short as the suite's shortest crash test.
     "zookeeper": BackendUnderTest(
         url=lambda request, tmp: request.getfixturevalue("zookeeper_ensemble").url(
-            f"/dlock-{uuid.uuid4().hex[:8]}", session_timeout=1
+            f"/dlock-{uuid.uuid4().hex[:8]}", session_timeout=1.5
         ),
         unreachable_url=lambda request, tmp: (
             f"zookeeper://127.0.0.1:{free_port()}/dlock?connect_timeout=1"

@@ -22,11 +22,17 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException, NoNodeError, NotEmptyError
+from kazoo.exceptions import (
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import make_digest_acl
@@ -38,6 +44,8 @@ from ..backend import AsyncBackend, AsyncWaiter
 
 logger = logging.getLogger("dlock")
 
+T = TypeVar("T")
+
 #: Suffix ZooKeeper appends to a sequential node: ten digits.
 SEQUENCE_DIGITS = 10
 #: Characters kept as they are in a node name; everything else is %-escaped UTF-8.
@@ -45,6 +53,8 @@ SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789
 #: What a suspended connection means for held locks (see docs/zookeeper.md).
 SUSPEND_POLICIES = ("session", "lost")
 STRIPES = 64
+#: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
+MAX_KNOWN_PARENTS = 10_000
 
 #: Errors from kazoo and its threading handler that mean "could not use ZooKeeper".
 CLIENT_ERRORS = (KazooException, KazooTimeoutError, OSError, ssl.SSLError)
@@ -78,6 +88,10 @@ class _Node:
     deadline: float = 0.0
     #: The lease ended (reaped, session gone, deleted by someone): never held again.
     gone: bool = False
+    #: The only node ahead of this one, when this one was second in line.
+    head: str | None = None
+    #: A listing of the queue sent right behind the create (kazoo's async result).
+    listing: Any = None
 
 
 class AsyncZooKeeperWaiter(AsyncWaiter):
@@ -87,8 +101,6 @@ class AsyncZooKeeperWaiter(AsyncWaiter):
 
     def __init__(self) -> None:
         self._event = WakeupEvent()
-        #: The only node ahead of ours, when ours was second in line.
-        self.head: str | None = None
         #: Watched nodes that ZooKeeper told us were deleted.
         self.deleted: set[str] = set()
 
@@ -103,6 +115,8 @@ class AsyncZooKeeperWaiter(AsyncWaiter):
 
 
 class AsyncZooKeeperBackend(AsyncBackend):
+    queues_waiters: ClassVar[bool] = True
+
     def __init__(
         self,
         hosts: str,
@@ -142,11 +156,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
+        self._parents: set[str] = set()
         #: Paths we gave up but could not delete yet (no connection): deleted on reconnect.
         self._orphans: set[str] = set()
         self._waiters: dict[tuple[str, str], AsyncZooKeeperWaiter] = {}
         self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
+        self._connected = threading.Event()
         self._session_id = 0
         self._reaper: threading.Thread | None = None
         self._reaper_wakeup = threading.Condition()
@@ -246,6 +262,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
                             f"cannot connect to ZooKeeper {self._hosts!r}: {exc!r}"
                         ) from exc
                 self._session_id = zk.client_id[0] if zk.client_id else 0
+                if zk.connected:
+                    self._connected.set()
             return zk
 
     def watch_leases(self, renew_now: Callable[[], None]) -> None:
@@ -262,6 +280,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _on_state(self, state: str) -> None:
         """kazoo's connection thread: record the state, never block, wake the renewer."""
+        if state != KazooState.CONNECTED:
+            self._connected.clear()
         if state == KazooState.SUSPENDED:
             self._suspended_at = time.monotonic()
             logger.warning("dlock: ZooKeeper connection suspended; held locks may be lost")
@@ -275,6 +295,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._renew_now()
         else:  # CONNECTED
             self._suspended_at = None
+            self._connected.set()
             zk = self._zk
             session = zk.client_id[0] if zk is not None and zk.client_id else 0
             if session != self._session_id:
@@ -327,20 +348,42 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         key = (name, token)
+
+        def attempt(retrying: bool) -> Acquired | Busy:
+            zk = self._client()
+            if self._orphans:
+                self._delete_orphans()
+            node = self._nodes.get(key)
+            if node is not None and node.held:
+                return self._reenter(zk, key, node, reentrant)
+            for _ in range(3):
+                node = self._own_node(zk, key, ttl, holder)
+                result = self._check_queue(zk, key, node, ttl)
+                if result is not None:
+                    return result
+            raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
+
         with self._stripe(key):
+            return self._guarded(attempt)
+
+    def _guarded(self, op: Callable[[bool], T]) -> T:
+        """Run ``op``, again after a dropped connection, until the operation timeout.
+
+        In an ensemble a dropped connection is usually one server going away, and kazoo
+        reconnects to another within the same session: the operation can carry on (a
+        create whose reply was lost is found again by its token). ``op`` is told when
+        it runs again, as a delete that now finds nothing may be its own earlier one.
+        """
+        deadline = time.monotonic() + self._op_timeout
+        retrying = False
+        while True:
             try:
-                zk = self._client()
-                if self._orphans:
-                    self._delete_orphans()
-                node = self._nodes.get(key)
-                if node is not None and node.held:
-                    return self._reenter(zk, key, node, reentrant)
-                for _ in range(3):
-                    node = self._own_node(zk, key, ttl, holder)
-                    result = self._check_queue(zk, key, node, ttl)
-                    if result is not None:
-                        return result
-                raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
+                return op(retrying)
+            except ConnectionLoss as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._connected.wait(remaining):
+                    raise _wrap(exc) from exc
+                retrying = True
             except CLIENT_ERRORS as exc:
                 raise _wrap(exc) from exc
 
@@ -394,20 +437,46 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     self._nodes[key] = node
                     return node
         self._pending.add(key)
-        path, stat = self._call(
-            zk.create_async(
-                f"{parent}/{token}-",
-                _dump(data),
-                ephemeral=True,
-                sequence=True,
-                makepath=True,
-                include_data=True,
-            )
-        )
+        path, stat, listing = self._create(zk, parent, f"{parent}/{token}-", _dump(data))
         self._pending.discard(key)
-        node = _Node(path, stat.ephemeralOwner, stat.czxid, data)
+        node = _Node(path, stat.ephemeralOwner, stat.czxid, data, listing=listing)
         self._nodes[key] = node
         return node
+
+    def _create(
+        self, zk: KazooClient, parent: str, prefix: str, data: bytes
+    ) -> tuple[str, ZnodeStat, Any]:
+        """Create our sequential node, and the lock's node first if it may be missing.
+
+        The requests are pipelined: a session's requests are served in order, so the
+        listing sent behind the create already includes the new node, and a lock used
+        for the first time costs no extra round trip for making its node.
+        """
+        known = parent in self._parents
+        for _ in range(3):
+            made = None if known else zk.create_async(parent, b"")
+            created = zk.create_async(
+                prefix, data, ephemeral=True, sequence=True, include_data=True
+            )
+            listing = zk.get_children_async(parent)
+            if made is not None:
+                try:
+                    self._call(made)
+                except NodeExistsError:
+                    pass
+                except NoNodeError:
+                    zk.ensure_path(self._root or "/")  # first use of this root
+                    continue
+            try:
+                path, stat = self._call(created)
+            except NoNodeError:
+                known = False  # pruned meanwhile: make it again
+                continue
+            if len(self._parents) >= MAX_KNOWN_PARENTS:
+                self._parents.clear()
+            self._parents.add(parent)
+            return path, stat, listing
+        raise BackendError(f"cannot create a lock node under {parent!r}")
 
     def _find_own(self, zk: KazooClient, parent: str, token: str) -> tuple[str, ZnodeStat] | None:
         try:
@@ -429,16 +498,23 @@ class AsyncZooKeeperBackend(AsyncBackend):
         waiter = self._waiters.get(key)
         if (
             waiter is not None
-            and waiter.head is not None
-            and waiter.head in waiter.deleted
+            and node.head is not None
+            and node.head in waiter.deleted
             and self._session_alive(node)
         ):
             # The hand-off without a round trip: sequence numbers only grow, so once the
             # only node ahead of ours is deleted, nothing can ever be ahead of ours again.
-            waiter.head = None
             return self._granted(node, ttl)
         parent, child = node.path.rsplit("/", 1)
-        children = sorted(self._call(zk.get_children_async(parent)), key=sequence_of)
+        listing, node.listing = node.listing, None
+        try:
+            children = self._call(listing if listing is not None else zk.get_children_async(parent))
+        except NoNodeError:
+            if listing is None:
+                raise
+            # The parent was made by the create (after a failed first try): list again.
+            children = self._call(zk.get_children_async(parent))
+        children.sort(key=sequence_of)
         if child not in children:
             self._forget(key, node)
             return None
@@ -449,7 +525,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._delete(zk, key, node)
             return Busy()
         predecessor = f"{parent}/{children[position - 1]}"
-        waiter.head = predecessor if position == 1 else None
+        node.head = predecessor if position == 1 else None
         if self._call(zk.exists_async(predecessor, watch=waiter.wake)) is None:
             waiter.deleted.add(predecessor)
             waiter.wake()
@@ -510,39 +586,40 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _release(self, name: str, token: str) -> int | None:
         key = (name, token)
-        with self._stripe(key):
+
+        def release(retrying: bool) -> int | None:
             node = self._nodes.get(key)
             if node is None and key not in self._pending:
                 return None
-            try:
-                zk = self._client()
-                if node is None:
-                    # An attempt interrupted mid-create: its node may exist all the same.
-                    found = self._find_own(zk, self._parent(name), token)
-                    self._pending.discard(key)
-                    if found is not None:
+            zk = self._client()
+            if node is None:
+                # An attempt interrupted mid-create: its node may exist all the same.
+                found = self._find_own(zk, self._parent(name), token)
+                self._pending.discard(key)
+                if found is not None:
+                    with suppress(NoNodeError):
                         self._call(zk.delete_async(found[0]))
-                    return None
-                if not node.held or not self._session_alive(node):
-                    if not node.gone or node.session == self._session_id:
-                        self._delete(zk, key, node)
+                return None
+            if not node.held or not self._session_alive(node):
+                if not node.gone or node.session == self._session_id:
+                    self._delete(zk, key, node)
+                self._forget(key, node)
+                return None
+            count = int(node.data["count"])
+            if count > 1:
+                data = {**node.data, "count": count - 1}
+                try:
+                    self._call(zk.set_async(node.path, _dump(data)))
+                except NoNodeError:
                     self._forget(key, node)
                     return None
-                count = int(node.data["count"])
-                if count > 1:
-                    data = {**node.data, "count": count - 1}
-                    try:
-                        self._call(zk.set_async(node.path, _dump(data)))
-                    except NoNodeError:
-                        self._forget(key, node)
-                        return None
-                    node.data = data
-                    return count - 1
-                return 0 if self._delete(zk, key, node) else None
-            except NoNodeError:
-                return None
-            except CLIENT_ERRORS as exc:
-                raise _wrap(exc) from exc
+                node.data = data
+                return count - 1
+            # After a lost reply, finding nothing most likely means our delete went through.
+            return 0 if self._delete(zk, key, node) or retrying else None
+
+        with self._stripe(key):
+            return self._guarded(release)
 
     async def release(self, name: str, token: str) -> int | None:
         return await run_blocking(self._release, name, token)
@@ -672,75 +749,63 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _infos(self, names: list[str]) -> list[LockInfo]:
         """Holder and queue of each name, with every read pipelined."""
-        try:
-            zk = self._client()
-            self._catch_up(zk)
-            listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
-            queues: list[tuple[str, list[tuple[str, Any]]]] = []
-            for name, result in listed:
-                try:
-                    children = sorted(self._call(result), key=sequence_of)
-                except NoNodeError:
-                    continue
-                parent = self._parent(name)
-                reads = [(child, zk.get_async(f"{parent}/{child}")) for child in children]
-                queues.append((name, reads))
-            infos = []
-            for name, reads in queues:
-                entries = []
-                for _child, result in reads:
-                    try:
-                        entries.append(self._call(result))
-                    except NoNodeError:
-                        continue
-                if entries:
-                    infos.append(_info(name, entries))
-            return infos
-        except CLIENT_ERRORS as exc:
-            raise _wrap(exc) from exc
+        zk = self._client()
+        self._catch_up(zk)
+        listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
+        queues: list[tuple[str, list[Any]]] = []
+        for name, result in listed:
+            try:
+                children = sorted(self._call(result), key=sequence_of)
+            except NoNodeError:
+                continue
+            parent = self._parent(name)
+            queues.append((name, [zk.get_async(f"{parent}/{child}") for child in children]))
+        infos = []
+        for name, reads in queues:
+            entries = []
+            for result in reads:
+                with suppress(NoNodeError):  # left the queue meanwhile
+                    entries.append(self._call(result))
+            if entries:
+                infos.append(_info(name, entries))
+        return infos
 
     async def inspect(self, name: str) -> LockInfo | None:
-        infos = await run_blocking(self._infos, [name])
+        infos = await run_blocking(self._guarded, lambda _: self._infos([name]))
         return infos[0] if infos else None
 
     def _list(self, prefix: str) -> list[LockInfo]:
+        zk = self._client()
+        self._catch_up(zk)
         try:
-            zk = self._client()
-            self._catch_up(zk)
-            try:
-                nodes = self._call(zk.get_children_async(self._root or "/"))
-            except NoNodeError:
-                return []
-        except CLIENT_ERRORS as exc:
-            raise _wrap(exc) from exc
+            nodes = self._call(zk.get_children_async(self._root or "/"))
+        except NoNodeError:
+            return []
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
         )
         return self._infos(names)
 
     async def list(self, prefix: str) -> list[LockInfo]:
-        return await run_blocking(self._list, prefix)
+        return await run_blocking(self._guarded, lambda _: self._list(prefix))
 
     def _force_release(self, name: str) -> bool:
-        try:
-            zk = self._client()
-            self._catch_up(zk)
-            parent = self._parent(name)
-            while True:
-                try:
-                    children = self._call(zk.get_children_async(parent))
-                except NoNodeError:
-                    return False
-                if not children:
-                    self._prune(zk, parent)
-                    return False
-                try:
-                    self._call(zk.delete_async(f"{parent}/{min(children, key=sequence_of)}"))
-                    return True
-                except NoNodeError:
-                    continue  # released meanwhile: the next in line now holds it
-        except CLIENT_ERRORS as exc:
-            raise _wrap(exc) from exc
+        zk = self._client()
+        self._catch_up(zk)
+        parent = self._parent(name)
+        while True:
+            try:
+                children = self._call(zk.get_children_async(parent))
+            except NoNodeError:
+                return False
+            if not children:
+                self._prune(zk, parent)
+                return False
+            try:
+                self._call(zk.delete_async(f"{parent}/{min(children, key=sequence_of)}"))
+                return True
+            except NoNodeError:
+                continue  # released meanwhile: the next in line now holds it
 
     def _prune(self, zk: KazooClient, parent: str) -> None:
         """Drop an empty lock node (a create racing with this just makes it again)."""
@@ -748,7 +813,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._call(zk.delete_async(parent))
 
     async def force_release(self, name: str) -> bool:
-        return await run_blocking(self._force_release, name)
+        freed: bool = await run_blocking(self._guarded, lambda _: self._force_release(name))
+        return freed
 
     def _close(self) -> None:
         with self._reaper_wakeup:
