@@ -8,6 +8,7 @@ to kill for the leader-failure tests.
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -144,6 +145,7 @@ class ZooKeeperEnsemble:
     def stop(self) -> None:
         for node in self.nodes:
             node.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

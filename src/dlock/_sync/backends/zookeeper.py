@@ -167,6 +167,8 @@ class ZooKeeperBackend(Backend):
         self._session_id = 0
         self._reaper: threading.Thread | None = None
         self._reaper_wakeup = threading.Condition()
+        #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
+        self._reaper_next = float("-inf")
         self._closed = False
 
     @classmethod
@@ -535,7 +537,8 @@ class ZooKeeperBackend(Backend):
     def _granted(self, node: _Node, ttl: float) -> Acquired:
         node.held = True
         node.deadline = time.monotonic() + ttl
-        self._start_reaper()
+        if node.deadline < self._reaper_next:
+            self._start_reaper()
         return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
 
     def acquire(
@@ -738,13 +741,16 @@ class ZooKeeperBackend(Backend):
                         self._delete(self._client(), key, node)
                     except (BackendError, *CLIENT_ERRORS):
                         self._give_up(key, node)
-            deadlines = [n.deadline for n in list(self._nodes.values()) if n.held and not n.gone]
             with self._reaper_wakeup:
                 if self._closed:
                     return
+                held = list(self._nodes.values())
+                deadlines = [n.deadline for n in held if n.held and not n.gone]
+                self._reaper_next = min(deadlines, default=float("inf"))
                 self._reaper_wakeup.wait(
-                    max(0.001, min(deadlines) - time.monotonic()) if deadlines else None
+                    max(0.001, self._reaper_next - time.monotonic()) if deadlines else None
                 )
+                self._reaper_next = float("-inf")  # while reaping, every grant wakes it
 
     # -- inspection -------------------------------------------------------------------
 
