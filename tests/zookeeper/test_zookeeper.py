@@ -183,3 +183,50 @@ def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
             successor.release()
     finally:
         partition.close()
+
+
+def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> None:
+    root = f"/dlock-auth-{time.monotonic_ns()}"
+    authed = f"zookeeper://alice:s3cret@{zookeeper_server.hosts}{root}"
+    with dlock.connect(authed) as owner, dlock.connect(zookeeper_server.url(root)) as other:
+        with owner.lock("guarded", ttl=5) as lock:
+            info = other.inspect("guarded")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            with pytest.raises(dlock.BackendError):
+                other.force_release("guarded")
+            with pytest.raises(dlock.BackendError):
+                other.lock("guarded", ttl=5).acquire(timeout=0)
+        assert other.inspect("guarded") is None
+
+
+def test_inspection_shows_the_queue_in_order(zookeeper_server: ZooKeeperEnsemble) -> None:
+    url = zookeeper_server.url()
+    name = f"queue-{time.monotonic_ns()}"
+    clients = [dlock.connect(url, label=f"c{i}") for i in range(3)]
+    try:
+        holder = clients[0].lock(name, ttl=5)
+        holder.acquire()
+        threads = []
+        for index in (1, 2):
+            lock = clients[index].lock(name, ttl=5)
+            thread = threading.Thread(target=lock.acquire, args=(0.8,))
+            thread.start()
+            threads.append(thread)
+
+            def queued(expected: int = index) -> bool:
+                info = clients[0].inspect(name)
+                return info is not None and len(info.waiters) == expected
+
+            wait_until(queued)
+        info = clients[0].inspect(name)
+        assert info is not None
+        assert info.holder.label == "c0"
+        assert [w.label for w in info.waiters] == ["c1", "c2"]
+        for thread in threads:
+            thread.join()
+        info = clients[0].inspect(name)
+        assert info is not None and info.waiters == (), "timed-out waiters left the queue"
+        holder.release()
+    finally:
+        for client in clients:
+            client.close()

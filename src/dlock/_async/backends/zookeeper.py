@@ -35,7 +35,7 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
-from kazoo.security import make_digest_acl
+from kazoo.security import make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
@@ -241,8 +241,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
             if self._zk is None:
                 acl = None
                 if self._auth is not None:
-                    # Nodes readable by all, changeable only with these credentials.
-                    acl = [make_digest_acl(*self._auth, all=True)]
+                    # Inspection works for everyone; taking and freeing locks only with
+                    # these credentials.
+                    acl = [
+                        make_digest_acl(*self._auth, all=True),
+                        make_acl("world", "anyone", read=True),
+                    ]
                 self._zk = KazooClient(
                     hosts=self._hosts,
                     timeout=self._session_timeout,
