@@ -168,7 +168,7 @@ class ZooKeeperBackend(Backend):
         self._reaper: threading.Thread | None = None
         self._reaper_wakeup = threading.Condition()
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
-        self._reaper_next = float("-inf")
+        self._reaper_next = float("inf")
         self._closed = False
 
     @classmethod
@@ -754,7 +754,7 @@ class ZooKeeperBackend(Backend):
                 self._reaper_wakeup.wait(
                     max(0.001, self._reaper_next - time.monotonic()) if deadlines else None
                 )
-                self._reaper_next = float("-inf")  # while reaping, every grant wakes it
+                self._reaper_next = float("inf")  # while reaping, every grant wakes it
 
     # -- inspection -------------------------------------------------------------------
 
