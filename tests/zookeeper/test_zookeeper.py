@@ -230,3 +230,26 @@ def test_inspection_shows_the_queue_in_order(zookeeper_server: ZooKeeperEnsemble
     finally:
         for client in clients:
             client.close()
+
+
+def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEnsemble) -> None:
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"suspend-lost-{time.monotonic_ns()}"
+    url = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3&on_suspend=lost"
+    try:
+        with dlock.connect(url) as far, dlock.connect(zookeeper_server.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
+            lock.acquire()
+            cut_at = time.monotonic()
+            partition.cut.set()
+            wait_until(lambda: bool(lost_at), 5)
+            # Noticed when kazoo gives up on the connection (2/3 of the session timeout),
+            # not when the session expires.
+            assert lost_at[0] - cut_at < 2.6
+            partition.cut.clear()
+            successor = near.lock(name, ttl=30)
+            assert successor.acquire(timeout=10)
+            successor.release()
+    finally:
+        partition.close()
