@@ -237,15 +237,38 @@ def test_loss_is_reported(url: str, name: str) -> None:
                 assert admin.force_release(name) is True
                 for _ in range(30):
                     sleep(0.1)
+                    if lock.lost:
+                        break
+                assert lock.lost, "the next renewal should have found the lease gone"
                 body_finished = True
         assert lost == [lock]
         assert lock.lost and not lock.owned()
+        assert elapsed_since(start) < 1.5, "told at the first renewal (after ttl/3)"
         if IS_ASYNC:
             assert not body_finished, "the body task should have been cancelled"
-            assert elapsed_since(start) < 1.5
         else:
             assert body_finished, "threads are not interrupted; the loss shows on exit"
         assert admin.inspect(name) is None
+
+
+def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        extender = first.lock(name, ttl=30, auto_renew=False)
+        extender.acquire()
+        assert admin.force_release(name)
+        with pytest.raises(dlock.LockLost):
+            extender.extend()
+        assert extender.lost
+        releaser = first.lock(name, ttl=30, auto_renew=False)
+        releaser.acquire()
+        assert admin.force_release(name)
+        successor = admin.lock(name, ttl=30)
+        successor.acquire()
+        with pytest.raises(dlock.LockLost):
+            releaser.release()
+        info = admin.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        successor.release()
 
 
 def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
