@@ -21,6 +21,7 @@ from tests.servers.redis import (  # noqa: F401
     redlock_url,
 )
 from tests.servers.sql import SQLServer, mariadb_server, postgresql_server  # noqa: F401
+from tests.servers.zookeeper import zookeeper_ensemble, zookeeper_server  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,16 @@ BACKENDS: dict[str, BackendUnderTest] = {
     "mariadb-session": _sql("mariadb_server", "mode=session"),
     "postgresql-lease": _sql("postgresql_server", ""),
     "postgresql-session": _sql("postgresql_server", "mode=session"),
+    # The issue asks for the suite on a three-node ensemble. A lock's TTL maps onto the
+    # session timeout, so sessions here are as short as the suite's shortest crash test.
+    "zookeeper": BackendUnderTest(
+        url=lambda request, tmp: request.getfixturevalue("zookeeper_ensemble").url(
+            f"/dlock-{uuid.uuid4().hex[:8]}", session_timeout=1.5
+        ),
+        unreachable_url=lambda request, tmp: (
+            f"zookeeper://127.0.0.1:{free_port()}/dlock?connect_timeout=1"
+        ),
+    ),
 }
 
 @pytest.fixture(params=list(BACKENDS))

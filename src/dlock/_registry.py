@@ -34,6 +34,7 @@ BACKENDS: dict[str, Entry] = {
     "mariadb": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
     "postgresql": Entry("postgresql", "postgresql", ("psycopg",)),
     "postgres": Entry("postgresql", "postgresql", ("psycopg",)),
+    "zookeeper": Entry("zookeeper", extra="zookeeper", requires=("kazoo",)),
 }
 
 
