@@ -94,6 +94,7 @@ BACKENDS: dict[str, BackendUnderTest] = {
     ),
 }
 
+
 @pytest.fixture(params=list(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> BackendUnderTest:
     return BACKENDS[request.param]
