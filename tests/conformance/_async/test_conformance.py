@@ -205,7 +205,10 @@ async def test_one_client_renews_many_locks_together(url: str, name: str) -> Non
         assert all(lock.owned() for lock in locks)
         assert len(await client.list(name)) == 200
         assert sum(renew_batches) >= 200 * 3, "every lease renewed several times"
-        assert len(renew_batches) <= 20, f"renewals not batched: {len(renew_batches)} calls"
+        # Leases acquired close together are renewed together; renewing one at a time
+        # would average 1 lease per call. (Slow acquires spread them over a few batches.)
+        average = sum(renew_batches) / len(renew_batches)
+        assert average >= 10, f"renewals not batched: {renew_batches}"
         for lock in locks:
             await lock.release()
 
