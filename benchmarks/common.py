@@ -36,17 +36,44 @@ class Contention:
     expected: int
 
 
-def measure_latency(op: Callable[[], object], iterations: int = 2000, warmup: int = 200) -> Latency:
-    """Median and 99th percentile of one call of ``op``, in microseconds."""
-    for _ in range(warmup):
-        op()
+def _samples(op: Callable[[], object], iterations: int) -> list[float]:
     samples = []
     for _ in range(iterations):
         start = time.perf_counter_ns()
         op()
         samples.append((time.perf_counter_ns() - start) / 1000)
-    samples.sort()
-    return Latency(statistics.median(samples), samples[int(len(samples) * 0.99) - 1])
+    return samples
+
+
+def _summary(samples: list[float]) -> Latency:
+    samples = sorted(samples)
+    return Latency(statistics.median(samples), samples[max(0, int(len(samples) * 0.99) - 1)])
+
+
+def measure_latency(op: Callable[[], object], iterations: int = 2000, warmup: int = 200) -> Latency:
+    """Median and 99th percentile of one call of ``op``, in microseconds."""
+    _samples(op, warmup)
+    return _summary(_samples(op, iterations))
+
+
+def measure_latencies(
+    ops: dict[str, Callable[[], object]],
+    iterations: int = 2000,
+    warmup: int = 200,
+    rounds: int = 10,
+) -> dict[str, Latency]:
+    """Like :func:`measure_latency` for several ops, interleaved in ``rounds`` blocks.
+
+    Interleaving spreads the machine's drift (other load, disk state) over every op
+    alike, so their ratios mean something even when absolute timings wander.
+    """
+    for op in ops.values():
+        _samples(op, warmup)
+    samples: dict[str, list[float]] = {label: [] for label in ops}
+    for _ in range(rounds):
+        for label, op in ops.items():
+            samples[label] += _samples(op, max(1, iterations // rounds))
+    return {label: _summary(values) for label, values in samples.items()}
 
 
 def _contender(

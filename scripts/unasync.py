@@ -36,6 +36,8 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bdlock\.aio\b", "dlock"),
     (r"\basyncio face\b", "sync face"),
     (r"\bredis\.asyncio\b", "redis"),
+    (r"\basync for\b", "for"),
+    (r"\baiomysql\b", "pymysql"),
 ]
 
 

@@ -30,6 +30,11 @@ BACKENDS: dict[str, Entry] = {
     "rediss+cluster": Entry("redis", "redis", ("redis",)),
     "redis+redlock": Entry("redlock", "redis", ("redis",)),
     "rediss+redlock": Entry("redlock", "redis", ("redis",)),
+    "mysql": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
+    "mariadb": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
+    "postgresql": Entry("postgresql", "postgresql", ("psycopg",)),
+    "postgres": Entry("postgresql", "postgresql", ("psycopg",)),
+    "zookeeper": Entry("zookeeper", extra="zookeeper", requires=("kazoo",)),
 }
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,11 @@ class Holder:
         return cls(host=socket.gethostname(), pid=os.getpid(), label=label)
 
     def to_json(self) -> str:
+        return self._json
+
+    @cached_property
+    def _json(self) -> str:
+        # Serialized once: it is sent with every acquire.
         return json.dumps({"host": self.host, "pid": self.pid, "label": self.label})
 
     @classmethod

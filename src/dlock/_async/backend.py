@@ -36,6 +36,11 @@ class AsyncWaiter:
 
 
 class AsyncBackend(ABC):
+    #: True when a waiter holds a place in a queue on the server (ZooKeeper). The core
+    #: then makes even the first attempt of a wait inside :meth:`waiter`, so the place
+    #: taken by that attempt is kept rather than given up and taken again at the back.
+    queues_waiters: ClassVar[bool] = False
+
     @classmethod
     @abstractmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncBackend:

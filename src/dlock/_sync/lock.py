@@ -99,12 +99,13 @@ class Lock:
             raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
         clock = self._client._clock
         deadline = None if wait is None else clock() + wait
-        busy = self._attempt()
-        if busy is None:
-            return True
-        if wait == 0:
-            return False
         backend = self._client._backend
+        if wait == 0 or not backend.queues_waiters:
+            busy = self._attempt()
+            if busy is None:
+                return True
+            if wait == 0:
+                return False
         with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:

@@ -5,10 +5,13 @@ Written once for asyncio; ``scripts/unasync.py`` generates the sync twin in ``_s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
+import threading
 import time
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 
 import dlock.aio
 from dlock._async._primitives import IS_ASYNC, run_blocking, sleep
+from dlock._types import Lease
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
 FACE = "_async"
@@ -173,14 +177,38 @@ async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
             assert info is not None and info.fencing_token == token
 
 
-async def test_one_client_renews_many_locks(url: str, name: str) -> None:
+def running_workers() -> int:
+    """Tasks (asyncio face) or threads (sync face) alive in this process."""
+    return len(asyncio.all_tasks()) if IS_ASYNC else threading.active_count()
+
+
+async def test_one_client_renews_many_locks_together(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as client:
+        backend = client._backend
+        renew_batches: list[int] = []
+        extend_many = backend.extend_many
+
+        async def counting_extend_many(leases: Sequence[Lease]) -> list[bool]:
+            renew_batches.append(len(leases))
+            return await extend_many(leases)
+
+        backend.extend_many = counting_extend_many  # type: ignore[method-assign]
         locks = [client.lock(f"{name}-{i}", ttl=0.8) for i in range(200)]
-        for lock in locks:
+        await locks[0].acquire()
+        await sleep(0.1)  # let the renewer settle into its wait
+        workers = running_workers()
+        for lock in locks[1:]:
             await lock.acquire()
+        await sleep(0.1)
+        assert running_workers() == workers, "one renewer per client, not one per lock"
         await sleep(2.0)
         assert all(lock.owned() for lock in locks)
         assert len(await client.list(name)) == 200
+        assert sum(renew_batches) >= 200 * 3, "every lease renewed several times"
+        # Leases acquired close together are renewed together; renewing one at a time
+        # would average 1 lease per call. (Slow acquires spread them over a few batches.)
+        average = sum(renew_batches) / len(renew_batches)
+        assert average >= 10, f"renewals not batched: {renew_batches}"
         for lock in locks:
             await lock.release()
 
@@ -211,15 +239,52 @@ async def test_loss_is_reported(url: str, name: str) -> None:
                 assert await admin.force_release(name) is True
                 for _ in range(30):
                     await sleep(0.1)
+                    if lock.lost:
+                        break
+                assert lock.lost, "the next renewal should have found the lease gone"
                 body_finished = True
         assert lost == [lock]
         assert lock.lost and not lock.owned()
+        assert elapsed_since(start) < 1.5, "told at the first renewal (after ttl/3)"
         if IS_ASYNC:
             assert not body_finished, "the body task should have been cancelled"
-            assert elapsed_since(start) < 1.5
         else:
             assert body_finished, "threads are not interrupted; the loss shows on exit"
         assert await admin.inspect(name) is None
+
+
+async def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        extender = first.lock(name, ttl=30, auto_renew=False)
+        await extender.acquire()
+        assert await admin.force_release(name)
+        with pytest.raises(dlock.LockLost):
+            await extender.extend()
+        assert extender.lost
+        releaser = first.lock(name, ttl=30, auto_renew=False)
+        await releaser.acquire()
+        assert await admin.force_release(name)
+        successor = admin.lock(name, ttl=30)
+        await successor.acquire()
+        with pytest.raises(dlock.LockLost):
+            await releaser.release()
+        info = await admin.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        await successor.release()
+
+
+async def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, cancel_on_lost=False)
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            async with lock:
+                assert await admin.force_release(name) is True
+                for _ in range(15):
+                    await sleep(0.1)
+                assert lock.lost, "told while still in the body"
+                body_finished = True
+        assert body_finished
 
 
 async def test_force_release_and_list(url: str, name: str) -> None:
@@ -354,12 +419,13 @@ async def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> N
     try:
         acquired = read_line(holder)
         assert acquired.startswith("acquired")
-        holder.kill()
-        holder.wait()
-        start = time.monotonic()
         async with dlock.aio.connect(url) as client:
             successor = client.lock(name, ttl=5)
-            assert await successor.acquire(timeout=0) is False, "the dead holder's lease is live"
+            assert await successor.acquire(timeout=0) is False, "the holder holds it"
+            holder.kill()
+            holder.wait()
+            start = time.monotonic()
+            # Within the TTL; a backend whose lock dies with its connection frees it at once.
             assert await successor.acquire(timeout=ttl + 5)
             assert elapsed_since(start) < ttl + 1.0
             assert successor.fencing_token is not None

@@ -6,10 +6,13 @@ Written once for asyncio; ``scripts/unasync.py`` generates the sync twin in ``_s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
+import threading
 import time
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 
 import dlock
 from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
+from dlock._types import Lease
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
 FACE = "_sync"
@@ -174,14 +178,38 @@ def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
             assert info is not None and info.fencing_token == token
 
 
-def test_one_client_renews_many_locks(url: str, name: str) -> None:
+def running_workers() -> int:
+    """Tasks (sync face) or threads (sync face) alive in this process."""
+    return len(asyncio.all_tasks()) if IS_ASYNC else threading.active_count()
+
+
+def test_one_client_renews_many_locks_together(url: str, name: str) -> None:
     with dlock.connect(url) as client:
+        backend = client._backend
+        renew_batches: list[int] = []
+        extend_many = backend.extend_many
+
+        def counting_extend_many(leases: Sequence[Lease]) -> list[bool]:
+            renew_batches.append(len(leases))
+            return extend_many(leases)
+
+        backend.extend_many = counting_extend_many  # type: ignore[method-assign]
         locks = [client.lock(f"{name}-{i}", ttl=0.8) for i in range(200)]
-        for lock in locks:
+        locks[0].acquire()
+        sleep(0.1)  # let the renewer settle into its wait
+        workers = running_workers()
+        for lock in locks[1:]:
             lock.acquire()
+        sleep(0.1)
+        assert running_workers() == workers, "one renewer per client, not one per lock"
         sleep(2.0)
         assert all(lock.owned() for lock in locks)
         assert len(client.list(name)) == 200
+        assert sum(renew_batches) >= 200 * 3, "every lease renewed several times"
+        # Leases acquired close together are renewed together; renewing one at a time
+        # would average 1 lease per call. (Slow acquires spread them over a few batches.)
+        average = sum(renew_batches) / len(renew_batches)
+        assert average >= 10, f"renewals not batched: {renew_batches}"
         for lock in locks:
             lock.release()
 
@@ -212,15 +240,52 @@ def test_loss_is_reported(url: str, name: str) -> None:
                 assert admin.force_release(name) is True
                 for _ in range(30):
                     sleep(0.1)
+                    if lock.lost:
+                        break
+                assert lock.lost, "the next renewal should have found the lease gone"
                 body_finished = True
         assert lost == [lock]
         assert lock.lost and not lock.owned()
+        assert elapsed_since(start) < 1.5, "told at the first renewal (after ttl/3)"
         if IS_ASYNC:
             assert not body_finished, "the body task should have been cancelled"
-            assert elapsed_since(start) < 1.5
         else:
             assert body_finished, "threads are not interrupted; the loss shows on exit"
         assert admin.inspect(name) is None
+
+
+def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        extender = first.lock(name, ttl=30, auto_renew=False)
+        extender.acquire()
+        assert admin.force_release(name)
+        with pytest.raises(dlock.LockLost):
+            extender.extend()
+        assert extender.lost
+        releaser = first.lock(name, ttl=30, auto_renew=False)
+        releaser.acquire()
+        assert admin.force_release(name)
+        successor = admin.lock(name, ttl=30)
+        successor.acquire()
+        with pytest.raises(dlock.LockLost):
+            releaser.release()
+        info = admin.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        successor.release()
+
+
+def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, cancel_on_lost=False)
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                assert admin.force_release(name) is True
+                for _ in range(15):
+                    sleep(0.1)
+                assert lock.lost, "told while still in the body"
+                body_finished = True
+        assert body_finished
 
 
 def test_force_release_and_list(url: str, name: str) -> None:
@@ -355,12 +420,13 @@ def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> None:
     try:
         acquired = read_line(holder)
         assert acquired.startswith("acquired")
-        holder.kill()
-        holder.wait()
-        start = time.monotonic()
         with dlock.connect(url) as client:
             successor = client.lock(name, ttl=5)
-            assert successor.acquire(timeout=0) is False, "the dead holder's lease is live"
+            assert successor.acquire(timeout=0) is False, "the holder holds it"
+            holder.kill()
+            holder.wait()
+            start = time.monotonic()
+            # Within the TTL; a backend whose lock dies with its connection frees it at once.
             assert successor.acquire(timeout=ttl + 5)
             assert elapsed_since(start) < ttl + 1.0
             assert successor.fencing_token is not None

@@ -1,0 +1,108 @@
+"""SQLite: dlock's acquire+release against the bare insert and delete, and contention.
+
+    python -m benchmarks.sqlite [--iterations N] [--processes P] [--sections S]
+
+The raw baseline is what a hand-written lock table does at the least: an INSERT to take
+the lock and a DELETE to give it back, each its own transaction, on a database opened
+with the same settings as dlock's (WAL, synchronous=FULL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import sqlite3
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import dlock
+import dlock.aio
+from benchmarks.common import Latency, measure_contention, measure_latencies, print_table
+
+RAW = "raw INSERT + DELETE"
+
+
+class DlockHandle:
+    def __init__(self, url: str) -> None:
+        self.client = dlock.connect(url)
+        self.lock = self.client.lock("bench", ttl=30)
+
+    def acquire(self) -> None:
+        self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_dlock(url: str) -> DlockHandle:
+    return DlockHandle(url)
+
+
+def uncontended(tmp: str, url: str, iterations: int) -> dict[str, Latency]:
+    conn = sqlite3.connect(Path(tmp, "raw.sqlite3"), isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE raw_locks (name TEXT PRIMARY KEY, owner TEXT, expires REAL)")
+    owner = secrets.token_hex(16)
+
+    def raw_insert_delete() -> None:
+        conn.execute(
+            "INSERT INTO raw_locks (name, owner, expires) VALUES (?, ?, ?)", ("bench", owner, 1.0)
+        )
+        conn.execute("DELETE FROM raw_locks WHERE name = ? AND owner = ?", ("bench", owner))
+
+    client = dlock.connect(url)
+    lock = client.lock("uncontended", ttl=30)
+
+    def dlock_acquire_release() -> None:
+        lock.acquire(timeout=0)
+        lock.release()
+
+    loop = asyncio.new_event_loop()
+    aclient = dlock.aio.connect(url)
+    alock = aclient.lock("uncontended-async", ttl=30)
+
+    async def async_acquire_release() -> None:
+        await alock.acquire(timeout=0)
+        await alock.release()
+
+    try:
+        return measure_latencies(
+            {
+                RAW: raw_insert_delete,
+                "dlock sync": dlock_acquire_release,
+                "dlock asyncio": lambda: loop.run_until_complete(async_acquire_release()),
+            },
+            iterations,
+        )
+    finally:
+        conn.close()
+        client.close()
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--sections", type=int, default=50)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dlock-bench-") as tmp:
+        url = f"sqlite://{tmp}/dlock.sqlite3"
+        latencies = uncontended(tmp, url, args.iterations)
+        rows: list[tuple[str, Latency | None, Any]] = [
+            (label, latency, None) for label, latency in latencies.items()
+        ]
+        contention = measure_contention(open_dlock, url, args.processes, args.sections)
+        rows.append((f"dlock, {args.processes} processes", None, contention))
+        print_table("SQLite: uncontended acquire+release; contention on one name", rows, RAW)
+
+
+if __name__ == "__main__":
+    main()

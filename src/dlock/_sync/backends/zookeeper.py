@@ -1,0 +1,895 @@
+# DO NOT EDIT: generated from src/dlock/_async/backends/zookeeper.py by scripts/unasync.py.
+"""ZooKeeper: the fair lock recipe, with fencing tokens and session loss handled.
+
+Each lock name is a persistent node under the root; each acquisition attempt queues an
+ephemeral sequential child named after the owner token. The lowest child holds the lock,
+every other one watches only its predecessor (FIFO, no thundering herd), and a crashed
+holder's child vanishes with its session. The fencing token is the child's creation zxid,
+which the ensemble never reuses, even if the parent node is deleted and made again.
+
+kazoo is synchronous and there is no maintained asyncio ZooKeeper client, so each seam
+operation runs as one blocking function (its round trips pipelined where they can be)
+through ``run_blocking``: one thread hop per operation, not per round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    ConnectionLoss,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
+from kazoo.security import make_acl, make_digest_acl
+
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import WakeupEvent, run_blocking
+from ..backend import Backend, Waiter
+
+logger = logging.getLogger("dlock")
+
+T = TypeVar("T")
+
+#: Suffix ZooKeeper appends to a sequential node: ten digits.
+SEQUENCE_DIGITS = 10
+#: Characters kept as they are in a node name; everything else is %-escaped UTF-8.
+SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+#: What a suspended connection means for held locks (see docs/zookeeper.md).
+SUSPEND_POLICIES = ("session", "lost")
+STRIPES = 64
+#: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
+MAX_KNOWN_PARENTS = 10_000
+
+#: Errors from kazoo and its threading handler that mean "could not use ZooKeeper".
+CLIENT_ERRORS = (KazooException, KazooTimeoutError, OSError, ssl.SSLError)
+
+
+def encode_name(name: str) -> str:
+    """A node name for any lock name: '/' and NUL cannot appear, nor '.' alone."""
+    return "".join(
+        char if char in SAFE else "".join(f"%{byte:02X}" for byte in char.encode()) for char in name
+    )
+
+
+def decode_name(node: str) -> str:
+    return unquote(node, errors="strict")
+
+
+def sequence_of(child: str) -> int:
+    return int(child[-SEQUENCE_DIGITS:])
+
+
+@dataclass
+class _Node:
+    """One queued or held child of this client, keyed by (lock name, owner token)."""
+
+    path: str
+    session: int
+    czxid: int
+    data: dict[str, Any]
+    held: bool = False
+    #: Monotonic time after which a held lease that was not extended is given up.
+    deadline: float = 0.0
+    #: The lease ended (reaped, session gone, deleted by someone): never held again.
+    gone: bool = False
+    #: The only node ahead of this one, when this one was second in line.
+    head: str | None = None
+    #: A listing of the queue sent right behind the create (kazoo's async result).
+    listing: Any = None
+
+
+class ZooKeeperWaiter(Waiter):
+    """Woken by the watch on the predecessor node (or by a new session)."""
+
+    notifies: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._event = WakeupEvent()
+        #: Watched nodes that ZooKeeper told us were deleted.
+        self.deleted: set[str] = set()
+
+    def wake(self, event: WatchedEvent | None = None) -> None:
+        if event is not None and event.type == EventType.DELETED:
+            self.deleted.add(event.path)
+        self._event.set()
+
+    def wait(self, timeout: float) -> None:
+        self._event.wait(timeout)
+        self._event.clear()
+
+
+class ZooKeeperBackend(Backend):
+    queues_waiters: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        hosts: str,
+        root: str = "/dlock",
+        *,
+        session_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+        operation_timeout: float = 5.0,
+        on_suspend: str = "session",
+        auth: tuple[str, str] | None = None,
+        tls: dict[str, Any] | None = None,
+        client: KazooClient | None = None,
+    ) -> None:
+        if on_suspend not in SUSPEND_POLICIES:
+            raise ConfigurationError(f"on_suspend must be one of {SUSPEND_POLICIES}")
+        for label, value in [
+            ("session_timeout", session_timeout),
+            ("connect_timeout", connect_timeout),
+            ("operation_timeout", operation_timeout),
+        ]:
+            if not value > 0:
+                raise ConfigurationError(f"{label} must be a positive number of seconds")
+        if not root.startswith("/") or (root.endswith("/") and root != "/"):
+            raise ConfigurationError(f"root {root!r} must be an absolute ZooKeeper path")
+        self._root = "" if root == "/" else root
+        self._hosts = hosts
+        self._session_timeout = session_timeout
+        self._connect_timeout = connect_timeout
+        self._op_timeout = operation_timeout
+        self._on_suspend = on_suspend
+        self._auth = auth
+        self._tls = tls or {}
+        self._owns_client = client is None
+        self._zk: KazooClient | None = client
+        self._start_lock = threading.Lock()
+        self._stripes = [threading.Lock() for _ in range(STRIPES)]
+        self._nodes: dict[tuple[str, str], _Node] = {}
+        #: Creates whose reply was lost: the node may exist; found by its token prefix.
+        self._pending: set[tuple[str, str]] = set()
+        self._parents: set[str] = set()
+        #: Paths we gave up but could not delete yet (no connection): deleted on reconnect.
+        self._orphans: set[str] = set()
+        self._waiters: dict[tuple[str, str], ZooKeeperWaiter] = {}
+        self._renew_now: Callable[[], None] = lambda: None
+        self._suspended_at: float | None = None
+        self._connected = threading.Event()
+        self._session_id = 0
+        self._reaper: threading.Thread | None = None
+        self._reaper_wakeup = threading.Condition()
+        #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
+        self._reaper_next = float("inf")
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> ZooKeeperBackend:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        auth: tuple[str, str] | None = None
+        if "@" in netloc:
+            credentials, netloc = netloc.rsplit("@", 1)
+            user, _, password = credentials.partition(":")
+            auth = (unquote(user), unquote(password))
+        client = options.pop("client", None) if "client" in options else None
+        if not netloc and client is None:
+            raise ConfigurationError(f"{url!r} names no ZooKeeper host")
+        settings: dict[str, Any] = dict(parse_qsl(parts.query))
+        settings.update(options)
+        known = {
+            "session_timeout",
+            "connect_timeout",
+            "operation_timeout",
+            "on_suspend",
+            "tls",
+            "certfile",
+            "keyfile",
+            "ca",
+            "verify_certs",
+            "keyfile_password",
+        }
+        unknown = set(settings) - known
+        if unknown:
+            raise ConfigurationError(f"unknown zookeeper option(s): {', '.join(sorted(unknown))}")
+        seconds: dict[str, float] = {}
+        for key, default in [
+            ("session_timeout", 10.0),
+            ("connect_timeout", 5.0),
+            ("operation_timeout", 5.0),
+        ]:
+            try:
+                seconds[key] = float(settings.get(key, default))
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"{key} must be a number of seconds") from None
+        tls: dict[str, Any] = {}
+        if _truthy(settings.get("tls", False)):
+            tls["use_ssl"] = True
+            for key in ("certfile", "keyfile", "ca", "keyfile_password"):
+                if key in settings:
+                    tls[key] = str(settings[key])
+            tls["verify_certs"] = _truthy(settings.get("verify_certs", True))
+        if client is not None and not isinstance(client, KazooClient):
+            raise ConfigurationError("client= must be a kazoo.client.KazooClient")
+        return cls(
+            netloc,
+            unquote(parts.path) or "/dlock",
+            on_suspend=str(settings.get("on_suspend", "session")),
+            auth=auth,
+            tls=tls,
+            client=client,
+            **seconds,
+        )
+
+    # -- connection and session ------------------------------------------------------
+
+    def _client(self) -> KazooClient:
+        """The started client; connecting happens here, on first use."""
+        zk = self._zk
+        if zk is not None and zk.connected and self._session_id:
+            return zk
+        with self._start_lock:
+            if self._closed:
+                raise BackendError("the ZooKeeper backend is closed")
+            if self._zk is None:
+                acl = None
+                if self._auth is not None:
+                    # Inspection works for everyone; taking and freeing locks only with
+                    # these credentials.
+                    acl = [
+                        make_digest_acl(*self._auth, all=True),
+                        make_acl("world", "anyone", read=True),
+                    ]
+                self._zk = KazooClient(
+                    hosts=self._hosts,
+                    timeout=self._session_timeout,
+                    auth_data=[("digest", ":".join(self._auth))] if self._auth else None,
+                    default_acl=acl,
+                    **self._tls,
+                )
+            zk = self._zk
+            if not self._session_id:
+                zk.add_listener(self._on_state)
+                if not zk.connected:
+                    try:
+                        zk.start(timeout=self._connect_timeout)
+                    except CLIENT_ERRORS as exc:
+                        zk.remove_listener(self._on_state)
+                        if self._owns_client:
+                            self._zk = None  # a stopped and closed client cannot restart
+                        raise BackendUnavailable(
+                            f"cannot connect to ZooKeeper {self._hosts!r}: {exc!r}"
+                        ) from exc
+                self._session_id = zk.client_id[0] if zk.client_id else 0
+                if zk.connected:
+                    self._connected.set()
+            return zk
+
+    def watch_leases(self, renew_now: Callable[[], None]) -> None:
+        self._renew_now = renew_now
+
+    def _grace(self) -> float:
+        """How long a suspended session surely outlives the suspension.
+
+        kazoo drops a connection after hearing nothing for 2/3 of the session timeout,
+        so the server may expire the session 1/3 of it after we notice; a quarter
+        leaves a margin for scheduling.
+        """
+        return 0.0 if self._on_suspend == "lost" else self._session_timeout / 4
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's connection thread: record the state, never block, wake the renewer."""
+        if state != KazooState.CONNECTED:
+            self._connected.clear()
+        if state == KazooState.SUSPENDED:
+            self._suspended_at = time.monotonic()
+            logger.warning("dlock: ZooKeeper connection suspended; held locks may be lost")
+            timer = threading.Timer(self._grace(), self._renew_now)
+            timer.daemon = True
+            timer.start()
+            self._renew_now()
+        elif state == KazooState.LOST:
+            self._suspended_at = None
+            self._end_session(self._session_id)
+            self._renew_now()
+        else:  # CONNECTED
+            self._suspended_at = None
+            self._connected.set()
+            zk = self._zk
+            session = zk.client_id[0] if zk is not None and zk.client_id else 0
+            if session != self._session_id:
+                if self._session_id:
+                    self._end_session(self._session_id)
+                    self._renew_now()
+                self._session_id = session
+            if self._orphans:
+                threading.Thread(target=self._delete_orphans, daemon=True).start()
+
+    def _end_session(self, session: int) -> None:
+        """The session is gone and its ephemeral nodes with it: so are our leases."""
+        for node in list(self._nodes.values()):
+            if node.session == session:
+                node.gone = True
+        for waiter in list(self._waiters.values()):
+            waiter.wake()
+
+    def _session_alive(self, node: _Node) -> bool:
+        """False once the node's session ended or was suspended for too long."""
+        if node.gone or node.session != self._session_id:
+            return False
+        suspended = self._suspended_at
+        return suspended is None or time.monotonic() < suspended + self._grace()
+
+    def _call(self, result: Any) -> Any:
+        """Wait for one of kazoo's async results, bounded by the operation timeout."""
+        return result.get(timeout=self._op_timeout)
+
+    def _catch_up(self, zk: KazooClient) -> None:
+        """Make the next reads see every write committed before now.
+
+        A server answers reads from its own replica, which may lag the leader: another
+        client's re-entry or release would be missed. Acquisition needs no sync: its
+        create is a write, and reads after it on this session see everything before it.
+        """
+        self._call(zk.sync_async("/"))
+
+    def _stripe(self, key: tuple[str, str]) -> threading.Lock:
+        """Operations on one (name, token) run one at a time: the caller's and the
+        renewer's, or a cancelled attempt still running and its clean-up."""
+        return self._stripes[_stripe_of(key)]
+
+    def _parent(self, name: str) -> str:
+        return f"{self._root}/{encode_name(name)}"
+
+    # -- acquisition ------------------------------------------------------------------
+
+    def _acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        key = (name, token)
+
+        def attempt(retrying: bool) -> Acquired | Busy:
+            zk = self._client()
+            if self._orphans:
+                self._delete_orphans()
+            node = self._nodes.get(key)
+            if node is not None and node.held:
+                return self._reenter(zk, key, node, reentrant)
+            for _ in range(3):
+                node = self._own_node(zk, key, ttl, holder)
+                result = self._check_queue(zk, key, node, ttl)
+                if result is not None:
+                    return result
+            raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
+
+        with self._stripe(key):
+            return self._guarded(attempt)
+
+    def _guarded(self, op: Callable[[bool], T]) -> T:
+        """Run ``op``, again after a dropped connection, until the operation timeout.
+
+        In an ensemble a dropped connection is usually one server going away, and kazoo
+        reconnects to another within the same session: the operation can carry on (a
+        create whose reply was lost is found again by its token). ``op`` is told when
+        it runs again, as a delete that now finds nothing may be its own earlier one.
+        """
+        deadline = time.monotonic() + self._op_timeout
+        retrying = False
+        while True:
+            try:
+                return op(retrying)
+            except ConnectionLoss as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._connected.wait(remaining):
+                    raise _wrap(exc) from exc
+                retrying = True
+            except CLIENT_ERRORS as exc:
+                raise _wrap(exc) from exc
+
+    def _reenter(
+        self, zk: KazooClient, key: tuple[str, str], node: _Node, reentrant: bool
+    ) -> Acquired | Busy:
+        """Enter a held lock again; Busy (once) if the lease is gone, so that the core
+        reports the loss. A fresh acquisition after that creates a new node."""
+        if not self._session_alive(node):
+            self._give_up(key, node)
+            return Busy()
+        if not reentrant:
+            return Busy()
+        data = {**node.data, "count": node.data["count"] + 1}
+        try:
+            self._call(zk.set_async(node.path, _dump(data)))
+        except NoNodeError:
+            self._forget(key, node)
+            return Busy()
+        node.data = data
+        return Acquired(fencing_token=node.czxid, count=data["count"])
+
+    def _own_node(self, zk: KazooClient, key: tuple[str, str], ttl: float, holder: Holder) -> _Node:
+        """Our queued node for ``key``: the existing one, one found after a lost reply,
+        or a new one."""
+        node = self._nodes.get(key)
+        if node is not None and (node.gone or node.session != self._session_id):
+            self._forget(key, node)
+            node = None
+        if node is not None:
+            return node
+        name, token = key
+        parent = self._parent(name)
+        data = {
+            "host": holder.host,
+            "pid": holder.pid,
+            "label": holder.label,
+            "count": 1,
+            "ttl": ttl,
+        }
+        session = self._session_id
+        if key in self._pending:
+            # Curator's protection: a create that succeeded on the server but whose reply
+            # was lost left a node whose name starts with our token. Adopt it.
+            found = self._find_own(zk, parent, token)
+            self._pending.discard(key)
+            if found is not None:
+                path, stat = found
+                node = _Node(path, stat.ephemeralOwner, stat.czxid, data)
+                if node.session == session:
+                    self._nodes[key] = node
+                    return node
+        self._pending.add(key)
+        path, stat, listing = self._create(zk, parent, f"{parent}/{token}-", _dump(data))
+        self._pending.discard(key)
+        node = _Node(path, stat.ephemeralOwner, stat.czxid, data, listing=listing)
+        self._nodes[key] = node
+        return node
+
+    def _create(
+        self, zk: KazooClient, parent: str, prefix: str, data: bytes
+    ) -> tuple[str, ZnodeStat, Any]:
+        """Create our sequential node, and the lock's node first if it may be missing.
+
+        The requests are pipelined: a session's requests are served in order, so the
+        listing sent behind the create already includes the new node, and a lock used
+        for the first time costs no extra round trip for making its node.
+        """
+        known = parent in self._parents
+        for _ in range(3):
+            made = None if known else zk.create_async(parent, b"")
+            created = zk.create_async(
+                prefix, data, ephemeral=True, sequence=True, include_data=True
+            )
+            listing = zk.get_children_async(parent)
+            if made is not None:
+                try:
+                    self._call(made)
+                except NodeExistsError:
+                    pass
+                except NoNodeError:
+                    zk.ensure_path(self._root or "/")  # first use of this root
+                    continue
+            try:
+                path, stat = self._call(created)
+            except NoNodeError:
+                known = False  # pruned meanwhile: make it again
+                continue
+            if len(self._parents) >= MAX_KNOWN_PARENTS:
+                self._parents.clear()
+            self._parents.add(parent)
+            return path, stat, listing
+        raise BackendError(f"cannot create a lock node under {parent!r}")
+
+    def _find_own(self, zk: KazooClient, parent: str, token: str) -> tuple[str, ZnodeStat] | None:
+        try:
+            children = self._call(zk.get_children_async(parent))
+        except NoNodeError:
+            return None
+        for child in children:
+            if child.startswith(f"{token}-"):
+                stat = self._call(zk.exists_async(f"{parent}/{child}"))
+                if stat is not None:
+                    return f"{parent}/{child}", stat
+        return None
+
+    def _check_queue(
+        self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float
+    ) -> Acquired | Busy | None:
+        """Held if our node is the lowest; else queue behind the predecessor (inside a
+        waiter) or leave (outside one). None: our node vanished, start again."""
+        waiter = self._waiters.get(key)
+        if (
+            waiter is not None
+            and node.head is not None
+            and node.head in waiter.deleted
+            and self._session_alive(node)
+        ):
+            # The hand-off without a round trip: sequence numbers only grow, so once the
+            # only node ahead of ours is deleted, nothing can ever be ahead of ours again.
+            return self._granted(node, ttl)
+        parent, child = node.path.rsplit("/", 1)
+        listing, node.listing = node.listing, None
+        try:
+            children = self._call(listing if listing is not None else zk.get_children_async(parent))
+        except NoNodeError:
+            if listing is None:
+                raise
+            # The parent was made by the create (after a failed first try): list again.
+            children = self._call(zk.get_children_async(parent))
+        children.sort(key=sequence_of)
+        if child not in children:
+            self._forget(key, node)
+            return None
+        position = children.index(child)
+        if position == 0:
+            return self._granted(node, ttl)
+        if waiter is None:
+            self._delete(zk, key, node)
+            return Busy()
+        predecessor = f"{parent}/{children[position - 1]}"
+        node.head = predecessor if position == 1 else None
+        if self._call(zk.exists_async(predecessor, watch=waiter.wake)) is None:
+            waiter.deleted.add(predecessor)
+            waiter.wake()
+        return Busy()
+
+    def _granted(self, node: _Node, ttl: float) -> Acquired:
+        node.held = True
+        node.deadline = time.monotonic() + ttl
+        if node.deadline < self._reaper_next:
+            self._start_reaper()
+        return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
+
+    def acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        return run_blocking(self._acquire, name, token, ttl, holder, reentrant)
+
+    @contextmanager
+    def waiter(self, name: str, token: str) -> Iterator[ZooKeeperWaiter]:
+        waiter = ZooKeeperWaiter()
+        self._waiters[(name, token)] = waiter
+        try:
+            yield waiter
+        finally:
+            del self._waiters[(name, token)]
+            run_blocking(self._leave_queue, name, token)
+
+    def _leave_queue(self, name: str, token: str) -> None:
+        """Timeout or cancellation: a queued (not held) node must not block the line."""
+        key = (name, token)
+        with self._stripe(key):
+            node = self._nodes.get(key)
+            if node is None or node.held:
+                return
+            try:
+                zk = self._client()
+                self._delete(zk, key, node)
+            except (BackendError, *CLIENT_ERRORS):
+                logger.debug("dlock: could not leave the queue of %r", name, exc_info=True)
+                self._forget(key, node)
+                self._orphans.add(node.path)
+
+    def _delete(self, zk: KazooClient, key: tuple[str, str], node: _Node) -> bool:
+        """Delete our node and forget it; False if it was already gone."""
+        try:
+            self._call(zk.delete_async(node.path))
+            existed = True
+        except NoNodeError:
+            existed = False
+        self._forget(key, node)
+        return existed
+
+    def _forget(self, key: tuple[str, str], node: _Node) -> None:
+        node.gone = True
+        if self._nodes.get(key) is node:
+            del self._nodes[key]
+
+    # -- release and renewal ----------------------------------------------------------
+
+    def _release(self, name: str, token: str) -> int | None:
+        key = (name, token)
+
+        def release(retrying: bool) -> int | None:
+            node = self._nodes.get(key)
+            if node is None and key not in self._pending:
+                return None
+            zk = self._client()
+            if node is None:
+                # An attempt interrupted mid-create: its node may exist all the same.
+                found = self._find_own(zk, self._parent(name), token)
+                self._pending.discard(key)
+                if found is not None:
+                    with suppress(NoNodeError):
+                        self._call(zk.delete_async(found[0]))
+                return None
+            if not node.held or not self._session_alive(node):
+                if not node.gone or node.session == self._session_id:
+                    self._delete(zk, key, node)
+                self._forget(key, node)
+                return None
+            count = int(node.data["count"])
+            if count > 1:
+                data = {**node.data, "count": count - 1}
+                try:
+                    self._call(zk.set_async(node.path, _dump(data)))
+                except NoNodeError:
+                    self._forget(key, node)
+                    return None
+                node.data = data
+                return count - 1
+            # After a lost reply, finding nothing most likely means our delete went through.
+            return 0 if self._delete(zk, key, node) or retrying else None
+
+        with self._stripe(key):
+            return self._guarded(release)
+
+    def release(self, name: str, token: str) -> int | None:
+        return run_blocking(self._release, name, token)
+
+    def _extend_all(self, leases: list[Lease]) -> list[bool]:
+        """Rewrite each held node (one pipelined round trip for the batch).
+
+        The write proves the session alive now and moves ``mtime``, from which
+        inspection tells how long the lease has left.
+        """
+        zk = self._client()
+        # Hold the stripes of the whole batch (in one order, and no other operation
+        # holds two) so a re-entry or release cannot interleave with the rewrite.
+        stripes = [
+            self._stripes[i] for i in sorted({_stripe_of((x.name, x.token)) for x in leases})
+        ]
+        for stripe in stripes:
+            stripe.acquire()
+        try:
+            return self._extend_locked(zk, leases)
+        finally:
+            for stripe in reversed(stripes):
+                stripe.release()
+
+    def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
+        answers: list[bool] = [False] * len(leases)
+        pending: list[tuple[int, _Node, dict[str, Any], Any]] = []
+        for index, lease in enumerate(leases):
+            node = self._nodes.get((lease.name, lease.token))
+            if node is None or not node.held:
+                continue
+            if not self._session_alive(node):
+                self._give_up((lease.name, lease.token), node)
+                continue
+            if self._suspended_at is not None:
+                # A write would only queue until the connection is back. The session
+                # surely lives until the grace ends, when the renewer asks again.
+                answers[index] = True
+                continue
+            data = {**node.data, "ttl": lease.ttl}
+            pending.append((index, node, data, zk.set_async(node.path, _dump(data))))
+        for index, node, data, result in pending:
+            key = (leases[index].name, leases[index].token)
+            try:
+                stat = self._call(result)
+            except NoNodeError:
+                self._forget(key, node)
+                continue
+            except CLIENT_ERRORS as exc:
+                raise _wrap(exc) from exc
+            if stat.ephemeralOwner != node.session or not self._session_alive(node):
+                self._give_up(key, node)
+                continue
+            node.data = data
+            node.deadline = time.monotonic() + leases[index].ttl
+            answers[index] = True
+        return answers
+
+    def _give_up(self, key: tuple[str, str], node: _Node) -> None:
+        """A lease declared lost while its node may still exist (a suspended session
+        that comes back): delete the node as soon as the connection allows."""
+        if not node.gone and node.session == self._session_id:
+            self._orphans.add(node.path)
+        self._forget(key, node)
+
+    def extend(self, name: str, token: str, ttl: float) -> bool:
+        result = run_blocking(self._extend_all, [Lease(name, token, ttl)])
+        return result[0]
+
+    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        return run_blocking(self._extend_all, list(leases))
+
+    def _delete_orphans(self) -> None:
+        zk = self._zk
+        if zk is None:
+            return
+        for path in list(self._orphans):
+            try:
+                self._call(zk.delete_async(path))
+            except NoNodeError:
+                pass
+            except CLIENT_ERRORS:
+                continue  # still disconnected: the next CONNECTED tries again
+            self._orphans.discard(path)
+
+    # -- leases that run out without renewal -------------------------------------------
+
+    def _start_reaper(self) -> None:
+        with self._reaper_wakeup:
+            if self._reaper is None and not self._closed:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="dlock-zookeeper-reaper", daemon=True
+                )
+                self._reaper.start()
+            self._reaper_wakeup.notify()
+
+    def _reap(self) -> None:
+        """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``).
+
+        The session keeps ephemeral nodes alive for as long as the process lives, so
+        without this a lease would never end while its holder is alive but idle.
+        """
+        while not self._closed:
+            now = time.monotonic()
+            due = [
+                (key, node)
+                for key, node in list(self._nodes.items())
+                if node.held and not node.gone and node.deadline <= now
+            ]
+            for key, node in due:
+                with self._stripe(key):
+                    if self._nodes.get(key) is not node or node.deadline > time.monotonic():
+                        continue
+                    try:
+                        self._delete(self._client(), key, node)
+                    except (BackendError, *CLIENT_ERRORS):
+                        self._give_up(key, node)
+            with self._reaper_wakeup:
+                if self._closed:
+                    return
+                held = list(self._nodes.values())
+                deadlines = [n.deadline for n in held if n.held and not n.gone]
+                self._reaper_next = min(deadlines, default=float("inf"))
+                self._reaper_wakeup.wait(
+                    max(0.001, self._reaper_next - time.monotonic()) if deadlines else None
+                )
+                self._reaper_next = float("inf")  # while reaping, every grant wakes it
+
+    # -- inspection -------------------------------------------------------------------
+
+    def _infos(self, names: list[str]) -> list[LockInfo]:
+        """Holder and queue of each name, with every read pipelined."""
+        zk = self._client()
+        self._catch_up(zk)
+        listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
+        queues: list[tuple[str, list[Any]]] = []
+        for name, result in listed:
+            try:
+                children = sorted(self._call(result), key=sequence_of)
+            except NoNodeError:
+                continue
+            parent = self._parent(name)
+            queues.append((name, [zk.get_async(f"{parent}/{child}") for child in children]))
+        infos = []
+        for name, reads in queues:
+            entries = []
+            for result in reads:
+                with suppress(NoNodeError):  # left the queue meanwhile
+                    entries.append(self._call(result))
+            if entries:
+                infos.append(_info(name, entries))
+        return infos
+
+    def inspect(self, name: str) -> LockInfo | None:
+        infos = run_blocking(self._guarded, lambda _: self._infos([name]))
+        return infos[0] if infos else None
+
+    def _list(self, prefix: str) -> list[LockInfo]:
+        zk = self._client()
+        self._catch_up(zk)
+        try:
+            nodes = self._call(zk.get_children_async(self._root or "/"))
+        except NoNodeError:
+            return []
+        names = sorted(
+            name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
+        )
+        return self._infos(names)
+
+    def list(self, prefix: str) -> list[LockInfo]:
+        return run_blocking(self._guarded, lambda _: self._list(prefix))
+
+    def _force_release(self, name: str) -> bool:
+        zk = self._client()
+        self._catch_up(zk)
+        parent = self._parent(name)
+        while True:
+            try:
+                children = self._call(zk.get_children_async(parent))
+            except NoNodeError:
+                return False
+            if not children:
+                self._prune(zk, parent)
+                return False
+            try:
+                self._call(zk.delete_async(f"{parent}/{min(children, key=sequence_of)}"))
+                return True
+            except NoNodeError:
+                continue  # released meanwhile: the next in line now holds it
+
+    def _prune(self, zk: KazooClient, parent: str) -> None:
+        """Drop an empty lock node (a create racing with this just makes it again)."""
+        with suppress(NoNodeError, NotEmptyError):
+            self._call(zk.delete_async(parent))
+
+    def force_release(self, name: str) -> bool:
+        freed: bool = run_blocking(self._guarded, lambda _: self._force_release(name))
+        return freed
+
+    def _close(self) -> None:
+        with self._reaper_wakeup:
+            self._closed = True
+            self._reaper_wakeup.notify()
+        zk = self._zk
+        if zk is None:
+            return
+        zk.remove_listener(self._on_state)
+        if self._owns_client:
+            try:
+                zk.stop()
+                zk.close()
+            except CLIENT_ERRORS:
+                logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
+
+    def close(self) -> None:
+        run_blocking(self._close)
+
+
+def _stripe_of(key: tuple[str, str]) -> int:
+    return zlib.crc32(f"{key[0]}\0{key[1]}".encode()) % STRIPES
+
+
+def _truthy(value: object) -> bool:
+    return str(value).lower() in {"1", "true", "yes", "on"}
+
+
+def _dump(data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode()
+
+
+def _decoded(node: str) -> str | None:
+    try:
+        return decode_name(node)
+    except UnicodeDecodeError:
+        return None  # not a node dlock made
+
+
+def _info(name: str, entries: list[tuple[bytes, ZnodeStat]]) -> LockInfo:
+    """The first node holds the lock; the rest wait in this order."""
+    data, stat = entries[0]
+    fields: dict[str, Any] = {}
+    with suppress(ValueError):
+        fields = json.loads(data)
+    ttl = fields.get("ttl")
+    expires_in = None
+    if isinstance(ttl, (int, float)):
+        expires_in = max(0.0, ttl - (time.time() - stat.mtime / 1000))
+    count = fields.get("count")
+    return LockInfo(
+        name=name,
+        fencing_token=stat.czxid,
+        holder=Holder.from_json(data),
+        expires_in=expires_in,
+        count=count if isinstance(count, int) else 1,
+        waiters=tuple(Holder.from_json(waiting) for waiting, _ in entries[1:]),
+    )
+
+
+def _wrap(exc: BaseException) -> BackendError:
+    if isinstance(exc, BackendError):
+        return exc
+    return BackendUnavailable(f"ZooKeeper: {type(exc).__name__}: {exc}")
+
+
+BACKEND = ZooKeeperBackend

@@ -1,0 +1,218 @@
+"""Private ZooKeeper servers from the Debian ``zookeeper`` package: standalone or an ensemble.
+
+Every node runs with a 100 ms tick so sessions can be as short as 0.2 s (a lock's TTL is
+its session timeout), and a large ``maxSessionTimeout`` so fault tests can choose longer
+ones. Nodes can be killed, paused and restarted one by one; :meth:`leader` finds the one
+to kill for the leader-failure tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ServerProcess, free_port, private_dir
+
+JAR = Path("/usr/share/java/zookeeper.jar")
+TICK_MS = 100
+
+
+def four_letter(port: int, command: str = "srvr", timeout: float = 0.5) -> str:
+    """Send a four-letter word (there is no nc here) and return the answer, or ''."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(command.encode())
+            chunks = []
+            while chunk := sock.recv(4096):
+                chunks.append(chunk)
+            return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def mode(port: int) -> str | None:
+    """'leader', 'follower' or 'standalone' once the node serves clients, else None."""
+    for line in four_letter(port).splitlines():
+        if line.startswith("Mode:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _readiness(port: int, *, standalone: bool) -> Callable[[], bool]:
+    """A standalone node is ready when it serves; an ensemble node serves only once a
+    quorum exists, which needs the others started too, so it is "up" when it answers."""
+    if standalone:
+        return lambda: mode(port) is not None
+    return lambda: four_letter(port, "ruok") == "imok"
+
+
+class ZooKeeperEnsemble:
+    """One standalone server (size 1) or a quorum of several on loopback."""
+
+    def __init__(self, size: int = 1) -> None:
+        if not JAR.exists():
+            raise RuntimeError(f"{JAR} not found: run ./scripts/test, which installs zookeeper")
+        self.size = size
+        self.root = private_dir("zookeeper")
+        self.client_ports = [free_port() for _ in range(size)]
+        peers = [(free_port(), free_port()) for _ in range(size)]
+        self.nodes: list[ServerProcess] = []
+        for index in range(size):
+            conf = self.root / f"node{index + 1}"
+            data = conf / "data"
+            data.mkdir(parents=True)
+            lines = [
+                f"tickTime={TICK_MS}",
+                "initLimit=50",
+                "syncLimit=20",
+                f"dataDir={data}",
+                f"clientPort={self.client_ports[index]}",
+                "clientPortAddress=127.0.0.1",
+                "admin.enableServer=false",
+                "4lw.commands.whitelist=ruok,srvr",
+                "forceSync=no",
+                f"minSessionTimeout={2 * TICK_MS}",
+                "maxSessionTimeout=60000",
+            ]
+            if size > 1:
+                (data / "myid").write_text(f"{index + 1}\n")
+                lines += [
+                    f"server.{i + 1}=127.0.0.1:{peer}:{election}"
+                    for i, (peer, election) in enumerate(peers)
+                ]
+            (conf / "zoo.cfg").write_text("\n".join(lines) + "\n")
+            (conf / "log4j.properties").write_text(
+                "log4j.rootLogger=WARN, CONSOLE\n"
+                "log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender\n"
+                "log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout\n"
+            )
+            port = self.client_ports[index]
+            self.nodes.append(
+                ServerProcess(
+                    f"zookeeper{index + 1}",
+                    [
+                        "java",
+                        "-Xms32m",
+                        "-Xmx256m",
+                        "-XX:+UseSerialGC",
+                        "-cp",
+                        f"{conf}:{JAR}",
+                        "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+                        str(conf / "zoo.cfg"),
+                    ],
+                    ready=_readiness(port, standalone=size == 1),
+                    workdir=conf,
+                )
+            )
+
+    @property
+    def hosts(self) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port in self.client_ports)
+
+    def url(self, path: str = "/dlock", **options: object) -> str:
+        query = "&".join(f"{key}={value}" for key, value in options.items())
+        return f"zookeeper://{self.hosts}{path}" + (f"?{query}" if query else "")
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        self.wait_serving()
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        """Wait until every running node serves clients (a quorum formed)."""
+        deadline = time.monotonic() + timeout
+        for node, port in zip(self.nodes, self.client_ports, strict=True):
+            if node.process is None:
+                continue
+            while mode(port) is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node.name} does not serve:\n{node.log_tail()}")
+                time.sleep(0.05)
+
+    def leader(self) -> int:
+        """Index of the current leader (or the standalone server)."""
+        for index, port in enumerate(self.client_ports):
+            if self.nodes[index].process is not None and mode(port) in {"leader", "standalone"}:
+                return index
+        raise RuntimeError("no leader")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def zookeeper_server() -> Iterator[ZooKeeperEnsemble]:
+    """A standalone server, for the fast backend-specific tests."""
+    server = ZooKeeperEnsemble(1)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def zookeeper_ensemble() -> Iterator[ZooKeeperEnsemble]:
+    """Three nodes on loopback: the conformance suite and the failover tests."""
+    ensemble = ZooKeeperEnsemble(3)
+    ensemble.start()
+    yield ensemble
+    ensemble.stop()
+
+
+class Partition:
+    """A TCP relay to one server that can be cut: while cut, bytes are neither read nor
+    passed on, as when a network partition swallows packets (no reset, no FIN)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.port = free_port()
+        self.cut = threading.Event()
+        self._closed = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        source.settimeout(0.05)
+        with source, sink:
+            while not self._closed.is_set():
+                if self.cut.is_set():
+                    time.sleep(0.01)
+                    continue
+                try:
+                    chunk = source.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                try:
+                    sink.sendall(chunk)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()

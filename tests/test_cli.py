@@ -1,0 +1,175 @@
+"""The real ``dlock`` command, run in subprocesses against the embedded SQLite backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dlock
+
+DLOCK = str(Path(sys.executable).with_name("dlock"))
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return f"sqlite://{tmp_path}/cli.sqlite3"
+
+
+def dlock_cmd(db: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [DLOCK, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "DLOCK_URL": db},
+    )
+
+
+def test_run_passes_name_token_and_exit_status(db: str, name: str) -> None:
+    script = 'echo "$DLOCK_NAME $DLOCK_FENCING_TOKEN $DLOCK_TTL"; exit 3'
+    first = dlock_cmd(db, "run", "--ttl", "7", name, "--", "sh", "-c", script)
+    assert first.returncode == 3, first.stderr
+    assert first.stdout.split() == [name, "1", "7.0"]
+    second = dlock_cmd(db, "run", name, "--", "sh", "-c", script)
+    assert second.stdout.split()[1] == "2", "each run is a new acquisition"
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None, "the lock is released when the command ends"
+
+
+def test_conflict_exit_code_and_wait(db: str, name: str) -> None:
+    with dlock.connect(db, label="blocker") as client, client.lock(name, ttl=30):
+        result = dlock_cmd(db, "run", "-n", name, "--", "true")
+        assert result.returncode == 1
+        assert "held by someone else" in result.stderr and "blocker" in result.stderr
+        assert dlock_cmd(db, "run", "-n", "-E", "42", name, "--", "true").returncode == 42
+        start = time.monotonic()
+        assert dlock_cmd(db, "run", "-w", "0.5", name, "--", "true").returncode == 1
+        assert 0.5 <= time.monotonic() - start < 5
+
+
+def test_run_waits_for_the_lock(db: str, name: str) -> None:
+    with dlock.connect(db) as client:
+        lock = client.lock(name, ttl=30)
+        lock.acquire()
+        process = subprocess.Popen(
+            [DLOCK, "run", "-w", "10", name, "--", "sh", "-c", "echo ran"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DLOCK_URL": db},
+        )
+        time.sleep(0.5)
+        assert process.poll() is None, "must wait while the lock is held"
+        lock.release()
+        stdout, _ = process.communicate(timeout=10)
+        assert process.returncode == 0 and stdout.strip() == "ran"
+
+
+def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    stubborn = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    process = subprocess.Popen(
+        [DLOCK, "run", "--ttl", "1", "--grace", "0.5", name, "--", sys.executable, "-c", stubborn],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "DLOCK_URL": db},
+    )
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child_pid = int(pidfile.read_text())
+    with dlock.connect(db) as client:
+        assert client.force_release(name)
+    start = time.monotonic()
+    _, stderr = process.communicate(timeout=15)
+    assert process.returncode == 75
+    assert "lost the lock" in stderr
+    assert time.monotonic() - start < 3, "noticed at the next renewal, killed after the grace"
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)
+
+
+def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
+    process = subprocess.Popen(
+        [DLOCK, "run", name, "--", "sh", "-c", "echo started; exec sleep 60"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "DLOCK_URL": db},
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "started"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(10) == 128 + signal.SIGTERM
+    process.stdout.close()
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
+def test_status_list_and_force_release(db: str, name: str) -> None:
+    assert dlock_cmd(db, "status", name).returncode == 1
+    with dlock.connect(db, label="cli-test") as client:
+        lock = client.lock(name, ttl=30)
+        lock.acquire()
+        status = dlock_cmd(db, "status", name)
+        assert status.returncode == 0
+        assert name in status.stdout and "cli-test" in status.stdout
+        info = json.loads(dlock_cmd(db, "status", "--json", name).stdout)
+        assert info["fencing_token"] == lock.fencing_token
+        assert info["holder"]["pid"] == os.getpid()
+        listed = json.loads(dlock_cmd(db, "list", "--json", name[:10]).stdout)
+        assert [entry["name"] for entry in listed] == [name]
+        assert name in dlock_cmd(db, "list").stdout
+        assert dlock_cmd(db, "release", name).returncode == 2, "--force is required"
+        assert dlock_cmd(db, "release", "--force", name).returncode == 0
+        assert dlock_cmd(db, "release", "--force", name).returncode == 1
+        assert client.inspect(name) is None
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+
+
+def test_init_prints_or_creates_the_schema(tmp_path: Path) -> None:
+    db = f"sqlite://{tmp_path}/fresh/locks.sqlite3"
+    printed = dlock_cmd(db, "init", "--print")
+    assert printed.returncode == 0 and "CREATE TABLE" in printed.stdout
+    assert not (tmp_path / "fresh").exists(), "--print changes nothing"
+    assert dlock_cmd(db, "init").returncode == 0
+    assert (tmp_path / "fresh" / "locks.sqlite3").exists()
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["status"], ["list"], ["release"], ["init"]])
+def test_help(command: list[str]) -> None:
+    result = subprocess.run([DLOCK, *command, "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "usage: dlock" in result.stdout
+
+
+def test_url_before_or_after_the_command(db: str, name: str) -> None:
+    with dlock.connect(db) as client, client.lock(name, ttl=30):
+        env = {k: v for k, v in os.environ.items() if k != "DLOCK_URL"}
+        for args in (["--url", db, "status", name], ["status", "--url", db, name]):
+            result = subprocess.run([DLOCK, *args], capture_output=True, text=True, env=env)
+            assert result.returncode == 0, (args, result.stdout, result.stderr)
+
+
+def test_bad_input_and_unreachable_backend(db: str) -> None:
+    bad_ttl = dlock_cmd(db, "run", "--ttl", "0", "x", "--", "true")
+    assert bad_ttl.returncode == 2 and "ttl" in bad_ttl.stderr
+    empty = dlock_cmd(db, "status", "")
+    assert empty.returncode == 2 and "empty" in empty.stderr
+    unknown = dlock_cmd("nosuch://x", "status", "x")
+    assert unknown.returncode == 2 and "unknown URL scheme" in unknown.stderr
+    down = dlock_cmd("sqlite:///proc/no-such-dir/x.db", "run", "x", "--", "true")
+    assert down.returncode == 69 and "backend error" in down.stderr
+    no_command = dlock_cmd(db, "run", "x")
+    assert no_command.returncode == 2 and "no command" in no_command.stderr

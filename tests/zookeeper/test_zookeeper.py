@@ -1,0 +1,255 @@
+"""ZooKeeper-specific guarantees: FIFO order, failover, session expiry and partitions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kazoo.client import KazooClient
+
+import dlock
+from dlock._sync.backends.zookeeper import decode_name, encode_name
+from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def wait_until(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_names_encode_reversibly() -> None:
+    for name in ["plain", ".", "..", "a/b", "nul\x00", "100%", "zookeeper", "ü鎖"]:
+        encoded = encode_name(name)
+        assert "/" not in encoded and "\x00" not in encoded and encoded not in {".", ".."}
+        assert decode_name(encoded) == name
+
+
+def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> None:
+    with pytest.raises(dlock.ConfigurationError, match="unknown"):
+        dlock.connect(zookeeper_server.url(bogus=1))
+    with pytest.raises(dlock.ConfigurationError, match="on_suspend"):
+        dlock.connect(zookeeper_server.url(on_suspend="maybe"))
+    existing = KazooClient(hosts=zookeeper_server.hosts)
+    existing.start()
+    try:
+        with (
+            dlock.connect("zookeeper:///dlock-existing", client=existing) as client,
+            client.lock("shared", ttl=5) as lock,
+        ):
+            assert lock.fencing_token is not None
+        assert existing.connected, "a client passed in is the caller's to close"
+    finally:
+        existing.stop()
+        existing.close()
+
+
+def test_waiters_queue_in_fifo_order(zookeeper_server: ZooKeeperEnsemble) -> None:
+    url = zookeeper_server.url(session_timeout=5)
+    name = f"fifo-{os.getpid()}-{time.monotonic_ns()}"
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=10)
+        holder.acquire()
+        workers = []
+        for position in range(5):
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.zookeeper.fifo_worker", url, name],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                )
+            )
+
+            def queued(expected: int = position + 1) -> bool:
+                info = client.inspect(name)
+                return info is not None and len(info.waiters) == expected
+
+            wait_until(queued, 20)
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == holder.fencing_token
+        holder.release()
+        results = []
+        for worker in workers:
+            out, _ = worker.communicate(timeout=30)
+            assert worker.returncode == 0
+            _, at, token = out.split()
+            results.append((float(at), int(token)))
+        assert [at for at, _ in results] == sorted(at for at, _ in results), results
+        assert [token for _, token in results] == sorted(token for _, token in results)
+
+
+def test_leader_failure_keeps_the_lock_and_the_queue(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    url = zookeeper_ensemble.url("/dlock-failover", session_timeout=12)
+    name = f"failover-{time.monotonic_ns()}"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=12, on_lost=lost.append)
+        lock.acquire()
+        token = lock.fencing_token
+        waiter = second.lock(name, ttl=12)
+        got: list[int | None] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(30) and 1))
+        thread.start()
+
+        def queued() -> bool:
+            info = first.inspect(name)
+            return info is not None and len(info.waiters) == 1
+
+        wait_until(queued)
+        leader = zookeeper_ensemble.leader()
+        zookeeper_ensemble.nodes[leader].kill()
+        try:
+            zookeeper_ensemble.wait_serving()
+            wait_until(queued, 15)
+            info = first.inspect(name)
+            assert info is not None and info.fencing_token == token
+            assert lock.owned() and not lost and not got
+            lock.extend()
+            lock.release()
+            thread.join(15)
+            assert got == [1]
+            assert waiter.fencing_token is not None and token is not None
+            assert waiter.fencing_token > token
+            waiter.release()
+        finally:
+            zookeeper_ensemble.nodes[leader].start()
+            zookeeper_ensemble.wait_serving()
+
+
+def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble) -> None:
+    url = zookeeper_server.url(session_timeout=4)
+    name = f"expire-{time.monotonic_ns()}"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=30, on_lost=lost.append)
+        lock.acquire()
+        got: list[bool] = []
+        waiter = second.lock(name, ttl=30)
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(20)))
+        thread.start()
+        # The classic way to expire a session: another client joins it and closes it.
+        zk = first._backend._zk  # type: ignore[attr-defined]
+        assert zk is not None
+        twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
+        twin.start()
+        twin.stop()
+        twin.close()
+        thread.join(20)
+        assert got == [True]
+        wait_until(lambda: lock.lost)
+        assert not lock.owned()
+        time.sleep(0.5)
+        assert lost == [lock], "reported exactly once"
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        waiter.release()
+        # The client carries on with a new session.
+        with first.lock(name, ttl=5) as again:
+            assert again.fencing_token is not None and waiter.fencing_token is not None
+            assert again.fencing_token > waiter.fencing_token
+
+
+def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"partition-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=2"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
+            lock.acquire()
+            partition.cut.set()
+            successor = near.lock(name, ttl=30)
+            assert successor.acquire(timeout=10)
+            acquired_at = time.monotonic()
+            assert lost_at, "the holder still believes it holds the lock"
+            assert lost_at[0] <= acquired_at
+            assert lock.lost and not lock.owned()
+            partition.cut.clear()
+            successor.release()
+    finally:
+        partition.close()
+
+
+def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> None:
+    root = f"/dlock-auth-{time.monotonic_ns()}"
+    authed = f"zookeeper://alice:s3cret@{zookeeper_server.hosts}{root}"
+    with dlock.connect(authed) as owner, dlock.connect(zookeeper_server.url(root)) as other:
+        with owner.lock("guarded", ttl=5) as lock:
+            info = other.inspect("guarded")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            with pytest.raises(dlock.BackendError):
+                other.force_release("guarded")
+            with pytest.raises(dlock.BackendError):
+                other.lock("guarded", ttl=5).acquire(timeout=0)
+        assert other.inspect("guarded") is None
+
+
+def test_inspection_shows_the_queue_in_order(zookeeper_server: ZooKeeperEnsemble) -> None:
+    url = zookeeper_server.url()
+    name = f"queue-{time.monotonic_ns()}"
+    clients = [dlock.connect(url, label=f"c{i}") for i in range(3)]
+    try:
+        holder = clients[0].lock(name, ttl=5)
+        holder.acquire()
+        threads = []
+        for index in (1, 2):
+            lock = clients[index].lock(name, ttl=5)
+            thread = threading.Thread(target=lock.acquire, args=(0.8,))
+            thread.start()
+            threads.append(thread)
+
+            def queued(expected: int = index) -> bool:
+                info = clients[0].inspect(name)
+                return info is not None and len(info.waiters) == expected
+
+            wait_until(queued)
+        info = clients[0].inspect(name)
+        assert info is not None
+        assert info.holder.label == "c0"
+        assert [w.label for w in info.waiters] == ["c1", "c2"]
+        for thread in threads:
+            thread.join()
+        info = clients[0].inspect(name)
+        assert info is not None and info.waiters == (), "timed-out waiters left the queue"
+        holder.release()
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEnsemble) -> None:
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"suspend-lost-{time.monotonic_ns()}"
+    url = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3&on_suspend=lost"
+    try:
+        with dlock.connect(url) as far, dlock.connect(zookeeper_server.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
+            lock.acquire()
+            cut_at = time.monotonic()
+            partition.cut.set()
+            wait_until(lambda: bool(lost_at), 5)
+            # Noticed when kazoo gives up on the connection (2/3 of the session timeout),
+            # not when the session expires.
+            assert lost_at[0] - cut_at < 2.6
+            partition.cut.clear()
+            successor = near.lock(name, ttl=30)
+            assert successor.acquire(timeout=10)
+            successor.release()
+    finally:
+        partition.close()

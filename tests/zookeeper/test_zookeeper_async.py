@@ -1,0 +1,74 @@
+"""The asyncio face on ZooKeeper: cancellation leaves the queue, loss cancels the body."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kazoo.client import KazooClient
+
+import dlock
+import dlock.aio
+from dlock._types import Holder
+from tests.servers.zookeeper import ZooKeeperEnsemble
+
+
+async def test_cancelled_waiter_leaves_the_queue(zookeeper_server: ZooKeeperEnsemble) -> None:
+    url = zookeeper_server.url()
+    name = f"cancel-{time.monotonic_ns()}"
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        holder = first.lock(name, ttl=5)
+        await holder.acquire()
+        task = asyncio.create_task(second.lock(name, ttl=5).acquire())
+        for _ in range(100):
+            info = await first.inspect(name)
+            if info is not None and len(info.waiters) == 1:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the waiter never queued")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        info = await first.inspect(name)
+        assert info is not None and info.waiters == ()
+        await holder.release()
+        assert await first.inspect(name) is None
+
+
+async def test_expired_session_cancels_the_body(zookeeper_server: ZooKeeperEnsemble) -> None:
+    name = f"expire-async-{time.monotonic_ns()}"
+    lost: list[object] = []
+    async with dlock.aio.connect(zookeeper_server.url(session_timeout=4)) as client:
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            async with client.lock(name, ttl=30, on_lost=lost.append):
+                zk = client._backend._zk  # type: ignore[attr-defined]
+                twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
+                await asyncio.to_thread(twin.start)
+                await asyncio.to_thread(twin.stop)
+                twin.close()
+                await asyncio.sleep(5)
+                body_finished = True
+        assert not body_finished and len(lost) == 1
+
+
+def test_a_create_whose_reply_was_lost_is_found_again(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    name = f"lost-reply-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url()) as client:
+        backend = client._backend
+        token = "f" * 32
+        assert backend.inspect(name) is None
+        zk = backend._zk  # type: ignore[attr-defined]
+        parent = backend._parent(name)  # type: ignore[attr-defined]
+        # What the server did before the reply was lost: our node exists, unknown to us.
+        path = zk.create(f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True)
+        backend._pending.add((name, token))  # type: ignore[attr-defined]
+        result = backend.acquire(name, token, 5.0, Holder.current(), False)
+        assert isinstance(result, dlock._types.Acquired)
+        assert result.fencing_token == zk.exists(path).czxid
+        assert zk.get_children(parent) == [path.rsplit("/", 1)[1]], "no second node"
+        assert backend.release(name, token) == 0
