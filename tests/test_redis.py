@@ -355,3 +355,29 @@ def test_waiting_on_one_name_then_another_is_woken_promptly(redis_server: RedisS
             assert time.monotonic() - start < 1.0, "woken by the release, not the timer"
             waiter.release()
             timer.join()
+
+
+@pytest.mark.parametrize("flavour", ["redis_server", "redis_cluster", "redlock_servers"])
+def test_cli_status_list_and_force_release(request: pytest.FixtureRequest, flavour: str) -> None:
+    from tests.test_cli import dlock_cmd
+
+    server = request.getfixturevalue(flavour)
+    url = (
+        url_of(server)
+        if flavour == "redis_server"
+        else server.url
+        if flavour == "redis_cluster"
+        else make_redlock_url(server)
+    )
+    name = unique() + "/cli"
+    with dlock.connect(url, label="cli-redis") as client:
+        lock = client.lock(name, ttl=30)
+        lock.acquire()
+        status = dlock_cmd(url, "status", name)
+        assert status.returncode == 0, status.stderr
+        assert "cli-redis" in status.stdout
+        assert name in dlock_cmd(url, "list", name[:10]).stdout
+        assert dlock_cmd(url, "release", "--force", name).returncode == 0
+        assert client.inspect(name) is None
+        with pytest.raises(dlock.LockLost):
+            lock.release()
