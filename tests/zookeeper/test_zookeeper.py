@@ -128,8 +128,8 @@ def test_leader_failure_keeps_the_lock_and_the_queue(
             zookeeper_ensemble.wait_serving()
 
 
-def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble) -> None:
-    url = zookeeper_server.url(session_timeout=4)
+def test_expired_session_loses_the_lock_once(zookeeper_ensemble: ZooKeeperEnsemble) -> None:
+    url = zookeeper_ensemble.url(session_timeout=4)
     name = f"expire-{time.monotonic_ns()}"
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lost: list[object] = []
@@ -142,7 +142,7 @@ def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble
         # The classic way to expire a session: another client joins it and closes it.
         zk = first._backend._zk  # type: ignore[attr-defined]
         assert zk is not None
-        twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
+        twin = KazooClient(hosts=zookeeper_ensemble.hosts, client_id=zk.client_id)
         twin.start()
         twin.stop()
         twin.close()
@@ -162,13 +162,13 @@ def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble
 
 
 def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
-    zookeeper_server: ZooKeeperEnsemble,
+    zookeeper_ensemble: ZooKeeperEnsemble,
 ) -> None:
-    partition = Partition(zookeeper_server.client_ports[0])
+    partition = Partition(zookeeper_ensemble.client_ports[0])
     name = f"partition-{time.monotonic_ns()}"
     cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=2"
     try:
-        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_ensemble.url()) as near:
             lost_at: list[float] = []
             lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
             lock.acquire()
