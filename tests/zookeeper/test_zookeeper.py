@@ -128,6 +128,32 @@ def test_leader_failure_keeps_the_lock_and_the_queue(
             zookeeper_ensemble.wait_serving()
 
 
+def test_holders_own_server_killed_the_session_moves_on(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    url = zookeeper_ensemble.url("/dlock-moves", session_timeout=12)
+    name = f"moves-{time.monotonic_ns()}"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=12, on_lost=lost.append)
+        lock.acquire()
+        zk = first._backend._zk  # type: ignore[attr-defined]
+        port = zk._connection._socket.getpeername()[1]
+        index = zookeeper_ensemble.client_ports.index(port)
+        zookeeper_ensemble.nodes[index].kill()
+        try:
+            wait_until(lambda: zk.connected, 10)
+            assert zk._connection._socket.getpeername()[1] != port
+            assert second.lock(name, ttl=5).acquire(timeout=0) is False
+            lock.extend()
+            assert lock.owned() and not lost
+            lock.release()
+            assert second.lock(name, ttl=5).acquire(timeout=0)
+        finally:
+            zookeeper_ensemble.nodes[index].start()
+            zookeeper_ensemble.wait_serving()
+
+
 def test_expired_session_loses_the_lock_once(zookeeper_ensemble: ZooKeeperEnsemble) -> None:
     url = zookeeper_ensemble.url(session_timeout=4)
     name = f"expire-{time.monotonic_ns()}"
