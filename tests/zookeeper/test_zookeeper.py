@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -278,4 +279,51 @@ def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEn
             assert successor.acquire(timeout=10)
             successor.release()
     finally:
+        partition.close()
+
+
+def test_busy_client_cut_off_still_learns_of_the_loss_in_time(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    """kazoo counts requests it sends as heartbeats: a client that keeps sending into a
+    dead connection never sees it drop. dlock notices the unanswered requests."""
+    partition = Partition(zookeeper_ensemble.client_ports[0])
+    name = f"busy-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3"
+    stop = threading.Event()
+
+    def keep_asking(client: dlock.Client, delay: float) -> None:
+        # Staggered after the cut, so that some request is always being sent.
+        partition.cut.wait()
+        time.sleep(delay)
+        while not stop.is_set():
+            with contextlib.suppress(dlock.BackendError):
+                client.inspect(f"{name}-other")
+            time.sleep(0.01)
+
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_ensemble.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
+            lock.acquire()
+            askers = [
+                threading.Thread(target=keep_asking, args=(far, i * 0.25), daemon=True)
+                for i in range(8)
+            ]
+            for asker in askers:
+                asker.start()
+            partition.cut.set()
+            try:
+                successor = near.lock(name, ttl=30)
+                assert successor.acquire(timeout=15)
+                acquired_at = time.monotonic()
+                assert lost_at, "the holder still believes it holds the lock"
+                assert lost_at[0] <= acquired_at
+                successor.release()
+            finally:
+                # Reconnect before closing, so that a failure fails rather than hangs.
+                stop.set()
+                partition.cut.clear()
+    finally:
+        stop.set()
         partition.close()
