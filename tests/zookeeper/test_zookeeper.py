@@ -143,8 +143,14 @@ def test_holders_own_server_killed_the_session_moves_on(
         index = zookeeper_ensemble.client_ports.index(port)
         zookeeper_ensemble.nodes[index].kill()
         try:
-            wait_until(lambda: zk.connected, 10)
-            assert zk._connection._socket.getpeername()[1] != port
+
+            def moved() -> bool:
+                try:
+                    return bool(zk.connected) and zk._connection._socket.getpeername()[1] != port
+                except (AttributeError, OSError):
+                    return False
+
+            wait_until(moved, 10)
             assert second.lock(name, ttl=5).acquire(timeout=0) is False
             lock.extend()
             assert lock.owned() and not lost
