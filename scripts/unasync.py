@@ -24,6 +24,7 @@ HAND_WRITTEN = {"_primitives.py"}
 SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),
+    (r"\basync for\b", "for"),
     (r"\bawait ", ""),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
@@ -34,6 +35,9 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\b_async\b", "_sync"),
     (r"\bdlock\.aio\b", "dlock"),
     (r"\basyncio face\b", "sync face"),
+    (r"\bredis\.asyncio\b", "redis"),
+    (r"\basync for\b", "for"),
+    (r"\baiomysql\b", "pymysql"),
 ]
 
 

@@ -14,6 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.servers import free_port
+from tests.servers.redis import (  # noqa: F401
+    redis_cluster,
+    redis_server,
+    redlock_servers,
+    redlock_url,
+)
+from tests.servers.sql import SQLServer, mariadb_server, postgresql_server  # noqa: F401
 from tests.servers.zookeeper import zookeeper_ensemble, zookeeper_server  # noqa: F401
 
 
@@ -25,11 +32,56 @@ class BackendUnderTest:
     unreachable_url: Callable[[pytest.FixtureRequest, Path], str]
 
 
+def _server(request: pytest.FixtureRequest, fixture: str) -> SQLServer:
+    server: SQLServer = request.getfixturevalue(fixture)
+    return server
+
+
+def _sql(fixture: str, query: str) -> BackendUnderTest:
+    """A SQL backend in one mode; the unreachable twin points at a port nobody serves."""
+    return BackendUnderTest(
+        url=lambda request, tmp: _server(request, fixture).url(query),
+        unreachable_url=lambda request, tmp: (
+            _server(request, fixture)
+            .url(query)
+            .replace(f":{_server(request, fixture).port}/", f":{free_port()}/")
+        ),
+    )
+
+
+def _wrong_password(fixture: str, query: str) -> BackendUnderTest:
+    """Misconfigured rather than down: the server answers, the credentials are wrong."""
+    return BackendUnderTest(
+        url=lambda request, tmp: _server(request, fixture).url(query),
+        unreachable_url=lambda request, tmp: (
+            _server(request, fixture).url(query).replace(":secret@", ":wrong@")
+        ),
+    )
+
+
 BACKENDS: dict[str, BackendUnderTest] = {
     "sqlite": BackendUnderTest(
         url=lambda request, tmp: f"sqlite://{tmp}/locks.sqlite3",
         unreachable_url=lambda request, tmp: "sqlite:///proc/dlock-no-such-dir/locks.sqlite3",
     ),
+    "redis": BackendUnderTest(
+        url=lambda request, tmp: f"redis://{request.getfixturevalue('redis_server').address}/0",
+        unreachable_url=lambda request, tmp: f"redis://127.0.0.1:{free_port()}/0",
+    ),
+    "redis-cluster": BackendUnderTest(
+        url=lambda request, tmp: request.getfixturevalue("redis_cluster").url,
+        unreachable_url=lambda request, tmp: f"redis+cluster://127.0.0.1:{free_port()}",
+    ),
+    "redlock": BackendUnderTest(
+        url=lambda request, tmp: redlock_url(request.getfixturevalue("redlock_servers")),
+        unreachable_url=lambda request, tmp: (
+            "redis+redlock://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+        ),
+    ),
+    "mariadb-lease": _wrong_password("mariadb_server", ""),
+    "mariadb-session": _sql("mariadb_server", "mode=session"),
+    "postgresql-lease": _sql("postgresql_server", ""),
+    "postgresql-session": _sql("postgresql_server", "mode=session"),
     # The issue asks for the suite on a three-node ensemble. A lock's TTL maps onto the
     # session timeout, so sessions here are as short as the suite's shortest crash test.
     "zookeeper": BackendUnderTest(

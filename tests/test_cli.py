@@ -139,10 +139,27 @@ def test_status_list_and_force_release(db: str, name: str) -> None:
             lock.release()
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["status"], ["list"], ["release"]])
+def test_init_prints_or_creates_the_schema(tmp_path: Path) -> None:
+    db = f"sqlite://{tmp_path}/fresh/locks.sqlite3"
+    printed = dlock_cmd(db, "init", "--print")
+    assert printed.returncode == 0 and "CREATE TABLE" in printed.stdout
+    assert not (tmp_path / "fresh").exists(), "--print changes nothing"
+    assert dlock_cmd(db, "init").returncode == 0
+    assert (tmp_path / "fresh" / "locks.sqlite3").exists()
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["status"], ["list"], ["release"], ["init"]])
 def test_help(command: list[str]) -> None:
     result = subprocess.run([DLOCK, *command, "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage: dlock" in result.stdout
+
+
+def test_url_before_or_after_the_command(db: str, name: str) -> None:
+    with dlock.connect(db) as client, client.lock(name, ttl=30):
+        env = {k: v for k, v in os.environ.items() if k != "DLOCK_URL"}
+        for args in (["--url", db, "status", name], ["status", "--url", db, name]):
+            result = subprocess.run([DLOCK, *args], capture_output=True, text=True, env=env)
+            assert result.returncode == 0, (args, result.stdout, result.stderr)
 
 
 def test_bad_input_and_unreachable_backend(db: str) -> None:

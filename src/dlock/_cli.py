@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -49,16 +50,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    url_help = "backend URL (default: $DLOCK_URL, else a SQLite file in ~/.local/state/dlock)"
+    # --url is accepted before and after the command; SUPPRESS keeps the subcommand's
+    # absent --url from overwriting one given before it.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--url",
-        help="backend URL (default: $DLOCK_URL, else a SQLite file in ~/.local/state/dlock)",
-    )
+    common.add_argument("--url", default=argparse.SUPPRESS, help=url_help)
     parser = argparse.ArgumentParser(
-        prog="dlock",
-        description="Distributed locks with leases and fencing tokens.",
-        parents=[common],
+        prog="dlock", description="Distributed locks with leases and fencing tokens."
     )
+    parser.add_argument("--url", help=url_help)
     parser.add_argument("--version", action="version", version=f"dlock {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -132,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("--force", action="store_true", required=True, help="required")
     release.add_argument("name", metavar="NAME")
     release.set_defaults(handler=cmd_release)
+
+    init = commands.add_parser(
+        "init",
+        parents=[common],
+        help="create the lock table (SQL backends)",
+        description=(
+            "Create the lock table now, for teams that manage schema changes themselves "
+            "(dlock otherwise creates it on first use). --print shows the SQL instead."
+        ),
+    )
+    init.add_argument("--print", action="store_true", help="print the SQL, change nothing")
+    init.set_defaults(handler=cmd_init)
     return parser
 
 
@@ -161,13 +173,15 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         "DLOCK_FENCING_TOKEN": str(lock.fencing_token),
         "DLOCK_TTL": str(args.ttl),
     }
-    try:
-        child = subprocess.Popen(command, env=env)
-    except OSError as exc:
-        lock.release()
-        print(f"dlock: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-        return 127 if isinstance(exc, FileNotFoundError) else 126
-    with forwarding_signals(child):
+    # Handlers go in before the child starts, so a TERM sent as soon as it runs is passed on.
+    with forwarding_signals() as forwarder:
+        try:
+            child = subprocess.Popen(command, env=env)
+        except OSError as exc:
+            lock.release()
+            print(f"dlock: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        forwarder.attach(child)
 
         def wait_for_child() -> None:
             child.wait()
@@ -209,17 +223,26 @@ class forwarding_signals:
     """Pass termination signals on to the child while it runs (SIGINT reaches it from
     the terminal already, as it shares our process group)."""
 
-    def __init__(self, child: subprocess.Popen[bytes]) -> None:
-        self.child = child
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[bytes] | None = None
+        self.pending: list[int] = []
         self.saved: dict[int, Any] = {}
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> forwarding_signals:
         self.saved[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: None)
         for signum in FORWARDED_SIGNALS:
             self.saved[signum] = signal.signal(signum, self.forward)
+        return self
+
+    def attach(self, child: subprocess.Popen[bytes]) -> None:
+        self.child = child
+        for signum in self.pending:
+            child.send_signal(signum)
 
     def forward(self, signum: int, frame: object) -> None:
-        if self.child.poll() is None:
+        if self.child is None:
+            self.pending.append(signum)
+        elif self.child.poll() is None:
             self.child.send_signal(signum)
 
     def __exit__(self, *exc: object) -> None:
@@ -268,6 +291,22 @@ def cmd_release(client: Client, args: argparse.Namespace) -> int:
         return 0
     print(f"{args.name}: was not held")
     return 1
+
+
+def cmd_init(client: Client, args: argparse.Namespace) -> int:
+    # Only the table-keeping backends (SQLite, MySQL, PostgreSQL) have a schema.
+    schema_sql = getattr(client._backend, "schema_sql", None)
+    init = getattr(client._backend, "init", None)
+    if schema_sql is None or init is None:
+        print("dlock init: this backend keeps no schema; nothing to do", file=sys.stderr)
+        return 0
+    if args.print:
+        for statement in schema_sql():
+            print(textwrap.dedent(statement).strip() + ";")
+        return 0
+    init()
+    print("dlock init: lock table ready")
+    return 0
 
 
 def print_table(infos: list[LockInfo]) -> None:

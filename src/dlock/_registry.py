@@ -24,6 +24,16 @@ class Entry:
 
 BACKENDS: dict[str, Entry] = {
     "sqlite": Entry("sqlite"),
+    "redis": Entry("redis", "redis", ("redis",)),
+    "rediss": Entry("redis", "redis", ("redis",)),
+    "redis+cluster": Entry("redis", "redis", ("redis",)),
+    "rediss+cluster": Entry("redis", "redis", ("redis",)),
+    "redis+redlock": Entry("redlock", "redis", ("redis",)),
+    "rediss+redlock": Entry("redlock", "redis", ("redis",)),
+    "mysql": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
+    "mariadb": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
+    "postgresql": Entry("postgresql", "postgresql", ("psycopg",)),
+    "postgres": Entry("postgresql", "postgresql", ("psycopg",)),
     "zookeeper": Entry("zookeeper", extra="zookeeper", requires=("kazoo",)),
 }
 

@@ -1,12 +1,27 @@
-"""What the SQL backends share that has no I/O: identifier checks."""
+"""What the SQL backends share that has no I/O: identifiers, URLs, names, and the SQL.
+
+SQLite, MariaDB/MySQL and PostgreSQL keep the same lease table and the same rules; a
+:class:`Dialect` says only how each database spells them. Values are always bound
+parameters (``%(name)s`` style for the server drivers); only validated identifiers are
+interpolated.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ._errors import ConfigurationError
+from ._types import Holder, LockInfo
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+MODES = ("lease", "session")
+DEFAULT_TABLES = {"lease": "dlock_locks", "session": "dlock_session_locks"}
 
 
 def check_identifier(value: object, what: str) -> str:
@@ -16,3 +31,459 @@ def check_identifier(value: object, what: str) -> str:
             f"{what} must be a plain SQL identifier (letters, digits, _; at most 63), not {value!r}"
         )
     return value
+
+
+def encode_name(name: str) -> bytes:
+    """Names are stored as their UTF-8 bytes: PostgreSQL text cannot hold NUL, and byte
+    order is code point order, so listing sorts exactly as Python sorts str."""
+    return name.encode("utf-8")
+
+
+def decode_name(stored: str | bytes | bytearray | memoryview) -> str:
+    return stored if isinstance(stored, str) else bytes(stored).decode("utf-8")
+
+
+def _digest(table: str, name: str) -> bytes:
+    return hashlib.sha256(table.encode() + b"\0" + encode_name(name)).digest()
+
+
+def advisory_key(table: str, name: str) -> int:
+    """A PostgreSQL advisory lock key over the whole signed 64-bit space.
+
+    A 16-bit or CRC32 key makes unrelated names collide (and so block each other) after
+    a few hundred names; 64 bits of SHA-256 make that practically impossible.
+    """
+    return int.from_bytes(_digest(table, name)[:8], "big", signed=True)
+
+
+def named_lock_key(table: str, name: str) -> str:
+    """A ``GET_LOCK`` name: MySQL allows 64 characters, so the name is hashed (232 bits)."""
+    return "dlock:" + _digest(table, name).hex()[:58]
+
+
+def notify_channel(table: str, name: str) -> str:
+    """A LISTEN/NOTIFY channel per lock name: a plain identifier, safe to interpolate."""
+    return "dlock_" + _digest(table, name).hex()[:40]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything a MariaDB/MySQL or PostgreSQL URL and its options say."""
+
+    host: str
+    port: int | None
+    user: str | None
+    password: str | None
+    database: str | None
+    mode: str
+    table: str
+    connect_timeout: float
+    timeout: float
+    create_table: bool
+    #: Driver-specific options passed through (TLS files, sslmode, ...).
+    extra: dict[str, str]
+    #: A callable returning a new connection, instead of connecting from the URL.
+    client: Any = None
+
+
+def _flag(value: object, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"{what} must be true or false, not {value!r}")
+
+
+def _seconds(value: object, what: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{what} must be a number of seconds, not {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(f"{what} must be a positive number of seconds, not {value!r}")
+    return seconds
+
+
+def parse_server_url(
+    url: str, options: dict[str, Any], passthrough: frozenset[str]
+) -> ServerSettings:
+    """Split ``scheme://user:pass@host:port/db?opt=..`` plus ``connect()`` keywords.
+
+    ``passthrough`` names the driver options (mostly TLS) handed to the driver as given.
+    """
+    parts = urlsplit(url)
+    settings: dict[str, Any] = dict(parse_qsl(parts.query))
+    settings.update(options)
+    known = {"mode", "table", "connect_timeout", "timeout", "create_table", "client"}
+    unknown = set(settings) - known - passthrough
+    if unknown:
+        raise ConfigurationError(
+            f"unknown {parts.scheme} option(s): {', '.join(sorted(unknown))}; known: "
+            f"{', '.join(sorted(known | passthrough))}"
+        )
+    mode = str(settings.get("mode", "lease")).lower()
+    if mode not in MODES:
+        raise ConfigurationError(f"mode must be one of {MODES}, not {mode!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigurationError(f"{url!r} has an invalid port") from None
+    database = unquote(parts.path.lstrip("/")) or None
+    return ServerSettings(
+        host=parts.hostname or "localhost",
+        port=port,
+        user=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+        database=database,
+        mode=mode,
+        table=check_identifier(settings.get("table", DEFAULT_TABLES[mode]), "table"),
+        connect_timeout=_seconds(settings.get("connect_timeout", 5), "connect_timeout"),
+        timeout=_seconds(settings.get("timeout", 10), "timeout"),
+        create_table=_flag(settings.get("create_table", True), "create_table"),
+        extra={k: str(v) for k, v in settings.items() if k in passthrough},
+        client=settings.get("client"),
+    )
+
+
+def lock_info(
+    name: str | bytes, fence: int, count: int, expires_in: float | None, holder: str | None
+) -> LockInfo:
+    return LockInfo(
+        name=decode_name(name),
+        fencing_token=int(fence),
+        holder=Holder.from_json(holder),
+        expires_in=None if expires_in is None else float(expires_in),
+        count=int(count),
+    )
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one database spells the shared lease table.
+
+    The table keeps a row per name forever (``owner`` NULL when free) so that its
+    fencing counter survives release. Expiry compares ``expires`` with ``now``: the
+    *server's* clock in epoch seconds for MariaDB/MySQL and PostgreSQL, so clients with
+    skewed clocks agree; for SQLite, which has no server, the host's boot clock.
+    Statements are written with ``%(name)s`` parameters and converted for SQLite.
+    """
+
+    name: str
+    #: The clock, evaluated once per statement.
+    now: str
+    name_type: str
+    owner_type: str
+    #: True when ``name`` starts with the bytes of ``%(prefix)s``.
+    prefix_match: str
+    key_type: str = "BIGINT"
+    table_options: str = ""
+    #: Columns only this dialect has (SQLite's boot id): name, type, value on grant.
+    extra_columns: tuple[tuple[str, str, str], ...] = ()
+    #: Session mode columns: which database session holds the database's own lock.
+    session_columns: bool = True
+
+    def schema(self, table: str) -> str:
+        check_identifier(table, "table")
+        columns = [
+            f"name {self.name_type} PRIMARY KEY",
+            f"owner {self.owner_type}",
+            "fence BIGINT NOT NULL",
+            "count INTEGER NOT NULL DEFAULT 0",
+            "expires DOUBLE PRECISION NOT NULL DEFAULT 0",
+            "holder VARCHAR(1024)",
+            *(f"{column} {kind}" for column, kind, _ in self.extra_columns),
+        ]
+        if self.session_columns:
+            columns += ["session BIGINT", f"lock_key {self.key_type}"]
+        return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}){self.table_options}"
+
+    def live(self, alias: str = "") -> str:
+        extra = "".join(f" AND {alias}{c} = {value}" for c, _, value in self.extra_columns)
+        return f"({alias}owner IS NOT NULL AND {alias}expires > {self.now}{extra})"
+
+    def inspect(self, table: str) -> str:
+        return (
+            f"SELECT name, fence, count, expires - {self.now}, holder FROM {table}"
+            f" WHERE name = %(name)s AND {self.live()}"
+        )
+
+    def list(self, table: str) -> str:
+        return (
+            f"SELECT name, fence, count, expires - {self.now}, holder FROM {table}"
+            f" WHERE {self.prefix_match} AND {self.live()} ORDER BY name"
+        )
+
+    def extend(self, table: str) -> str:
+        return (
+            f"UPDATE {table} SET expires = {self.now} + %(ttl)s"
+            f" WHERE name = %(name)s AND owner = %(owner)s AND {self.live()}"
+        )
+
+
+POSTGRESQL = Dialect(
+    name="postgresql",
+    now="extract(epoch FROM clock_timestamp())::float8",
+    name_type="BYTEA",
+    owner_type="TEXT",
+    prefix_match="substring(name FROM 1 FOR length(%(prefix)s)) = %(prefix)s",
+)
+MYSQL = Dialect(
+    name="mysql",
+    # NOW(6) is fixed for the whole statement, so every comparison in it agrees.
+    now="UNIX_TIMESTAMP(NOW(6))",
+    name_type="VARBINARY(1020)",
+    # Binary, so that owner tokens compare exactly, whatever the default collation.
+    owner_type="VARBINARY(64)",
+    prefix_match="LEFT(name, LENGTH(%(prefix)s)) = %(prefix)s",
+    key_type="VARCHAR(64)",
+    table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+)
+SQLITE = Dialect(
+    name="sqlite",
+    # The host's boot clock, passed in by the client: SQLite has no server.
+    now="%(now)s",
+    name_type="TEXT",
+    owner_type="TEXT",
+    prefix_match="substr(name, 1, length(%(prefix)s)) = %(prefix)s",
+    # A lease from an earlier boot of the host is dead whatever its clock says.
+    extra_columns=(("boot", "TEXT NOT NULL DEFAULT ''", "%(boot)s"),),
+    session_columns=False,
+)
+
+
+def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
+    """The lease operations where ``INSERT .. ON CONFLICT .. RETURNING`` exists
+    (PostgreSQL, SQLite): each is one statement, one round trip."""
+    now = d.now
+    # Inside ON CONFLICT, "x" is the existing row.
+    live = d.live("x.")
+    reenter = f"({live} AND x.owner = %(owner)s AND %(reentrant)s)"
+    extra = "".join(f", {column}" for column, _, _ in d.extra_columns)
+    extra_values = "".join(f", {value}" for _, _, value in d.extra_columns)
+    extra_set = "".join(f", {column} = excluded.{column}" for column, _, _ in d.extra_columns)
+    return {
+        # A free or expired name is taken (fence + 1), a live one re-entered by its owner
+        # (count + 1), anything else left alone. The row lock taken by ON CONFLICT
+        # decides; nothing is read first.
+        "acquire": f"""
+            INSERT INTO {table} AS x (name, owner, fence, count, expires, holder{extra})
+            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s{extra_values})
+            ON CONFLICT (name) DO UPDATE SET
+                fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
+                count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
+                owner = excluded.owner, expires = excluded.expires,
+                holder = excluded.holder{extra_set}
+            WHERE NOT {live} OR {reenter}
+            RETURNING fence, count""",
+        # Busy: when does the current lease end? A hint for the waiter.
+        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {d.live()}",
+        "release": f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = %(name)s AND owner = %(owner)s AND {d.live()}
+            RETURNING count""",
+        "extend": d.extend(table) + " RETURNING 1",
+        "inspect": d.inspect(table),
+        "list": d.list(table),
+        "force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {d.live()}
+            RETURNING 1""",
+    }
+
+
+def sqlite_statements(table: str) -> dict[str, str]:
+    """SQLite: the same statements, with ``:name`` parameters."""
+    statements = {"schema": SQLITE.schema(table), **upsert_statements(table, SQLITE)}
+    return {key: re.sub(r"%\((\w+)\)s", r":\1", sql) for key, sql in statements.items()}
+
+
+def postgresql_statements(table: str) -> dict[str, str]:
+    """PostgreSQL: every operation is one statement, one round trip."""
+    d = POSTGRESQL
+    now = d.now
+    # Session mode: a row is held while its session still holds the advisory lock (the
+    # 64-bit key is split by PostgreSQL into classid, the high half, and objid, the low).
+    held = f"""EXISTS (SELECT 1 FROM pg_locks l
+                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                  AND l.pid = {table}.session
+                  AND l.classid::bigint = ({table}.lock_key >> 32) & 4294967295
+                  AND l.objid::bigint = {table}.lock_key & 4294967295)"""
+    columns = f"name, fence, count, expires - {now}, holder"
+    session_upsert = f"""
+            INSERT INTO {table} AS x
+                (name, owner, fence, count, expires, holder, session, lock_key)
+            SELECT %(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s,
+                   pg_backend_pid(), %(key)s
+            FROM l WHERE l.ok
+            ON CONFLICT (name) DO UPDATE SET
+                fence = x.fence + 1, owner = excluded.owner, count = 1,
+                expires = excluded.expires, holder = excluded.holder,
+                session = excluded.session, lock_key = excluded.lock_key
+            RETURNING fence, session"""
+    return {
+        **upsert_statements(table, d),
+        # The last release wakes waiters on the name's channel, in the same statement.
+        "release": f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
+            RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END""",
+        "extend_many": _pg_extend_many(table),
+        "force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {d.live()}
+            RETURNING pg_notify(%(channel)s, '')""",
+        # Session mode: the advisory lock excludes; the row carries the fencing counter,
+        # the holder, its lease and its session. Taking the lock and bumping the counter
+        # is one statement; when busy, the same statement tells how long the holder's
+        # lease lasts.
+        "session_acquire": f"""
+            WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
+            up AS ({session_upsert})
+            SELECT fence, session, NULL::float8 FROM up
+            UNION ALL
+            SELECT NULL, NULL, expires - {now} FROM {table}, l
+            WHERE NOT l.ok AND name = %(name)s""",
+        # A waiter got the lock inside the server: record it.
+        "session_record": f"WITH l AS (SELECT true AS ok) {session_upsert}",
+        "session_wait": """
+            SELECT pg_advisory_lock(%(key)s)
+            FROM (SELECT set_config('lock_timeout', %(wait_ms)s, false)) AS s""",
+        "session_unlock": "SELECT pg_advisory_unlock(%(key)s)",
+        "session_count": f"""
+            UPDATE {table} SET count = count + %(delta)s
+            WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
+        "session_extend": d.extend(table) + f" AND {held} RETURNING 1",
+        # Batched renewal skips the pg_locks check (reading pg_locks costs milliseconds):
+        # force release also clears the row, a new holder overwrites it, and an evicted
+        # holder's lease had expired, so the owner check alone finds every loss.
+        "session_extend_many": _pg_extend_many(table),
+        # A holder whose lease ran out (paused, partitioned) still holds the advisory lock:
+        # only ending its session frees it, and only while the lease is still expired.
+        "session_evict": f"""
+            SELECT 1 FROM {table}
+            WHERE name = %(name)s
+            -- CASE fixes the order: only a session that holds the lock is ended.
+              AND CASE WHEN expires <= {now} AND {held}
+                       THEN pg_terminate_backend(session::int) ELSE false END""",
+        "session_inspect": f"""SELECT {columns} FROM {table}
+            WHERE name = %(name)s AND {d.live()} AND {held}""",
+        "session_list": f"""SELECT {columns} FROM {table}
+            WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
+        # Only its own session can free an advisory lock; the row is cleared as well.
+        "session_force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s
+              AND CASE WHEN {held} THEN pg_terminate_backend(session::int) ELSE false END
+            RETURNING 1""",
+    }
+
+
+def _pg_extend_many(table: str) -> str:
+    now = POSTGRESQL.now
+    return f"""
+        UPDATE {table} SET expires = {now} + v.ttl
+        FROM (SELECT * FROM unnest(%(names)s::bytea[], %(owners)s::text[],
+                                   %(ttls)s::float8[])) AS v(name, owner, ttl)
+        WHERE {table}.name = v.name AND {table}.owner = v.owner AND {table}.expires > {now}
+        RETURNING {table}.name, {table}.owner"""
+
+
+def mysql_statements(table: str) -> dict[str, str]:
+    """MariaDB and MySQL 8: only SQL both accept (no RETURNING, no CTE with DML).
+
+    Without RETURNING, results travel in the OK packet: the affected-row count and
+    ``LAST_INSERT_ID(expr)``, which the client reads as the insert id.
+    """
+    d = MYSQL
+    now = d.now
+    live = d.live()
+    held = "IS_USED_LOCK(lock_key) = session"
+    columns = f"name, fence, count, expires - {now}, holder"
+    session_upsert = f"""
+            INSERT INTO {table} (name, owner, fence, count, expires, holder, session, lock_key)
+            SELECT %(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s,
+                   CONNECTION_ID(), %(key)s
+            FROM DUAL WHERE {{condition}}
+            ON DUPLICATE KEY UPDATE
+                fence = LAST_INSERT_ID(fence + 1), owner = %(owner)s, count = 1,
+                expires = {now} + %(ttl)s, holder = %(holder)s,
+                session = CONNECTION_ID(), lock_key = %(key)s"""
+    return {
+        # Rows are created free on first use of a name; from then on, acquire is one
+        # UPDATE. Single-table UPDATE assigns left to right, so fence and count are
+        # computed before owner and expires change.
+        "acquire": f"""
+            UPDATE {table} SET
+                fence = IF({live} AND owner = %(owner)s,
+                           LAST_INSERT_ID(fence), LAST_INSERT_ID(fence + 1)),
+                count = IF({live} AND owner = %(owner)s, count + 1, 1),
+                holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
+            WHERE name = %(name)s AND (NOT {live} OR (owner = %(owner)s AND %(reentrant)s))""",
+        # Inserted: the insert id is 1. Already there: the update clause, evaluated after
+        # VALUES, resets it to 0 and changes nothing (INSERT IGNORE would warn instead).
+        "create_row": f"""
+            INSERT INTO {table} (name, owner, fence, count, expires, holder)
+            VALUES (%(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s)
+            ON DUPLICATE KEY UPDATE fence = fence + LAST_INSERT_ID(0)""",
+        "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
+        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s",
+        "release": f"""
+            UPDATE {table} SET
+                count = LAST_INSERT_ID(count - 1),
+                owner = IF(count > 0, owner, NULL),
+                holder = IF(count > 0, holder, NULL)
+            WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}""",
+        "extend": d.extend(table),
+        # Batches: {pairs} is "(%(n0)s, %(o0)s), (%(n1)s, %(o1)s), ..." built by the caller.
+        "extend_many": f"""
+            UPDATE {table} SET expires = {now} + %(ttl)s
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now}""",
+        "renewed": f"""
+            SELECT name, owner FROM {table}
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now}""",
+        "inspect": d.inspect(table),
+        "list": d.list(table),
+        "force_release": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {live}""",
+        # Session mode: GET_LOCK inside the INSERT takes the lock and bumps the fencing
+        # counter in one round trip; the row is written only if the lock was granted.
+        "session_acquire": session_upsert.format(condition="GET_LOCK(%(key)s, 0) = 1"),
+        "session_record": session_upsert.format(condition="TRUE"),
+        "session_time_left": f"""
+            SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {held}""",
+        "session_wait": "SELECT GET_LOCK(%(key)s, %(wait)s)",
+        "session_unlock": "SELECT RELEASE_LOCK(%(key)s)",
+        "session_count": f"""
+            UPDATE {table} SET count = LAST_INSERT_ID(count + %(delta)s)
+            WHERE name = %(name)s AND owner = %(owner)s""",
+        "session_extend": d.extend(table) + f" AND {held}",
+        "session_extend_many": f"""
+            UPDATE {table} SET expires = {now} + %(ttl)s
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now} AND {held}""",
+        "session_renewed": f"""
+            SELECT name, owner FROM {table}
+            WHERE (name, owner) IN ({{pairs}}) AND expires > {now} AND {held}""",
+        "session_expired_holder": f"""
+            SELECT session FROM {table}
+            WHERE name = %(name)s AND expires <= {now} AND {held}""",
+        "session_inspect": f"""SELECT {columns} FROM {table}
+            WHERE name = %(name)s AND {live} AND {held}""",
+        "session_list": f"""SELECT {columns} FROM {table}
+            WHERE {d.prefix_match} AND {live} AND {held} ORDER BY name""",
+        "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
+        "session_clear": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND session = %(session)s""",
+        # KILL takes a literal; PyMySQL interpolates the integer parameter client-side.
+        "kill": "KILL CONNECTION %(id)s",
+    }

@@ -52,10 +52,22 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     if event.is_set():
         return True
     try:
-        await asyncio.wait_for(event.wait(), timeout)
+        await _bounded(event.wait(), timeout)
     except asyncio.TimeoutError:
         return False
     return True
+
+
+async def _bounded(awaitable: Awaitable[T], timeout: float | None) -> T:
+    """``wait_for`` without its helper task where asyncio.timeout exists (3.11+).
+
+    A task per bounded call costs time on every backend round trip, and makes the
+    tasks alive at any moment depend on whether a renewal happens to be in flight.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout)
 
 
 async def run_blocking(func: Callable[..., T], *args: Any) -> T:
@@ -66,7 +78,7 @@ async def run_blocking(func: Callable[..., T], *args: Any) -> T:
 async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:
     """Bound a backend call; the sync twin relies on the client library's own timeouts."""
     try:
-        return await asyncio.wait_for(awaitable, timeout)
+        return await _bounded(awaitable, timeout)
     except asyncio.TimeoutError:  # a distinct class before Python 3.11
         raise TimeoutError(f"no answer within {timeout:.3f} s") from None
 

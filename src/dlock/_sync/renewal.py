@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,14 +39,16 @@ class Renewer:
         self._runner: Any = None
         self._closed = False
         self._urgent = False
-        #: When the loop will next wake by itself; adding a lock due later needs no wake-up.
-        self._planned_wakeup = float("inf")
+        #: When the loop will next wake by itself (inf: never, or it is busy right now).
+        #: A lock due no earlier needs no wake-up: waking a thread per acquire costs
+        #: about as much as the acquire's own round trip on a small machine.
+        self._sleeping_until = math.inf
 
     def add(self, lock: Lock) -> None:
         self._locks.add(lock)
         if self._runner is None and not self._closed:
             self._runner = spawn(self._run, name="dlock-renewer")
-        if lock._renew_at < self._planned_wakeup:
+        if lock._renew_at < self._sleeping_until:
             self._wakeup.set()
 
     def discard(self, lock: Lock) -> None:
@@ -67,15 +70,19 @@ class Renewer:
 
     def _run(self) -> None:
         while not self._closed:
+            self._sleeping_until = math.inf
             self._wakeup.clear()
-            self._planned_wakeup = float("-inf")  # while renewing, every add() wakes us
             self._renew_due()
-            locks = tuple(self._locks)
-            self._planned_wakeup = min((lock._renew_at for lock in locks), default=float("inf"))
-            timeout = None
-            if locks:
-                timeout = max(0.0, self._planned_wakeup - self._clock())
-            self._wakeup.wait(timeout)
+            delay = self._next_wakeup()
+            self._sleeping_until = math.inf if delay is None else self._clock() + delay
+            self._wakeup.wait(delay)
+
+    def _next_wakeup(self) -> float | None:
+        locks = tuple(self._locks)
+        if not locks:
+            return None
+        now = self._clock()
+        return max(0.0, min(min(lock._renew_at, lock._deadline) for lock in locks) - now)
 
     def _renew_due(self) -> None:
         now = self._clock()

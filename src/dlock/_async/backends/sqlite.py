@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._sql import check_identifier
+from ..._sql import check_identifier, lock_info, sqlite_statements
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import run_blocking
 from ..backend import AsyncBackend
@@ -64,7 +64,7 @@ class AsyncSQLiteBackend(AsyncBackend):
         self._connection: sqlite3.Connection | None = None
         # One connection shared by the caller's thread and the renewer's, one at a time.
         self._mutex = threading.Lock()
-        self._sql = _statements(self._table)
+        self._sql = sqlite_statements(self._table)
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncSQLiteBackend:
@@ -92,6 +92,14 @@ class AsyncSQLiteBackend(AsyncBackend):
             busy_timeout=busy_timeout,
             synchronous=str(settings.get("synchronous", "full")).lower(),
         )
+
+    def schema_sql(self) -> list[str]:
+        """The DDL ``dlock init`` runs (and prints), as on the server databases."""
+        return [self._sql["schema"]]
+
+    async def init(self) -> None:
+        """Create the lock table now (opening the database does)."""
+        await run_blocking(self._run, "SELECT 1", {})
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -142,7 +150,7 @@ class AsyncSQLiteBackend(AsyncBackend):
             "owner": token,
             "boot": boot,
             "now": now,
-            "expires": now + ttl,
+            "ttl": ttl,
             "holder": holder.to_json(),
             "reentrant": reentrant,
         }
@@ -169,7 +177,7 @@ class AsyncSQLiteBackend(AsyncBackend):
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
         boot, now = _boot_and_now()
         batch = [
-            {"name": x.name, "owner": x.token, "boot": boot, "now": now, "expires": now + x.ttl}
+            {"name": x.name, "owner": x.token, "boot": boot, "now": now, "ttl": x.ttl}
             for x in leases
         ]
         return [bool(rows) for rows in self._run_batch(self._sql["extend"], batch)]
@@ -184,16 +192,7 @@ class AsyncSQLiteBackend(AsyncBackend):
     def _infos(self, statement: str, params: dict[str, Any]) -> list[LockInfo]:
         boot, now = _boot_and_now()
         rows = self._run(statement, {**params, "boot": boot, "now": now})
-        return [
-            LockInfo(
-                name=name,
-                fencing_token=fence,
-                holder=Holder.from_json(holder),
-                expires_in=expires - now,
-                count=count,
-            )
-            for name, fence, count, expires, holder in rows
-        ]
+        return [lock_info(*row) for row in rows]
 
     async def inspect(self, name: str) -> LockInfo | None:
         infos = await run_blocking(self._infos, self._sql["inspect"], {"name": name})
@@ -218,60 +217,6 @@ class AsyncSQLiteBackend(AsyncBackend):
 
     async def aclose(self) -> None:
         await run_blocking(self._close)
-
-
-def _statements(table: str) -> dict[str, str]:
-    """The SQL, with the (validated) table name filled in; values are always parameters.
-
-    A row is kept after release with ``owner`` NULL, so its fencing counter survives.
-    A lease is live when it has an owner, is from this boot, and has not expired.
-    """
-    live = "(owner IS NOT NULL AND boot = :boot AND expires > :now)"
-    reenter = f"({live} AND owner = :owner AND :reentrant)"
-    return {
-        "schema": f"""
-            CREATE TABLE IF NOT EXISTS {table} (
-                name TEXT PRIMARY KEY,
-                owner TEXT,
-                fence INTEGER NOT NULL,
-                count INTEGER NOT NULL DEFAULT 0,
-                boot TEXT NOT NULL DEFAULT '',
-                expires REAL NOT NULL DEFAULT 0,
-                holder TEXT
-            )""",
-        "acquire": f"""
-            INSERT INTO {table} (name, owner, fence, count, boot, expires, holder)
-            VALUES (:name, :owner, 1, 1, :boot, :expires, :holder)
-            ON CONFLICT (name) DO UPDATE SET
-                fence = CASE WHEN {reenter} THEN fence ELSE fence + 1 END,
-                count = CASE WHEN {reenter} THEN count + 1 ELSE 1 END,
-                owner = :owner, boot = :boot, expires = :expires, holder = :holder
-            WHERE NOT {live} OR {reenter}
-            RETURNING fence, count""",
-        "time_left": f"SELECT expires - :now FROM {table} WHERE name = :name AND {live}",
-        "release": f"""
-            UPDATE {table} SET
-                count = count - 1,
-                owner = CASE WHEN count > 1 THEN owner END,
-                holder = CASE WHEN count > 1 THEN holder END
-            WHERE name = :name AND owner = :owner AND boot = :boot AND expires > :now
-            RETURNING count""",
-        "extend": f"""
-            UPDATE {table} SET expires = :expires
-            WHERE name = :name AND owner = :owner AND boot = :boot AND expires > :now
-            RETURNING 1""",
-        "inspect": f"""
-            SELECT name, fence, count, expires, holder FROM {table}
-            WHERE name = :name AND {live}""",
-        "list": f"""
-            SELECT name, fence, count, expires, holder FROM {table}
-            WHERE substr(name, 1, length(:prefix)) = :prefix AND {live}
-            ORDER BY name""",
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = :name AND {live}
-            RETURNING 1""",
-    }
 
 
 BACKEND = AsyncSQLiteBackend

@@ -1,0 +1,323 @@
+"""MariaDB and PostgreSQL: dlock's two modes against the raw operations and tooz.
+
+    python -m benchmarks.sql [--db mariadb|postgresql|both] [--iterations N]
+                             [--processes P] [--sections S]
+
+Per database, in one run with private servers (tests/servers/sql.py):
+
+* lease mode against the bare INSERT + DELETE of a hand-written lock table;
+* session mode against the bare lock + unlock functions (pg_try_advisory_lock /
+  pg_advisory_unlock, GET_LOCK / RELEASE_LOCK), same driver as dlock;
+* tooz's driver for the same database, the peer a user would otherwise pick;
+* 8 processes on one name: dlock in each mode, tooz, and the database's blocking lock
+  (pg_advisory_lock, GET_LOCK with a timeout) as the hand-off baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pymysql
+
+import dlock
+import dlock.aio
+from benchmarks.common import Contention, Latency, measure_contention, measure_latencies
+from benchmarks.common import print_table as print_table
+from dlock._sql import advisory_key, named_lock_key
+from tests.servers.sql import SQLServer, start_mariadb, start_postgresql
+
+RAW_LEASE = "raw INSERT + DELETE"
+RAW_SESSION = "raw lock + unlock"
+RAW_BLOCKING = "raw blocking lock"
+TOOZ = "tooz"
+
+
+# -- lock handles for the contending processes (module level: they run after spawn) --
+
+
+class DlockHandle:
+    def __init__(self, url: str) -> None:
+        self.client = dlock.connect(url)
+        self.lock = self.client.lock("bench", ttl=30)
+
+    def acquire(self) -> None:
+        self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_dlock(url: str) -> DlockHandle:
+    return DlockHandle(url)
+
+
+class ToozHandle:
+    def __init__(self, url: str) -> None:
+        from tooz import coordination
+
+        self.coordinator = coordination.get_coordinator(url, uuid.uuid4().hex.encode())
+        self.coordinator.start()
+        self.lock = self.coordinator.get_lock(b"bench")
+
+    def acquire(self) -> None:
+        self.lock.acquire(blocking=True)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def close(self) -> None:
+        self.coordinator.stop()
+
+
+def open_tooz(url: str) -> ToozHandle:
+    return ToozHandle(url)
+
+
+class PgBlockingHandle:
+    """The database's own blocking lock: the best hand-off PostgreSQL can do."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.key = advisory_key("raw", "bench")
+
+    def acquire(self) -> None:
+        self.conn.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+
+    def release(self) -> None:
+        self.conn.execute("SELECT pg_advisory_unlock(%s)", (self.key,))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_pg_blocking(url: str) -> PgBlockingHandle:
+    return PgBlockingHandle(url)
+
+
+def _mysql_connect(port: int) -> Any:
+    return pymysql.connect(
+        host="127.0.0.1",
+        port=port,
+        user="dlock",
+        password="secret",
+        database="dlock",
+        autocommit=True,
+        ssl_disabled=True,
+    )
+
+
+class MySQLBlockingHandle:
+    def __init__(self, port: int) -> None:
+        self.conn = _mysql_connect(port)
+        self.cursor = self.conn.cursor()
+        self.key = named_lock_key("raw", "bench")
+
+    def acquire(self) -> None:
+        self.cursor.execute("SELECT GET_LOCK(%s, 60)", (self.key,))
+
+    def release(self) -> None:
+        self.cursor.execute("SELECT RELEASE_LOCK(%s)", (self.key,))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_mysql_blocking(port: int) -> MySQLBlockingHandle:
+    return MySQLBlockingHandle(port)
+
+
+# -- uncontended ------------------------------------------------------------------------
+
+
+def dlock_ops(url: str, loop: asyncio.AbstractEventLoop, cleanup: list[Callable[[], None]]):  # type: ignore[no-untyped-def]
+    client = dlock.connect(url)
+    lock = client.lock(f"uncontended-{uuid.uuid4().hex}", ttl=30)
+
+    def sync_op() -> None:
+        lock.acquire(timeout=0)
+        lock.release()
+
+    aclient = dlock.aio.connect(url)
+    alock = aclient.lock(f"uncontended-{uuid.uuid4().hex}", ttl=30)
+
+    async def async_op() -> None:
+        await alock.acquire(timeout=0)
+        await alock.release()
+
+    cleanup.append(client.close)
+    cleanup.append(lambda: loop.run_until_complete(aclient.aclose()))
+    return sync_op, lambda: loop.run_until_complete(async_op())
+
+
+def tooz_op(url: str, cleanup: list[Callable[[], None]]) -> Callable[[], None]:
+    handle = ToozHandle(url)
+    cleanup.append(handle.close)
+
+    def op() -> None:
+        handle.lock.acquire(blocking=False)
+        handle.lock.release()
+
+    return op
+
+
+def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[str, Any]:
+    conn = psycopg.connect(server.url(), autocommit=True)
+    cleanup.append(conn.close)
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS raw_locks (name bytea PRIMARY KEY, owner text, "
+        "expires double precision)"
+    )
+    owner = secrets.token_hex(16)
+    key = advisory_key("raw", "uncontended")
+
+    def insert_delete() -> None:
+        conn.execute(
+            "INSERT INTO raw_locks (name, owner, expires) VALUES (%s, %s, %s)",
+            (b"bench", owner, 1.0),
+        )
+        conn.execute("DELETE FROM raw_locks WHERE name = %s AND owner = %s", (b"bench", owner))
+
+    def lock_unlock() -> None:
+        conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+        conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+    return {RAW_LEASE: insert_delete, RAW_SESSION: lock_unlock}
+
+
+def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[str, Any]:
+    conn = _mysql_connect(server.port)
+    cleanup.append(conn.close)
+    cursor = conn.cursor()
+    cursor.execute(
+        "CREATE TABLE IF NOT EXISTS raw_locks (name varbinary(1020) PRIMARY KEY, "
+        "owner varbinary(64), expires double)"
+    )
+    owner = secrets.token_hex(16)
+    key = named_lock_key("raw", "uncontended")
+
+    def insert_delete() -> None:
+        cursor.execute(
+            "INSERT INTO raw_locks (name, owner, expires) VALUES (%s, %s, %s)",
+            (b"bench", owner, 1.0),
+        )
+        cursor.execute("DELETE FROM raw_locks WHERE name = %s AND owner = %s", (b"bench", owner))
+
+    def lock_unlock() -> None:
+        cursor.execute("SELECT GET_LOCK(%s, 0)", (key,))
+        cursor.execute("SELECT RELEASE_LOCK(%s)", (key,))
+
+    return {RAW_LEASE: insert_delete, RAW_SESSION: lock_unlock}
+
+
+def run(db: str, iterations: int, processes: int, sections: int) -> None:
+    server = start_postgresql() if db == "postgresql" else start_mariadb()
+    try:
+        lease_url, session_url = server.url(), server.url("mode=session")
+        tooz_url = (
+            f"postgresql://postgres@127.0.0.1:{server.port}/postgres"
+            if db == "postgresql"
+            else f"mysql://dlock:secret@127.0.0.1:{server.port}/dlock"
+        )
+        cleanup: list[Callable[[], None]] = []
+        loop = asyncio.new_event_loop()
+        try:
+            raw = (
+                postgresql_raw(server, cleanup)
+                if db == "postgresql"
+                else mariadb_raw(server, cleanup)
+            )
+            lease_sync, lease_async = dlock_ops(lease_url, loop, cleanup)
+            session_sync, session_async = dlock_ops(session_url, loop, cleanup)
+            latencies = measure_latencies(
+                {
+                    RAW_LEASE: raw[RAW_LEASE],
+                    "dlock lease sync": lease_sync,
+                    "dlock lease asyncio": lease_async,
+                    RAW_SESSION: raw[RAW_SESSION],
+                    "dlock session sync": session_sync,
+                    "dlock session asyncio": session_async,
+                    TOOZ: tooz_op(tooz_url, cleanup),
+                },
+                iterations,
+            )
+        finally:
+            for close in reversed(cleanup):
+                close()
+            loop.close()
+        blocking: Contention
+        if db == "postgresql":
+            blocking = measure_contention(open_pg_blocking, server.url(), processes, sections)
+        else:
+            blocking = measure_contention(open_mysql_blocking, server.port, processes, sections)
+        contention = {
+            "dlock lease": measure_contention(open_dlock, lease_url, processes, sections),
+            "dlock session": measure_contention(open_dlock, session_url, processes, sections),
+            TOOZ: measure_contention(open_tooz, tooz_url, processes, sections),
+            RAW_BLOCKING: blocking,
+        }
+    finally:
+        server.stop()
+    title = "PostgreSQL 15" if db == "postgresql" else "MariaDB 10.11"
+    rows: list[tuple[str, Latency | None, Contention | None]] = [
+        (RAW_LEASE, latencies[RAW_LEASE], None),
+        ("dlock lease sync", latencies["dlock lease sync"], contention["dlock lease"]),
+        ("dlock lease asyncio", latencies["dlock lease asyncio"], None),
+        (RAW_SESSION, latencies[RAW_SESSION], None),
+        ("dlock session sync", latencies["dlock session sync"], contention["dlock session"]),
+        ("dlock session asyncio", latencies["dlock session asyncio"], None),
+        (TOOZ, latencies[TOOZ], contention[TOOZ]),
+        (RAW_BLOCKING, None, contention[RAW_BLOCKING]),
+    ]
+    print_table(
+        f"{title}: uncontended acquire+release; {processes} processes on one name",
+        rows,
+        RAW_LEASE,
+    )
+    print_targets(latencies, contention)
+
+
+def print_targets(latencies: dict[str, Latency], contention: dict[str, Contention]) -> None:
+    """The issue's targets, as ratios within this run."""
+
+    def lat(label: str, base: str) -> str:
+        return f"{latencies[label].median_us / latencies[base].median_us:.2f}x"
+
+    def thr(label: str) -> str:
+        return f"{contention[label].sections_per_s / contention[TOOZ].sections_per_s:.2f}x"
+
+    blocking = contention[RAW_BLOCKING].median_handoff_ms
+    print("targets:")
+    print(f"  lease sync vs {RAW_LEASE}: {lat('dlock lease sync', RAW_LEASE)} (<= 1.15x)")
+    print(f"  lease asyncio vs {RAW_LEASE}: {lat('dlock lease asyncio', RAW_LEASE)}")
+    print(f"  session sync vs {RAW_SESSION}: {lat('dlock session sync', RAW_SESSION)} (<= 1.15x)")
+    print(f"  session asyncio vs {RAW_SESSION}: {lat('dlock session asyncio', RAW_SESSION)}")
+    print(f"  lease throughput vs tooz: {thr('dlock lease')} (>= 3x)")
+    print(f"  session throughput vs tooz: {thr('dlock session')} (>= 3x)")
+    for mode in ("dlock lease", "dlock session"):
+        handoff = contention[mode].median_handoff_ms
+        ratio = handoff / blocking if blocking else float("inf")
+        print(f"  {mode} hand-off vs {RAW_BLOCKING}: {ratio:.2f}x (lease on PostgreSQL <= 3x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--db", choices=["mariadb", "postgresql", "both"], default="both")
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--sections", type=int, default=50)
+    args = parser.parse_args()
+    for db in ("mariadb", "postgresql") if args.db == "both" else (args.db,):
+        run(db, args.iterations, args.processes, args.sections)
+
+
+if __name__ == "__main__":
+    main()

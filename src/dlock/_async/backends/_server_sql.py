@@ -1,0 +1,473 @@
+"""What the MariaDB/MySQL and PostgreSQL backends share: pooling, both modes, errors.
+
+Each database module supplies the driver calls and its dialect's statements
+(``dlock._sql``); the lease rules, the session-lock bookkeeping and the waiting live
+here once.
+
+Lease mode keeps leases in a table, decided by the server's clock. Session mode takes the
+database's own lock (``GET_LOCK``, advisory locks) on a connection dedicated to it, and
+pairs it with a lease row renewed like lease mode's (in batches, on any connection). A
+crashed holder's connection closes and frees the lock at once; a holder that stops
+renewing (paused, partitioned) is evicted by the next acquirer once its lease has run
+out by the server's clock, by ending its database session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from abc import abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._sql import ServerSettings, encode_name, lock_info
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import call_with_timeout
+from ..backend import AsyncBackend, AsyncWaiter
+
+#: Idle connections kept per backend; more are closed when given back.
+POOL_SIZE = 16
+
+
+@dataclass
+class Result:
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+    insert_id: int
+
+
+@dataclass
+class Conn:
+    """A driver connection and what we set on its session."""
+
+    raw: Any
+    last_used: float = field(default_factory=time.monotonic)
+    #: The database's id of this session (backend pid, connection id).
+    session_id: int | None = None
+    #: How many times it went back to the pool: a reused one may have died meanwhile.
+    uses: int = 0
+
+
+@dataclass
+class Held:
+    """A session lock held by this backend: its connection is never pooled meanwhile."""
+
+    conn: Conn
+    name: str
+    key: Any
+    fence: int
+    count: int = 1
+
+
+class AsyncServerSQLBackend(AsyncBackend):
+    """The shared part; subclasses implement the ``_driver_*`` methods and lease SQL."""
+
+    def __init__(self, settings: ServerSettings, statements: dict[str, str], schema: str):
+        self._settings = settings
+        self._table = settings.table
+        self._sql = statements
+        self._schema = schema
+        self._session_mode = settings.mode == "session"
+        self._idle: list[Conn] = []
+        #: Over the pool size: closing is I/O, so it waits for ``aclose``.
+        self._overflow: list[Conn] = []
+        self._schema_ready = not settings.create_table
+        self._held: dict[str, Held] = {}
+        #: Session locks a waiter obtained inside the server, for the next acquire.
+        self._parked: dict[str, Held] = {}
+        self._closed = False
+
+    # -- driver hooks ----------------------------------------------------------------
+
+    @abstractmethod
+    async def _driver_connect(self) -> Any: ...
+
+    @abstractmethod
+    async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
+
+    @abstractmethod
+    async def _driver_close(self, raw: Any) -> None: ...
+
+    @abstractmethod
+    def _driver_error(self, exc: BaseException) -> BackendError | None:
+        """The dlock error for a driver exception, or None if it is not the driver's."""
+
+    @abstractmethod
+    def _is_lock_timeout(self, exc: BaseException) -> bool:
+        """True when a blocking lock wait ended by its timeout (not a failure)."""
+
+    @abstractmethod
+    def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
+        """(fence, session id) from a session acquire, or None if the lock was busy."""
+
+    @abstractmethod
+    def _session_key(self, name: str) -> Any: ...
+
+    @abstractmethod
+    async def _session_time_left(self, name: str, result: Result) -> float | None:
+        """Seconds left on the lease of the holder of a busy session lock, if known."""
+
+    @abstractmethod
+    async def _session_evict(self, name: str) -> None:
+        """End the session of a holder whose lease has run out (it still holds the lock)."""
+
+    # -- connections -----------------------------------------------------------------
+
+    def schema_sql(self) -> list[str]:
+        """The DDL ``dlock init`` runs (and prints) for teams that manage migrations."""
+        return [self._schema]
+
+    async def init(self) -> None:
+        """Create the lock table now, whatever ``create_table`` says."""
+        self._schema_ready = False
+        conn = await self._take()
+        await self._ensure_schema(conn)
+        self._give(conn)
+
+    async def _connect(self) -> Conn:
+        if self._closed:
+            raise BackendError("this dlock client is closed")
+        try:
+            raw = await call_with_timeout(
+                self._driver_connect(), self._settings.connect_timeout + 1
+            )
+        except Exception as exc:
+            raise self._wrap(exc, "cannot connect") from exc
+        conn = Conn(raw)
+        try:
+            if not self._schema_ready:
+                await self._ensure_schema(conn)
+        except BaseException:
+            await self._drop(conn)
+            raise
+        return conn
+
+    async def _ensure_schema(self, conn: Conn) -> None:
+        try:
+            await self._run(conn, self._schema, {})
+        except BackendError as exc:
+            # Without CREATE privilege the table may still exist (made by `dlock init`).
+            try:
+                await self._run(conn, f"SELECT 1 FROM {self._table} WHERE 1 = 0", {})
+            except BackendError:
+                raise BackendError(
+                    f"cannot create the lock table {self._table!r} ({exc}); grant CREATE "
+                    "or create it beforehand with `dlock init` as a privileged user"
+                ) from exc
+        self._schema_ready = True
+
+    async def _take(self) -> Conn:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return await self._connect()
+
+    def _give(self, conn: Conn) -> None:
+        conn.last_used = time.monotonic()
+        conn.uses += 1
+        if len(self._idle) < POOL_SIZE and not self._closed:
+            self._idle.append(conn)
+        else:
+            self._overflow.append(conn)
+
+    async def _drop(self, conn: Conn) -> None:
+        # A broken connection may fail to close; it is gone either way.
+        with contextlib.suppress(Exception):
+            await self._driver_close(conn.raw)
+
+    def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
+        if isinstance(exc, BackendError):
+            return exc
+        prefix = f"{self._settings.host}:{self._settings.port or 'default'}"
+        if isinstance(exc, TimeoutError):
+            return BackendUnavailable(f"{prefix}: no answer within {self._settings.timeout} s")
+        error = self._driver_error(exc)
+        if error is None:
+            return BackendError(f"{prefix}: {what or 'failed'}: {exc!r}")
+        return type(error)(f"{prefix}: {what + ': ' if what else ''}{error}")
+
+    async def _run(self, conn: Conn, sql: str, params: dict[str, Any], wait: float = 0) -> Result:
+        try:
+            return await call_with_timeout(
+                self._driver_execute(conn.raw, sql, params), self._settings.timeout + wait
+            )
+        except Exception as exc:
+            raise self._wrap(exc) from exc
+
+    async def _call(self, key: str, params: dict[str, Any], sql: str | None = None) -> Result:
+        """One statement on a pooled connection.
+
+        A pooled connection may have died while idle (server restarted, session killed):
+        then the statement is tried once more on a new one. Should the first try have
+        committed after all, the retry errs on the safe side: an acquire finds its own
+        lease and reports busy (the lease expires), a release reports the lock lost.
+        """
+        conn = await self._take()
+        statement = self._sql[key] if sql is None else sql
+        try:
+            result = await self._run(conn, statement, params)
+        except BackendUnavailable:
+            await self._drop(conn)
+            if conn.uses == 0:
+                raise
+            conn = await self._connect()
+            try:
+                result = await self._run(conn, statement, params)
+            except BaseException:
+                await self._drop(conn)
+                raise
+        except BaseException:
+            await self._drop(conn)
+            raise
+        self._give(conn)
+        return result
+
+    async def aclose(self) -> None:
+        self._closed = True
+        conns = [*self._idle, *self._overflow]
+        conns += [held.conn for held in (*self._held.values(), *self._parked.values())]
+        self._idle.clear()
+        self._overflow.clear()
+        self._held.clear()
+        self._parked.clear()
+        for conn in conns:
+            await self._drop(conn)
+
+    # -- the seam --------------------------------------------------------------------
+
+    def _params(self, name: str, token: str, **more: Any) -> dict[str, Any]:
+        return {"name": encode_name(name), "owner": token, **more}
+
+    async def acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        if self._session_mode:
+            return await self._session_acquire(name, token, ttl, holder, reentrant)
+        return await self._lease_acquire(name, token, ttl, holder, reentrant)
+
+    @abstractmethod
+    async def _lease_acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy: ...
+
+    async def release(self, name: str, token: str) -> int | None:
+        if self._session_mode:
+            return await self._session_release(name, token)
+        return await self._lease_release(name, token)
+
+    @abstractmethod
+    async def _lease_release(self, name: str, token: str) -> int | None: ...
+
+    async def extend(self, name: str, token: str, ttl: float) -> bool:
+        if self._session_mode:
+            return await self._session_extend(name, token, ttl)
+        result = await self._call("extend", self._params(name, token, ttl=ttl))
+        return result.rowcount > 0
+
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        if len(leases) == 1:
+            return [await self.extend(leases[0].name, leases[0].token, leases[0].ttl)]
+        return await self._renewed(leases, await self._extend_batch(leases))
+
+    @abstractmethod
+    async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
+        """Renew many leases in as few round trips as the database allows; return the
+        (name, owner) pairs renewed."""
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        key = "session_inspect" if self._session_mode else "inspect"
+        result = await self._call(key, {"name": encode_name(name)})
+        return lock_info(*result.rows[0]) if result.rows else None
+
+    # -- session mode ----------------------------------------------------------------
+
+    async def _session_acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        held = self._held.get(token)
+        if held is not None:
+            if not reentrant:
+                return Busy()
+            count = await self._session_count(token, held, +1)
+            return Busy() if count is None else Acquired(held.fence, count)
+        parked = self._parked.pop(token, None)
+        conn = parked.conn if parked is not None else await self._take()
+        key = self._session_key(name)
+        params = self._params(name, token, ttl=ttl, holder=holder.to_json(), key=key)
+        try:
+            statement = "session_record" if parked is not None else "session_acquire"
+            result = await self._run(conn, self._sql[statement], params)
+            granted = self._session_fence(result)
+            if granted is not None and granted[1] is not None:
+                if conn.session_id is None:
+                    conn.session_id = granted[1]
+                elif granted[1] != conn.session_id:
+                    raise ConfigurationError(
+                        "session mode needs one database session for the lock's lifetime, but "
+                        "statements on one connection ran in different sessions: a "
+                        "transaction-pooling proxy (PgBouncer transaction mode, ProxySQL "
+                        "multiplexing) is in front of the database; connect directly or use "
+                        "lease mode"
+                    )
+        except BaseException:
+            # Whatever happened, closing the session frees any lock it may have taken.
+            await self._drop(conn)
+            raise
+        if granted is None:
+            self._give(conn)
+            left = await self._session_time_left(name, result)
+            if left is not None and left <= 0:
+                await self._session_evict(name)
+                return Busy()
+            return Busy(retry_after=left)
+        self._held[token] = Held(conn, name, key, granted[0])
+        return Acquired(granted[0], 1)
+
+    async def _session_count(self, token: str, held: Held, delta: int) -> int | None:
+        """Re-entry or partial release: keep the row's count (for inspection) in step."""
+        result = await self._call("session_count", self._params(held.name, token, delta=delta))
+        if result.rowcount == 0:
+            await self._session_lost(token)
+            return None
+        held.count += delta
+        return held.count
+
+    async def _session_lost(self, token: str) -> None:
+        """Give up a session lock whose lease is gone: close its connection, freeing it."""
+        held = self._held.pop(token, None)
+        if held is not None:
+            await self._drop(held.conn)
+
+    async def _session_release(self, name: str, token: str) -> int | None:
+        held = self._held.get(token)
+        if held is None or held.name != name:
+            return None
+        if held.count > 1:
+            return await self._session_count(token, held, -1)
+        if self._held.pop(token, None) is None:
+            return None  # the renewer gave it up meanwhile
+        try:
+            result = await self._run(held.conn, self._sql["session_unlock"], {"key": held.key})
+        except BackendError:
+            # The session is gone, and its lock with it: by now it is not ours.
+            await self._drop(held.conn)
+            return None
+        if result.rows and result.rows[0][0]:
+            self._give(held.conn)
+            return 0
+        await self._drop(held.conn)
+        return None
+
+    async def _session_extend(self, name: str, token: str, ttl: float) -> bool:
+        result = await self._call("session_extend", self._params(name, token, ttl=ttl))
+        if result.rowcount > 0:
+            return True
+        await self._session_lost(token)
+        return False
+
+    async def _renewed(
+        self, leases: Sequence[Lease], renewed: set[tuple[bytes, str]]
+    ) -> list[bool]:
+        """Which leases a batch renewed; session locks that were not are given up."""
+        results = [(encode_name(x.name), x.token) in renewed for x in leases]
+        if self._session_mode:
+            for lease, ok in zip(leases, results, strict=True):
+                if not ok:
+                    await self._session_lost(lease.token)
+        return results
+
+    async def _session_wait(self, name: str, token: str, timeout: float) -> None:
+        """Block inside the server until the lock is ours or ``timeout`` passes.
+
+        The lock obtained is parked for the acquire that the core makes next, so a
+        hand-off costs no extra round trip and no polling.
+        """
+        if token in self._parked or token in self._held:
+            return
+        # Bounded by the operation timeout, so a dead server is noticed in time.
+        wait = max(0.001, min(timeout, self._settings.timeout / 2))
+        conn = await self._take()
+        key = self._session_key(name)
+        params = {"key": key, "wait": wait, "wait_ms": str(max(1, math.ceil(wait * 1000)))}
+        try:
+            result = await self._run(conn, self._sql["session_wait"], params, wait=wait)
+        except BackendError as exc:
+            if self._is_lock_timeout(exc.__cause__ or exc):
+                self._give(conn)
+                return
+            await self._drop(conn)
+            raise
+        except BaseException:
+            await self._drop(conn)
+            raise
+        if self._got_wait(result):
+            self._parked[token] = Held(conn, name, key, 0)
+        else:
+            self._give(conn)
+
+    def _got_wait(self, result: Result) -> bool:
+        """PostgreSQL's pg_advisory_lock returns void (it raised on timeout);
+        MySQL's GET_LOCK returns 1 for granted, 0 for timed out."""
+        return True
+
+    async def _unpark(self, token: str) -> None:
+        parked = self._parked.pop(token, None)
+        if parked is None:
+            return
+        try:
+            await self._run(parked.conn, self._sql["session_unlock"], {"key": parked.key})
+        except BackendError:
+            await self._drop(parked.conn)
+            return
+        self._give(parked.conn)
+
+    @asynccontextmanager
+    async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        if not self._session_mode:
+            async with self._lease_waiter(name, token) as lease_waiter:
+                yield lease_waiter
+            return
+        try:
+            yield _SessionWaiter(self, name, token)
+        finally:
+            await self._unpark(token)
+
+    @asynccontextmanager
+    async def _lease_waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        """Lease mode waits by backing off with jitter unless the database can notify."""
+        yield AsyncWaiter()
+
+    async def force_release(self, name: str) -> bool:
+        if not self._session_mode:
+            return await self._lease_force_release(name)
+        return await self._session_force_release(name)
+
+    @abstractmethod
+    async def _lease_force_release(self, name: str) -> bool: ...
+
+    @abstractmethod
+    async def _session_force_release(self, name: str) -> bool:
+        """End the holder's database session: only it can free the database's lock."""
+
+    # Last: below this point ``list`` names the method, not the builtin.
+    async def list(self, prefix: str) -> list[LockInfo]:
+        key = "session_list" if self._session_mode else "list"
+        result = await self._call(key, {"prefix": encode_name(prefix)})
+        return [lock_info(*row) for row in result.rows]
+
+
+class _SessionWaiter(AsyncWaiter):
+    #: The wait happens inside the server and ends the moment the lock is free.
+    notifies = True
+
+    def __init__(self, backend: AsyncServerSQLBackend, name: str, token: str) -> None:
+        self._backend = backend
+        self._name = name
+        self._token = token
+
+    async def wait(self, timeout: float) -> None:
+        await self._backend._session_wait(self._name, self._token, timeout)

@@ -1,0 +1,229 @@
+"""PostgreSQL: a lease table (default) or advisory locks (``?mode=session``).
+
+Driver: psycopg 3, maintained by the PostgreSQL driver's own authors, with a sync and
+an asyncio connection in one package (the two faces stay the same code), server-side
+prepared statements, and LISTEN/NOTIFY, which wakes lease-mode waiters when a lock is
+released instead of polling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from ..._errors import BackendError, BackendUnavailable
+from ..._sql import (
+    POSTGRESQL,
+    ServerSettings,
+    advisory_key,
+    check_identifier,
+    encode_name,
+    notify_channel,
+    parse_server_url,
+    postgresql_statements,
+)
+from ..._types import Acquired, Busy, Holder, Lease
+from ..backend import AsyncWaiter
+from ._server_sql import AsyncServerSQLBackend, Conn, Result
+
+#: libpq options passed through from the URL or ``connect()``: TLS and the like.
+PASSTHROUGH = frozenset(
+    {
+        "sslmode",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "sslpassword",
+        "sslcrl",
+        "application_name",
+        "target_session_attrs",
+    }
+)
+
+
+class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
+    def __init__(self, settings: ServerSettings) -> None:
+        super().__init__(
+            settings, postgresql_statements(settings.table), POSTGRESQL.schema(settings.table)
+        )
+        #: Connections that LISTEN for waiters, kept apart from the statement pool.
+        self._listeners: list[Any] = []
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> AsyncPostgreSQLBackend:
+        return cls(parse_server_url(url, options, PASSTHROUGH))
+
+    async def _driver_connect(self) -> Any:
+        s = self._settings
+        if s.client is not None:
+            raw = s.client()
+            if inspect.isawaitable(raw):
+                raw = await raw
+            await raw.set_autocommit(True)
+            return raw
+        params: dict[str, Any] = {
+            "host": s.host,
+            "port": s.port,
+            "user": s.user,
+            "password": s.password,
+            "dbname": s.database,
+            # libpq counts whole seconds, at least 2.
+            "connect_timeout": max(2, math.ceil(s.connect_timeout)),
+            # The kernel gives up on a peer that stops acknowledging (a dead server).
+            "tcp_user_timeout": int(s.timeout * 1000),
+            **s.extra,
+        }
+        return await psycopg.AsyncConnection.connect(autocommit=True, **params)
+
+    async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
+        # Without parameters psycopg uses the simple protocol (several statements allowed).
+        cursor = await raw.execute(sql, params or None)
+        rows = await cursor.fetchall() if cursor.description else []
+        return Result(rows, cursor.rowcount, 0)
+
+    async def _driver_close(self, raw: Any) -> None:
+        await raw.close()
+
+    def _driver_error(self, exc: BaseException) -> BackendError | None:
+        if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+            return BackendError(f"the server is a read-only replica: {exc}")
+        if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+            return BackendError(f"missing privilege: {exc}")
+        if isinstance(exc, psycopg.OperationalError):
+            return BackendUnavailable(str(exc).strip())
+        if isinstance(exc, psycopg.Error):
+            return BackendError(str(exc).strip())
+        return None
+
+    def _is_lock_timeout(self, exc: BaseException) -> bool:
+        return isinstance(exc, psycopg.errors.LockNotAvailable)
+
+    def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
+        if not result.rows or result.rows[0][0] is None:
+            return None  # busy: the row is the holder's lease
+        return int(result.rows[0][0]), int(result.rows[0][1])
+
+    def _session_key(self, name: str) -> Any:
+        return advisory_key(self._table, name)
+
+    async def _session_time_left(self, name: str, result: Result) -> float | None:
+        # The acquire statement's busy branch reads the holder's lease in the same snapshot.
+        if result.rows and result.rows[0][2] is not None:
+            return float(result.rows[0][2])
+        return None
+
+    async def _session_evict(self, name: str) -> None:
+        await self._call("session_evict", {"name": encode_name(name)})
+
+    # -- lease mode --------------------------------------------------------------------
+
+    async def _lease_acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
+        result = await self._call("acquire", params)
+        if result.rows:
+            return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        # Busy: one more round trip, only on this path, for when the lease ends.
+        left = (await self._call("time_left", params)).rows
+        return Busy(retry_after=max(0.0, float(left[0][0])) if left else None)
+
+    async def _lease_release(self, name: str, token: str) -> int | None:
+        params = self._params(name, token, channel=notify_channel(self._table, name))
+        result = await self._call("release", params)
+        return int(result.rows[0][0]) if result.rows else None
+
+    async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
+        params = {
+            "names": [encode_name(x.name) for x in leases],
+            "owners": [x.token for x in leases],
+            "ttls": [x.ttl for x in leases],
+        }
+        key = "session_extend_many" if self._session_mode else "extend_many"
+        result = await self._call(key, params)
+        return {(bytes(name), owner) for name, owner in result.rows}
+
+    async def _lease_force_release(self, name: str) -> bool:
+        params = {"name": encode_name(name), "channel": notify_channel(self._table, name)}
+        return bool((await self._call("force_release", params)).rows)
+
+    @asynccontextmanager
+    async def _lease_waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        """Waiters queue on an advisory lock (the turnstile); the one in front LISTENs.
+
+        The holder's release notifies in its own statement. Were every waiter to listen,
+        each release would wake them all to race for the lease; through the turnstile the
+        server wakes one, in arrival order, and the rest stay blocked inside the server.
+        """
+        try:
+            raw = self._listeners.pop()
+        except IndexError:
+            raw = (await self._connect()).raw
+        waiter = _TurnstileWaiter(
+            self,
+            Conn(raw),
+            check_identifier(notify_channel(self._table, name), "channel"),
+            advisory_key(self._table + ":turnstile", name),
+        )
+        try:
+            yield waiter
+            if waiter.in_front:
+                # One simple-protocol round trip; the next waiter moves to the front.
+                await self._run(waiter.conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
+        except BaseException:
+            await self._driver_close(raw)
+            raise
+        self._listeners.append(raw)
+
+    async def _session_force_release(self, name: str) -> bool:
+        result = await self._call("session_force_release", {"name": encode_name(name)})
+        return any(row[0] for row in result.rows)
+
+    async def aclose(self) -> None:
+        listeners, self._listeners = self._listeners, []
+        for raw in listeners:
+            await self._driver_close(raw)
+        await super().aclose()
+
+
+class _TurnstileWaiter(AsyncWaiter):
+    notifies = True
+
+    def __init__(self, backend: AsyncPostgreSQLBackend, conn: Conn, channel: str, key: int):
+        self._backend = backend
+        self.conn = conn
+        self._channel = channel
+        self._key = key
+        self.in_front = False
+
+    async def wait(self, timeout: float) -> None:
+        if not self.in_front:
+            # Blocked inside the server until the waiters ahead have got the lock.
+            wait_ms = str(max(1, math.ceil(timeout * 1000)))
+            params = {"key": self._key, "wait_ms": wait_ms}
+            try:
+                await self._backend._run(
+                    self.conn, self._backend._sql["session_wait"], params, wait=timeout
+                )
+            except BackendError as exc:
+                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
+                    return
+                raise
+            self.in_front = True
+            # Listen before the core's next attempt, so no release goes unnoticed.
+            await self._backend._run(self.conn, f"LISTEN {self._channel}", {})
+            return
+        try:
+            async for _ in self.conn.raw.notifies(timeout=timeout, stop_after=1):
+                pass
+        except psycopg.Error as exc:
+            raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
+
+
+BACKEND = AsyncPostgreSQLBackend

@@ -1,0 +1,521 @@
+"""Redis, single server or Redis Cluster: one script call per acquire, release or extend.
+
+Every key of a lock carries the hash tag ``{n:NAME}``, so each script touches one slot
+and runs on a cluster as it does on one server (MOVED/ASK are redis-py's business).
+Waiters queue on the server (fairness) and are woken by pub/sub: one ``PUBLISH`` naming
+the next in line reaches however many clients wait, without a blocking connection per
+waiter (a list signal would need one), and a lost message only costs the core's
+fallback timer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from functools import lru_cache
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as redis_client
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
+
+from ... import _redis_scripts as scripts
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import sleep
+from ..backend import AsyncBackend, AsyncWaiter
+
+#: Options this backend takes besides what redis-py reads from the URL's query string.
+OPTIONS = {"client", "prefix", "socket_timeout", "socket_connect_timeout", "queue_ttl"}
+#: URL query options redis-py understands, passed through to it.
+CLIENT_OPTIONS = {
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "ssl_password",
+    "client_name",
+    "username",
+    "password",
+    "db",
+    "protocol",
+}
+#: How long a waiter's place in the queue lasts unless refreshed by its next attempt;
+#: well above the core's fallback wait (2 s) so a live waiter never loses its place.
+QUEUE_TTL = 6.0
+#: Idle pub/sub connections kept for the next waiter.
+IDLE_SUBSCRIBERS = 8
+
+_GLOB_SPECIAL = frozenset(b"*?[]\\")
+#: What redis-py raises; its cluster errors do not all derive from RedisError.
+ERRORS = (RedisError, RedisClusterException)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def wrap(exc: Exception, where: str) -> BackendError:
+    """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
+        isinstance(exc, RedisClusterException) and "connect" in str(exc)
+    ):
+        return BackendUnavailable(f"Redis {where}: {type(exc).__name__}: {exc}")
+    return BackendError(f"Redis {where}: {type(exc).__name__}: {exc}")
+
+
+class Keys:
+    """The keys and the wake-up channel of one lock name, all in one hash slot."""
+
+    __slots__ = ("channel", "fence", "lease", "qexp", "queue")
+
+    def __init__(self, prefix: bytes, name: str) -> None:
+        # "n:" keeps the hash tag non-empty even for a name starting with "}".
+        base = prefix + b":{n:" + name.encode("utf-8") + b"}:"
+        self.lease = base + b"lease"
+        self.fence = base + b"fence"
+        self.queue = base + b"queue"
+        self.qexp = base + b"qexp"
+        self.channel = base + b"wake"
+
+
+@lru_cache(maxsize=4096)
+def _keys(prefix: bytes, name: str) -> Keys:
+    """Keys of recently used names, so a hot lock does not re-encode its name each time."""
+    return Keys(prefix, name)
+
+
+@lru_cache(maxsize=64)
+def _holder_json(holder: Holder) -> str:
+    return holder.to_json()
+
+
+class _PubSubWaiter(AsyncWaiter):
+    """Returns early when a release names this waiter (or nobody in particular)."""
+
+    notifies: ClassVar[bool] = True
+
+    def __init__(self, pubsub: Any, channel: bytes, token: bytes) -> None:
+        self._pubsub = pubsub
+        self._channel = channel
+        self._token = token
+        self.broken = False
+
+    async def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self.broken:
+                await sleep(remaining)
+                return
+            try:
+                message = await self._pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=remaining
+                )
+            except (*ERRORS, OSError):
+                # The subscription is gone: the core's timer still lets us in.
+                self.broken = True
+                continue
+            if (
+                message is not None
+                and message.get("type") == "message"
+                and _bytes(message.get("channel")) == self._channel
+                and _bytes(message.get("data")) in (b"", self._token)
+            ):
+                return
+
+
+class AsyncRedisBackend(AsyncBackend):
+    """One Redis server or one Redis Cluster, reached through redis-py."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        cluster: bool = False,
+        client: Any = None,
+        prefix: str = "dlock",
+        client_options: dict[str, Any] | None = None,
+        queue_ttl: float = QUEUE_TTL,
+    ) -> None:
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise ConfigurationError("prefix must be non-empty and contain no '{' or '}'")
+        if client is not None and not isinstance(
+            client, (redis_client.Redis, redis_client.RedisCluster)
+        ):
+            raise ConfigurationError(
+                "client= must be a redis-py client of this face "
+                "(redis.asyncio.Redis/RedisCluster for dlock.aio, redis.Redis/RedisCluster "
+                f"for dlock), not {type(client).__module__}.{type(client).__name__}"
+            )
+        self._url = url
+        self._cluster = cluster or isinstance(client, redis_client.RedisCluster)
+        self._client: Any = client
+        self._owns_client = client is None
+        self._prefix = prefix.encode("utf-8")
+        self._client_options = client_options or {}
+        self._queue_ttl_ms = _ms(queue_ttl)
+        self._subscriber: Any = None
+        self._idle: list[Any] = []
+        #: Waiting tokens that the acquire script already took out of their queue.
+        self._dequeued: set[str] = set()
+        #: Waiting tokens whose next acquire attempt also takes their place in the queue.
+        self._joining: dict[str, str] = {}
+        self._where = self._describe()
+
+    def _describe(self) -> str:
+        if self._url is None:
+            return "(given client)"
+        parts = urlsplit(self._url)
+        return f"{parts.hostname}:{parts.port or 6379}"
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> AsyncRedisBackend:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        cluster = scheme.endswith("+cluster")
+        base_scheme = "rediss" if scheme.startswith("rediss") else "redis"
+        query = dict(parse_qsl(parts.query))
+        cluster = cluster or query.pop("cluster", "").lower() in ("1", "true", "yes")
+        settings: dict[str, Any] = {}
+        for key in list(query):
+            if key in OPTIONS:
+                settings[key] = query.pop(key)
+        settings.update(options)
+        unknown = (set(settings) - OPTIONS) | (set(query) - CLIENT_OPTIONS)
+        if unknown:
+            raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
+        if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
+            raise ConfigurationError("ssl_* options need a rediss:// URL")
+        client_options: dict[str, Any] = {}
+        for key in ("socket_timeout", "socket_connect_timeout"):
+            if key in settings:
+                try:
+                    client_options[key] = float(settings[key])
+                except (TypeError, ValueError):
+                    raise ConfigurationError(f"{key} must be a number of seconds") from None
+        try:
+            queue_ttl = float(settings.get("queue_ttl", QUEUE_TTL))
+        except (TypeError, ValueError):
+            raise ConfigurationError("queue_ttl must be a number of seconds") from None
+        clean = urlunsplit((base_scheme, parts.netloc, parts.path, urlencode(query), ""))
+        if settings.get("client") is None and not parts.hostname:
+            clean = urlunsplit(
+                (base_scheme, "localhost:6379" + parts.netloc, parts.path, urlencode(query), "")
+            )
+        return cls(
+            clean if settings.get("client") is None else None,
+            cluster=cluster,
+            client=settings.get("client"),
+            prefix=str(settings.get("prefix", "dlock")),
+            client_options=client_options,
+            queue_ttl=queue_ttl,
+        )
+
+    def _connection_options(self) -> dict[str, Any]:
+        # No silent retries: a retried acquire whose first reply was lost would look
+        # busy to its own owner. Connect and read timeouts keep failures quick.
+        return {
+            "socket_connect_timeout": 2.0,
+            "socket_timeout": 5.0,
+            "retry": Retry(NoBackoff(), 0),
+            **self._client_options,
+        }
+
+    def _get_client(self) -> Any:
+        if self._client is None:
+            assert self._url is not None
+            try:
+                if self._cluster:
+                    self._client = redis_client.RedisCluster.from_url(
+                        self._url, **self._connection_options()
+                    )
+                else:
+                    self._client = redis_client.Redis.from_url(
+                        self._url, **self._connection_options()
+                    )
+            except ERRORS as exc:
+                raise wrap(exc, self._where) from exc
+            except (ValueError, TypeError) as exc:
+                raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
+        return self._client
+
+    def _keys(self, name: str) -> Keys:
+        return _keys(self._prefix, name)
+
+    async def _call(
+        self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
+    ) -> Any:
+        """EVALSHA, falling back to EVAL when the server forgot the script (restart,
+        failover, SCRIPT FLUSH); EVAL caches it again for the next call."""
+        client = self._get_client()
+        try:
+            try:
+                return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+
+    async def _call_many(
+        self, script: scripts.Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
+    ) -> list[Any]:
+        """Many calls of one script in one pipeline: one round trip per server."""
+        if not calls:
+            return []
+        client = self._get_client()
+        try:
+            results = await self._pipeline(client, "EVALSHA", script.sha, calls)
+            missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+            if missing:
+                again = await self._pipeline(
+                    client, "EVAL", script.source, [calls[i] for i in missing]
+                )
+                for i, result in zip(missing, again, strict=True):
+                    results[i] = result
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+        for result in results:
+            if isinstance(result, ERRORS):
+                raise wrap(result, self._where) from result
+            if isinstance(result, Exception):
+                raise BackendError(f"Redis {self._where}: {result!r}") from result
+        return results
+
+    @staticmethod
+    async def _pipeline(
+        client: Any,
+        command: str,
+        script: str,
+        calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]],
+    ) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.execute_command(command, script, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def acquire(
+        self,
+        name: str,
+        token: str,
+        ttl: float,
+        holder: Holder,
+        reentrant: bool,
+        *,
+        keep_place: bool = False,
+    ) -> Acquired | Busy:
+        k = self._keys(name)
+        args = (
+            token,
+            _ms(ttl),
+            _holder_json(holder),
+            "1" if reentrant else "0",
+            self._queue_ttl_ms,
+            "1" if keep_place else "0",
+            self._joining.get(token, ""),
+        )
+        try:
+            result = await self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
+        except BackendUnavailable:
+            # The script may have run before the connection broke: give the lease back.
+            await self._release_quietly(name, token)
+            raise
+        self._joining.pop(token, None)
+        if int(result[0]) == 1:
+            if int(result[3]):
+                self._dequeued.add(token)  # the waiter's exit need not leave the queue
+            return Acquired(fencing_token=int(result[1]), count=int(result[2]))
+        left = int(result[1])
+        return Busy(retry_after=left / 1000 if left >= 0 else None)
+
+    async def _release_quietly(self, name: str, token: str) -> None:
+        with suppress(BackendError):
+            await self.release(name, token)
+
+    async def release(self, name: str, token: str) -> int | None:
+        k = self._keys(name)
+        left = int(
+            await self._call(scripts.RELEASE, (k.lease, k.queue, k.qexp), (token, k.channel))
+        )
+        return None if left < 0 else left
+
+    async def extend(self, name: str, token: str, ttl: float) -> bool:
+        return bool(
+            int(await self._call(scripts.EXTEND, (self._keys(name).lease,), (token, _ms(ttl))))
+        )
+
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        calls = [((self._keys(x.name).lease,), (x.token, _ms(x.ttl))) for x in leases]
+        return [bool(int(r)) for r in await self._call_many(scripts.EXTEND, calls)]
+
+    def _new_pubsub(self) -> Any:
+        """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
+        a plain connection to one node hears releases of every slot."""
+        if self._subscriber is None:
+            if self._url is not None:
+                self._subscriber = redis_client.Redis.from_url(
+                    self._url, **self._connection_options()
+                )
+            else:
+                self._subscriber = self._client
+        return self._subscriber.pubsub()
+
+    @asynccontextmanager
+    async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        self.enqueue(name, token, "now")
+        try:
+            async with self.subscription(name, token) as waiter:
+                yield waiter
+        finally:
+            await self.dequeue(name, token)
+
+    def enqueue(self, name: str, token: str, arrival: str) -> None:
+        """Queue ``token`` with its next acquire attempt (which the core makes right after
+        entering the waiter); ``arrival`` orders the queue ("now": the server's clock)."""
+        self._joining[token] = arrival
+
+    async def dequeue(self, name: str, token: str) -> None:
+        """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        self._joining.pop(token, None)
+        if token in self._dequeued:
+            self._dequeued.discard(token)
+            return
+        k = self._keys(name)
+        with suppress(BackendError):
+            await self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
+
+    @asynccontextmanager
+    async def subscription(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
+        channel = self._keys(name).channel
+        pubsub = self._idle.pop() if self._idle else None
+        waiter: AsyncWaiter
+        try:
+            if pubsub is None:
+                pubsub = self._new_pubsub()
+            await pubsub.subscribe(channel)
+            waiter = _PubSubWaiter(pubsub, channel, token.encode())
+        except (*ERRORS, OSError):
+            # No subscription (e.g. a node that refuses pub/sub): waiting still works
+            # on the core's timer and the lease's time left, only later.
+            waiter = AsyncWaiter()
+        try:
+            yield waiter
+        finally:
+            if pubsub is not None:
+                await self._put_back(pubsub, channel, waiter)
+
+    async def _put_back(self, pubsub: Any, channel: bytes, waiter: AsyncWaiter) -> None:
+        reusable = isinstance(waiter, _PubSubWaiter) and not waiter.broken
+        try:
+            if reusable:
+                await pubsub.unsubscribe(channel)
+        except (*ERRORS, OSError):
+            reusable = False
+        if reusable and len(self._idle) < IDLE_SUBSCRIBERS:
+            self._idle.append(pubsub)
+        else:
+            await self._close_pubsub(pubsub)
+
+    async def raise_fence(self, name: str, token: str, floor: int) -> bool:
+        """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
+        k = self._keys(name)
+        return bool(int(await self._call(scripts.RAISE_FENCE, (k.lease, k.fence), (token, floor))))
+
+    @staticmethod
+    async def _close_pubsub(pubsub: Any) -> None:
+        try:
+            await pubsub.aclose()
+        except (*ERRORS, OSError):
+            pass
+
+    def _info(self, name: str, reply: Any) -> LockInfo | None:
+        if not reply:
+            return None
+        fence, count, holder, left = reply
+        return LockInfo(
+            name=name,
+            fencing_token=int(fence),
+            holder=Holder.from_json(holder),
+            expires_in=int(left) / 1000 if int(left) >= 0 else None,
+            count=int(count),
+        )
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        return self._info(name, await self._call(scripts.INSPECT, (self._keys(name).lease,), ()))
+
+    async def _scan_names(self, prefix: str) -> list[str]:
+        """Names of leases under ``prefix``: SCAN (never KEYS), on every cluster master."""
+        head = self._prefix + b":{n:"
+        tail = b"}:lease"
+        escaped = b"".join(
+            b"\\" + bytes([c]) if c in _GLOB_SPECIAL else bytes([c])
+            for c in head + prefix.encode("utf-8")
+        )
+        names: set[str] = set()
+        try:
+            async for key in self._get_client().scan_iter(match=escaped + b"*" + tail, count=1000):
+                raw = _bytes(key)
+                if raw.startswith(head) and raw.endswith(tail):
+                    names.add(raw[len(head) : -len(tail)].decode("utf-8"))
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+        return sorted(names)
+
+    async def list(self, prefix: str) -> list[LockInfo]:
+        names = await self._scan_names(prefix)
+        replies = await self._call_many(
+            scripts.INSPECT, [((self._keys(name).lease,), ()) for name in names]
+        )
+        infos = (self._info(name, reply) for name, reply in zip(names, replies, strict=True))
+        return [info for info in infos if info is not None]
+
+    async def force_release(self, name: str) -> bool:
+        k = self._keys(name)
+        return bool(
+            int(await self._call(scripts.FORCE_RELEASE, (k.lease, k.queue, k.qexp), (k.channel,)))
+        )
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for pubsub in idle:
+            await self._close_pubsub(pubsub)
+        subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None and subscriber is not self._client:
+            await self._close_client(subscriber)
+        if self._owns_client and self._client is not None:
+            client, self._client = self._client, None
+            await self._close_client(client)
+
+    @staticmethod
+    async def _close_client(client: Any) -> None:
+        try:
+            await client.aclose()
+        except (*ERRORS, OSError):
+            pass
+
+
+BACKEND = AsyncRedisBackend

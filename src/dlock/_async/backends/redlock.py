@@ -1,0 +1,212 @@
+"""Redlock: a lease granted by a majority of independent Redis masters.
+
+Each master runs the single-server scripts unchanged (see ``redis.py``); this module
+only counts votes. A grant needs a majority within the lease's validity time (the TTL
+less the time the votes took and an allowance for clock drift). Fencing counters are
+per master, so the token handed out is the largest counter among the majority, and
+every master of the majority is then lifted to it: any later majority overlaps this one
+in at least one master, whose counter is already that high, so tokens keep increasing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from ..backend import AsyncBackend, AsyncWaiter
+from .redis import AsyncRedisBackend
+
+#: Clock drift allowance, as a share of the TTL (plus 2 ms), per the Redlock description.
+DRIFT_FACTOR = 0.01
+#: Per-master timeouts are short: a slow master must not eat the lease's validity.
+MASTER_TIMEOUT = 0.5
+
+
+class AsyncRedlockBackend(AsyncBackend):
+    def __init__(self, masters: Sequence[AsyncRedisBackend]) -> None:
+        if len(masters) < 3 or len(masters) % 2 == 0:
+            raise ConfigurationError("Redlock needs an odd number (3 or more) of masters")
+        self._masters = list(masters)
+        self._quorum = len(masters) // 2 + 1
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> AsyncRedlockBackend:
+        """``redis+redlock://[user:password@]host1:port1,host2:port2,host3:port3[/db][?opts]``
+
+        or ``client=[client1, client2, client3]`` with redis-py clients of this face.
+        """
+        options = dict(options)
+        clients = options.pop("client", None)
+        parts = urlsplit(url)
+        scheme = "rediss" if parts.scheme.lower().startswith("rediss") else "redis"
+        options.setdefault("socket_timeout", MASTER_TIMEOUT)
+        options.setdefault("socket_connect_timeout", MASTER_TIMEOUT)
+        if clients is not None:
+            if not isinstance(clients, (list, tuple)):
+                raise ConfigurationError("client= for Redlock is a list of redis-py clients")
+            return cls(
+                [
+                    AsyncRedisBackend.from_url(f"{scheme}://", {**options, "client": c})
+                    for c in clients
+                ]
+            )
+        auth, _, hosts = parts.netloc.rpartition("@")
+        addresses = [host.strip() for host in hosts.split(",") if host.strip()]
+        if not addresses:
+            raise ConfigurationError(f"{url!r} names no Redis masters")
+        prefix = f"{auth}@" if auth else ""
+        return cls(
+            [
+                AsyncRedisBackend.from_url(
+                    urlunsplit((scheme, prefix + address, parts.path, parts.query, "")), options
+                )
+                for address in addresses
+            ]
+        )
+
+    async def _each(self, call: Any) -> list[Any]:
+        """Run ``call(master)`` on every master; a failure becomes the exception itself."""
+        results: list[Any] = []
+        for master in self._masters:
+            try:
+                results.append(await call(master))
+            except BackendError as exc:
+                results.append(exc)
+        return results
+
+    def _no_quorum(self, results: list[Any], what: str) -> BackendError:
+        errors = [r for r in results if isinstance(r, BackendError)]
+        return BackendUnavailable(
+            f"Redlock {what}: only {len(results) - len(errors)} of {len(results)} masters "
+            f"answered, {self._quorum} needed; first error: {errors[0]}"
+        )
+
+    async def acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        started = time.monotonic()
+        results = await self._each(
+            lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+        )
+        validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
+        granted = [
+            (master, result)
+            for master, result in zip(self._masters, results, strict=True)
+            if isinstance(result, Acquired)
+        ]
+        if len(granted) >= self._quorum and validity > 0:
+            fence = max(result.fencing_token for _, result in granted)
+            if await self._lift(name, token, fence, granted):
+                return Acquired(fencing_token=fence, count=max(r.count for _, r in granted))
+        # No majority in time: give back what we got, so others are not blocked.
+        for master, _ in granted:
+            with suppress(BackendError):
+                await master.release(name, token)
+        failed = sum(isinstance(r, BackendError) for r in results)
+        if len(results) - failed < self._quorum:
+            raise self._no_quorum(results, "acquire")
+        waits = [r.retry_after for r in results if isinstance(r, Busy)]
+        known = [w for w in waits if w is not None]
+        return Busy(retry_after=min(known) if known and len(known) == len(waits) else None)
+
+    async def _lift(
+        self, name: str, token: str, fence: int, granted: list[tuple[AsyncRedisBackend, Acquired]]
+    ) -> bool:
+        """Make a majority of masters hold ``fence`` before anyone is told it."""
+        lifted = 0
+        for master, result in granted:
+            if result.fencing_token == fence:
+                lifted += 1
+                continue
+            with suppress(BackendError):
+                lifted += await master.raise_fence(name, token, fence)
+        return lifted >= self._quorum
+
+    async def release(self, name: str, token: str) -> int | None:
+        results = await self._each(lambda m: m.release(name, token))
+        counts = [r for r in results if isinstance(r, int)]
+        if len(counts) >= self._quorum:
+            return max(counts)
+        if len(results) - sum(isinstance(r, BackendError) for r in results) < self._quorum:
+            raise self._no_quorum(results, "release")
+        return None
+
+    async def extend(self, name: str, token: str, ttl: float) -> bool:
+        return (await self.extend_many([Lease(name, token, ttl)]))[0]
+
+    async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        started = time.monotonic()
+        results = await self._each(lambda m: m.extend_many(leases))
+        answered = [r for r in results if not isinstance(r, BackendError)]
+        if len(answered) < self._quorum:
+            raise self._no_quorum(results, "extend")
+        if time.monotonic() - started >= min((x.ttl for x in leases), default=0.0):
+            return [False] * len(leases)
+        return [sum(votes) >= self._quorum for votes in zip(*answered, strict=True)]
+
+    @asynccontextmanager
+    async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        # One arrival time for every master, so each queue has the same order and no
+        # two waiters can each be first on a different minority.
+        arrival = str(int(time.time() * 1000))
+        for master in self._masters:
+            master.enqueue(name, token, arrival)
+        try:
+            # Every master publishes each release; listening to one is enough, and the
+            # core's timer covers a dead one.
+            async with self._masters[0].subscription(name, token) as waiter:
+                yield waiter
+        finally:
+            for master in self._masters:
+                await master.dequeue(name, token)
+
+    def _agreed(self, infos: list[LockInfo]) -> LockInfo | None:
+        """The holder a majority of masters agree on (same fencing token), if any."""
+        for info in infos:
+            same = [other for other in infos if other.fencing_token == info.fencing_token]
+            if len(same) >= self._quorum:
+                lefts = [x.expires_in for x in same if x.expires_in is not None]
+                return LockInfo(
+                    name=info.name,
+                    fencing_token=info.fencing_token,
+                    holder=info.holder,
+                    expires_in=min(lefts) if lefts else None,
+                    count=info.count,
+                )
+        return None
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        results = await self._each(lambda m: m.inspect(name))
+        if len(results) - sum(isinstance(r, BackendError) for r in results) < self._quorum:
+            raise self._no_quorum(results, "inspect")
+        return self._agreed([r for r in results if isinstance(r, LockInfo)])
+
+    async def list(self, prefix: str) -> list[LockInfo]:
+        results = await self._each(lambda m: m.list(prefix))
+        answered = [r for r in results if not isinstance(r, BackendError)]
+        if len(answered) < self._quorum:
+            raise self._no_quorum(results, "list")
+        by_name: dict[str, list[LockInfo]] = {}
+        for infos in answered:
+            for info in infos:
+                by_name.setdefault(info.name, []).append(info)
+        agreed = (self._agreed(infos) for _, infos in sorted(by_name.items()))
+        return [info for info in agreed if info is not None]
+
+    async def force_release(self, name: str) -> bool:
+        results = await self._each(lambda m: m.force_release(name))
+        if all(isinstance(r, BackendError) for r in results):
+            raise self._no_quorum(results, "force release")
+        return any(r is True for r in results)
+
+    async def aclose(self) -> None:
+        for master in self._masters:
+            await master.aclose()
+
+
+BACKEND = AsyncRedlockBackend

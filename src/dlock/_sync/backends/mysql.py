@@ -1,0 +1,229 @@
+# DO NOT EDIT: generated from src/dlock/_async/backends/mysql.py by scripts/unasync.py.
+"""MariaDB and MySQL 8: a lease table (default) or ``GET_LOCK`` (``?mode=session``).
+
+Driver: PyMySQL and pymysql, its asyncio twin from aio-libs with the same API, so both
+faces are one source; pure Python (no ``libmariadb-dev`` to build), and PyMySQL's
+exceptions are shared by both. TLS is off unless asked for: PyMySQL would otherwise
+build a default SSL context for every connection (~18 ms).
+
+The SQL is limited to what both MariaDB 10.6+ and MySQL 8 accept (no RETURNING); only
+MariaDB is tested here, as MySQL 8 is not packaged by Debian.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Sequence
+from typing import Any
+
+import pymysql
+import pymysql.cursors
+from pymysql.constants import CLIENT
+
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._sql import (
+    MYSQL,
+    ServerSettings,
+    encode_name,
+    mysql_statements,
+    named_lock_key,
+    parse_server_url,
+)
+from ..._types import Acquired, Busy, Holder, Lease
+from .._primitives import IS_ASYNC
+from ._server_sql import Result, ServerSQLBackend
+
+PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
+#: Names known to have a row; more than this many and the set starts over.
+KNOWN_NAMES = 10_000
+#: Server error codes that deserve their own message.
+ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
+READ_ONLY = {1290, 1792, 1836}
+#: Lock wait timeout / deadlock: the statement may simply be retried.
+BUSY = {1205, 1213}
+
+
+def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
+    """One context per backend, built once (not per connection), or None for no TLS."""
+    wanted = extra.get("ssl", "").lower() in ("1", "true", "yes", "on", "required")
+    if not (wanted or any(key in extra for key in ("ssl_ca", "ssl_cert", "ssl_key"))):
+        return None
+    context = ssl.create_default_context(cafile=extra.get("ssl_ca"))
+    context.check_hostname = extra.get("ssl_verify_identity", "true").lower() in ("1", "true")
+    if "ssl_cert" in extra:
+        context.load_cert_chain(extra["ssl_cert"], extra.get("ssl_key"))
+    return context
+
+
+class _QuietCursor(pymysql.cursors.Cursor):  # type: ignore[misc]
+    """pymysql turns server notes into Python warnings with an extra SHOW WARNINGS round
+    trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock needs neither."""
+
+    def _show_warnings(self, conn: Any) -> None:
+        return None
+
+
+class MySQLBackend(ServerSQLBackend):
+    def __init__(self, settings: ServerSettings) -> None:
+        super().__init__(settings, mysql_statements(settings.table), MYSQL.schema(settings.table))
+        try:
+            self._ssl = _ssl_context(settings.extra)
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(f"TLS options: {exc}") from exc
+        self._known: set[bytes] = set()
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> MySQLBackend:
+        return cls(parse_server_url(url, options, PASSTHROUGH))
+
+    def _driver_connect(self) -> Any:
+        s = self._settings
+        if s.client is not None:
+            raw = s.client()
+            if not hasattr(raw, "cursor"):
+                raw = raw
+            raw.autocommit(True)
+            return raw
+        kwargs: dict[str, Any] = {
+            "host": s.host,
+            "port": s.port or 3306,
+            "user": s.user or "",
+            "password": s.password or "",
+            "charset": s.extra.get("charset", "utf8mb4"),
+            "connect_timeout": s.connect_timeout,
+            "autocommit": True,
+            # UPDATE reports matched rows, so an extend that changes nothing still counts.
+            "client_flag": CLIENT.FOUND_ROWS,
+            "ssl": self._ssl,
+            "cursorclass": _QuietCursor,
+        }
+        if IS_ASYNC:
+            kwargs["db"] = s.database
+        else:
+            kwargs.update(
+                database=s.database,
+                read_timeout=s.timeout,
+                write_timeout=s.timeout,
+                ssl_disabled=self._ssl is None,
+            )
+        return pymysql.connect(**kwargs)
+
+    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
+        with raw.cursor() as cursor:
+            cursor.execute(sql, params or None)
+            rows = cursor.fetchall()
+            return Result(list(rows or ()), cursor.rowcount, cursor.lastrowid or 0)
+
+    def _driver_close(self, raw: Any) -> None:
+        raw.close()
+
+    def _driver_error(self, exc: BaseException) -> BackendError | None:
+        if not isinstance(exc, pymysql.MySQLError):
+            return None
+        code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+        text = exc.args[1] if len(exc.args) > 1 else str(exc)
+        if code in ACCESS_DENIED:
+            return BackendError(f"access denied: {text}")
+        if code in READ_ONLY:
+            return BackendError(f"the server is read-only (a replica?): {text}")
+        if code >= 2000 or isinstance(exc, pymysql.err.InterfaceError):
+            return BackendUnavailable(f"({code}) {text}")
+        return BackendError(f"({code}) {text}")
+
+    def _is_lock_timeout(self, exc: BaseException) -> bool:
+        return False  # GET_LOCK answers 0 on timeout
+
+    def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
+        return (result.insert_id, None) if result.rowcount > 0 else None
+
+    def _session_key(self, name: str) -> Any:
+        return named_lock_key(self._table, name)
+
+    def _session_time_left(self, name: str, result: Result) -> float | None:
+        rows = (self._call("session_time_left", {"name": encode_name(name)})).rows
+        return float(rows[0][0]) if rows else None
+
+    def _session_evict(self, name: str) -> None:
+        rows = (self._call("session_expired_holder", {"name": encode_name(name)})).rows
+        for (session,) in rows:
+            self._kill(int(session))
+
+    def _kill(self, session: int) -> bool:
+        try:
+            self._call("kill", {"id": session})
+        except BackendError as exc:
+            if "Unknown thread" not in str(exc):
+                raise
+            return False  # it ended meanwhile
+        return True
+
+    def _got_wait(self, result: Result) -> bool:
+        return bool(result.rows) and result.rows[0][0] == 1
+
+    # -- lease mode --------------------------------------------------------------------
+
+    def _lease_acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
+        result = self._call("acquire", params)
+        if result.rowcount > 0:
+            count = 1
+            if reentrant:
+                # The OK packet carries one number (the fence); re-entry needs the count.
+                rows = (self._call("count", params)).rows
+                count = int(rows[0][0]) if rows else 1
+            return Acquired(result.insert_id, count)
+        if params["name"] in self._known:
+            return Busy()
+        # First use of this name here: create its row, already held by us if it is new.
+        created = self._call("create_row", params)
+        if len(self._known) >= KNOWN_NAMES:
+            self._known.clear()
+        self._known.add(params["name"])
+        if created.insert_id == 1:
+            return Acquired(1, 1)
+        # Someone else's row appeared (or was there): one more try for a free one.
+        result = self._call("acquire", params)
+        return Acquired(result.insert_id, 1) if result.rowcount > 0 else Busy()
+
+    def _lease_release(self, name: str, token: str) -> int | None:
+        result = self._call("release", self._params(name, token))
+        return result.insert_id if result.rowcount > 0 else None
+
+    def _lease_force_release(self, name: str) -> bool:
+        return (self._call("force_release", {"name": encode_name(name)})).rowcount > 0
+
+    def _session_force_release(self, name: str) -> bool:
+        rows = (self._call("session_holder", {"name": encode_name(name)})).rows
+        if not rows:
+            return False
+        session = int(rows[0][0])
+        # Clear the row first, so a renewal racing with the kill fails its owner check.
+        self._call("session_clear", {"name": encode_name(name), "session": session})
+        return self._kill(session)
+
+    def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
+        """Two round trips per distinct TTL (usually one): UPDATE, then read what is held."""
+        prefix = "session_" if self._session_mode else ""
+        renewed: set[tuple[bytes, str]] = set()
+        by_ttl: dict[float, list[Lease]] = {}
+        for lease in leases:
+            by_ttl.setdefault(lease.ttl, []).append(lease)
+        for ttl, group in by_ttl.items():
+            params: dict[str, Any] = {"ttl": ttl}
+            pairs = []
+            for i, lease in enumerate(group):
+                params[f"n{i}"] = encode_name(lease.name)
+                params[f"o{i}"] = lease.token
+                pairs.append(f"(%(n{i})s, %(o{i})s)")
+            placeholders = ", ".join(pairs)
+            update = self._sql[f"{prefix}extend_many"].format(pairs=placeholders)
+            self._call("", params, sql=update)
+            select = self._sql[f"{prefix}renewed"].format(pairs=placeholders)
+            rows = (self._call("", params, sql=select)).rows
+            renewed.update((bytes(name), bytes(owner).decode()) for name, owner in rows)
+        return renewed
+
+
+BACKEND = MySQLBackend

@@ -1,0 +1,244 @@
+"""Private redis-server processes: one server, three Redlock masters, a three-master cluster.
+
+Each runs from the Debian package on free loopback ports in its own temporary directory,
+without persistence (a restart loses every lease, the harsher case for a holder).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ServerProcess, free_port, port_open, private_dir, require_binary
+
+
+def _cli(port: int, *args: str) -> str:
+    result = subprocess.run(
+        [require_binary("redis-cli", "redis-tools"), "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return result.stdout.strip()
+
+
+def _free_cluster_port() -> int:
+    """A port whose cluster-bus twin (port + 10000) is free as well."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536 and not port_open(port + 10000):
+            return port
+
+
+class RedisServer(ServerProcess):
+    def __init__(
+        self,
+        name: str,
+        *extra: str,
+        port: int | None = None,
+        workdir: Path | None = None,
+        cli: tuple[str, ...] = (),
+    ) -> None:
+        self.port = port or free_port()
+        workdir = workdir or private_dir(name)
+        super().__init__(
+            name,
+            [
+                require_binary("redis-server", "redis-server"),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+                *extra,
+            ],
+            ready=lambda: _cli(self.port, *cli, "ping") == "PONG",
+            workdir=workdir,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def remove(self) -> None:
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class RedisCluster:
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://{self.nodes[0].address}"
+
+
+def start_single(name: str = "redis") -> RedisServer:
+    server = RedisServer(name)
+    server.start()
+    return server
+
+
+def start_masters(count: int = 3) -> list[RedisServer]:
+    return [start_single(f"redlock{i}") for i in range(count)]
+
+
+def start_cluster(masters: int = 3) -> RedisCluster:
+    nodes = [
+        RedisServer(
+            f"cluster{i}",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "2000",
+            port=_free_cluster_port(),
+        )
+        for i in range(masters)
+    ]
+    for node in nodes:
+        node.start()
+    _cli(
+        nodes[0].port,
+        "--cluster",
+        "create",
+        *(node.address for node in nodes),
+        "--cluster-replicas",
+        "0",
+        "--cluster-yes",
+    )
+    deadline = time.monotonic() + 30
+    while not all("cluster_state:ok" in _cli(node.port, "cluster", "info") for node in nodes):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Redis cluster did not become ready")
+        time.sleep(0.05)
+    return RedisCluster(nodes)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = start_single()
+    yield server
+    server.remove()
+
+
+@pytest.fixture(scope="session")
+def redlock_servers() -> Iterator[list[RedisServer]]:
+    servers = start_masters()
+    yield servers
+    for server in servers:
+        server.remove()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    cluster = start_cluster()
+    yield cluster
+    for node in cluster.nodes:
+        node.remove()
+
+
+def redlock_url(servers: list[RedisServer]) -> str:
+    return "redis+redlock://" + ",".join(server.address for server in servers)
+
+
+@dataclass
+class TLSRedis:
+    server: RedisServer
+    ca: Path
+
+    @property
+    def url(self) -> str:
+        return f"rediss://{self.server.address}?ssl_ca_certs={self.ca}"
+
+
+def _openssl(workdir: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True, timeout=60)
+
+
+def start_tls() -> TLSRedis:
+    """A server that speaks only TLS, with a certificate from a throwaway CA."""
+    workdir = private_dir("redis-tls")
+    _openssl(
+        workdir,
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=dlock test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
+    _openssl(
+        workdir,
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    )
+    (workdir / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _openssl(
+        workdir,
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "server.crt",
+    )
+    port = free_port()
+    server = RedisServer(
+        "redis-tls",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(workdir / "server.crt"),
+        "--tls-key-file",
+        str(workdir / "server.key"),
+        "--tls-ca-cert-file",
+        str(workdir / "ca.crt"),
+        "--tls-auth-clients",
+        "no",
+        port=free_port(),
+        workdir=workdir,
+        cli=("--tls", "--cacert", str(workdir / "ca.crt")),
+    )
+    # The plain port is closed ("--port 0" after the defaults); clients reach TLS only.
+    server.command += ["--port", "0"]
+    server.port = port
+    server.start()
+    return TLSRedis(server, workdir / "ca.crt")

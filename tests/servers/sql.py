@@ -1,0 +1,163 @@
+"""Private MariaDB and PostgreSQL servers for the tests and benchmarks.
+
+Each runs from the Debian packages on a free loopback port with its data in a temporary
+directory, so tests may kill and restart it without touching a system service.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ServerProcess, free_port, port_open, private_dir, require_binary
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+#: Session mode holds one connection per held lock; the conformance suite holds 200.
+MAX_CONNECTIONS = 500
+
+
+@dataclass
+class SQLServer:
+    process: ServerProcess
+    port: int
+    scheme: str
+    user: str
+    password: str
+    database: str
+
+    def url(self, query: str = "") -> str:
+        url = f"{self.scheme}://{self.user}:{self.password}@127.0.0.1:{self.port}/{self.database}"
+        return f"{url}?{query}" if query else url
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def _pg_ready(port: int) -> bool:
+    result = subprocess.run(
+        [str(PG_BIN / "pg_isready"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres"],
+        capture_output=True,
+    )
+    return result.returncode == 0
+
+
+def start_postgresql() -> SQLServer:
+    """initdb into a fresh directory owned by ``postgres``, then run ``postgres`` directly."""
+    if not (PG_BIN / "initdb").exists():
+        raise RuntimeError("PostgreSQL 15 not found: run ./scripts/test, which installs postgresql")
+    root = private_dir("postgresql")
+    root.chmod(0o755)
+    data = root / "data"
+    shutil.chown(root, "postgres")
+    subprocess.run(
+        [
+            str(PG_BIN / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+            "--no-sync",
+        ],
+        check=True,
+        capture_output=True,
+        user="postgres",
+    )
+    port = free_port()
+    command = [
+        str(PG_BIN / "postgres"),
+        "-D",
+        str(data),
+        "-p",
+        str(port),
+        "-c",
+        "listen_addresses=127.0.0.1",
+        "-c",
+        f"unix_socket_directories={root}",
+        "-c",
+        f"max_connections={MAX_CONNECTIONS}",
+        "-c",
+        "fsync=off",
+        "-c",
+        "synchronous_commit=off",
+        "-c",
+        "full_page_writes=off",
+    ]
+    process = ServerProcess(
+        "postgresql", command, lambda: _pg_ready(port), workdir=root, user="postgres"
+    )
+    process.start()
+    return SQLServer(process, port, "postgresql", "postgres", "", "postgres")
+
+
+def start_mariadb() -> SQLServer:
+    """mariadb-install-db into a fresh directory, then run ``mariadbd`` on a free port."""
+    install = require_binary("mariadb-install-db", "mariadb-server")
+    mariadbd = require_binary("mariadbd", "mariadb-server")
+    root = private_dir("mariadb")
+    data = root / "data"
+    subprocess.run(
+        [
+            install,
+            "--no-defaults",
+            f"--datadir={data}",
+            "--user=root",
+            "--auth-root-authentication-method=normal",
+            "--skip-test-db",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    port = free_port()
+    command = [
+        mariadbd,
+        "--no-defaults",
+        f"--datadir={data}",
+        "--user=root",
+        f"--port={port}",
+        "--bind-address=127.0.0.1",
+        f"--socket={root}/sock",
+        f"--pid-file={root}/pid",
+        f"--log-error={root}/err",
+        "--skip-name-resolve",
+        f"--max-connections={MAX_CONNECTIONS}",
+        "--innodb-flush-log-at-trx-commit=2",
+    ]
+    process = ServerProcess("mariadb", command, lambda: port_open(port), workdir=root)
+    process.start()
+    # The root account has no password yet; create the database and a password user.
+    subprocess.run(
+        [
+            "mariadb",
+            f"--socket={root}/sock",
+            "-uroot",
+            "-e",
+            "CREATE DATABASE dlock; CREATE USER 'dlock'@'%' IDENTIFIED BY 'secret';"
+            " GRANT ALL ON *.* TO 'dlock'@'%' WITH GRANT OPTION;",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return SQLServer(process, port, "mysql", "dlock", "secret", "dlock")
+
+
+@pytest.fixture(scope="session")
+def postgresql_server() -> Iterator[SQLServer]:
+    server = start_postgresql()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[SQLServer]:
+    server = start_mariadb()
+    yield server
+    server.stop()

@@ -1,0 +1,340 @@
+"""Redis-specific behaviour and faults: restarts, dead masters, lost wake-ups, fairness,
+misconfiguration, TLS, URLs. The shared semantics are in the conformance suite."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+
+import dlock
+import dlock.aio
+from dlock._sync.backends.redis import RedisBackend
+from dlock._sync.backends.redlock import RedlockBackend
+from dlock._types import Holder, Lease
+from tests.servers.redis import (
+    RedisServer,
+    TLSRedis,
+    start_masters,
+    start_single,
+    start_tls,
+)
+from tests.servers.redis import (
+    redlock_url as make_redlock_url,
+)
+
+
+def unique() -> str:
+    return f"t-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server this test alone may restart, pause or kill."""
+    server = start_single("redis-own")
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+def own_masters() -> Iterator[list[RedisServer]]:
+    servers = start_masters()
+    yield servers
+    for server in servers:
+        server.remove()
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[TLSRedis]:
+    server = start_tls()
+    yield server
+    server.server.remove()
+
+
+def url_of(server: RedisServer) -> str:
+    return f"redis://{server.address}/0"
+
+
+def test_restart_while_held_is_reported_as_a_loss(own_server: RedisServer) -> None:
+    lost: list[object] = []
+    with dlock.connect(url_of(own_server)) as client:
+        lock = client.lock(unique(), ttl=0.9, on_lost=lost.append)
+        lock.acquire()
+        before = lock.fencing_token
+        assert before is not None
+        own_server.restart()  # no persistence: the lease and the script cache are gone
+        deadline = time.monotonic() + 3
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lost == [lock], "the renewer must notice the lease vanished"
+        assert lock.lost and not lock.owned()
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        # Scripts are reloaded transparently, and tokens keep increasing although the
+        # counter was lost with the data.
+        again = client.lock(lock.name, ttl=5)
+        assert again.acquire(timeout=1)
+        assert again.fencing_token is not None and again.fencing_token > before
+        again.release()
+
+
+def test_script_flush_is_survived(own_server: RedisServer) -> None:
+    with dlock.connect(url_of(own_server)) as client:
+        lock = client.lock(unique(), ttl=5)
+        lock.acquire()
+        redis.Redis(port=own_server.port).script_flush()
+        lock.extend()
+        lock.release()
+        assert client.inspect(lock.name) is None
+
+
+def test_lost_wakeup_still_acquires_by_timer(own_server: RedisServer) -> None:
+    name = unique()
+    with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        got: list[float] = []
+
+        def wait() -> None:
+            assert second.lock(name, ttl=5).acquire(timeout=10)
+            got.append(time.monotonic())
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+        # Drop every subscription: the release's message reaches nobody.
+        admin = redis.Redis(port=own_server.port)
+        assert admin.client_kill_filter(_type="pubsub") >= 1
+        released = time.monotonic()
+        holder.release()
+        waiter.join(10)
+        assert got, "the waiter never got the lock"
+        assert got[0] - released < 3.0  # the core's fallback timer (2 s) let it in
+
+
+def test_unreleased_lease_lets_waiter_in_when_it_expires(own_server: RedisServer) -> None:
+    name = unique()
+    with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:
+        first.lock(name, ttl=0.8, auto_renew=False).acquire()
+        start = time.monotonic()
+        assert second.lock(name, ttl=5).acquire(timeout=5)
+        assert 0.6 <= time.monotonic() - start < 1.5
+
+
+def test_tight_loop_releaser_does_not_starve_a_waiter(redis_server: RedisServer) -> None:
+    name = unique()
+    url = url_of(redis_server)
+    cycles = 0
+    stop = threading.Event()
+    with dlock.connect(url) as greedy, dlock.connect(url) as patient:
+        greedy_lock = greedy.lock(name, ttl=5)
+
+        def hog() -> None:
+            nonlocal cycles
+            while not stop.is_set():
+                with greedy_lock:
+                    time.sleep(0.002)
+                cycles += 1
+
+        hogger = threading.Thread(target=hog)
+        hogger.start()
+        try:
+            time.sleep(0.1)
+            start_cycles = cycles
+            waiting = patient.lock(name, ttl=5)
+            assert waiting.acquire(timeout=5)
+            waited = cycles - start_cycles
+            waiting.release()
+        finally:
+            stop.set()
+            hogger.join(10)
+        assert waited <= 3, f"the waiter waited {waited} hand-offs"
+
+
+def test_wrong_password_is_a_quick_clear_error(own_server: RedisServer) -> None:
+    redis.Redis(port=own_server.port).config_set("requirepass", "s3cret")
+    start = time.monotonic()
+    for url, message in [
+        (f"redis://:wrong@{own_server.address}", r"(?i)auth|password"),
+        (f"redis://{own_server.address}", r"(?i)auth"),
+    ]:
+        with dlock.connect(url) as client, pytest.raises(dlock.BackendError, match=message):
+            client.lock(unique()).acquire(timeout=5)
+    assert time.monotonic() - start < 2
+    with dlock.connect(f"redis://:s3cret@{own_server.address}") as client:
+        assert client.lock(unique()).acquire(timeout=1)
+
+
+def test_replica_refuses_and_says_so(redis_server: RedisServer) -> None:
+    replica = RedisServer("redis-replica", "--replicaof", "127.0.0.1", str(redis_server.port))
+    replica.start()
+    try:
+        with dlock.connect(url_of(replica)) as client:
+            lock = client.lock(unique())
+            start = time.monotonic()
+            with pytest.raises(dlock.BackendError, match=r"(?i)read.?only|replica"):
+                lock.acquire(timeout=5)
+            assert time.monotonic() - start < 1
+            assert not lock.owned()
+    finally:
+        replica.remove()
+
+
+def test_paused_server_is_a_timely_error(own_server: RedisServer) -> None:
+    own_server.pause()
+    try:
+        with dlock.connect(url_of(own_server), socket_timeout=0.5) as client:
+            start = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable):
+                client.lock(unique()).acquire(timeout=10)
+            assert time.monotonic() - start < 3
+    finally:
+        own_server.resume()
+
+
+def test_redlock_survives_one_dead_master_not_two(own_masters: list[RedisServer]) -> None:
+    url = make_redlock_url(own_masters)
+    with dlock.connect(url) as client:
+        first = client.lock(unique(), ttl=5)
+        assert first.acquire(timeout=0)
+        own_masters[0].kill()
+        second = client.lock(unique(), ttl=5)
+        assert second.acquire(timeout=1), "a majority (2 of 3) is enough"
+        assert client.lock(second.name, ttl=5).acquire(timeout=0) is False
+        first.release()
+        second.release()
+        own_masters[1].pause()  # a stopped master answers nothing: a timeout, not a refusal
+        try:
+            lock = client.lock(unique(), ttl=5)
+            start = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable, match="masters"):
+                lock.acquire(timeout=5)
+            assert time.monotonic() - start < 3
+            assert not lock.owned()
+        finally:
+            own_masters[1].resume()
+
+
+def test_redlock_master_paused_during_hold(own_masters: list[RedisServer]) -> None:
+    url = make_redlock_url(own_masters)
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(unique(), ttl=1.2)
+        lock.acquire()
+        own_masters[2].pause()
+        try:
+            time.sleep(1.5)  # renewals go on with 2 of 3
+            assert lock.owned()
+            assert other.lock(lock.name, ttl=5).acquire(timeout=0) is False
+        finally:
+            own_masters[2].resume()
+        lock.release()
+
+
+def test_redlock_fencing_token_rises_over_disagreeing_masters(
+    own_masters: list[RedisServer],
+) -> None:
+    """Counters that differ per master (one was down, or restarted) still give tokens
+    larger than every earlier one: the quorum's largest, lifted onto the majority."""
+    name = unique()
+    url = make_redlock_url(own_masters)
+    tokens = []
+    with dlock.connect(url) as client:
+        for victim in (0, 1, 2, 0):
+            own_masters[victim].kill()
+            with client.lock(name, ttl=5) as lock:
+                assert lock.fencing_token is not None
+                tokens.append(lock.fencing_token)
+            own_masters[victim].start()
+    assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
+
+
+def test_renewal_is_batched(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = RedisBackend.from_url(url_of(redis_server), {})
+    holder = Holder.current()
+    names = [unique() for _ in range(2000)]
+    for name in names:
+        backend.acquire(name, name, 30, holder, False)
+    assert backend.extend(names[0], names[0], 30)  # the script is cached from here on
+    pipelines: list[int] = []
+    real = RedisBackend._pipeline
+
+    def counting(client: Any, command: str, script: str, calls: Any) -> list[Any]:
+        pipelines.append(len(calls))
+        return real(client, command, script, calls)
+
+    monkeypatch.setattr(RedisBackend, "_pipeline", staticmethod(counting))
+    assert backend.extend_many([Lease(name, name, 30) for name in names]) == [True] * 2000
+    assert pipelines == [2000], "one round trip for every lease"
+    for name in names:
+        backend.release(name, name)
+    backend.close()
+
+
+def test_tls(tls_server: TLSRedis) -> None:
+    with dlock.connect(tls_server.url) as client, client.lock(unique(), ttl=5) as lock:
+        assert lock.fencing_token is not None
+    start = time.monotonic()
+    for wrong in (
+        tls_server.url.split("?")[0],  # no CA: the self-signed chain is refused
+        f"redis://{tls_server.server.address}",  # plain text to a TLS port
+    ):
+        with dlock.connect(wrong) as client, pytest.raises(dlock.BackendError):
+            client.lock(unique()).acquire(timeout=5)
+    assert time.monotonic() - start < 3
+    with pytest.raises(dlock.ConfigurationError, match="rediss"):
+        dlock.connect(tls_server.url.replace("rediss://", "redis://"))
+
+
+async def test_existing_async_client(redis_server: RedisServer) -> None:
+    given = redis.asyncio.Redis(port=redis_server.port)
+    async with (
+        dlock.aio.connect("redis://", client=given) as client,
+        client.lock(unique(), ttl=5) as lock,
+    ):
+        assert lock.fencing_token is not None
+    assert await given.ping()  # a client we were given is left open for its owner
+    await given.aclose()
+
+
+def test_existing_sync_client_and_wrong_face(redis_server: RedisServer) -> None:
+    given = redis.Redis(port=redis_server.port, decode_responses=True)
+    name = unique() + " ✓"
+    with dlock.connect("redis://", client=given) as client, client.lock(name, ttl=5):
+        assert [info.name for info in client.list(name)] == [name]
+    given.close()
+    with pytest.raises(dlock.ConfigurationError, match="face"):
+        dlock.aio.connect("redis://", client=redis.Redis())
+
+
+def test_urls_and_options() -> None:
+    with pytest.raises(dlock.ConfigurationError, match="unknown redis option"):
+        dlock.connect("redis://localhost?bogus=1")
+    with pytest.raises(dlock.ConfigurationError, match="odd number"):
+        dlock.connect("redis+redlock://a:1,b:2")
+    with pytest.raises(dlock.ConfigurationError, match="prefix"):
+        dlock.connect("redis://localhost", prefix="a{b}")
+    backend = RedlockBackend.from_url("redis+redlock://:pw@a:1,b:2,c:3/2?prefix=x", {})
+    assert [m._url for m in backend._masters] == [
+        "redis://:pw@a:1/2",
+        "redis://:pw@b:2/2",
+        "redis://:pw@c:3/2",
+    ]
+    assert RedisBackend.from_url("redis://h:1?cluster=true", {})._cluster
+
+
+def test_keys_share_one_slot_for_awkward_names() -> None:
+    from redis.crc import key_slot
+
+    from dlock._sync.backends.redis import Keys
+
+    for name in ["}", "}{", "{x}", "a}b", "\x00", "鎖"]:
+        keys = Keys(b"dlock", name)
+        slots = {key_slot(k) for k in (keys.lease, keys.fence, keys.queue, keys.qexp)}
+        assert len(slots) == 1, name

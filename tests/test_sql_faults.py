@@ -1,0 +1,233 @@
+"""Faults the SQL backends must survive: killed connections, restarts, bad configuration.
+
+These run against the private servers of tests/servers/sql.py, sync face (the asyncio
+face is generated from the same code and covered by the conformance suite).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pymysql
+import pytest
+
+import dlock
+from tests.servers.sql import SQLServer
+
+
+@pytest.fixture(params=["mariadb", "postgresql"])
+def server(request: pytest.FixtureRequest) -> SQLServer:
+    server: SQLServer = request.getfixturevalue(f"{request.param}_server")
+    return server
+
+
+@pytest.fixture
+def name() -> str:
+    return f"fault-{uuid.uuid4().hex}"
+
+
+def admin(server: SQLServer) -> Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Run one statement as the administrator, on a fresh connection."""
+
+    def run(sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        if server.scheme == "postgresql":
+            with psycopg.connect(server.url(), autocommit=True) as conn:
+                cursor = conn.execute(sql, params)
+                return cursor.fetchall() if cursor.description else []
+        conn = pymysql.connect(
+            host="127.0.0.1",
+            port=server.port,
+            user="dlock",
+            password="secret",
+            database="dlock",
+            autocommit=True,
+            ssl_disabled=True,
+        )
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(sql, params or None)
+                return list(cursor.fetchall())
+        finally:
+            conn.close()
+
+    return run
+
+
+def kill_other_sessions(server: SQLServer) -> None:
+    """Cut every client connection but the administrator's, from the server side."""
+    run = admin(server)
+    if server.scheme == "postgresql":
+        run(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'",
+            (),
+        )
+        return
+    for (thread,) in run(
+        "SELECT id FROM information_schema.processlist "
+        "WHERE id <> CONNECTION_ID() AND command <> 'Daemon' AND user = 'dlock'",
+        (),
+    ):
+        run(f"KILL CONNECTION {int(thread)}", ())
+
+
+def test_session_lock_freed_at_once_when_its_connection_is_killed(
+    server: SQLServer, name: str
+) -> None:
+    lost: list[object] = []
+    with dlock.connect(server.url("mode=session")) as first:
+        lock = first.lock(name, ttl=30, on_lost=lost.append)
+        lock.acquire()
+        kill_other_sessions(server)
+        with dlock.connect(server.url("mode=session")) as second:
+            start = time.monotonic()
+            successor = second.lock(name, ttl=30)
+            assert successor.acquire(timeout=5)
+            assert time.monotonic() - start < 1.0, "freed at once, not after the TTL"
+            with pytest.raises(dlock.LockLost):
+                lock.extend()
+            assert lost == [lock]
+            info = second.inspect(name)
+            assert info is not None and info.fencing_token == successor.fencing_token
+            successor.release()
+
+
+def test_lease_survives_its_connection_being_killed(server: SQLServer, name: str) -> None:
+    with dlock.connect(server.url()) as first, dlock.connect(server.url()) as second:
+        lock = first.lock(name, ttl=1.5, auto_renew=False)
+        lock.acquire()
+        kill_other_sessions(server)
+        assert second.lock(name, ttl=5).acquire(timeout=0) is False, "the lease is still live"
+        lock.extend()  # the holder reconnects and still owns it
+        lock.release()
+        assert second.lock(name, ttl=5).acquire(timeout=0)
+
+
+def restart(server: SQLServer) -> None:
+    if server.scheme == "postgresql":
+        # A fast shutdown; SIGKILL of the postmaster would leave its children behind.
+        server.process.signal(signal.SIGINT)
+        assert server.process.process is not None
+        server.process.process.wait(30)
+        server.process.process = None
+        server.process.start()
+    else:
+        server.process.restart()
+
+
+def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) -> None:
+    with dlock.connect(server.url()) as first, dlock.connect(server.url()) as second:
+        lock = first.lock(name, ttl=4)
+        lock.acquire()
+        token = lock.fencing_token
+        restart(server)
+        time.sleep(2.0)  # the renewer meets dead connections and reconnects
+        assert lock.owned(), "renewal survived the restart"
+        assert second.lock(name, ttl=5).acquire(timeout=0) is False
+        lock.release()
+        successor = second.lock(name, ttl=5)
+        assert successor.acquire(timeout=0)
+        assert token is not None and successor.fencing_token is not None
+        assert successor.fencing_token > token, "fencing survives the restart"
+        successor.release()
+
+
+@pytest.mark.parametrize("table", ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", ""])
+def test_malicious_table_names_are_refused(server: SQLServer, table: str) -> None:
+    with pytest.raises(dlock.ConfigurationError, match="table"):
+        dlock.connect(server.url(), table=table)
+
+
+def test_unknown_option_is_refused(server: SQLServer) -> None:
+    with pytest.raises(dlock.ConfigurationError, match="unknown"):
+        dlock.connect(server.url("colour=blue"))
+    with pytest.raises(dlock.ConfigurationError, match="mode"):
+        dlock.connect(server.url("mode=advisory"))
+
+
+def test_schema_is_printable_and_init_creates_it(server: SQLServer) -> None:
+    table = f"init_{uuid.uuid4().hex[:8]}"
+    with dlock.connect(server.url(), table=table, create_table=False) as client:
+        backend: Any = client._backend
+        (ddl,) = backend.schema_sql()
+        assert ddl.startswith(f"CREATE TABLE IF NOT EXISTS {table} ")
+        with pytest.raises(dlock.BackendError):
+            client.lock("x", ttl=5).acquire(timeout=0)  # no table yet, and not created
+        backend.init()
+        assert client.lock("x", ttl=5).acquire(timeout=0)
+
+
+@pytest.fixture
+def limited_url(server: SQLServer) -> Iterator[str]:
+    """A role that may use but not create tables."""
+    run = admin(server)
+    user = f"limited_{uuid.uuid4().hex[:8]}"
+    if server.scheme == "postgresql":
+        run(f"CREATE ROLE {user} LOGIN", ())
+        run(f"REVOKE CREATE ON SCHEMA public FROM {user}", ())
+        url = server.url().replace("postgres:@", f"{user}:@")
+    else:
+        run(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'", ())
+        run(f"GRANT SELECT, INSERT, UPDATE ON dlock.* TO '{user}'@'%'", ())
+        url = server.url().replace("dlock:secret@", f"{user}:pw@")
+    yield url
+    run(f"DROP {'ROLE' if server.scheme == 'postgresql' else 'USER'} {user}", ())
+
+
+def test_missing_privilege_to_create_the_table_is_a_clear_error(limited_url: str) -> None:
+    table = f"noperm_{uuid.uuid4().hex[:8]}"
+    with (
+        dlock.connect(limited_url, table=table) as client,
+        pytest.raises(dlock.BackendError, match="dlock init"),
+    ):
+        client.lock("x", ttl=5).acquire(timeout=0)
+
+
+def test_read_only_server_is_a_clear_error(server: SQLServer, name: str) -> None:
+    run = admin(server)
+    if server.scheme == "postgresql":
+        run("ALTER DATABASE postgres SET default_transaction_read_only = on", ())
+        try:
+            with (
+                dlock.connect(server.url()) as client,
+                pytest.raises(dlock.BackendError, match="read-only"),
+            ):
+                client.lock(name, ttl=5).acquire(timeout=0)
+        finally:
+            with psycopg.connect(server.url(), autocommit=True) as conn:
+                conn.execute("SET default_transaction_read_only = off")
+                conn.execute("ALTER DATABASE postgres SET default_transaction_read_only = off")
+        return
+    user = f"ro_{uuid.uuid4().hex[:8]}"
+    run(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'", ())
+    run(f"GRANT SELECT, INSERT, UPDATE, CREATE ON dlock.* TO '{user}'@'%'", ())
+    run("SET GLOBAL read_only = 1", ())
+    try:
+        url = server.url().replace("dlock:secret@", f"{user}:pw@")
+        with (
+            dlock.connect(url) as client,
+            pytest.raises(dlock.BackendError, match="read-only"),
+        ):
+            client.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        run("SET GLOBAL read_only = 0", ())
+        run(f"DROP USER '{user}'", ())
+
+
+def test_wrong_credentials_are_a_clear_error(server: SQLServer) -> None:
+    if server.scheme == "postgresql":
+        url = server.url().replace("/postgres", "/no_such_database")
+        match = "no_such_database"
+    else:
+        url = server.url().replace(":secret@", ":wrong@")
+        match = "access denied"
+    with dlock.connect(url) as client:
+        start = time.monotonic()
+        with pytest.raises(dlock.BackendError, match=match):
+            client.lock("x", ttl=5).acquire(timeout=5)
+        assert time.monotonic() - start < 5
