@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -128,8 +129,40 @@ def test_leader_failure_keeps_the_lock_and_the_queue(
             zookeeper_ensemble.wait_serving()
 
 
-def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble) -> None:
-    url = zookeeper_server.url(session_timeout=4)
+def test_holders_own_server_killed_the_session_moves_on(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    url = zookeeper_ensemble.url("/dlock-moves", session_timeout=12)
+    name = f"moves-{time.monotonic_ns()}"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=12, on_lost=lost.append)
+        lock.acquire()
+        zk = first._backend._zk  # type: ignore[attr-defined]
+        port = zk._connection._socket.getpeername()[1]
+        index = zookeeper_ensemble.client_ports.index(port)
+        zookeeper_ensemble.nodes[index].kill()
+        try:
+
+            def moved() -> bool:
+                try:
+                    return bool(zk.connected) and zk._connection._socket.getpeername()[1] != port
+                except (AttributeError, OSError):
+                    return False
+
+            wait_until(moved, 10)
+            assert second.lock(name, ttl=5).acquire(timeout=0) is False
+            lock.extend()
+            assert lock.owned() and not lost
+            lock.release()
+            assert second.lock(name, ttl=5).acquire(timeout=0)
+        finally:
+            zookeeper_ensemble.nodes[index].start()
+            zookeeper_ensemble.wait_serving()
+
+
+def test_expired_session_loses_the_lock_once(zookeeper_ensemble: ZooKeeperEnsemble) -> None:
+    url = zookeeper_ensemble.url(session_timeout=4)
     name = f"expire-{time.monotonic_ns()}"
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lost: list[object] = []
@@ -142,7 +175,7 @@ def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble
         # The classic way to expire a session: another client joins it and closes it.
         zk = first._backend._zk  # type: ignore[attr-defined]
         assert zk is not None
-        twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
+        twin = KazooClient(hosts=zookeeper_ensemble.hosts, client_id=zk.client_id)
         twin.start()
         twin.stop()
         twin.close()
@@ -162,13 +195,13 @@ def test_expired_session_loses_the_lock_once(zookeeper_server: ZooKeeperEnsemble
 
 
 def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
-    zookeeper_server: ZooKeeperEnsemble,
+    zookeeper_ensemble: ZooKeeperEnsemble,
 ) -> None:
-    partition = Partition(zookeeper_server.client_ports[0])
+    partition = Partition(zookeeper_ensemble.client_ports[0])
     name = f"partition-{time.monotonic_ns()}"
     cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=2"
     try:
-        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_ensemble.url()) as near:
             lost_at: list[float] = []
             lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
             lock.acquire()
@@ -252,4 +285,51 @@ def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEn
             assert successor.acquire(timeout=10)
             successor.release()
     finally:
+        partition.close()
+
+
+def test_busy_client_cut_off_still_learns_of_the_loss_in_time(
+    zookeeper_ensemble: ZooKeeperEnsemble,
+) -> None:
+    """kazoo counts requests it sends as heartbeats: a client that keeps sending into a
+    dead connection never sees it drop. dlock notices the unanswered requests."""
+    partition = Partition(zookeeper_ensemble.client_ports[0])
+    name = f"busy-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3"
+    stop = threading.Event()
+
+    def keep_asking(client: dlock.Client, delay: float) -> None:
+        # Staggered after the cut, so that some request is always being sent.
+        partition.cut.wait()
+        time.sleep(delay)
+        while not stop.is_set():
+            with contextlib.suppress(dlock.BackendError):
+                client.inspect(f"{name}-other")
+            time.sleep(0.01)
+
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_ensemble.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
+            lock.acquire()
+            askers = [
+                threading.Thread(target=keep_asking, args=(far, i * 0.25), daemon=True)
+                for i in range(8)
+            ]
+            for asker in askers:
+                asker.start()
+            partition.cut.set()
+            try:
+                successor = near.lock(name, ttl=30)
+                assert successor.acquire(timeout=15)
+                acquired_at = time.monotonic()
+                assert lost_at, "the holder still believes it holds the lock"
+                assert lost_at[0] <= acquired_at
+                successor.release()
+            finally:
+                # Reconnect before closing, so that a failure fails rather than hangs.
+                stop.set()
+                partition.cut.clear()
+    finally:
+        stop.set()
         partition.close()

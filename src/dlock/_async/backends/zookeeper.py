@@ -53,6 +53,11 @@ SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789
 #: What a suspended connection means for held locks (see docs/zookeeper.md).
 SUSPEND_POLICIES = ("session", "lost")
 STRIPES = 64
+#: How often a renewal waiting for its answer re-checks whether the session was given up.
+POLL = 0.05
+#: Share of the session timeout after the last answered request at which a client whose
+#: requests go unanswered (while kazoo still thinks it is connected) gives up its locks.
+STALL_SHARE = 3 / 4
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
 
@@ -145,7 +150,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._hosts = hosts
         self._session_timeout = session_timeout
         self._connect_timeout = connect_timeout
-        self._op_timeout = operation_timeout
+        # An answer later than this would come after the stall rule below gave up.
+        self._op_timeout = min(operation_timeout, session_timeout * STALL_SHARE)
         self._on_suspend = on_suspend
         self._auth = auth
         self._tls = tls or {}
@@ -162,6 +168,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._waiters: dict[tuple[str, str], AsyncZooKeeperWaiter] = {}
         self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
+        #: Before the latest request that was answered: the server heard us after this.
+        self._heard_at = 0.0
+        #: Set when a request went unanswered while kazoo still thought it connected.
+        self._stalled_since: float | None = None
         self._connected = threading.Event()
         self._session_id = 0
         self._reaper: threading.Thread | None = None
@@ -258,6 +268,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             if not self._session_id:
                 zk.add_listener(self._on_state)
                 if not zk.connected:
+                    self._heard_at = time.monotonic()
                     try:
                         zk.start(timeout=self._connect_timeout)
                     except CLIENT_ERRORS as exc:
@@ -301,6 +312,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._renew_now()
         else:  # CONNECTED
             self._suspended_at = None
+            self._stalled_since = None
             self._connected.set()
             zk = self._zk
             session = zk.client_id[0] if zk is not None and zk.client_id else 0
@@ -321,15 +333,61 @@ class AsyncZooKeeperBackend(AsyncBackend):
             waiter.wake()
 
     def _session_alive(self, node: _Node) -> bool:
-        """False once the node's session ended or was suspended for too long."""
+        """False once the node's session ended or was suspended or stalled for too long."""
         if node.gone or node.session != self._session_id:
             return False
-        suspended = self._suspended_at
-        return suspended is None or time.monotonic() < suspended + self._grace()
+        now = time.monotonic()
+        suspended, stalled = self._suspended_at, self._stalled_since
+        if stalled is not None and now >= stalled + self._stall_grace():
+            return False
+        return suspended is None or now < suspended + self._grace()
+
+    def _stall_grace(self) -> float:
+        return 0.0 if self._on_suspend == "lost" else self._session_timeout * STALL_SHARE
+
+    def _heard(self, since: float) -> None:
+        """An answer to a request sent after ``since``: the session was alive then."""
+        if since > self._heard_at:
+            self._heard_at = since
+        self._stalled_since = None
+
+    def _stalled(self) -> None:
+        """A request timed out although kazoo reports a connection.
+
+        kazoo counts every request it *sends* as a heartbeat, so a client that keeps
+        sending into a dead connection never notices the silence. The server may
+        expire the session a session timeout after it last heard from us, which was
+        no earlier than the last answered request: give the locks up before that.
+        """
+        if self._stalled_since is not None:
+            return
+        self._stalled_since = self._heard_at
+        logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
+        delay = max(0.0, self._heard_at + self._stall_grace() - time.monotonic())
+        timer = threading.Timer(delay, self._renew_now)
+        timer.daemon = True
+        timer.start()
+        self._renew_now()
 
     def _call(self, result: Any) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout."""
         return result.get(timeout=self._op_timeout)
+
+    def _call_while_alive(self, result: Any, node: _Node) -> Any:
+        """Like :meth:`_call`, but None as soon as the node's session is given up.
+
+        The renewer must not sit out a whole operation timeout once another request
+        or the connection state has shown that the session may be gone.
+        """
+        deadline = time.monotonic() + self._op_timeout
+        while True:
+            try:
+                return result.get(timeout=min(POLL, max(0.0, deadline - time.monotonic())))
+            except KazooTimeoutError:
+                if not self._session_alive(node):
+                    return None
+                if time.monotonic() >= deadline:
+                    raise
 
     def _catch_up(self, zk: KazooClient) -> None:
         """Make the next reads see every write committed before now.
@@ -383,15 +441,21 @@ class AsyncZooKeeperBackend(AsyncBackend):
         deadline = time.monotonic() + self._op_timeout
         retrying = False
         while True:
+            started = time.monotonic()
             try:
-                return op(retrying)
+                result = op(retrying)
             except ConnectionLoss as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._connected.wait(remaining):
                     raise _wrap(exc) from exc
                 retrying = True
+                continue
             except CLIENT_ERRORS as exc:
+                if isinstance(exc, KazooTimeoutError):
+                    self._stalled()
                 raise _wrap(exc) from exc
+            self._heard(started)
+            return result
 
     def _reenter(
         self, zk: KazooClient, key: tuple[str, str], node: _Node, reentrant: bool
@@ -638,6 +702,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         inspection tells how long the lease has left.
         """
         zk = self._client()
+        started = time.monotonic()
         # Hold the stripes of the whole batch (in one order, and no other operation
         # holds two) so a re-entry or release cannot interleave with the rewrite.
         stripes = [
@@ -646,10 +711,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
         for stripe in stripes:
             stripe.acquire()
         try:
-            return self._extend_locked(zk, leases)
+            answers = self._extend_locked(zk, leases)
         finally:
             for stripe in reversed(stripes):
                 stripe.release()
+        if any(answers):
+            self._heard(started)
+        return answers
 
     def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
         answers: list[bool] = [False] * len(leases)
@@ -671,13 +739,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
         for index, node, data, result in pending:
             key = (leases[index].name, leases[index].token)
             try:
-                stat = self._call(result)
+                stat = self._call_while_alive(result, node)
             except NoNodeError:
                 self._forget(key, node)
                 continue
             except CLIENT_ERRORS as exc:
+                if isinstance(exc, KazooTimeoutError):
+                    self._stalled()
                 raise _wrap(exc) from exc
-            if stat.ephemeralOwner != node.session or not self._session_alive(node):
+            if stat is None or stat.ephemeralOwner != node.session or not self._session_alive(node):
                 self._give_up(key, node)
                 continue
             node.data = data
