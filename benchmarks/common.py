@@ -14,11 +14,35 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Protocol
 
+import dlock
+
 
 class LockHandle(Protocol):
     def acquire(self) -> None: ...
     def release(self) -> None: ...
     def close(self) -> None: ...
+
+
+class DlockHandle:
+    """dlock's sync face as a contending process uses it: one client, one lock."""
+
+    def __init__(self, url: str, name: str = "bench", ttl: float = 30.0) -> None:
+        self.client = dlock.connect(url)
+        self.lock = self.client.lock(name, ttl=ttl)
+
+    def acquire(self) -> None:
+        self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_dlock(url: str) -> DlockHandle:
+    """For :func:`measure_contention`: module level, so spawned processes can import it."""
+    return DlockHandle(url)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,14 @@ import redis
 import redis_lock  # type: ignore[import-untyped]
 from pottery import Redlock
 
-import dlock
-from benchmarks.common import Contention, Latency, measure_contention, measure_latency, print_table
+from benchmarks.common import (
+    Contention,
+    DlockHandle,
+    Latency,
+    measure_contention,
+    measure_latency,
+    print_table,
+)
 from tests.servers.redis import RedisServer, start_masters, start_single
 
 TTL = 30.0
@@ -48,21 +54,6 @@ class Raw:
 
     def release(self) -> None:
         self.cad(keys=[self.key], args=[self.token])
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class DlockHandle:
-    def __init__(self, url: str, name: str) -> None:
-        self.client = dlock.connect(url)
-        self.lock = self.client.lock(name, ttl=TTL)
-
-    def acquire(self) -> None:
-        self.lock.acquire()
-
-    def release(self) -> None:
-        self.lock.release()
 
     def close(self) -> None:
         self.client.close()
@@ -126,7 +117,7 @@ def open_lock(config: tuple[str, Any, str]) -> Any:
         raw.key = name
         return raw
     if kind == "dlock":
-        return DlockHandle(where, name)
+        return DlockHandle(where, name, ttl=TTL)
     if kind == "redis-py":
         return RedisPyHandle(where, name)
     if kind == "python-redis-lock":

@@ -27,7 +27,13 @@ import pymysql
 
 import dlock
 import dlock.aio
-from benchmarks.common import Contention, Latency, measure_contention, measure_latencies
+from benchmarks.common import (
+    Contention,
+    Latency,
+    measure_contention,
+    measure_latencies,
+    open_dlock,
+)
 from benchmarks.common import print_table as print_table
 from dlock._sql import advisory_key, named_lock_key
 from tests.servers.sql import SQLServer, start_mariadb, start_postgresql
@@ -39,25 +45,6 @@ TOOZ = "tooz"
 
 
 # -- lock handles for the contending processes (module level: they run after spawn) --
-
-
-class DlockHandle:
-    def __init__(self, url: str) -> None:
-        self.client = dlock.connect(url)
-        self.lock = self.client.lock("bench", ttl=30)
-
-    def acquire(self) -> None:
-        self.lock.acquire()
-
-    def release(self) -> None:
-        self.lock.release()
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def open_dlock(url: str) -> DlockHandle:
-    return DlockHandle(url)
 
 
 class ToozHandle:

@@ -19,28 +19,15 @@ from typing import Any
 
 import dlock
 import dlock.aio
-from benchmarks.common import Latency, measure_contention, measure_latencies, print_table
+from benchmarks.common import (
+    Latency,
+    measure_contention,
+    measure_latencies,
+    open_dlock,
+    print_table,
+)
 
 RAW = "raw INSERT + DELETE"
-
-
-class DlockHandle:
-    def __init__(self, url: str) -> None:
-        self.client = dlock.connect(url)
-        self.lock = self.client.lock("bench", ttl=30)
-
-    def acquire(self) -> None:
-        self.lock.acquire()
-
-    def release(self) -> None:
-        self.lock.release()
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def open_dlock(url: str) -> DlockHandle:
-    return DlockHandle(url)
 
 
 def uncontended(tmp: str, url: str, iterations: int) -> dict[str, Latency]:

@@ -28,26 +28,12 @@ from benchmarks.common import (
     LockHandle,
     measure_contention,
     measure_latencies,
+    open_dlock,
     print_table,
 )
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
 RAW = "raw create+children+delete"
-
-
-class DlockHandle:
-    def __init__(self, url: str) -> None:
-        self.client = dlock.connect(url)
-        self.lock = self.client.lock("bench", ttl=30)
-
-    def acquire(self) -> None:
-        self.lock.acquire()
-
-    def release(self) -> None:
-        self.lock.release()
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class KazooHandle:
@@ -65,10 +51,6 @@ class KazooHandle:
     def close(self) -> None:
         self.client.stop()
         self.client.close()
-
-
-def open_dlock(url: str) -> DlockHandle:
-    return DlockHandle(url)
 
 
 def open_kazoo(hosts: str) -> KazooHandle:
