@@ -225,7 +225,8 @@ class Dialect:
 
 POSTGRESQL = Dialect(
     name="postgresql",
-    now="extract(epoch FROM clock_timestamp())::float8",
+    # date_part gives float8 directly; extract() would compute a numeric and cast it.
+    now="date_part('epoch', clock_timestamp())",
     name_type="BYTEA",
     owner_type="TEXT",
     prefix_match="substring(name FROM 1 FOR length(%(prefix)s)) = %(prefix)s",
@@ -326,8 +327,30 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session"""
+    live = d.live()
+    reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
     return {
         **upsert_statements(table, d),
+        # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
+        # than ON CONFLICT DO UPDATE, which locks the row before updating it. A concurrent
+        # acquirer re-checks the WHERE on the row it waited for, so one of them wins.
+        "acquire": f"""
+            UPDATE {table} SET
+                fence = CASE WHEN {reenter} THEN fence ELSE fence + 1 END,
+                count = CASE WHEN {reenter} THEN count + 1 ELSE 1 END,
+                owner = %(owner)s, expires = {now} + %(ttl)s, holder = %(holder)s
+            WHERE name = %(name)s AND (NOT {live} OR {reenter})
+            RETURNING fence, count""",
+        # Not taken: NULL if the row is free (released meanwhile), no row if the name was
+        # never used (then ``create_row``), else the seconds left on the holder's lease.
+        "time_left": f"""
+            SELECT CASE WHEN {live} THEN expires - {now} END FROM {table}
+            WHERE name = %(name)s""",
+        "create_row": f"""
+            INSERT INTO {table} (name, owner, fence, count, expires, holder)
+            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s)
+            ON CONFLICT (name) DO NOTHING
+            RETURNING fence, count""",
         # The last release wakes waiters on the name's channel, in the same statement.
         "release": f"""
             UPDATE {table} SET

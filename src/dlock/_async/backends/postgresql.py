@@ -84,7 +84,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed).
         cursor = await raw.execute(sql, params or None)
-        rows = await cursor.fetchall() if cursor.description else []
+        # pgresult.nfields, not description, which builds a Column object per column.
+        result = cursor.pgresult
+        rows = await cursor.fetchall() if result is not None and result.nfields else []
         return Result(rows, cursor.rowcount, 0)
 
     async def _driver_close(self, raw: Any) -> None:
@@ -130,9 +132,18 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         result = await self._call("acquire", params)
         if result.rows:
             return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-        # Busy: one more round trip, only on this path, for when the lease ends.
+        # Not taken: one more round trip, only on this path, for when the lease ends.
         left = (await self._call("time_left", params)).rows
-        return Busy(retry_after=max(0.0, float(left[0][0])) if left else None)
+        if left:
+            return Busy(retry_after=0.0 if left[0][0] is None else max(0.0, float(left[0][0])))
+        # First use of the name: create its row, held by us unless someone was faster.
+        created = (await self._call("create_row", params)).rows
+        if created:
+            return Acquired(int(created[0][0]), int(created[0][1]))
+        result = await self._call("acquire", params)
+        if result.rows:
+            return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        return Busy()
 
     async def _lease_release(self, name: str, token: str) -> int | None:
         params = self._params(name, token, channel=notify_channel(self._table, name))
