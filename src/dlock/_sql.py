@@ -329,18 +329,22 @@ def postgresql_statements(table: str) -> dict[str, str]:
             RETURNING fence, session"""
     live = d.live()
     reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
-    return {
-        **upsert_statements(table, d),
-        # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
-        # than ON CONFLICT DO UPDATE, which locks the row before updating it. A concurrent
-        # acquirer re-checks the WHERE on the row it waited for, so one of them wins.
-        "acquire": f"""
+    # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
+    # than ON CONFLICT DO UPDATE, which locks the row before updating it. A concurrent
+    # acquirer re-checks the WHERE on the row it waited for, so one of them wins.
+    acquire = f"""
             UPDATE {table} SET
                 fence = CASE WHEN {reenter} THEN fence ELSE fence + 1 END,
                 count = CASE WHEN {reenter} THEN count + 1 ELSE 1 END,
                 owner = %(owner)s, expires = {now} + %(ttl)s, holder = %(holder)s
             WHERE name = %(name)s AND (NOT {live} OR {reenter})
-            RETURNING fence, count""",
+            """
+    return {
+        **upsert_statements(table, d),
+        "acquire": acquire + "RETURNING fence, count",
+        # The waiter in front of the turnstile tries on its own connection and leaves the
+        # turnstile in the same statement, only if it got the lease: no extra round trip.
+        "acquire_in_front": acquire + "RETURNING fence, count, pg_advisory_unlock(%(turnstile)s)",
         # Not taken: NULL if the row is free (released meanwhile), no row if the name was
         # never used (then ``create_row``), else the seconds left on the holder's lease.
         "time_left": f"""

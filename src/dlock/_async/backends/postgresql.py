@@ -54,6 +54,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         )
         #: Connections that LISTEN for waiters, kept apart from the statement pool.
         self._listeners: list[Any] = []
+        #: Waiters by owner token: the one in front of the turnstile acquires on its own
+        #: connection, so getting the lease and leaving the turnstile is one statement.
+        self._front: dict[str, _TurnstileWaiter] = {}
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncPostgreSQLBackend:
@@ -129,9 +132,17 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
-        result = await self._call("acquire", params)
-        if result.rows:
-            return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        front = self._front.get(token)
+        if front is not None and front.in_front:
+            params["turnstile"] = front.key
+            result = await self._run(front.conn, self._sql["acquire_in_front"], params)
+            if result.rows:
+                front.in_front = False  # the statement left the turnstile
+                return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        else:
+            result = await self._call("acquire", params)
+            if result.rows:
+                return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
         # Not taken: one more round trip, only on this path, for when the lease ends.
         left = (await self._call("time_left", params)).rows
         if left:
@@ -182,6 +193,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             check_identifier(notify_channel(self._table, name), "channel"),
             advisory_key(self._table + ":turnstile", name),
         )
+        self._front[token] = waiter
         try:
             yield waiter
             if waiter.in_front:
@@ -190,6 +202,10 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         except BaseException:
             await self._driver_close(raw)
             raise
+        finally:
+            self._front.pop(token, None)
+        # Still listening if it got the lease in front: the next waiter to use this
+        # connection unlistens (with its LISTEN) and ignores other channels meanwhile.
         self._listeners.append(raw)
 
     async def _session_force_release(self, name: str) -> bool:
@@ -210,14 +226,14 @@ class _TurnstileWaiter(AsyncWaiter):
         self._backend = backend
         self.conn = conn
         self._channel = channel
-        self._key = key
+        self.key = key
         self.in_front = False
 
     async def wait(self, timeout: float) -> None:
         if not self.in_front:
             # Blocked inside the server until the waiters ahead have got the lock.
             wait_ms = str(max(1, math.ceil(timeout * 1000)))
-            params = {"key": self._key, "wait_ms": wait_ms}
+            params = {"key": self.key, "wait_ms": wait_ms}
             try:
                 await self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
@@ -227,12 +243,15 @@ class _TurnstileWaiter(AsyncWaiter):
                     return
                 raise
             self.in_front = True
-            # Listen before the core's next attempt, so no release goes unnoticed.
-            await self._backend._run(self.conn, f"LISTEN {self._channel}", {})
+            # Listen before the core's next attempt, so no release goes unnoticed; drop
+            # what an earlier waiter on this connection listened to.
+            await self._backend._run(self.conn, f"UNLISTEN *; LISTEN {self._channel}", {})
             return
         try:
-            async for _ in self.conn.raw.notifies(timeout=timeout, stop_after=1):
-                pass
+            async for notify in self.conn.raw.notifies(timeout=timeout):
+                # Earlier waiters' channels may still have sent something: not ours.
+                if notify.channel == self._channel:
+                    break
         except psycopg.Error as exc:
             raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
 
