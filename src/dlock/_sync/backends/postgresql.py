@@ -133,15 +133,17 @@ class PostgreSQLBackend(ServerSQLBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
+        statement = "acquire" if reentrant else "acquire_once"
         front = self._front.get(token)
         if front is not None and front.in_front:
             params["turnstile"] = front.key
-            result = self._run(front.conn, self._sql["acquire_in_front"], params)
+            sql = self._sql[statement + "_in_front"]
+            result = self._run(front.conn, sql, params)
             if result.rows:
                 front.in_front = False  # the statement left the turnstile
                 return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
         else:
-            result = self._call("acquire", params)
+            result = self._call(statement, params)
             if result.rows:
                 return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
         # Not taken: one more round trip, only on this path, for when the lease ends.
