@@ -333,6 +333,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session"""
+    first_use = session_upsert.replace("WHERE l.ok", "WHERE l.ok AND NOT EXISTS (SELECT FROM bump)")
     live = d.live()
     reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
     # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
@@ -388,9 +389,19 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # the holder, its lease and its session. Taking the lock and bumping the counter
         # is one statement; when busy, the same statement tells how long the holder's
         # lease lasts.
+        # The row usually exists: a plain UPDATE bumps it (cheaper than ON CONFLICT DO
+        # UPDATE, which locks the row first); the upsert runs only when it found none.
         "session_acquire": f"""
             WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
-            up AS ({session_upsert})
+            bump AS (
+                UPDATE {table} SET fence = fence + 1, owner = %(owner)s, count = 1,
+                    expires = {now} + %(ttl)s, holder = %(holder)s,
+                    session = pg_backend_pid(), lock_key = %(key)s
+                FROM l WHERE l.ok AND name = %(name)s
+                RETURNING fence, session),
+            up AS ({first_use})
+            SELECT fence, session, NULL::float8 FROM bump
+            UNION ALL
             SELECT fence, session, NULL::float8 FROM up
             UNION ALL
             SELECT NULL, NULL, expires - {now} FROM {table}, l
