@@ -166,7 +166,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
-        result = await self._call("acquire", params)
+        result = await self._call("acquire" if reentrant else "acquire_once", params)
         if result.rowcount > 0:
             count = 1
             if reentrant:

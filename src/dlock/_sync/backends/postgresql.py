@@ -55,6 +55,9 @@ class PostgreSQLBackend(ServerSQLBackend):
         )
         #: Connections that LISTEN for waiters, kept apart from the statement pool.
         self._listeners: list[Any] = []
+        #: Waiters by owner token: the one in front of the turnstile acquires on its own
+        #: connection, so getting the lease and leaving the turnstile is one statement.
+        self._front: dict[str, _TurnstileWaiter] = {}
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> PostgreSQLBackend:
@@ -85,7 +88,9 @@ class PostgreSQLBackend(ServerSQLBackend):
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed).
         cursor = raw.execute(sql, params or None)
-        rows = cursor.fetchall() if cursor.description else []
+        # pgresult.nfields, not description, which builds a Column object per column.
+        result = cursor.pgresult
+        rows = cursor.fetchall() if result is not None and result.nfields else []
         return Result(rows, cursor.rowcount, 0)
 
     def _driver_close(self, raw: Any) -> None:
@@ -128,12 +133,31 @@ class PostgreSQLBackend(ServerSQLBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
+        statement = "acquire" if reentrant else "acquire_once"
+        front = self._front.get(token)
+        if front is not None and front.in_front:
+            params["turnstile"] = front.key
+            sql = self._sql[statement + "_in_front"]
+            result = self._run(front.conn, sql, params)
+            if result.rows:
+                front.in_front = False  # the statement left the turnstile
+                return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        else:
+            result = self._call(statement, params)
+            if result.rows:
+                return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+        # Not taken: one more round trip, only on this path, for when the lease ends.
+        left = (self._call("time_left", params)).rows
+        if left:
+            return Busy(retry_after=0.0 if left[0][0] is None else max(0.0, float(left[0][0])))
+        # First use of the name: create its row, held by us unless someone was faster.
+        created = (self._call("create_row", params)).rows
+        if created:
+            return Acquired(int(created[0][0]), int(created[0][1]))
         result = self._call("acquire", params)
         if result.rows:
             return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-        # Busy: one more round trip, only on this path, for when the lease ends.
-        left = (self._call("time_left", params)).rows
-        return Busy(retry_after=max(0.0, float(left[0][0])) if left else None)
+        return Busy()
 
     def _lease_release(self, name: str, token: str) -> int | None:
         params = self._params(name, token, channel=notify_channel(self._table, name))
@@ -172,6 +196,7 @@ class PostgreSQLBackend(ServerSQLBackend):
             check_identifier(notify_channel(self._table, name), "channel"),
             advisory_key(self._table + ":turnstile", name),
         )
+        self._front[token] = waiter
         try:
             yield waiter
             if waiter.in_front:
@@ -180,6 +205,10 @@ class PostgreSQLBackend(ServerSQLBackend):
         except BaseException:
             self._driver_close(raw)
             raise
+        finally:
+            self._front.pop(token, None)
+        # Still listening if it got the lease in front: the next waiter to use this
+        # connection unlistens (with its LISTEN) and ignores other channels meanwhile.
         self._listeners.append(raw)
 
     def _session_force_release(self, name: str) -> bool:
@@ -200,14 +229,14 @@ class _TurnstileWaiter(Waiter):
         self._backend = backend
         self.conn = conn
         self._channel = channel
-        self._key = key
+        self.key = key
         self.in_front = False
 
     def wait(self, timeout: float) -> None:
         if not self.in_front:
             # Blocked inside the server until the waiters ahead have got the lock.
             wait_ms = str(max(1, math.ceil(timeout * 1000)))
-            params = {"key": self._key, "wait_ms": wait_ms}
+            params = {"key": self.key, "wait_ms": wait_ms}
             try:
                 self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
@@ -217,12 +246,15 @@ class _TurnstileWaiter(Waiter):
                     return
                 raise
             self.in_front = True
-            # Listen before the core's next attempt, so no release goes unnoticed.
-            self._backend._run(self.conn, f"LISTEN {self._channel}", {})
+            # Listen before the core's next attempt, so no release goes unnoticed; drop
+            # what an earlier waiter on this connection listened to.
+            self._backend._run(self.conn, f"UNLISTEN *; LISTEN {self._channel}", {})
             return
         try:
-            for _ in self.conn.raw.notifies(timeout=timeout, stop_after=1):
-                pass
+            for notify in self.conn.raw.notifies(timeout=timeout):
+                # Earlier waiters' channels may still have sent something: not ours.
+                if notify.channel == self._channel:
+                    break
         except psycopg.Error as exc:
             raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
 
