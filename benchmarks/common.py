@@ -6,15 +6,18 @@ measured in the same run, and reports ratios.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Protocol
 
 import dlock
+import dlock.aio
 
 
 class LockHandle(Protocol):
@@ -38,6 +41,34 @@ class DlockHandle:
 
     def close(self) -> None:
         self.client.close()
+
+
+@contextmanager
+def dlock_ops(url: str) -> Iterator[dict[str, Callable[[], object]]]:
+    """dlock's uncontended acquire+release on both faces, ready for :func:`measure_latencies`."""
+    client = dlock.connect(url)
+    lock = client.lock("uncontended", ttl=30)
+    loop = asyncio.new_event_loop()
+    aclient = dlock.aio.connect(url)
+    alock = aclient.lock("uncontended-async", ttl=30)
+
+    def sync_acquire_release() -> None:
+        lock.acquire(timeout=0)
+        lock.release()
+
+    async def async_acquire_release() -> None:
+        await alock.acquire(timeout=0)
+        await alock.release()
+
+    try:
+        yield {
+            "dlock sync": sync_acquire_release,
+            "dlock asyncio": lambda: loop.run_until_complete(async_acquire_release()),
+        }
+    finally:
+        client.close()
+        loop.run_until_complete(aclient.aclose())
+        loop.close()
 
 
 def open_dlock(url: str) -> DlockHandle:

@@ -10,17 +10,15 @@ with the same settings as dlock's (WAL, synchronous=FULL).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import dlock
-import dlock.aio
 from benchmarks.common import (
     Latency,
+    dlock_ops,
     measure_contention,
     measure_latencies,
     open_dlock,
@@ -43,35 +41,11 @@ def uncontended(tmp: str, url: str, iterations: int) -> dict[str, Latency]:
         )
         conn.execute("DELETE FROM raw_locks WHERE name = ? AND owner = ?", ("bench", owner))
 
-    client = dlock.connect(url)
-    lock = client.lock("uncontended", ttl=30)
-
-    def dlock_acquire_release() -> None:
-        lock.acquire(timeout=0)
-        lock.release()
-
-    loop = asyncio.new_event_loop()
-    aclient = dlock.aio.connect(url)
-    alock = aclient.lock("uncontended-async", ttl=30)
-
-    async def async_acquire_release() -> None:
-        await alock.acquire(timeout=0)
-        await alock.release()
-
     try:
-        return measure_latencies(
-            {
-                RAW: raw_insert_delete,
-                "dlock sync": dlock_acquire_release,
-                "dlock asyncio": lambda: loop.run_until_complete(async_acquire_release()),
-            },
-            iterations,
-        )
+        with dlock_ops(url) as ops:
+            return measure_latencies({RAW: raw_insert_delete, **ops}, iterations)
     finally:
         conn.close()
-        client.close()
-        loop.run_until_complete(aclient.aclose())
-        loop.close()
 
 
 def main() -> None:

@@ -13,19 +13,17 @@ the JVMs competing for CPU), or ``--ensemble``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
 
-import dlock
-import dlock.aio
 from benchmarks.common import (
     Contention,
     Latency,
     LockHandle,
+    dlock_ops,
     measure_contention,
     measure_latencies,
     open_dlock,
@@ -74,37 +72,14 @@ def uncontended(hosts: str, url: str, iterations: int) -> dict[str, Latency]:
         kazoo_lock.acquire()
         kazoo_lock.release()
 
-    client = dlock.connect(url)
-    lock = client.lock("uncontended", ttl=30)
-
-    def dlock_acquire_release() -> None:
-        lock.acquire(timeout=0)
-        lock.release()
-
-    loop = asyncio.new_event_loop()
-    aclient = dlock.aio.connect(url)
-    alock = aclient.lock("uncontended-async", ttl=30)
-
-    async def async_acquire_release() -> None:
-        await alock.acquire(timeout=0)
-        await alock.release()
-
     try:
-        return measure_latencies(
-            {
-                RAW: raw_ops,
-                "dlock sync": dlock_acquire_release,
-                "dlock asyncio": lambda: loop.run_until_complete(async_acquire_release()),
-                "kazoo Lock": kazoo_acquire_release,
-            },
-            iterations,
-        )
+        with dlock_ops(url) as ops:
+            return measure_latencies(
+                {RAW: raw_ops, **ops, "kazoo Lock": kazoo_acquire_release}, iterations
+            )
     finally:
         zk.stop()
         zk.close()
-        client.close()
-        loop.run_until_complete(aclient.aclose())
-        loop.close()
 
 
 def main() -> None:
