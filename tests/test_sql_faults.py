@@ -231,3 +231,49 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer) -> None:
         with pytest.raises(dlock.BackendError, match=match):
             client.lock("x", ttl=5).acquire(timeout=5)
         assert time.monotonic() - start < 5
+
+
+def test_client_option_takes_a_connection_factory(server: SQLServer, name: str) -> None:
+    """``client=`` brings the application's own connections (TLS, auth, proxies)."""
+    made: list[object] = []
+
+    def factory() -> object:
+        if server.scheme == "postgresql":
+            conn: object = psycopg.connect(server.url())
+        else:
+            conn = pymysql.connect(
+                host="127.0.0.1",
+                port=server.port,
+                user="dlock",
+                password="secret",
+                database="dlock",
+                ssl_disabled=True,
+            )
+        made.append(conn)
+        return conn
+
+    with dlock.connect(f"{server.scheme}://", client=factory) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()
+    assert made
+
+
+async def test_client_option_in_the_asyncio_face(server: SQLServer, name: str) -> None:
+    import aiomysql
+
+    import dlock.aio
+
+    async def factory() -> object:
+        if server.scheme == "postgresql":
+            return await psycopg.AsyncConnection.connect(server.url())
+        return await aiomysql.connect(
+            host="127.0.0.1", port=server.port, user="dlock", password="secret", db="dlock"
+        )
+
+    async with dlock.aio.connect(f"{server.scheme}://", client=factory) as client:
+        lock = client.lock(name, ttl=5)
+        assert await lock.acquire(timeout=0)
+        await lock.release()
