@@ -6,7 +6,6 @@ face is generated from the same code and covered by the conformance suite).
 
 from __future__ import annotations
 
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -108,24 +107,12 @@ def test_lease_survives_its_connection_being_killed(server: SQLServer, name: str
         assert second.lock(name, ttl=5).acquire(timeout=0)
 
 
-def restart(server: SQLServer) -> None:
-    if server.scheme == "postgresql":
-        # A fast shutdown; SIGKILL of the postmaster would leave its children behind.
-        server.process.signal(signal.SIGINT)
-        assert server.process.process is not None
-        server.process.process.wait(30)
-        server.process.process = None
-        server.process.start()
-    else:
-        server.process.restart()
-
-
 def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) -> None:
     with dlock.connect(server.url()) as first, dlock.connect(server.url()) as second:
         lock = first.lock(name, ttl=4)
         lock.acquire()
         token = lock.fencing_token
-        restart(server)
+        server.restart()
         time.sleep(2.0)  # the renewer meets dead connections and reconnects
         assert lock.owned(), "renewal survived the restart"
         assert second.lock(name, ttl=5).acquire(timeout=0) is False
