@@ -400,6 +400,8 @@ class AsyncServerSQLBackend(AsyncBackend):
                 self._give(conn)
                 return
             await self._drop(conn)
+            if isinstance(exc, BackendUnavailable) and conn.uses > 0:
+                return  # a pooled connection died while idle; the core tries again
             raise
         except BaseException:
             await self._drop(conn)

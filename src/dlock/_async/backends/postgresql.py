@@ -202,13 +202,14 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
                 # One simple-protocol round trip; the next waiter moves to the front.
                 await self._run(waiter.conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
         except BaseException:
-            await self._driver_close(raw)
+            await self._driver_close(waiter.conn.raw)
             raise
         finally:
             self._front.pop(token, None)
         # Still listening if it got the lease in front: the next waiter to use this
         # connection unlistens (with its LISTEN) and ignores other channels meanwhile.
-        self._listeners.append(raw)
+        # The waiter may have replaced a connection that died while idle (restart).
+        self._listeners.append(waiter.conn.raw)
 
     async def _session_force_release(self, name: str) -> bool:
         result = await self._call("session_force_release", {"name": encode_name(name)})
@@ -240,6 +241,12 @@ class _TurnstileWaiter(AsyncWaiter):
                 await self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
                 )
+            except BackendUnavailable:
+                # A pooled listener died while idle (server restart): start over on a new
+                # one; the core simply tries again.
+                await self._backend._driver_close(self.conn.raw)
+                self.conn = await self._backend._connect()
+                return
             except BackendError as exc:
                 if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                     return

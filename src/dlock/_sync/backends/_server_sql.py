@@ -397,6 +397,8 @@ class ServerSQLBackend(Backend):
                 self._give(conn)
                 return
             self._drop(conn)
+            if isinstance(exc, BackendUnavailable) and conn.uses > 0:
+                return  # a pooled connection died while idle; the core tries again
             raise
         except BaseException:
             self._drop(conn)

@@ -1,10 +1,10 @@
 # DO NOT EDIT: generated from src/dlock/_async/backends/mysql.py by scripts/unasync.py.
 """MariaDB and MySQL 8: a lease table (default) or ``GET_LOCK`` (``?mode=session``).
 
-Driver: PyMySQL and pymysql, its asyncio twin from aio-libs with the same API, so both
-faces are one source; pure Python (no ``libmariadb-dev`` to build), and PyMySQL's
-exceptions are shared by both. TLS is off unless asked for: PyMySQL would otherwise
-build a default SSL context for every connection (~18 ms).
+Driver: PyMySQL, and for asyncio its aio-libs twin with the same API and exceptions, so
+both faces are one source; pure Python (no ``libmariadb-dev`` to build). TLS is off
+unless asked for: PyMySQL would otherwise build a default SSL context for every
+connection (~18 ms).
 
 The SQL is limited to what both MariaDB 10.6+ and MySQL 8 accept (no RETURNING); only
 MariaDB is tested here, as MySQL 8 is not packaged by Debian.
@@ -56,8 +56,9 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
 
 
 class _QuietCursor(pymysql.cursors.Cursor):  # type: ignore[misc]
-    """pymysql turns server notes into Python warnings with an extra SHOW WARNINGS round
-    trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock needs neither."""
+    """The asyncio driver turns server notes into Python warnings with an extra SHOW
+    WARNINGS round trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock
+    needs neither. (The threaded driver does neither already.)"""
 
     def _show_warnings(self, conn: Any) -> None:
         return None
@@ -109,7 +110,8 @@ class MySQLBackend(ServerSQLBackend):
         return pymysql.connect(**kwargs)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
-        with raw.cursor() as cursor:
+        # The cursor class is given here too, for connections brought with ``client=``.
+        with raw.cursor(_QuietCursor) as cursor:
             cursor.execute(sql, params or None)
             rows = cursor.fetchall()
             return Result(list(rows or ()), cursor.rowcount, cursor.lastrowid or 0)

@@ -203,13 +203,14 @@ class PostgreSQLBackend(ServerSQLBackend):
                 # One simple-protocol round trip; the next waiter moves to the front.
                 self._run(waiter.conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
         except BaseException:
-            self._driver_close(raw)
+            self._driver_close(waiter.conn.raw)
             raise
         finally:
             self._front.pop(token, None)
         # Still listening if it got the lease in front: the next waiter to use this
         # connection unlistens (with its LISTEN) and ignores other channels meanwhile.
-        self._listeners.append(raw)
+        # The waiter may have replaced a connection that died while idle (restart).
+        self._listeners.append(waiter.conn.raw)
 
     def _session_force_release(self, name: str) -> bool:
         result = self._call("session_force_release", {"name": encode_name(name)})
@@ -241,6 +242,12 @@ class _TurnstileWaiter(Waiter):
                 self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
                 )
+            except BackendUnavailable:
+                # A pooled listener died while idle (server restart): start over on a new
+                # one; the core simply tries again.
+                self._backend._driver_close(self.conn.raw)
+                self.conn = self._backend._connect()
+                return
             except BackendError as exc:
                 if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
                     return
