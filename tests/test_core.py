@@ -66,7 +66,9 @@ def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:
 
 def test_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(
-        _registry.BACKENDS, "needs-lib", _registry.Entry("sqlite", "fancy", ("sqlite3",))
+        _registry.BACKENDS,
+        "needs-lib",
+        _registry.Entry("sqlite", ("needs-lib",), "fancy", ("sqlite3",)),
     )
     monkeypatch.delitem(sys.modules, "dlock._sync.backends.sqlite")
     monkeypatch.setitem(sys.modules, "sqlite3", None)

@@ -1,4 +1,4 @@
-"""Which module implements which URL scheme. Adding a backend adds one line here."""
+"""Which module implements which URL schemes. Adding a backend adds one entry here."""
 
 from __future__ import annotations
 
@@ -16,26 +16,26 @@ from ._errors import BackendNotInstalled, ConfigurationError
 class Entry:
     #: Module under ``dlock._async.backends`` (and its generated ``dlock._sync`` twin).
     module: str
+    #: URL schemes this module serves.
+    schemes: tuple[str, ...]
     #: ``pip install 'dlock[extra]'`` brings the client library, or None if none is needed.
     extra: str | None = None
     #: Top-level modules whose absence means the extra is missing.
     requires: tuple[str, ...] = ()
 
 
-BACKENDS: dict[str, Entry] = {
-    "sqlite": Entry("sqlite"),
-    "redis": Entry("redis", "redis", ("redis",)),
-    "rediss": Entry("redis", "redis", ("redis",)),
-    "redis+cluster": Entry("redis", "redis", ("redis",)),
-    "rediss+cluster": Entry("redis", "redis", ("redis",)),
-    "redis+redlock": Entry("redlock", "redis", ("redis",)),
-    "rediss+redlock": Entry("redlock", "redis", ("redis",)),
-    "mysql": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
-    "mariadb": Entry("mysql", "mysql", ("pymysql", "aiomysql")),
-    "postgresql": Entry("postgresql", "postgresql", ("psycopg",)),
-    "postgres": Entry("postgresql", "postgresql", ("psycopg",)),
-    "zookeeper": Entry("zookeeper", extra="zookeeper", requires=("kazoo",)),
-}
+_REDIS = ("redis",)
+ENTRIES = [
+    Entry("sqlite", ("sqlite",)),
+    Entry("redis", ("redis", "rediss", "redis+cluster", "rediss+cluster"), "redis", _REDIS),
+    Entry("redlock", ("redis+redlock", "rediss+redlock"), "redis", _REDIS),
+    Entry("mysql", ("mysql", "mariadb"), "mysql", ("pymysql", "aiomysql")),
+    Entry("postgresql", ("postgresql", "postgres"), "postgresql", ("psycopg",)),
+    Entry("zookeeper", ("zookeeper",), "zookeeper", ("kazoo",)),
+]
+
+#: URL scheme -> the entry that serves it.
+BACKENDS: dict[str, Entry] = {scheme: entry for entry in ENTRIES for scheme in entry.schemes}
 
 
 def default_url() -> str:
