@@ -171,5 +171,9 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     assert unknown.returncode == 2 and "unknown URL scheme" in unknown.stderr
     down = dlock_cmd("sqlite:///proc/no-such-dir/x.db", "run", "x", "--", "true")
     assert down.returncode == 69 and "backend error" in down.stderr
+    negative_wait = dlock_cmd(db, "run", "-w", "-1", "x", "--", "true")
+    assert negative_wait.returncode == 2 and "timeout" in negative_wait.stderr
+    negative_grace = dlock_cmd(db, "run", "--grace", "-1", "x", "--", "true")
+    assert negative_grace.returncode == 2 and "--grace" in negative_grace.stderr
     no_command = dlock_cmd(db, "run", "x")
     assert no_command.returncode == 2 and "no command" in no_command.stderr

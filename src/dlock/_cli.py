@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -151,6 +152,9 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("dlock run: no command given (dlock run NAME -- COMMAND ...)", file=sys.stderr)
+        return EXIT_USAGE
+    if not math.isfinite(args.grace) or args.grace < 0:
+        print(f"dlock run: --grace must be >= 0 seconds, not {args.grace}", file=sys.stderr)
         return EXIT_USAGE
     lost = threading.Event()
     done = threading.Event()

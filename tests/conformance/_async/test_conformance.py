@@ -29,6 +29,15 @@ def elapsed_since(start: float) -> float:
     return time.monotonic() - start
 
 
+async def assert_held_by(
+    client: dlock.aio.AsyncClient, name: str, lock: dlock.aio.AsyncLock
+) -> None:
+    """The backend, asked by another client, names ``lock``'s acquisition as the holder."""
+    info = await client.inspect(name)
+    assert info is not None, f"{name!r} is free"
+    assert info.fencing_token == lock.fencing_token, (info, lock)
+
+
 async def test_acquire_inspect_release(url: str, name: str) -> None:
     async with dlock.aio.connect(url, label="inspector") as client:
         lock = client.lock(name, ttl=5)
@@ -83,8 +92,7 @@ async def test_non_owner_cannot_release_or_extend(url: str, name: str) -> None:
             await stranger.release()
         with pytest.raises(dlock.NotOwner):
             await stranger.extend()
-        info = await second.inspect(name)
-        assert info is not None and info.fencing_token == holder.fencing_token
+        await assert_held_by(second, name, holder)
         assert holder.owned()
         await holder.release()
         with pytest.raises(dlock.NotOwner):
@@ -125,8 +133,7 @@ async def test_expired_lease_is_taken_over(url: str, name: str) -> None:
             await stale.extend()
         with pytest.raises(dlock.LockLost):
             await stale.release()
-        info = await second.inspect(name)
-        assert info is not None and info.fencing_token == successor.fencing_token
+        await assert_held_by(second, name, successor)
         await successor.release()
 
 
@@ -268,8 +275,7 @@ async def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> N
         await successor.acquire()
         with pytest.raises(dlock.LockLost):
             await releaser.release()
-        info = await admin.inspect(name)
-        assert info is not None and info.fencing_token == successor.fencing_token
+        await assert_held_by(admin, name, successor)
         await successor.release()
 
 
@@ -289,6 +295,8 @@ async def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
 
 async def test_force_release_and_list(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as client:
+        with pytest.raises(dlock.InvalidArgument, match="prefix"):
+            await client.list(42)  # type: ignore[arg-type]
         assert await client.force_release(name) is False
         locks = [client.lock(f"{name}/{suffix}", ttl=5) for suffix in ("b", "a", "c")]
         for lock in locks:
@@ -456,8 +464,7 @@ async def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(
             while (answer := ask(holder, "check")) != "ok lost=True on_lost=1 owned=False":
                 assert time.monotonic() < deadline, answer
                 await sleep(0.05)
-            info = await client.inspect(name)
-            assert info is not None and info.fencing_token == successor.fencing_token
+            await assert_held_by(client, name, successor)
             assert successor.owned()
             await successor.release()
     finally:

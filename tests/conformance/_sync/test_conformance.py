@@ -30,6 +30,13 @@ def elapsed_since(start: float) -> float:
     return time.monotonic() - start
 
 
+def assert_held_by(client: dlock.Client, name: str, lock: dlock.Lock) -> None:
+    """The backend, asked by another client, names ``lock``'s acquisition as the holder."""
+    info = client.inspect(name)
+    assert info is not None, f"{name!r} is free"
+    assert info.fencing_token == lock.fencing_token, (info, lock)
+
+
 def test_acquire_inspect_release(url: str, name: str) -> None:
     with dlock.connect(url, label="inspector") as client:
         lock = client.lock(name, ttl=5)
@@ -84,8 +91,7 @@ def test_non_owner_cannot_release_or_extend(url: str, name: str) -> None:
             stranger.release()
         with pytest.raises(dlock.NotOwner):
             stranger.extend()
-        info = second.inspect(name)
-        assert info is not None and info.fencing_token == holder.fencing_token
+        assert_held_by(second, name, holder)
         assert holder.owned()
         holder.release()
         with pytest.raises(dlock.NotOwner):
@@ -126,8 +132,7 @@ def test_expired_lease_is_taken_over(url: str, name: str) -> None:
             stale.extend()
         with pytest.raises(dlock.LockLost):
             stale.release()
-        info = second.inspect(name)
-        assert info is not None and info.fencing_token == successor.fencing_token
+        assert_held_by(second, name, successor)
         successor.release()
 
 
@@ -269,8 +274,7 @@ def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
         successor.acquire()
         with pytest.raises(dlock.LockLost):
             releaser.release()
-        info = admin.inspect(name)
-        assert info is not None and info.fencing_token == successor.fencing_token
+        assert_held_by(admin, name, successor)
         successor.release()
 
 
@@ -290,6 +294,8 @@ def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
 
 def test_force_release_and_list(url: str, name: str) -> None:
     with dlock.connect(url) as client:
+        with pytest.raises(dlock.InvalidArgument, match="prefix"):
+            client.list(42)  # type: ignore[arg-type]
         assert client.force_release(name) is False
         locks = [client.lock(f"{name}/{suffix}", ttl=5) for suffix in ("b", "a", "c")]
         for lock in locks:
@@ -455,8 +461,7 @@ def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(url: str, nam
             while (answer := ask(holder, "check")) != "ok lost=True on_lost=1 owned=False":
                 assert time.monotonic() < deadline, answer
                 sleep(0.05)
-            info = client.inspect(name)
-            assert info is not None and info.fencing_token == successor.fencing_token
+            assert_held_by(client, name, successor)
             assert successor.owned()
             successor.release()
     finally:
