@@ -5,9 +5,9 @@ so each script runs unchanged on a single server, on a Redis Cluster and on each
 Redlock master. Keys of a name (``P`` is the configured prefix)::
 
     P:{n:NAME}:lease   hash owner/count/fence/holder, PEXPIRE = the lease
-    P:{n:NAME}:fence   the fencing counter; never expires, and starts from the server's
-                       clock in microseconds, so tokens never go back even after a
-                       restart that lost the data
+    P:{n:NAME}:fence   the fencing counter; never expires, and never falls behind the
+                       server's clock in microseconds, so tokens never go back even after
+                       a restart that lost the data or a failover to a lagging replica
     P:{n:NAME}:queue   zset of waiting owner tokens, scored by arrival
     P:{n:NAME}:qexp    zset of the same tokens, scored by when their place lapses
 
@@ -32,8 +32,8 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# Shared preamble. The server's clock is read only when needed (queues, a new counter):
-# the uncontended acquire and release skip it, and every queue operation.
+# Shared preamble. The server's clock is read where it is needed: by queue operations and
+# by every grant (the fencing counter's floor); an uncontended release never reads it.
 _PRELUDE = """
 local function now_ms()
     local t = redis.call('TIME')
@@ -54,7 +54,8 @@ end
 
 #: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms keep_place
 #: join. ``join`` (unless empty) first queues the token with that arrival time ("now":
-#: the server's clock): a waiter joins the queue with its first attempt, not a trip of its own.
+#: the server's clock): a waiter joins the queue with its first attempt inside the core's
+#: waiter, not with a round trip of its own.
 #: Returns {1, fence, count, left_queue} when granted, {0, ms_left} when busy (ms_left
 #: -1: free, but not our turn). A grant takes the winner out of the queue, saving it a
 #: round trip; Redlock keeps the place (keep_place=1) until a majority granted, since a
@@ -98,13 +99,14 @@ if redis.call('EXISTS', queue) == 1 then
         left_queue = 1
     end
 end
+-- The counter never falls behind the server's clock in microseconds, so tokens keep
+-- increasing after a restart that lost the data or a failover to a lagging replica.
+local t = redis.call('TIME')
+local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local f = redis.call('INCR', fence)
-if f == 1 then
-    -- A new (or lost) counter starts at the server's clock in microseconds, so tokens
-    -- keep increasing even after a restart that lost the data.
-    local t = redis.call('TIME')
-    redis.call('SET', fence, t[1] .. string.format('%06d', tonumber(t[2])))
-    f = redis.call('INCR', fence)
+if f < clock then
+    redis.call('SET', fence, string.format('%.0f', clock))
+    f = clock
 end
 redis.call('HSET', lease, 'owner', token, 'count', 1, 'fence', string.format('%.0f', f),
     'holder', ARGV[3])

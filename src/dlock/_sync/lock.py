@@ -9,7 +9,14 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from .._errors import AlreadyAcquired, LockError, LockLost, LockTimeout, NotOwner
+from .._errors import (
+    AlreadyAcquired,
+    BackendUnavailable,
+    LockError,
+    LockLost,
+    LockTimeout,
+    NotOwner,
+)
 from .._types import Acquired, Busy, Lease
 from .._validation import check_timeout, check_ttl
 from ._primitives import Cancelled, cancel_task, current_task, uncancel
@@ -130,9 +137,12 @@ class Lock:
                 self.name, self._token, self.ttl, self._client._holder, self.reentrant
             )
         except BaseException as exc:
-            # Cancelled or interrupted mid-flight: the server may have granted the lease
-            # anyway. Give it back (owner-checked, so harmless) rather than leave an orphan.
-            if not reentry and not isinstance(exc, LockError):
+            # Cancelled, interrupted or cut off mid-flight: the server may have granted the
+            # lease anyway. Give it back (owner-checked, so harmless) rather than leave an
+            # orphan until its TTL. Never after a re-entry: that would free the outer hold.
+            if not reentry and (
+                isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError)
+            ):
                 self._release_quietly()
             raise
         if isinstance(result, Busy):

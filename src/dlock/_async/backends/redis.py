@@ -70,6 +70,17 @@ _GLOB_SPECIAL = frozenset(b"*?[]\\")
 ERRORS = (RedisError, RedisClusterException)
 
 
+def _seconds(value: Any, option: str) -> float:
+    """An option that is a positive, finite number of seconds."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ConfigurationError(f"{option} must be a positive number of seconds, not {value!r}")
+    return seconds
+
+
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
@@ -217,19 +228,12 @@ class AsyncRedisBackend(AsyncBackend):
             raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
-        client_options: dict[str, Any] = {}
-        for key in ("socket_timeout", "socket_connect_timeout"):
-            if key in settings:
-                try:
-                    client_options[key] = float(settings[key])
-                except (TypeError, ValueError):
-                    raise ConfigurationError(f"{key} must be a number of seconds") from None
-        try:
-            queue_ttl = float(settings.get("queue_ttl", QUEUE_TTL))
-        except (TypeError, ValueError):
-            raise ConfigurationError("queue_ttl must be a number of seconds") from None
-        if not 0 < queue_ttl < math.inf:
-            raise ConfigurationError("queue_ttl must be a positive number of seconds")
+        client_options: dict[str, Any] = {
+            key: _seconds(settings[key], key)
+            for key in ("socket_timeout", "socket_connect_timeout")
+            if key in settings
+        }
+        queue_ttl = _seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl")
         netloc = parts.netloc
         if not parts.hostname:
             auth, at, _ = netloc.rpartition("@")
@@ -352,22 +356,14 @@ class AsyncRedisBackend(AsyncBackend):
             "1" if keep_place else "0",
             self._joining.get(token, ""),
         )
-        try:
-            result = await self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
-        except BackendUnavailable:
-            # The script may have run before the connection broke: give the lease back.
-            await self._release_quietly(name, token)
-            raise
+        # A call cut off mid-flight may have been granted: the core gives the lease back.
+        result = await self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
         if int(result[0]) == 1:
             if int(result[3]):
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
         left = int(result[1])
         return Busy(retry_after=left / 1000 if left >= 0 else None)
-
-    async def _release_quietly(self, name: str, token: str) -> None:
-        with suppress(BackendError):
-            await self.release(name, token)
 
     async def release(self, name: str, token: str) -> int | None:
         k = self._keys(name)

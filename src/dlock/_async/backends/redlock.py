@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
@@ -44,8 +44,11 @@ class AsyncRedlockBackend(AsyncBackend):
         clients = options.pop("client", None)
         parts = urlsplit(url)
         scheme = "rediss" if parts.scheme.lower().startswith("rediss") else "redis"
-        options.setdefault("socket_timeout", MASTER_TIMEOUT)
-        options.setdefault("socket_connect_timeout", MASTER_TIMEOUT)
+        # A short default per master, unless the URL's query or a keyword sets one.
+        given = {key for key, _ in parse_qsl(parts.query)} | set(options)
+        for key in ("socket_timeout", "socket_connect_timeout"):
+            if key not in given:
+                options[key] = MASTER_TIMEOUT
         if clients is not None:
             if not isinstance(clients, (list, tuple)):
                 raise ConfigurationError("client= for Redlock is a list of redis-py clients")
@@ -93,15 +96,17 @@ class AsyncRedlockBackend(AsyncBackend):
         results = await self._each(
             lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)
         )
-        validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
         granted = [
             (master, result)
             for master, result in zip(self._masters, results, strict=True)
             if isinstance(result, Acquired)
         ]
-        if len(granted) >= self._quorum and validity > 0:
+        if len(granted) >= self._quorum:
             fence = max(result.fencing_token for _, result in granted)
-            if await self._lift(name, token, fence, granted):
+            lifted = await self._lift(name, token, fence, granted)
+            # Validity counts every round trip made before the caller is told, lift included.
+            validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
+            if lifted and validity > 0:
                 return Acquired(fencing_token=fence, count=max(r.count for _, r in granted))
         # No majority in time: give back what we got, so others are not blocked.
         for master, _ in granted:
