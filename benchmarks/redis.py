@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -25,12 +26,14 @@ from benchmarks.common import (
     Contention,
     DlockHandle,
     Latency,
+    dlock_ops,
     measure_contention,
-    measure_latency,
+    measure_latencies,
     print_table,
 )
 from tests.servers.redis import RedisServer, start_masters, start_single
 
+ASYNC = "dlock asyncio"
 TTL = 30.0
 #: The usual minimal recipe: compare-and-delete, so a late release cannot free another's lease.
 CAD = """
@@ -127,37 +130,34 @@ def open_lock(config: tuple[str, Any, str]) -> Any:
     raise ValueError(kind)
 
 
-def latencies(configs: list[tuple[str, Any, str]], iterations: int, rounds: int) -> list[Latency]:
-    """Uncontended acquire+release of every setup, measured in interleaved rounds.
+def latencies(
+    setups: list[tuple[str, tuple[str, Any, str]]], url: str, iterations: int, rounds: int
+) -> dict[str, Latency]:
+    """Uncontended acquire+release of every setup, plus dlock's asyncio face, measured in
+    interleaved rounds (the machine's noise drifts over seconds)."""
+    handles = {label: open_lock(config) for label, config in setups}
+    ops: dict[str, Callable[[], object]] = {}
+    for label, handle in handles.items():
 
-    The machine's noise drifts over seconds, so setups measured one after another are
-    not comparable; each setup's best round (lowest median) is reported, as timeit does.
-    """
-    handles = [open_lock(config) for config in configs]
-    best: list[Latency | None] = [None] * len(configs)
+        def op(handle: Any = handle) -> None:
+            handle.acquire()
+            handle.release()
+
+        ops[label] = op
     try:
-        for _ in range(rounds):
-            for i, handle in enumerate(handles):
-
-                def op(handle: Any = handle) -> None:
-                    handle.acquire()
-                    handle.release()
-
-                result = measure_latency(op, iterations=iterations, warmup=iterations // 10)
-                current = best[i]
-                if current is None or result.median_us < current.median_us:
-                    best[i] = result
+        with dlock_ops(url) as faces:
+            ops[ASYNC] = faces["dlock asyncio"]
+            return measure_latencies(ops, iterations, warmup=iterations // 10, rounds=rounds)
     finally:
-        for handle in handles:
+        for handle in handles.values():
             handle.close()
-    return [result for result in best if result is not None]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args()
-    iterations, rounds, sections = (200, 2, 10) if args.quick else (1000, 5, 50)
+    iterations, rounds, sections = (400, 2, 10) if args.quick else (5000, 5, 50)
     single: RedisServer = start_single("bench-redis")
     masters = start_masters()
     try:
@@ -174,16 +174,18 @@ def main() -> int:
             ("dlock Redlock (3 masters)", ("dlock", redlock_url, "dlock3")),
             ("pottery Redlock (3 masters)", ("pottery", ports, "pottery3")),
         ]
-        lats = latencies([config for _, config in setups], iterations, rounds)
+        lats = latencies(setups, url, iterations, rounds)
         print("  measured uncontended latency", file=sys.stderr, flush=True)
         rows: list[tuple[str, Latency | None, Contention | None]] = []
-        for (label, config), lat in zip(setups, lats, strict=True):
+        for label, config in setups:
             con = measure_contention(open_lock, config, processes=8, sections=sections)
             print(f"  measured {label}", file=sys.stderr, flush=True)
-            rows.append((label, lat, con))
+            rows.append((label, lats[label], con))
+            if label == "dlock":
+                rows.append((ASYNC, lats[ASYNC], None))
         print_table(
-            "Redis 7, one server (Redlock rows: three masters); latency: best of "
-            f"{rounds} interleaved rounds of {iterations}",
+            "Redis 7, one server (Redlock rows: three masters); latency: "
+            f"{rounds} interleaved rounds of {iterations // rounds}",
             rows,
             "raw SET NX PX + CAD",
         )

@@ -55,7 +55,8 @@ end
 #: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms keep_place
 #: join. ``join`` (unless empty) first queues the token with that arrival time ("now":
 #: the server's clock): a waiter joins the queue with its first attempt inside the core's
-#: waiter, not with a round trip of its own.
+#: waiter, not with a round trip of its own, and every later attempt passes ``join``
+#: too, which refreshes its place (only waiters are queued).
 #: Returns {1, fence, count, left_queue} when granted, {0, ms_left} when busy (ms_left
 #: -1: free, but not our turn). A grant takes the winner out of the queue, saving it a
 #: round trip; Redlock keeps the place (keep_place=1) until a majority granted, since a
@@ -80,9 +81,6 @@ if owner then
         redis.call('PEXPIRE', lease, ARGV[2])
         return {1, tonumber(redis.call('HGET', lease, 'fence')), count, 0}
     end
-    if redis.call('EXISTS', qexp) == 1 then
-        redis.call('ZADD', qexp, 'XX', now_ms() + tonumber(ARGV[5]), token)
-    end
     return {0, redis.call('PTTL', lease)}
 end
 if redis.call('EXISTS', queue) == 1 then
@@ -90,7 +88,6 @@ if redis.call('EXISTS', queue) == 1 then
     prune(queue, qexp, now)
     local head = redis.call('ZRANGE', queue, 0, 0)[1]
     if head and head ~= token then
-        redis.call('ZADD', qexp, 'XX', now + tonumber(ARGV[5]), token)
         return {0, -1}
     end
     if head and ARGV[6] ~= '1' then

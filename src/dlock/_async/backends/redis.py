@@ -60,7 +60,8 @@ CLIENT_OPTIONS = {
 #: How long a waiter's place in the queue lasts unless refreshed by its next attempt;
 #: well above the core's fallback wait (2 s) so a live waiter never loses its place.
 QUEUE_TTL = 6.0
-#: Seconds an idle pub/sub connection stays subscribed to its last channel.
+#: Seconds an idle pub/sub connection stays subscribed to its last channel (at least:
+#: it is unsubscribed when the next wait begins, or when the client closes).
 LINGER = 1.0
 #: Idle pub/sub connections kept for the next waiter.
 IDLE_SUBSCRIBERS = 8
@@ -83,10 +84,6 @@ def _seconds(value: Any, option: str) -> float:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def _bytes(value: Any) -> bytes:
@@ -121,11 +118,6 @@ class Keys:
 def _keys(prefix: bytes, name: str) -> Keys:
     """Keys of recently used names, so a hot lock does not re-encode its name each time."""
     return Keys(prefix, name)
-
-
-@lru_cache(maxsize=64)
-def _holder_json(holder: Holder) -> str:
-    return holder.to_json()
 
 
 class _PubSubWaiter(AsyncWaiter):
@@ -350,7 +342,7 @@ class AsyncRedisBackend(AsyncBackend):
         args = (
             token,
             _ms(ttl),
-            _holder_json(holder),
+            holder.to_json(),
             "1" if reentrant else "0",
             self._queue_ttl_ms,
             "1" if keep_place else "0",
@@ -359,7 +351,7 @@ class AsyncRedisBackend(AsyncBackend):
         # A call cut off mid-flight may have been granted: the core gives the lease back.
         result = await self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
         if int(result[0]) == 1:
-            if int(result[3]):
+            if int(result[3]) and token in self._joining:
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
         left = int(result[1])
@@ -468,11 +460,13 @@ class AsyncRedisBackend(AsyncBackend):
             if keep and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append((pubsub, channel, time.monotonic()))
                 return
-        await self._close_pubsub(pubsub)
+        await self._aclose_quietly(pubsub)
 
     async def _unsubscribe_lingering(self) -> None:
         """Stop idle subscriptions older than LINGER, so idle connections do not keep
-        collecting other clients' wake-ups."""
+        collecting other clients' wake-ups. Runs when a wait begins: a process that
+        stops waiting keeps up to IDLE_SUBSCRIBERS subscribed until it waits again or
+        closes the client."""
         cutoff = time.monotonic() - LINGER
         with self._creating:
             stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
@@ -482,7 +476,7 @@ class AsyncRedisBackend(AsyncBackend):
             try:
                 await pubsub.unsubscribe(channel)
             except (*ERRORS, OSError):
-                await self._close_pubsub(pubsub)
+                await self._aclose_quietly(pubsub)
                 continue
             with self._creating:
                 self._idle.append((pubsub, None, since))
@@ -493,9 +487,10 @@ class AsyncRedisBackend(AsyncBackend):
         return bool(int(await self._call(scripts.RAISE_FENCE, (k.lease, k.fence), (token, floor))))
 
     @staticmethod
-    async def _close_pubsub(pubsub: Any) -> None:
+    async def _aclose_quietly(closable: Any) -> None:
+        """Close a client or pub/sub connection; a broken one is closed enough."""
         try:
-            await pubsub.aclose()
+            await closable.aclose()
         except (*ERRORS, OSError):
             pass
 
@@ -549,20 +544,13 @@ class AsyncRedisBackend(AsyncBackend):
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
         for pubsub, _, _ in idle:
-            await self._close_pubsub(pubsub)
+            await self._aclose_quietly(pubsub)
         subscriber, self._subscriber = self._subscriber, None
         if subscriber is not None and subscriber is not self._client:
-            await self._close_client(subscriber)
+            await self._aclose_quietly(subscriber)
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
-            await self._close_client(client)
-
-    @staticmethod
-    async def _close_client(client: Any) -> None:
-        try:
-            await client.aclose()
-        except (*ERRORS, OSError):
-            pass
+            await self._aclose_quietly(client)
 
 
 BACKEND = AsyncRedisBackend

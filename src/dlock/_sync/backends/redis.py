@@ -61,7 +61,8 @@ CLIENT_OPTIONS = {
 #: How long a waiter's place in the queue lasts unless refreshed by its next attempt;
 #: well above the core's fallback wait (2 s) so a live waiter never loses its place.
 QUEUE_TTL = 6.0
-#: Seconds an idle pub/sub connection stays subscribed to its last channel.
+#: Seconds an idle pub/sub connection stays subscribed to its last channel (at least:
+#: it is unsubscribed when the next wait begins, or when the client closes).
 LINGER = 1.0
 #: Idle pub/sub connections kept for the next waiter.
 IDLE_SUBSCRIBERS = 8
@@ -84,10 +85,6 @@ def _seconds(value: Any, option: str) -> float:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def _bytes(value: Any) -> bytes:
@@ -122,11 +119,6 @@ class Keys:
 def _keys(prefix: bytes, name: str) -> Keys:
     """Keys of recently used names, so a hot lock does not re-encode its name each time."""
     return Keys(prefix, name)
-
-
-@lru_cache(maxsize=64)
-def _holder_json(holder: Holder) -> str:
-    return holder.to_json()
 
 
 class _PubSubWaiter(Waiter):
@@ -347,7 +339,7 @@ class RedisBackend(Backend):
         args = (
             token,
             _ms(ttl),
-            _holder_json(holder),
+            holder.to_json(),
             "1" if reentrant else "0",
             self._queue_ttl_ms,
             "1" if keep_place else "0",
@@ -356,7 +348,7 @@ class RedisBackend(Backend):
         # A call cut off mid-flight may have been granted: the core gives the lease back.
         result = self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
         if int(result[0]) == 1:
-            if int(result[3]):
+            if int(result[3]) and token in self._joining:
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
         left = int(result[1])
@@ -461,11 +453,13 @@ class RedisBackend(Backend):
             if keep and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append((pubsub, channel, time.monotonic()))
                 return
-        self._close_pubsub(pubsub)
+        self._aclose_quietly(pubsub)
 
     def _unsubscribe_lingering(self) -> None:
         """Stop idle subscriptions older than LINGER, so idle connections do not keep
-        collecting other clients' wake-ups."""
+        collecting other clients' wake-ups. Runs when a wait begins: a process that
+        stops waiting keeps up to IDLE_SUBSCRIBERS subscribed until it waits again or
+        closes the client."""
         cutoff = time.monotonic() - LINGER
         with self._creating:
             stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
@@ -475,7 +469,7 @@ class RedisBackend(Backend):
             try:
                 pubsub.unsubscribe(channel)
             except (*ERRORS, OSError):
-                self._close_pubsub(pubsub)
+                self._aclose_quietly(pubsub)
                 continue
             with self._creating:
                 self._idle.append((pubsub, None, since))
@@ -486,9 +480,10 @@ class RedisBackend(Backend):
         return bool(int(self._call(scripts.RAISE_FENCE, (k.lease, k.fence), (token, floor))))
 
     @staticmethod
-    def _close_pubsub(pubsub: Any) -> None:
+    def _aclose_quietly(closable: Any) -> None:
+        """Close a client or pub/sub connection; a broken one is closed enough."""
         try:
-            pubsub.close()
+            closable.close()
         except (*ERRORS, OSError):
             pass
 
@@ -542,20 +537,13 @@ class RedisBackend(Backend):
     def close(self) -> None:
         idle, self._idle = self._idle, []
         for pubsub, _, _ in idle:
-            self._close_pubsub(pubsub)
+            self._aclose_quietly(pubsub)
         subscriber, self._subscriber = self._subscriber, None
         if subscriber is not None and subscriber is not self._client:
-            self._close_client(subscriber)
+            self._aclose_quietly(subscriber)
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
-            self._close_client(client)
-
-    @staticmethod
-    def _close_client(client: Any) -> None:
-        try:
-            client.close()
-        except (*ERRORS, OSError):
-            pass
+            self._aclose_quietly(client)
 
 
 BACKEND = RedisBackend
