@@ -6,6 +6,7 @@ face is generated from the same code and covered by the conformance suite).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -266,3 +267,131 @@ async def test_client_option_in_the_asyncio_face(server: SQLServer, name: str) -
         lock = client.lock(name, ttl=5)
         assert await lock.acquire(timeout=0)
         await lock.release()
+
+
+def test_statement_cut_off_by_the_timeout_is_not_run_again(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """A read timeout says nothing about the statement: it may commit later. Sent again,
+    a reentrant acquire counted itself twice and one release left the lock held."""
+    server = mariadb_server
+    with dlock.connect(server.url("timeout=1")) as client:
+        lock = client.lock(name, ttl=30, reentrant=True, auto_renew=False)
+        assert lock.acquire(timeout=0)  # creates the row and pools a connection
+        lock.release()
+        started = threading.Event()
+
+        def hold_row_lock() -> None:
+            conn = server.connect()
+            try:
+                with conn.cursor() as cursor:
+                    cursor.execute("BEGIN")
+                    cursor.execute(
+                        "SELECT fence FROM dlock_locks WHERE name = %s FOR UPDATE",
+                        (name.encode(),),
+                    )
+                    started.set()
+                    time.sleep(1.4)
+                    cursor.execute("COMMIT")
+            finally:
+                conn.close()
+
+        holder = threading.Thread(target=hold_row_lock)
+        holder.start()
+        assert started.wait(5)
+        try:
+            got = lock.acquire(timeout=0)
+        except dlock.BackendError:
+            got = False
+        holder.join()
+        time.sleep(0.3)
+        if not got:
+            assert lock.acquire(timeout=5)
+        lock.release()
+        assert client.inspect(name) is None, "one acquire, one release: the lock is free"
+
+
+def _sessions(server: SQLServer) -> int:
+    run = admin(server)
+    if server.scheme == "postgresql":
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        )
+    else:
+        sql = (
+            "SELECT count(*) FROM information_schema.processlist "
+            "WHERE id <> CONNECTION_ID() AND user = 'dlock'"
+        )
+    return int(run(sql, ())[0][0])
+
+
+async def test_connections_beyond_the_pool_are_closed(server: SQLServer, name: str) -> None:
+    """A burst opens more connections than the pool keeps: the surplus is closed."""
+    import asyncio
+
+    import dlock.aio
+    from dlock._async.backends._server_sql import POOL_SIZE
+
+    for mode in ("lease", "session"):
+        before = _sessions(server)
+        async with dlock.aio.connect(server.url(f"mode={mode}")) as client:
+            for _ in range(2):
+                await asyncio.gather(*(client.inspect(name) for _ in range(40)))
+            # A closed PostgreSQL backend leaves pg_stat_activity a moment later.
+            for _ in range(40):
+                if _sessions(server) - before <= POOL_SIZE:
+                    break
+                await asyncio.sleep(0.05)
+            assert _sessions(server) - before <= POOL_SIZE
+
+
+def test_session_wait_timeout_does_not_stay_on_pooled_connections(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """lock_timeout bounds one wait; left on the session it would cut later statements.
+    (A wait that times out rolls its setting back; one that gets the lock kept it.)"""
+    url = postgresql_server.url("mode=session")
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        threading.Timer(0.3, lock.release).start()
+        waiter = second.lock(name, ttl=30)
+        assert waiter.acquire(timeout=5)
+        waiter.release()
+        backend: Any = second._backend
+        assert backend._idle
+        for conn in backend._idle:
+            assert conn.raw.execute("SHOW lock_timeout").fetchone()[0] == "0"
+
+
+def test_turnstile_timeouts_keep_the_waiters_connection(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A waiter behind the one in front times out in the server again and again: each
+    is an ordinary end of a wait, not a dead connection to replace."""
+    url = postgresql_server.url()
+    with (
+        dlock.connect(url) as holder,
+        dlock.connect(url) as front,
+        dlock.connect(url) as behind,
+    ):
+        lock = holder.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        in_front = threading.Thread(target=lambda: front.lock(name, ttl=30).acquire(timeout=4))
+        in_front.start()
+        time.sleep(0.3)
+        assert behind.inspect(name) is not None  # pools a statement connection
+        backend: Any = behind._backend
+        connects: list[object] = []
+        connect = backend._connect
+
+        def counting_connect() -> object:
+            connects.append(None)
+            return connect()
+
+        backend._connect = counting_connect
+        assert behind.lock(name, ttl=30).acquire(timeout=3) is False
+        assert len(connects) <= 1, "only the listening connection is new"
+        in_front.join()
+        lock.release()

@@ -408,9 +408,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE NOT l.ok AND name = %(name)s""",
         # A waiter got the lock inside the server: record it.
         "session_record": f"WITH l AS (SELECT true AS ok) {session_upsert}",
+        # true: the timeout lasts for this statement's transaction only, not for the
+        # pooled connection's later statements.
         "session_wait": """
             SELECT pg_advisory_lock(%(key)s)
-            FROM (SELECT set_config('lock_timeout', %(wait_ms)s, false)) AS s""",
+            FROM (SELECT set_config('lock_timeout', %(wait_ms)s, true)) AS s""",
         "session_unlock": "SELECT pg_advisory_unlock(%(key)s)",
         "session_count": f"""
             UPDATE {table} SET count = count + %(delta)s

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,24 @@ class SQLServer:
     def url(self, query: str = "") -> str:
         url = f"{self.scheme}://{self.user}:{self.password}@127.0.0.1:{self.port}/{self.database}"
         return f"{url}?{query}" if query else url
+
+    def connect(self, autocommit: bool = True) -> Any:
+        """A plain driver connection (sync), independent of dlock."""
+        if self.scheme == "postgresql":
+            import psycopg
+
+            return psycopg.connect(self.url(), autocommit=autocommit)
+        import pymysql
+
+        return pymysql.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user=self.user,
+            password=self.password,
+            database=self.database,
+            autocommit=autocommit,
+            ssl_disabled=True,
+        )
 
     def stop(self) -> None:
         """Stop the server and remove its temporary directory."""

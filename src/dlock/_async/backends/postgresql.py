@@ -95,6 +95,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     async def _driver_close(self, raw: Any) -> None:
         await raw.close()
 
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        return bool(raw.closed) or self._readable(raw.fileno())
+
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
             return BackendError(f"the server is a read-only replica: {exc}")
@@ -241,16 +244,18 @@ class _TurnstileWaiter(AsyncWaiter):
                 await self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
                 )
-            except BackendUnavailable:
-                # A pooled listener died while idle (server restart): start over on a new
-                # one; the core simply tries again.
+            except BackendError as exc:
+                # LockNotAvailable is an OperationalError, so it arrives as unavailable:
+                # the turnstile's own timeout, checked first, keeps the connection.
+                if self._backend._is_lock_timeout(exc.__cause__ or exc):
+                    return
+                if not isinstance(exc, BackendUnavailable):
+                    raise
+                # The listener died (server restart): start over on a new one; the core
+                # simply tries again.
                 await self._backend._driver_close(self.conn.raw)
                 self.conn = await self._backend._connect()
                 return
-            except BackendError as exc:
-                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
-                    return
-                raise
             self.in_front = True
             # Listen before the core's next attempt, so no release goes unnoticed; drop
             # what an earlier waiter on this connection listened to.

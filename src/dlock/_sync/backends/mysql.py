@@ -119,6 +119,14 @@ class MySQLBackend(ServerSQLBackend):
     def _driver_close(self, raw: Any) -> None:
         raw.close()
 
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        if IS_ASYNC:
+            # The event loop reads the socket as data comes, into the stream reader.
+            reader = getattr(raw, "_reader", None)
+            return reader is None or bool(reader._eof or reader._buffer)
+        sock = getattr(raw, "_sock", None)
+        return sock is None or self._readable(sock.fileno())
+
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if not isinstance(exc, pymysql.MySQLError):
             return None
