@@ -395,3 +395,18 @@ def test_turnstile_timeouts_keep_the_waiters_connection(
         assert len(connects) <= 1, "only the listening connection is new"
         in_front.join()
         lock.release()
+
+
+def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, name: str) -> None:
+    """The server ended the holders' sessions (their locks with them) while their rows
+    still look live: a batched renewal must report them lost, as a single one does."""
+    from dlock._types import Lease
+
+    with dlock.connect(server.url("mode=session")) as client:
+        locks = [client.lock(f"{name}-{i}", ttl=30, auto_renew=False) for i in range(2)]
+        for lock in locks:
+            assert lock.acquire(timeout=0)
+        kill_other_sessions(server)
+        backend: Any = client._backend
+        leases = [Lease(lock.name, lock._token, 30) for lock in locks]
+        assert backend.extend_many(leases) == [False, False]

@@ -418,10 +418,9 @@ def postgresql_statements(table: str) -> dict[str, str]:
             UPDATE {table} SET count = count + %(delta)s
             WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
         "session_extend": d.extend(table) + f" AND {held} RETURNING 1",
-        # Batched renewal skips the pg_locks check (reading pg_locks costs milliseconds):
-        # force release also clears the row, a new holder overwrites it, and an evicted
-        # holder's lease had expired, so the owner check alone finds every loss.
-        "session_extend_many": _pg_extend_many(table),
+        # Batched renewal checks pg_locks too: a holder whose session was ended by the
+        # server (pg_terminate_backend, idle timeout) still has a live row.
+        "session_extend_many": _pg_extend_many(table, f"AND {held}"),
         # A holder whose lease ran out (paused, partitioned) still holds the advisory lock:
         # only ending its session frees it, and only while the lease is still expired.
         "session_evict": f"""
@@ -443,13 +442,14 @@ def postgresql_statements(table: str) -> dict[str, str]:
     }
 
 
-def _pg_extend_many(table: str) -> str:
+def _pg_extend_many(table: str, condition: str = "") -> str:
     now = POSTGRESQL.now
     return f"""
         UPDATE {table} SET expires = {now} + v.ttl
         FROM (SELECT * FROM unnest(%(names)s::bytea[], %(owners)s::text[],
                                    %(ttls)s::float8[])) AS v(name, owner, ttl)
         WHERE {table}.name = v.name AND {table}.owner = v.owner AND {table}.expires > {now}
+            {condition}
         RETURNING {table}.name, {table}.owner"""
 
 
