@@ -537,6 +537,12 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_expired_holder": f"""
             SELECT session FROM {table}
             WHERE name = %(name)s AND expires <= {now} AND {held}""",
+        # Eviction clears the row only if the lease is still expired: a holder that
+        # renewed since the SELECT above keeps its lock; one that renews after this
+        # finds the row cleared, so it never renews a lease whose session is killed.
+        "session_clear_expired": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND session = %(session)s AND expires <= {now}""",
         "session_inspect": f"""SELECT {columns} FROM {table}
             WHERE name = %(name)s AND {live} AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}

@@ -154,9 +154,14 @@ class MySQLBackend(ServerSQLBackend):
         return float(rows[0][0]) if rows else None
 
     def _session_evict(self, name: str) -> None:
-        rows = (self._call("session_expired_holder", {"name": encode_name(name)})).rows
+        """Two steps (MySQL cannot KILL from inside a statement): a holder renewing
+        between them must not be killed, so the row is cleared, still expired, first."""
+        key = encode_name(name)
+        rows = (self._call("session_expired_holder", {"name": key})).rows
         for (session,) in rows:
-            self._kill(int(session))
+            params = {"name": key, "session": int(session)}
+            if (self._call("session_clear_expired", params)).rowcount > 0:
+                self._kill(int(session))
 
     def _kill(self, session: int) -> bool:
         try:
