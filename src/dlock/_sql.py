@@ -252,7 +252,9 @@ SQLITE = Dialect(
     name="sqlite",
     # The host's boot clock, passed in by the client: SQLite has no server.
     now="%(now)s",
-    name_type="TEXT",
+    # Names are bound as UTF-8 BLOBs, as on the servers: SQLite's length() and substr()
+    # of TEXT stop at a NUL, of a BLOB they count bytes.
+    name_type="BLOB",
     owner_type="TEXT",
     prefix_match="substr(name, 1, length(%(prefix)s)) = %(prefix)s",
     # A lease from an earlier boot of the host is dead whatever its clock says.

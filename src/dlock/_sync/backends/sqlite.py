@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._sql import check_identifier, lock_info, sqlite_statements
+from ..._sql import check_identifier, encode_name, lock_info, sqlite_statements
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import run_blocking
 from ..backend import Backend
@@ -147,7 +147,7 @@ class SQLiteBackend(Backend):
     ) -> Acquired | Busy:
         boot, now = _boot_and_now()
         params = {
-            "name": name,
+            "name": encode_name(name),
             "owner": token,
             "boot": boot,
             "now": now,
@@ -168,7 +168,7 @@ class SQLiteBackend(Backend):
 
     def _release(self, name: str, token: str) -> int | None:
         boot, now = _boot_and_now()
-        params = {"name": name, "owner": token, "boot": boot, "now": now}
+        params = {"name": encode_name(name), "owner": token, "boot": boot, "now": now}
         rows = self._run(self._sql["release"], params)
         return rows[0][0] if rows else None
 
@@ -178,7 +178,7 @@ class SQLiteBackend(Backend):
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
         boot, now = _boot_and_now()
         batch = [
-            {"name": x.name, "owner": x.token, "boot": boot, "now": now, "ttl": x.ttl}
+            {"name": encode_name(x.name), "owner": x.token, "boot": boot, "now": now, "ttl": x.ttl}
             for x in leases
         ]
         return [bool(rows) for rows in self._run_batch(self._sql["extend"], batch)]
@@ -196,15 +196,17 @@ class SQLiteBackend(Backend):
         return [lock_info(*row) for row in rows]
 
     def inspect(self, name: str) -> LockInfo | None:
-        infos = run_blocking(self._infos, self._sql["inspect"], {"name": name})
+        infos = run_blocking(self._infos, self._sql["inspect"], {"name": encode_name(name)})
         return infos[0] if infos else None
 
     def list(self, prefix: str) -> list[LockInfo]:
-        return run_blocking(self._infos, self._sql["list"], {"prefix": prefix})
+        return run_blocking(self._infos, self._sql["list"], {"prefix": encode_name(prefix)})
 
     def _force_release(self, name: str) -> bool:
         boot, now = _boot_and_now()
-        rows = self._run(self._sql["force_release"], {"name": name, "boot": boot, "now": now})
+        rows = self._run(
+            self._sql["force_release"], {"name": encode_name(name), "boot": boot, "now": now}
+        )
         return bool(rows)
 
     def force_release(self, name: str) -> bool:
