@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 import pymysql
 import pytest
+from pymysql.constants import CLIENT
 
 import dlock
 from tests.servers.sql import SQLServer
@@ -238,6 +239,7 @@ def test_client_option_takes_a_connection_factory(server: SQLServer, name: str) 
                 password="secret",
                 database="dlock",
                 ssl_disabled=True,
+                client_flag=CLIENT.FOUND_ROWS,
             )
         made.append(conn)
         return conn
@@ -260,7 +262,12 @@ async def test_client_option_in_the_asyncio_face(server: SQLServer, name: str) -
         if server.scheme == "postgresql":
             return await psycopg.AsyncConnection.connect(server.url())
         return await aiomysql.connect(
-            host="127.0.0.1", port=server.port, user="dlock", password="secret", db="dlock"
+            host="127.0.0.1",
+            port=server.port,
+            user="dlock",
+            password="secret",
+            db="dlock",
+            client_flag=CLIENT.FOUND_ROWS,
         )
 
     async with dlock.aio.connect(f"{server.scheme}://", client=factory) as client:
@@ -410,3 +417,22 @@ def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, nam
         backend: Any = client._backend
         leases = [Lease(lock.name, lock._token, 30) for lock in locks]
         assert backend.extend_many(leases) == [False, False]
+
+
+def test_client_option_refuses_a_mysql_connection_without_found_rows(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """Without FOUND_ROWS an UPDATE that changes nothing reports 0 rows: a renewal within
+    the same microsecond would look lost. Refused up front instead of misbehaving."""
+    made: list[Any] = []
+
+    def factory() -> object:
+        made.append(mariadb_server.connect(autocommit=False))
+        return made[-1]
+
+    with (
+        dlock.connect("mysql://", client=factory) as client,
+        pytest.raises(dlock.ConfigurationError, match="FOUND_ROWS"),
+    ):
+        client.lock(name, ttl=5).acquire(timeout=0)
+    assert made and not made[0].open, "the refused connection is closed"

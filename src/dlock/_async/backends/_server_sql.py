@@ -15,6 +15,7 @@ out by the server's clock, by ending its database session.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import select
 from abc import abstractmethod
@@ -81,7 +82,13 @@ class AsyncServerSQLBackend(AsyncBackend):
     # -- driver hooks ----------------------------------------------------------------
 
     @abstractmethod
-    async def _driver_connect(self) -> Any: ...
+    async def _driver_connect(self) -> Any:
+        """A new connection from the URL's settings."""
+
+    @abstractmethod
+    async def _driver_adopt(self, raw: Any) -> None:
+        """Make a connection from the ``client=`` factory fit for dlock (autocommit), or
+        refuse it with ConfigurationError."""
 
     @abstractmethod
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
@@ -140,9 +147,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         if self._closed:
             raise BackendError("this dlock client is closed")
         try:
-            raw = await call_with_timeout(
-                self._driver_connect(), self._settings.connect_timeout + 1
-            )
+            raw = await call_with_timeout(self._open(), self._settings.connect_timeout + 1)
+        except ConfigurationError:
+            raise
         except Exception as exc:
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw)
@@ -153,6 +160,23 @@ class AsyncServerSQLBackend(AsyncBackend):
             await self._drop(conn)
             raise
         return conn
+
+    async def _open(self) -> Any:
+        factory = self._settings.client
+        if factory is None:
+            return await self._driver_connect()
+        # The sync face's factory returns a connection, the asyncio face's may be a
+        # coroutine function.
+        raw = factory()
+        if inspect.isawaitable(raw):
+            raw = await raw
+        try:
+            await self._driver_adopt(raw)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._driver_close(raw)
+            raise
+        return raw
 
     async def _ensure_schema(self, conn: Conn) -> None:
         try:

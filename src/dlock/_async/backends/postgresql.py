@@ -8,7 +8,6 @@ released instead of polling.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -64,12 +63,6 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     async def _driver_connect(self) -> Any:
         s = self._settings
-        if s.client is not None:
-            raw = s.client()
-            if inspect.isawaitable(raw):
-                raw = await raw
-            await raw.set_autocommit(True)
-            return raw
         params: dict[str, Any] = {
             "host": s.host,
             "port": s.port,
@@ -83,6 +76,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             **s.extra,
         }
         return await psycopg.AsyncConnection.connect(autocommit=True, **params)
+
+    async def _driver_adopt(self, raw: Any) -> None:
+        await raw.set_autocommit(True)
 
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed).

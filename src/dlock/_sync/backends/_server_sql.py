@@ -16,6 +16,7 @@ out by the server's clock, by ending its database session.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import select
 from abc import abstractmethod
@@ -82,7 +83,13 @@ class ServerSQLBackend(Backend):
     # -- driver hooks ----------------------------------------------------------------
 
     @abstractmethod
-    def _driver_connect(self) -> Any: ...
+    def _driver_connect(self) -> Any:
+        """A new connection from the URL's settings."""
+
+    @abstractmethod
+    def _driver_adopt(self, raw: Any) -> None:
+        """Make a connection from the ``client=`` factory fit for dlock (autocommit), or
+        refuse it with ConfigurationError."""
 
     @abstractmethod
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
@@ -141,7 +148,9 @@ class ServerSQLBackend(Backend):
         if self._closed:
             raise BackendError("this dlock client is closed")
         try:
-            raw = call_with_timeout(self._driver_connect(), self._settings.connect_timeout + 1)
+            raw = call_with_timeout(self._open(), self._settings.connect_timeout + 1)
+        except ConfigurationError:
+            raise
         except Exception as exc:
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw)
@@ -152,6 +161,23 @@ class ServerSQLBackend(Backend):
             self._drop(conn)
             raise
         return conn
+
+    def _open(self) -> Any:
+        factory = self._settings.client
+        if factory is None:
+            return self._driver_connect()
+        # The sync face's factory returns a connection, the sync face's may be a
+        # coroutine function.
+        raw = factory()
+        if inspect.isawaitable(raw):
+            raw = raw
+        try:
+            self._driver_adopt(raw)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._driver_close(raw)
+            raise
+        return raw
 
     def _ensure_schema(self, conn: Conn) -> None:
         try:

@@ -79,12 +79,6 @@ class MySQLBackend(ServerSQLBackend):
 
     def _driver_connect(self) -> Any:
         s = self._settings
-        if s.client is not None:
-            raw = s.client()
-            if not hasattr(raw, "cursor"):
-                raw = raw
-            raw.autocommit(True)
-            return raw
         kwargs: dict[str, Any] = {
             "host": s.host,
             "port": s.port or 3306,
@@ -108,6 +102,15 @@ class MySQLBackend(ServerSQLBackend):
                 ssl_disabled=self._ssl is None,
             )
         return pymysql.connect(**kwargs)
+
+    def _driver_adopt(self, raw: Any) -> None:
+        if not getattr(raw, "client_flag", 0) & CLIENT.FOUND_ROWS:
+            raise ConfigurationError(
+                "a client= connection for MariaDB/MySQL needs client_flag=CLIENT.FOUND_ROWS "
+                "(pymysql.constants.CLIENT): without it a renewal that changes nothing "
+                "counts as lost"
+            )
+        raw.autocommit(True)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # The cursor class is given here too, for connections brought with ``client=``.

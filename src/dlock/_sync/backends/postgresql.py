@@ -9,7 +9,6 @@ released instead of polling.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -65,12 +64,6 @@ class PostgreSQLBackend(ServerSQLBackend):
 
     def _driver_connect(self) -> Any:
         s = self._settings
-        if s.client is not None:
-            raw = s.client()
-            if inspect.isawaitable(raw):
-                raw = raw
-            raw.set_autocommit(True)
-            return raw
         params: dict[str, Any] = {
             "host": s.host,
             "port": s.port,
@@ -84,6 +77,9 @@ class PostgreSQLBackend(ServerSQLBackend):
             **s.extra,
         }
         return psycopg.Connection.connect(autocommit=True, **params)
+
+    def _driver_adopt(self, raw: Any) -> None:
+        raw.set_autocommit(True)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed).
