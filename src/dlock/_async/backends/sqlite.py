@@ -15,7 +15,14 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._sql import check_identifier, encode_name, lock_info, sqlite_statements
+from ..._sql import (
+    DEFAULT_TABLES,
+    check_identifier,
+    encode_name,
+    lock_info,
+    seconds,
+    sqlite_statements,
+)
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import run_blocking
 from ..backend import AsyncBackend
@@ -51,7 +58,7 @@ class AsyncSQLiteBackend(AsyncBackend):
         self,
         path: str,
         *,
-        table: str = "dlock_locks",
+        table: str = DEFAULT_TABLES["lease"],
         busy_timeout: float = 10.0,
         synchronous: str = "full",
     ) -> None:
@@ -60,7 +67,7 @@ class AsyncSQLiteBackend(AsyncBackend):
         if synchronous not in SYNCHRONOUS_MODES:
             raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self._synchronous = synchronous
-        self._busy_timeout = busy_timeout
+        self._busy_timeout = seconds(busy_timeout, "busy_timeout")
         self._connection: sqlite3.Connection | None = None
         # One connection shared by the caller's thread and the renewer's, one at a time.
         self._mutex = threading.Lock()
@@ -82,14 +89,10 @@ class AsyncSQLiteBackend(AsyncBackend):
         unknown = set(settings) - {"table", "busy_timeout", "synchronous"}
         if unknown:
             raise ConfigurationError(f"unknown sqlite option(s): {', '.join(sorted(unknown))}")
-        try:
-            busy_timeout = float(settings.get("busy_timeout", 10.0))
-        except ValueError:
-            raise ConfigurationError("busy_timeout must be a number of seconds") from None
         return cls(
             path,
-            table=str(settings.get("table", "dlock_locks")),
-            busy_timeout=busy_timeout,
+            table=str(settings.get("table", DEFAULT_TABLES["lease"])),
+            busy_timeout=seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
             synchronous=str(settings.get("synchronous", "full")).lower(),
         )
 
