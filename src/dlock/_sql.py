@@ -103,7 +103,7 @@ def _flag(value: object, what: str) -> bool:
     raise ConfigurationError(f"{what} must be true or false, not {value!r}")
 
 
-def _seconds(value: object, what: str) -> float:
+def seconds(value: object, what: str) -> float:
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -146,8 +146,8 @@ def parse_server_url(
         database=database,
         mode=mode,
         table=check_identifier(settings.get("table", DEFAULT_TABLES[mode]), "table"),
-        connect_timeout=_seconds(settings.get("connect_timeout", 5), "connect_timeout"),
-        timeout=_seconds(settings.get("timeout", 10), "timeout"),
+        connect_timeout=seconds(settings.get("connect_timeout", 5), "connect_timeout"),
+        timeout=seconds(settings.get("timeout", 10), "timeout"),
         create_table=_flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
         client=settings.get("client"),
@@ -329,13 +329,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 (name, owner, fence, count, expires, holder, session, lock_key)
             SELECT %(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s,
                    pg_backend_pid(), %(key)s
-            FROM l WHERE l.ok
+            FROM l WHERE {{condition}}
             ON CONFLICT (name) DO UPDATE SET
                 fence = x.fence + 1, owner = excluded.owner, count = 1,
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session"""
-    first_use = session_upsert.replace("WHERE l.ok", "WHERE l.ok AND NOT EXISTS (SELECT FROM bump)")
+    first_use = session_upsert.format(condition="l.ok AND NOT EXISTS (SELECT FROM bump)")
     live = d.live()
     reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
     # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
@@ -409,7 +409,8 @@ def postgresql_statements(table: str) -> dict[str, str]:
             SELECT NULL, NULL, expires - {now} FROM {table}, l
             WHERE NOT l.ok AND name = %(name)s""",
         # A waiter got the lock inside the server: record it.
-        "session_record": f"WITH l AS (SELECT true AS ok) {session_upsert}",
+        "session_record": "WITH l AS (SELECT true AS ok) "
+        + session_upsert.format(condition="l.ok"),
         # true: the timeout lasts for this statement's transaction only, not for the
         # pooled connection's later statements.
         "session_wait": """
@@ -498,7 +499,6 @@ def mysql_statements(table: str) -> dict[str, str]:
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s AND NOT {live}""",
         "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
-        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s",
         # The last release ends the lease (expires = 0) but leaves owner and holder: an
         # update that keeps the row's size is done in place by InnoDB (~5% faster).
         "release": f"""

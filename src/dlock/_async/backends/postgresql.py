@@ -21,7 +21,6 @@ from ..._sql import (
     POSTGRESQL,
     ServerSettings,
     advisory_key,
-    check_identifier,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -191,7 +190,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         waiter = _TurnstileWaiter(
             self,
             Conn(raw),
-            check_identifier(notify_channel(self._table, name), "channel"),
+            notify_channel(self._table, name),
             advisory_key(self._table + ":turnstile", name),
         )
         self._front[token] = waiter

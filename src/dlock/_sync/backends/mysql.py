@@ -39,8 +39,6 @@ KNOWN_NAMES = 10_000
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 READ_ONLY = {1290, 1792, 1836}
-#: Lock wait timeout / deadlock: the statement may simply be retried.
-BUSY = {1205, 1213}
 
 
 def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
@@ -222,7 +220,8 @@ class MySQLBackend(ServerSQLBackend):
         return self._kill(session)
 
     def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
-        """Two round trips per distinct TTL (usually one): UPDATE, then read what is held."""
+        """Per distinct TTL (usually one) an UPDATE, and only when it matched fewer rows
+        than asked (FOUND_ROWS counts matched rows), a SELECT of which are still held."""
         prefix = "session_" if self._session_mode else ""
         renewed: set[tuple[bytes, str]] = set()
         by_ttl: dict[float, list[Lease]] = {}
@@ -237,7 +236,10 @@ class MySQLBackend(ServerSQLBackend):
                 pairs.append(f"(%(n{i})s, %(o{i})s)")
             placeholders = ", ".join(pairs)
             update = self._sql[f"{prefix}extend_many"].format(pairs=placeholders)
-            self._call("", params, sql=update)
+            updated = self._call("", params, sql=update)
+            if updated.rowcount == len(group):
+                renewed.update((encode_name(x.name), x.token) for x in group)
+                continue
             select = self._sql[f"{prefix}renewed"].format(pairs=placeholders)
             rows = (self._call("", params, sql=select)).rows
             renewed.update((bytes(name), bytes(owner).decode()) for name, owner in rows)

@@ -22,7 +22,6 @@ from ..._sql import (
     POSTGRESQL,
     ServerSettings,
     advisory_key,
-    check_identifier,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -192,7 +191,7 @@ class PostgreSQLBackend(ServerSQLBackend):
         waiter = _TurnstileWaiter(
             self,
             Conn(raw),
-            check_identifier(notify_channel(self._table, name), "channel"),
+            notify_channel(self._table, name),
             advisory_key(self._table + ":turnstile", name),
         )
         self._front[token] = waiter
