@@ -228,6 +228,20 @@ class Dialect:
             f" WHERE name = %(name)s AND owner = %(owner)s AND {self.live()}"
         )
 
+    def release(self, table: str) -> str:
+        """One level off the owner's live lease; the last frees the row (the fence stays)."""
+        return f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = %(name)s AND owner = %(owner)s AND {self.live()}"""
+
+    def force_release(self, table: str) -> str:
+        return f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {self.live()}"""
+
 
 POSTGRESQL = Dialect(
     name="postgresql",
@@ -264,8 +278,8 @@ SQLITE = Dialect(
 
 
 def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
-    """The lease operations where ``INSERT .. ON CONFLICT .. RETURNING`` exists
-    (PostgreSQL, SQLite): each is one statement, one round trip."""
+    """SQLite's lease operations, with ``INSERT .. ON CONFLICT .. RETURNING``: each is one
+    statement. (PostgreSQL has its own: rows stay, so its acquire is a plain UPDATE.)"""
     now = d.now
     # Inside ON CONFLICT, "x" is the existing row.
     live = d.live("x.")
@@ -289,20 +303,11 @@ def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
             RETURNING fence, count""",
         # Busy: when does the current lease end? A hint for the waiter.
         "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {d.live()}",
-        "release": f"""
-            UPDATE {table} SET
-                count = count - 1,
-                owner = CASE WHEN count > 1 THEN owner END,
-                holder = CASE WHEN count > 1 THEN holder END
-            WHERE name = %(name)s AND owner = %(owner)s AND {d.live()}
-            RETURNING count""",
+        "release": d.release(table) + " RETURNING count",
         "extend": d.extend(table) + " RETURNING 1",
         "inspect": d.inspect(table),
         "list": d.list(table),
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s AND {d.live()}
-            RETURNING 1""",
+        "force_release": d.force_release(table) + " RETURNING 1",
     }
 
 
@@ -356,7 +361,6 @@ def postgresql_statements(table: str) -> dict[str, str]:
     returning = "RETURNING fence, count"
     in_front = ", pg_advisory_unlock(%(turnstile)s)"
     return {
-        **upsert_statements(table, d),
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,
@@ -375,18 +379,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
             ON CONFLICT (name) DO NOTHING
             RETURNING fence, count""",
         # The last release wakes waiters on the name's channel, in the same statement.
-        "release": f"""
-            UPDATE {table} SET
-                count = count - 1,
-                owner = CASE WHEN count > 1 THEN owner END,
-                holder = CASE WHEN count > 1 THEN holder END
-            WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
-            RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END""",
+        "release": d.release(table)
+        + " RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END",
+        "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s AND {d.live()}
-            RETURNING pg_notify(%(channel)s, '')""",
+        "inspect": d.inspect(table),
+        "list": d.list(table),
+        "force_release": d.force_release(table) + " RETURNING pg_notify(%(channel)s, '')",
         # Session mode: the advisory lock excludes; the row carries the fencing counter,
         # the holder, its lease and its session. Taking the lock and bumping the counter
         # is one statement; when busy, the same statement tells how long the holder's
@@ -515,9 +514,7 @@ def mysql_statements(table: str) -> dict[str, str]:
             WHERE (name, owner) IN ({{pairs}}) AND expires > {now}""",
         "inspect": d.inspect(table),
         "list": d.list(table),
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s AND {live}""",
+        "force_release": d.force_release(table),
         # Session mode: GET_LOCK inside the INSERT takes the lock and bumps the fencing
         # counter in one round trip; the row is written only if the lock was granted.
         "session_acquire": session_upsert.format(condition="GET_LOCK(%(key)s, 0) = 1"),
