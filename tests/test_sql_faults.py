@@ -36,23 +36,11 @@ def admin(server: SQLServer) -> Callable[[str, tuple[Any, ...]], list[tuple[Any,
     """Run one statement as the administrator, on a fresh connection."""
 
     def run(sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        if server.scheme == "postgresql":
-            with psycopg.connect(server.url(), autocommit=True) as conn:
-                cursor = conn.execute(sql, params)
-                return cursor.fetchall() if cursor.description else []
-        conn = pymysql.connect(
-            host="127.0.0.1",
-            port=server.port,
-            user="dlock",
-            password="secret",
-            database="dlock",
-            autocommit=True,
-            ssl_disabled=True,
-        )
+        conn = server.connect()
         try:
-            with conn.cursor() as cursor:
-                cursor.execute(sql, params or None)
-                return list(cursor.fetchall())
+            cursor = conn.cursor()
+            cursor.execute(sql, params or None)
+            return list(cursor.fetchall()) if cursor.description else []
         finally:
             conn.close()
 
@@ -113,12 +101,17 @@ def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) ->
     with dlock.connect(server.url()) as first, dlock.connect(server.url()) as second:
         lock = first.lock(name, ttl=4)
         lock.acquire()
+        acquired_at = time.monotonic()
         token = lock.fencing_token
         # The waiter's pooled connections (statements, LISTEN) are about to die too.
         assert second.lock(name, ttl=5).acquire(timeout=0.2) is False
         server.restart()
-        time.sleep(2.0)  # the renewer meets dead connections and reconnects
-        assert lock.owned(), "renewal survived the restart"
+        # Past the first lease's end: only a renewal after the restart keeps it held
+        # (owned() reads local state, so the server is asked).
+        time.sleep(max(2.0, acquired_at + 4.5 - time.monotonic()))
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == token, "renewal survived the restart"
+        assert lock.owned()
         assert second.lock(name, ttl=5).acquire(timeout=0.3) is False
         lock.release()
         successor = second.lock(name, ttl=5)
@@ -247,8 +240,9 @@ def test_client_option_takes_a_connection_factory(server: SQLServer, name: str) 
     with dlock.connect(f"{server.scheme}://", client=factory) as client:
         lock = client.lock(name, ttl=5)
         assert lock.acquire(timeout=0)
-        info = client.inspect(name)
-        assert info is not None and info.fencing_token == lock.fencing_token
+        # Seen from an independent connection: committed, so dlock set autocommit.
+        rows = admin(server)("SELECT fence FROM dlock_locks WHERE name = %s", (name.encode(),))
+        assert rows == [(lock.fencing_token,)]
         lock.release()
     assert made
 
@@ -436,3 +430,44 @@ def test_client_option_refuses_a_mysql_connection_without_found_rows(
     ):
         client.lock(name, ttl=5).acquire(timeout=0)
     assert made and not made[0].open, "the refused connection is closed"
+
+
+def test_session_mode_refuses_a_transaction_pooling_proxy(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """Statements of one connection answered by different database sessions (PgBouncer
+    transaction mode) would hold the lock in the wrong session: refused with advice.
+    (PostgreSQL only: MySQL's session acquire reports no session id to compare.)"""
+    with dlock.connect(postgresql_server.url("mode=session")) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+        backend: Any = client._backend
+        for conn in backend._idle:
+            conn.session_id = -1  # as if an earlier statement ran in another session
+        with pytest.raises(dlock.ConfigurationError, match="PgBouncer"):
+            client.lock(name, ttl=5).acquire(timeout=0)
+
+
+def test_session_wait_times_out_on_time_and_keeps_its_connection(
+    server: SQLServer, name: str
+) -> None:
+    url = server.url("mode=session")
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        held = first.lock(name, ttl=30)
+        assert held.acquire(timeout=0)
+        assert second.inspect(name) is not None  # pools a connection
+        backend: Any = second._backend
+        connects: list[object] = []
+        connect = backend._connect
+
+        def counting_connect() -> object:
+            connects.append(None)
+            return connect()
+
+        backend._connect = counting_connect
+        start = time.monotonic()
+        assert second.lock(name, ttl=30).acquire(timeout=1.0) is False
+        assert 0.9 <= time.monotonic() - start < 2.0
+        assert connects == [], "a wait that timed out is not a dead connection"
+        held.release()
