@@ -57,11 +57,20 @@ def test_default_url_uses_env_then_state_dir(
         ("sqlite:///tmp/x.db?table=bad;name", "plain SQL identifier"),
         ("sqlite:///tmp/x.db?tabel=typo", "unknown sqlite option"),
         ("sqlite:///tmp/x.db?synchronous=sometimes", "synchronous"),
+        ("sqlite:///tmp/x.db?busy_timeout=-1", "busy_timeout"),
+        ("sqlite:///tmp/x.db?busy_timeout=nan", "busy_timeout"),
+        ("sqlite:///tmp/x.db?busy_timeout=inf", "busy_timeout"),
+        ("sqlite:///tmp/x.db?busy_timeout=soon", "busy_timeout"),
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:
     with pytest.raises(dlock.ConfigurationError, match=message):
         dlock.connect(url)
+
+
+def test_sqlite_busy_timeout_option_is_checked() -> None:
+    with pytest.raises(dlock.ConfigurationError, match="busy_timeout"):
+        dlock.connect("sqlite:///tmp/x.db", busy_timeout=[1])
 
 
 def test_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ face is generated from the same code and covered by the conformance suite).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from typing import Any
 import psycopg
 import pymysql
 import pytest
+from pymysql.constants import CLIENT
 
 import dlock
 from tests.servers.sql import SQLServer
@@ -34,23 +36,11 @@ def admin(server: SQLServer) -> Callable[[str, tuple[Any, ...]], list[tuple[Any,
     """Run one statement as the administrator, on a fresh connection."""
 
     def run(sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        if server.scheme == "postgresql":
-            with psycopg.connect(server.url(), autocommit=True) as conn:
-                cursor = conn.execute(sql, params)
-                return cursor.fetchall() if cursor.description else []
-        conn = pymysql.connect(
-            host="127.0.0.1",
-            port=server.port,
-            user="dlock",
-            password="secret",
-            database="dlock",
-            autocommit=True,
-            ssl_disabled=True,
-        )
+        conn = server.connect()
         try:
-            with conn.cursor() as cursor:
-                cursor.execute(sql, params or None)
-                return list(cursor.fetchall())
+            cursor = conn.cursor()
+            cursor.execute(sql, params or None)
+            return list(cursor.fetchall()) if cursor.description else []
         finally:
             conn.close()
 
@@ -111,12 +101,17 @@ def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) ->
     with dlock.connect(server.url()) as first, dlock.connect(server.url()) as second:
         lock = first.lock(name, ttl=4)
         lock.acquire()
+        acquired_at = time.monotonic()
         token = lock.fencing_token
         # The waiter's pooled connections (statements, LISTEN) are about to die too.
         assert second.lock(name, ttl=5).acquire(timeout=0.2) is False
         server.restart()
-        time.sleep(2.0)  # the renewer meets dead connections and reconnects
-        assert lock.owned(), "renewal survived the restart"
+        # Past the first lease's end: only a renewal after the restart keeps it held
+        # (owned() reads local state, so the server is asked).
+        time.sleep(max(2.0, acquired_at + 4.5 - time.monotonic()))
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == token, "renewal survived the restart"
+        assert lock.owned()
         assert second.lock(name, ttl=5).acquire(timeout=0.3) is False
         lock.release()
         successor = second.lock(name, ttl=5)
@@ -237,6 +232,7 @@ def test_client_option_takes_a_connection_factory(server: SQLServer, name: str) 
                 password="secret",
                 database="dlock",
                 ssl_disabled=True,
+                client_flag=CLIENT.FOUND_ROWS,
             )
         made.append(conn)
         return conn
@@ -244,8 +240,9 @@ def test_client_option_takes_a_connection_factory(server: SQLServer, name: str) 
     with dlock.connect(f"{server.scheme}://", client=factory) as client:
         lock = client.lock(name, ttl=5)
         assert lock.acquire(timeout=0)
-        info = client.inspect(name)
-        assert info is not None and info.fencing_token == lock.fencing_token
+        # Seen from an independent connection: committed, so dlock set autocommit.
+        rows = admin(server)("SELECT fence FROM dlock_locks WHERE name = %s", (name.encode(),))
+        assert rows == [(lock.fencing_token,)]
         lock.release()
     assert made
 
@@ -259,10 +256,218 @@ async def test_client_option_in_the_asyncio_face(server: SQLServer, name: str) -
         if server.scheme == "postgresql":
             return await psycopg.AsyncConnection.connect(server.url())
         return await aiomysql.connect(
-            host="127.0.0.1", port=server.port, user="dlock", password="secret", db="dlock"
+            host="127.0.0.1",
+            port=server.port,
+            user="dlock",
+            password="secret",
+            db="dlock",
+            client_flag=CLIENT.FOUND_ROWS,
         )
 
     async with dlock.aio.connect(f"{server.scheme}://", client=factory) as client:
         lock = client.lock(name, ttl=5)
         assert await lock.acquire(timeout=0)
         await lock.release()
+
+
+def test_statement_cut_off_by_the_timeout_is_not_run_again(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """A read timeout says nothing about the statement: it may commit later. Sent again,
+    a reentrant acquire counted itself twice and one release left the lock held."""
+    server = mariadb_server
+    with dlock.connect(server.url("timeout=1")) as client:
+        lock = client.lock(name, ttl=30, reentrant=True, auto_renew=False)
+        assert lock.acquire(timeout=0)  # creates the row and pools a connection
+        lock.release()
+        started = threading.Event()
+
+        def hold_row_lock() -> None:
+            conn = server.connect()
+            try:
+                with conn.cursor() as cursor:
+                    cursor.execute("BEGIN")
+                    cursor.execute(
+                        "SELECT fence FROM dlock_locks WHERE name = %s FOR UPDATE",
+                        (name.encode(),),
+                    )
+                    started.set()
+                    time.sleep(1.4)
+                    cursor.execute("COMMIT")
+            finally:
+                conn.close()
+
+        holder = threading.Thread(target=hold_row_lock)
+        holder.start()
+        assert started.wait(5)
+        try:
+            got = lock.acquire(timeout=0)
+        except dlock.BackendError:
+            got = False
+        holder.join()
+        time.sleep(0.3)
+        if not got:
+            assert lock.acquire(timeout=5)
+        lock.release()
+        assert client.inspect(name) is None, "one acquire, one release: the lock is free"
+
+
+def _sessions(server: SQLServer) -> int:
+    run = admin(server)
+    if server.scheme == "postgresql":
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        )
+    else:
+        sql = (
+            "SELECT count(*) FROM information_schema.processlist "
+            "WHERE id <> CONNECTION_ID() AND user = 'dlock'"
+        )
+    return int(run(sql, ())[0][0])
+
+
+async def test_connections_beyond_the_pool_are_closed(server: SQLServer, name: str) -> None:
+    """A burst opens more connections than the pool keeps: the surplus is closed."""
+    import asyncio
+
+    import dlock.aio
+    from dlock._async.backends._server_sql import POOL_SIZE
+
+    for mode in ("lease", "session"):
+        before = _sessions(server)
+        async with dlock.aio.connect(server.url(f"mode={mode}")) as client:
+            for _ in range(2):
+                await asyncio.gather(*(client.inspect(name) for _ in range(40)))
+            # A closed PostgreSQL backend leaves pg_stat_activity a moment later.
+            for _ in range(40):
+                if _sessions(server) - before <= POOL_SIZE:
+                    break
+                await asyncio.sleep(0.05)
+            assert _sessions(server) - before <= POOL_SIZE
+
+
+def test_session_wait_timeout_does_not_stay_on_pooled_connections(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """lock_timeout bounds one wait; left on the session it would cut later statements.
+    (A wait that times out rolls its setting back; one that gets the lock kept it.)"""
+    url = postgresql_server.url("mode=session")
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        threading.Timer(0.3, lock.release).start()
+        waiter = second.lock(name, ttl=30)
+        assert waiter.acquire(timeout=5)
+        waiter.release()
+        backend: Any = second._backend
+        assert backend._idle
+        for conn in backend._idle:
+            assert conn.raw.execute("SHOW lock_timeout").fetchone()[0] == "0"
+
+
+def test_turnstile_timeouts_keep_the_waiters_connection(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A waiter behind the one in front times out in the server again and again: each
+    is an ordinary end of a wait, not a dead connection to replace."""
+    url = postgresql_server.url()
+    with (
+        dlock.connect(url) as holder,
+        dlock.connect(url) as front,
+        dlock.connect(url) as behind,
+    ):
+        lock = holder.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        in_front = threading.Thread(target=lambda: front.lock(name, ttl=30).acquire(timeout=4))
+        in_front.start()
+        time.sleep(0.3)
+        assert behind.inspect(name) is not None  # pools a statement connection
+        backend: Any = behind._backend
+        connects: list[object] = []
+        connect = backend._connect
+
+        def counting_connect() -> object:
+            connects.append(None)
+            return connect()
+
+        backend._connect = counting_connect
+        assert behind.lock(name, ttl=30).acquire(timeout=3) is False
+        assert len(connects) <= 1, "only the listening connection is new"
+        in_front.join()
+        lock.release()
+
+
+def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, name: str) -> None:
+    """The server ended the holders' sessions (their locks with them) while their rows
+    still look live: a batched renewal must report them lost, as a single one does."""
+    from dlock._types import Lease
+
+    with dlock.connect(server.url("mode=session")) as client:
+        locks = [client.lock(f"{name}-{i}", ttl=30, auto_renew=False) for i in range(2)]
+        for lock in locks:
+            assert lock.acquire(timeout=0)
+        kill_other_sessions(server)
+        backend: Any = client._backend
+        leases = [Lease(lock.name, lock._token, 30) for lock in locks]
+        assert backend.extend_many(leases) == [False, False]
+
+
+def test_client_option_refuses_a_mysql_connection_without_found_rows(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """Without FOUND_ROWS an UPDATE that changes nothing reports 0 rows: a renewal within
+    the same microsecond would look lost. Refused up front instead of misbehaving."""
+    made: list[Any] = []
+
+    def factory() -> object:
+        made.append(mariadb_server.connect(autocommit=False))
+        return made[-1]
+
+    with (
+        dlock.connect("mysql://", client=factory) as client,
+        pytest.raises(dlock.ConfigurationError, match="FOUND_ROWS"),
+    ):
+        client.lock(name, ttl=5).acquire(timeout=0)
+    assert made and not made[0].open, "the refused connection is closed"
+
+
+def test_session_mode_refuses_a_transaction_pooling_proxy(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """Statements of one connection answered by different database sessions (PgBouncer
+    transaction mode) would hold the lock in the wrong session: refused with advice.
+    (PostgreSQL only: MySQL's session acquire reports no session id to compare.)"""
+    with dlock.connect(postgresql_server.url("mode=session")) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+        backend: Any = client._backend
+        for conn in backend._idle:
+            conn.session_id = -1  # as if an earlier statement ran in another session
+        with pytest.raises(dlock.ConfigurationError, match="PgBouncer"):
+            client.lock(name, ttl=5).acquire(timeout=0)
+
+
+def test_session_wait_times_out_on_time_and_keeps_its_connection(
+    server: SQLServer, name: str
+) -> None:
+    url = server.url("mode=session")
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        held = first.lock(name, ttl=30)
+        assert held.acquire(timeout=0)
+        assert second.inspect(name) is not None  # pools a connection
+        backend: Any = second._backend
+        connects: list[object] = []
+        connect = backend._connect
+
+        def counting_connect() -> object:
+            connects.append(None)
+            return connect()
+
+        backend._connect = counting_connect
+        start = time.monotonic()
+        assert second.lock(name, ttl=30).acquire(timeout=1.0) is False
+        assert 0.9 <= time.monotonic() - start < 2.0
+        assert connects == [], "a wait that timed out is not a dead connection"
+        held.release()

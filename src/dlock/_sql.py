@@ -103,7 +103,7 @@ def _flag(value: object, what: str) -> bool:
     raise ConfigurationError(f"{what} must be true or false, not {value!r}")
 
 
-def _seconds(value: object, what: str) -> float:
+def seconds(value: object, what: str) -> float:
     try:
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -146,8 +146,8 @@ def parse_server_url(
         database=database,
         mode=mode,
         table=check_identifier(settings.get("table", DEFAULT_TABLES[mode]), "table"),
-        connect_timeout=_seconds(settings.get("connect_timeout", 5), "connect_timeout"),
-        timeout=_seconds(settings.get("timeout", 10), "timeout"),
+        connect_timeout=seconds(settings.get("connect_timeout", 5), "connect_timeout"),
+        timeout=seconds(settings.get("timeout", 10), "timeout"),
         create_table=_flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
         client=settings.get("client"),
@@ -228,6 +228,20 @@ class Dialect:
             f" WHERE name = %(name)s AND owner = %(owner)s AND {self.live()}"
         )
 
+    def release(self, table: str) -> str:
+        """One level off the owner's live lease; the last frees the row (the fence stays)."""
+        return f"""
+            UPDATE {table} SET
+                count = count - 1,
+                owner = CASE WHEN count > 1 THEN owner END,
+                holder = CASE WHEN count > 1 THEN holder END
+            WHERE name = %(name)s AND owner = %(owner)s AND {self.live()}"""
+
+    def force_release(self, table: str) -> str:
+        return f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND {self.live()}"""
+
 
 POSTGRESQL = Dialect(
     name="postgresql",
@@ -252,7 +266,9 @@ SQLITE = Dialect(
     name="sqlite",
     # The host's boot clock, passed in by the client: SQLite has no server.
     now="%(now)s",
-    name_type="TEXT",
+    # Names are bound as UTF-8 BLOBs, as on the servers: SQLite's length() and substr()
+    # of TEXT stop at a NUL, of a BLOB they count bytes.
+    name_type="BLOB",
     owner_type="TEXT",
     prefix_match="substr(name, 1, length(%(prefix)s)) = %(prefix)s",
     # A lease from an earlier boot of the host is dead whatever its clock says.
@@ -262,8 +278,8 @@ SQLITE = Dialect(
 
 
 def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
-    """The lease operations where ``INSERT .. ON CONFLICT .. RETURNING`` exists
-    (PostgreSQL, SQLite): each is one statement, one round trip."""
+    """SQLite's lease operations, with ``INSERT .. ON CONFLICT .. RETURNING``: each is one
+    statement. (PostgreSQL has its own: rows stay, so its acquire is a plain UPDATE.)"""
     now = d.now
     # Inside ON CONFLICT, "x" is the existing row.
     live = d.live("x.")
@@ -287,20 +303,11 @@ def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
             RETURNING fence, count""",
         # Busy: when does the current lease end? A hint for the waiter.
         "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {d.live()}",
-        "release": f"""
-            UPDATE {table} SET
-                count = count - 1,
-                owner = CASE WHEN count > 1 THEN owner END,
-                holder = CASE WHEN count > 1 THEN holder END
-            WHERE name = %(name)s AND owner = %(owner)s AND {d.live()}
-            RETURNING count""",
+        "release": d.release(table) + " RETURNING count",
         "extend": d.extend(table) + " RETURNING 1",
         "inspect": d.inspect(table),
         "list": d.list(table),
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s AND {d.live()}
-            RETURNING 1""",
+        "force_release": d.force_release(table) + " RETURNING 1",
     }
 
 
@@ -327,13 +334,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 (name, owner, fence, count, expires, holder, session, lock_key)
             SELECT %(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s,
                    pg_backend_pid(), %(key)s
-            FROM l WHERE l.ok
+            FROM l WHERE {{condition}}
             ON CONFLICT (name) DO UPDATE SET
                 fence = x.fence + 1, owner = excluded.owner, count = 1,
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session"""
-    first_use = session_upsert.replace("WHERE l.ok", "WHERE l.ok AND NOT EXISTS (SELECT FROM bump)")
+    first_use = session_upsert.format(condition="l.ok AND NOT EXISTS (SELECT FROM bump)")
     live = d.live()
     reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
     # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
@@ -354,7 +361,6 @@ def postgresql_statements(table: str) -> dict[str, str]:
     returning = "RETURNING fence, count"
     in_front = ", pg_advisory_unlock(%(turnstile)s)"
     return {
-        **upsert_statements(table, d),
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,
@@ -373,18 +379,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
             ON CONFLICT (name) DO NOTHING
             RETURNING fence, count""",
         # The last release wakes waiters on the name's channel, in the same statement.
-        "release": f"""
-            UPDATE {table} SET
-                count = count - 1,
-                owner = CASE WHEN count > 1 THEN owner END,
-                holder = CASE WHEN count > 1 THEN holder END
-            WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}
-            RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END""",
+        "release": d.release(table)
+        + " RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END",
+        "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s AND {d.live()}
-            RETURNING pg_notify(%(channel)s, '')""",
+        "inspect": d.inspect(table),
+        "list": d.list(table),
+        "force_release": d.force_release(table) + " RETURNING pg_notify(%(channel)s, '')",
         # Session mode: the advisory lock excludes; the row carries the fencing counter,
         # the holder, its lease and its session. Taking the lock and bumping the counter
         # is one statement; when busy, the same statement tells how long the holder's
@@ -407,19 +408,21 @@ def postgresql_statements(table: str) -> dict[str, str]:
             SELECT NULL, NULL, expires - {now} FROM {table}, l
             WHERE NOT l.ok AND name = %(name)s""",
         # A waiter got the lock inside the server: record it.
-        "session_record": f"WITH l AS (SELECT true AS ok) {session_upsert}",
+        "session_record": "WITH l AS (SELECT true AS ok) "
+        + session_upsert.format(condition="l.ok"),
+        # true: the timeout lasts for this statement's transaction only, not for the
+        # pooled connection's later statements.
         "session_wait": """
             SELECT pg_advisory_lock(%(key)s)
-            FROM (SELECT set_config('lock_timeout', %(wait_ms)s, false)) AS s""",
+            FROM (SELECT set_config('lock_timeout', %(wait_ms)s, true)) AS s""",
         "session_unlock": "SELECT pg_advisory_unlock(%(key)s)",
         "session_count": f"""
             UPDATE {table} SET count = count + %(delta)s
             WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
         "session_extend": d.extend(table) + f" AND {held} RETURNING 1",
-        # Batched renewal skips the pg_locks check (reading pg_locks costs milliseconds):
-        # force release also clears the row, a new holder overwrites it, and an evicted
-        # holder's lease had expired, so the owner check alone finds every loss.
-        "session_extend_many": _pg_extend_many(table),
+        # Batched renewal checks pg_locks too: a holder whose session was ended by the
+        # server (pg_terminate_backend, idle timeout) still has a live row.
+        "session_extend_many": _pg_extend_many(table, f"AND {held}"),
         # A holder whose lease ran out (paused, partitioned) still holds the advisory lock:
         # only ending its session frees it, and only while the lease is still expired.
         "session_evict": f"""
@@ -441,13 +444,14 @@ def postgresql_statements(table: str) -> dict[str, str]:
     }
 
 
-def _pg_extend_many(table: str) -> str:
+def _pg_extend_many(table: str, condition: str = "") -> str:
     now = POSTGRESQL.now
     return f"""
         UPDATE {table} SET expires = {now} + v.ttl
         FROM (SELECT * FROM unnest(%(names)s::bytea[], %(owners)s::text[],
                                    %(ttls)s::float8[])) AS v(name, owner, ttl)
         WHERE {table}.name = v.name AND {table}.owner = v.owner AND {table}.expires > {now}
+            {condition}
         RETURNING {table}.name, {table}.owner"""
 
 
@@ -494,7 +498,6 @@ def mysql_statements(table: str) -> dict[str, str]:
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s AND NOT {live}""",
         "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
-        "time_left": f"SELECT expires - {now} FROM {table} WHERE name = %(name)s",
         # The last release ends the lease (expires = 0) but leaves owner and holder: an
         # update that keeps the row's size is done in place by InnoDB (~5% faster).
         "release": f"""
@@ -511,9 +514,7 @@ def mysql_statements(table: str) -> dict[str, str]:
             WHERE (name, owner) IN ({{pairs}}) AND expires > {now}""",
         "inspect": d.inspect(table),
         "list": d.list(table),
-        "force_release": f"""
-            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s AND {live}""",
+        "force_release": d.force_release(table),
         # Session mode: GET_LOCK inside the INSERT takes the lock and bumps the fencing
         # counter in one round trip; the row is written only if the lock was granted.
         "session_acquire": session_upsert.format(condition="GET_LOCK(%(key)s, 0) = 1"),
@@ -535,6 +536,12 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_expired_holder": f"""
             SELECT session FROM {table}
             WHERE name = %(name)s AND expires <= {now} AND {held}""",
+        # Eviction clears the row only if the lease is still expired: a holder that
+        # renewed since the SELECT above keeps its lock; one that renews after this
+        # finds the row cleared, so it never renews a lease whose session is killed.
+        "session_clear_expired": f"""
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            WHERE name = %(name)s AND session = %(session)s AND expires <= {now}""",
         "session_inspect": f"""SELECT {columns} FROM {table}
             WHERE name = %(name)s AND {live} AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}

@@ -51,6 +51,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         user: str | None = None,
         startup_timeout: float = 30.0,
+        stop_signal: int | None = None,
     ) -> None:
         self.name = name
         self.command = list(command)
@@ -59,6 +60,9 @@ class ServerProcess:
         self.env = env
         self.user = user
         self.startup_timeout = startup_timeout
+        #: A server's own clean, quick shutdown (PostgreSQL: SIGINT); then also used by
+        #: restart(), where SIGKILL would leave such a server's children running.
+        self.stop_signal = stop_signal
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = workdir / f"{name}.log"
 
@@ -109,20 +113,23 @@ class ServerProcess:
         self.process = None
 
     def stop(self) -> None:
-        """Graceful stop (SIGTERM), then SIGKILL."""
+        """Graceful stop (``stop_signal`` or SIGTERM), then SIGKILL."""
         if self.process is None:
             return
         self.resume()
-        self.signal(signal.SIGTERM)
+        self.signal(self.stop_signal or signal.SIGTERM)
         try:
-            self.process.wait(10)
+            self.process.wait(30 if self.stop_signal else 10)
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             self.process.wait(10)
         self.process = None
 
     def restart(self) -> None:
-        self.kill()
+        if self.stop_signal is None:
+            self.kill()
+        else:
+            self.stop()
         self.start()
 
 

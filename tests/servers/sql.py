@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,29 +36,32 @@ class SQLServer:
         url = f"{self.scheme}://{self.user}:{self.password}@127.0.0.1:{self.port}/{self.database}"
         return f"{url}?{query}" if query else url
 
+    def connect(self, autocommit: bool = True) -> Any:
+        """A plain driver connection (sync), independent of dlock."""
+        if self.scheme == "postgresql":
+            import psycopg
+
+            return psycopg.connect(self.url(), autocommit=autocommit)
+        import pymysql
+
+        return pymysql.connect(
+            host="127.0.0.1",
+            port=self.port,
+            user=self.user,
+            password=self.password,
+            database=self.database,
+            autocommit=autocommit,
+            ssl_disabled=True,
+        )
+
     def stop(self) -> None:
         """Stop the server and remove its temporary directory."""
-        if self.scheme == "postgresql" and self.process.process is not None:
-            # A fast shutdown: SIGTERM waits for clients, and SIGKILL of the postmaster
-            # would leave its backends running.
-            self.process.signal(signal.SIGINT)
-            try:
-                self.process.process.wait(30)
-                self.process.process = None
-            except subprocess.TimeoutExpired:
-                pass
         self.process.stop()
         shutil.rmtree(self.process.workdir, ignore_errors=True)
 
     def restart(self) -> None:
         """Stop and start again on the same port and data (the data survives)."""
-        if self.scheme == "postgresql" and self.process.process is not None:
-            self.process.signal(signal.SIGINT)
-            self.process.process.wait(30)
-            self.process.process = None
-            self.process.start()
-        else:
-            self.process.restart()
+        self.process.restart()
 
 
 def _pg_ready(port: int) -> bool:
@@ -113,8 +117,15 @@ def start_postgresql() -> SQLServer:
         "-c",
         "full_page_writes=off",
     ]
+    # A fast shutdown: SIGTERM waits for clients, and SIGKILL of the postmaster would
+    # leave its backends running.
     process = ServerProcess(
-        "postgresql", command, lambda: _pg_ready(port), workdir=root, user="postgres"
+        "postgresql",
+        command,
+        lambda: _pg_ready(port),
+        workdir=root,
+        user="postgres",
+        stop_signal=signal.SIGINT,
     )
     process.start()
     return SQLServer(process, port, "postgresql", "postgres", "", "postgres")

@@ -133,8 +133,10 @@ class Lock:
         reentry = self._count > 0
         started = self._client._clock()
         try:
+            # A fresh acquire never re-enters: a lease under our token that we do not
+            # hold is an orphan of an attempt cut off mid-flight, not ours to count.
             result = self._client._backend.acquire(
-                self.name, self._token, self.ttl, self._client._holder, self.reentrant
+                self.name, self._token, self.ttl, self._client._holder, self.reentrant and reentry
             )
         except BaseException as exc:
             # Cancelled, interrupted or cut off mid-flight: the server may have granted the

@@ -323,6 +323,11 @@ def test_names_are_stored_exactly(url: str, name: str, suffix: str) -> None:
         info = client.inspect(exact)
         assert info is not None and info.name == exact
         assert [info.name for info in client.list(name)] == [exact]
+        # Prefixes reaching into the suffix (up to and past a NUL) match byte for byte.
+        assert [info.name for info in client.list(exact[:-1])] == [exact]
+        if "\x00" in exact:
+            through_nul = exact[: exact.index("\x00") + 1]
+            assert [info.name for info in client.list(through_nul)] == [exact]
         assert client.lock(name + "x", ttl=5).acquire(timeout=0)
         assert client.inspect(name + suffix[:-1]) is None
         lock.release()

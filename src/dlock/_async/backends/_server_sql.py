@@ -15,12 +15,13 @@ out by the server's clock, by ending its database session.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-import time
+import select
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -45,7 +46,6 @@ class Conn:
     """A driver connection and what we set on its session."""
 
     raw: Any
-    last_used: float = field(default_factory=time.monotonic)
     #: The database's id of this session (backend pid, connection id).
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
@@ -73,8 +73,6 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._schema = schema
         self._session_mode = settings.mode == "session"
         self._idle: list[Conn] = []
-        #: Over the pool size: closing is I/O, so it waits for ``aclose``.
-        self._overflow: list[Conn] = []
         self._schema_ready = not settings.create_table
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
@@ -84,13 +82,24 @@ class AsyncServerSQLBackend(AsyncBackend):
     # -- driver hooks ----------------------------------------------------------------
 
     @abstractmethod
-    async def _driver_connect(self) -> Any: ...
+    async def _driver_connect(self) -> Any:
+        """A new connection from the URL's settings."""
+
+    @abstractmethod
+    async def _driver_adopt(self, raw: Any) -> None:
+        """Make a connection from the ``client=`` factory fit for dlock (autocommit), or
+        refuse it with ConfigurationError."""
 
     @abstractmethod
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
 
     @abstractmethod
     async def _driver_close(self, raw: Any) -> None: ...
+
+    @abstractmethod
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        """True when an idle connection is known dead without a round trip: the server
+        closed it (restart, killed session) or sent something unasked for."""
 
     @abstractmethod
     def _driver_error(self, exc: BaseException) -> BackendError | None:
@@ -125,16 +134,22 @@ class AsyncServerSQLBackend(AsyncBackend):
         """Create the lock table now, whatever ``create_table`` says."""
         self._schema_ready = False
         conn = await self._take()
-        await self._ensure_schema(conn)
-        self._give(conn)
+        # A new connection has just run the DDL; a pooled one may predate the table.
+        if not self._schema_ready:
+            try:
+                await self._ensure_schema(conn)
+            except BaseException:
+                await self._drop(conn)
+                raise
+        await self._give(conn)
 
     async def _connect(self) -> Conn:
         if self._closed:
             raise BackendError("this dlock client is closed")
         try:
-            raw = await call_with_timeout(
-                self._driver_connect(), self._settings.connect_timeout + 1
-            )
+            raw = await call_with_timeout(self._open(), self._settings.connect_timeout + 1)
+        except ConfigurationError:
+            raise
         except Exception as exc:
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw)
@@ -145,6 +160,23 @@ class AsyncServerSQLBackend(AsyncBackend):
             await self._drop(conn)
             raise
         return conn
+
+    async def _open(self) -> Any:
+        factory = self._settings.client
+        if factory is None:
+            return await self._driver_connect()
+        # The sync face's factory returns a connection, the asyncio face's may be a
+        # coroutine function.
+        raw = factory()
+        if inspect.isawaitable(raw):
+            raw = await raw
+        try:
+            await self._driver_adopt(raw)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._driver_close(raw)
+            raise
+        return raw
 
     async def _ensure_schema(self, conn: Conn) -> None:
         try:
@@ -161,23 +193,40 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._schema_ready = True
 
     async def _take(self) -> Conn:
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return await self._connect()
+        """A pooled connection that is not known dead, else a new one.
 
-    def _give(self, conn: Conn) -> None:
-        conn.last_used = time.monotonic()
+        Dead ones are weeded out here, before a statement is sent, because a statement
+        that fails in flight is never sent again: it may have committed.
+        """
+        while self._idle:
+            conn = self._idle.pop()
+            if not self._driver_idle_dead(conn.raw):
+                return conn
+            await self._drop(conn)
+        return await self._connect()
+
+    async def _give(self, conn: Conn) -> None:
+        """Back to the pool; beyond its size (after a burst) closed at once."""
         conn.uses += 1
         if len(self._idle) < POOL_SIZE and not self._closed:
             self._idle.append(conn)
         else:
-            self._overflow.append(conn)
+            await self._drop(conn)
 
     async def _drop(self, conn: Conn) -> None:
         # A broken connection may fail to close; it is gone either way.
         with contextlib.suppress(Exception):
             await self._driver_close(conn.raw)
+
+    @staticmethod
+    def _readable(fd: int) -> bool:
+        """An idle connection's socket with something to read is closed or broken."""
+        if fd < 0:
+            return True
+        try:
+            return bool(select.select([fd], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
         if isinstance(exc, BackendError):
@@ -199,39 +248,28 @@ class AsyncServerSQLBackend(AsyncBackend):
             raise self._wrap(exc) from exc
 
     async def _call(self, key: str, params: dict[str, Any], sql: str | None = None) -> Result:
-        """One statement on a pooled connection.
+        """One statement on a pooled connection, sent once.
 
-        A pooled connection may have died while idle (server restarted, session killed):
-        then the statement is tried once more on a new one. Should the first try have
-        committed after all, the retry errs on the safe side: an acquire finds its own
-        lease and reports busy (the lease expires), a release reports the lock lost.
+        Never retried after a failure: a timeout or a connection lost in flight says
+        nothing about whether the statement committed, and running it again could
+        count a re-entry twice. Connections that died while idle are replaced before
+        sending (``_take``); the core decides what a failed operation means.
         """
         conn = await self._take()
         statement = self._sql[key] if sql is None else sql
         try:
             result = await self._run(conn, statement, params)
-        except BackendUnavailable:
-            await self._drop(conn)
-            if conn.uses == 0:
-                raise
-            conn = await self._connect()
-            try:
-                result = await self._run(conn, statement, params)
-            except BaseException:
-                await self._drop(conn)
-                raise
         except BaseException:
             await self._drop(conn)
             raise
-        self._give(conn)
+        await self._give(conn)
         return result
 
     async def aclose(self) -> None:
         self._closed = True
-        conns = [*self._idle, *self._overflow]
+        conns = [*self._idle]
         conns += [held.conn for held in (*self._held.values(), *self._parked.values())]
         self._idle.clear()
-        self._overflow.clear()
         self._held.clear()
         self._parked.clear()
         for conn in conns:
@@ -318,7 +356,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             await self._drop(conn)
             raise
         if granted is None:
-            self._give(conn)
+            await self._give(conn)
             left = await self._session_time_left(name, result)
             if left is not None and left <= 0:
                 await self._session_evict(name)
@@ -357,7 +395,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             await self._drop(held.conn)
             return None
         if result.rows and result.rows[0][0]:
-            self._give(held.conn)
+            await self._give(held.conn)
             return 0
         await self._drop(held.conn)
         return None
@@ -397,7 +435,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             result = await self._run(conn, self._sql["session_wait"], params, wait=wait)
         except BackendError as exc:
             if self._is_lock_timeout(exc.__cause__ or exc):
-                self._give(conn)
+                await self._give(conn)
                 return
             await self._drop(conn)
             if isinstance(exc, BackendUnavailable) and conn.uses > 0:
@@ -409,7 +447,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         if self._got_wait(result):
             self._parked[token] = Held(conn, name, key, 0)
         else:
-            self._give(conn)
+            await self._give(conn)
 
     def _got_wait(self, result: Result) -> bool:
         """PostgreSQL's pg_advisory_lock returns void (it raised on timeout);
@@ -425,7 +463,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         except BackendError:
             await self._drop(parked.conn)
             return
-        self._give(parked.conn)
+        await self._give(parked.conn)
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:

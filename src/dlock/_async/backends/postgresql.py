@@ -8,7 +8,6 @@ released instead of polling.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -22,7 +21,6 @@ from ..._sql import (
     POSTGRESQL,
     ServerSettings,
     advisory_key,
-    check_identifier,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -64,12 +62,6 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     async def _driver_connect(self) -> Any:
         s = self._settings
-        if s.client is not None:
-            raw = s.client()
-            if inspect.isawaitable(raw):
-                raw = await raw
-            await raw.set_autocommit(True)
-            return raw
         params: dict[str, Any] = {
             "host": s.host,
             "port": s.port,
@@ -84,6 +76,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         }
         return await psycopg.AsyncConnection.connect(autocommit=True, **params)
 
+    async def _driver_adopt(self, raw: Any) -> None:
+        await raw.set_autocommit(True)
+
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed).
         cursor = await raw.execute(sql, params or None)
@@ -94,6 +89,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     async def _driver_close(self, raw: Any) -> None:
         await raw.close()
+
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        return bool(raw.closed) or self._readable(raw.fileno())
 
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
@@ -192,7 +190,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         waiter = _TurnstileWaiter(
             self,
             Conn(raw),
-            check_identifier(notify_channel(self._table, name), "channel"),
+            notify_channel(self._table, name),
             advisory_key(self._table + ":turnstile", name),
         )
         self._front[token] = waiter
@@ -241,16 +239,18 @@ class _TurnstileWaiter(AsyncWaiter):
                 await self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
                 )
-            except BackendUnavailable:
-                # A pooled listener died while idle (server restart): start over on a new
-                # one; the core simply tries again.
+            except BackendError as exc:
+                # LockNotAvailable is an OperationalError, so it arrives as unavailable:
+                # the turnstile's own timeout, checked first, keeps the connection.
+                if self._backend._is_lock_timeout(exc.__cause__ or exc):
+                    return
+                if not isinstance(exc, BackendUnavailable):
+                    raise
+                # The listener died (server restart): start over on a new one; the core
+                # simply tries again.
                 await self._backend._driver_close(self.conn.raw)
                 self.conn = await self._backend._connect()
                 return
-            except BackendError as exc:
-                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
-                    return
-                raise
             self.in_front = True
             # Listen before the core's next attempt, so no release goes unnoticed; drop
             # what an earlier waiter on this connection listened to.

@@ -15,7 +15,14 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._sql import check_identifier, lock_info, sqlite_statements
+from ..._sql import (
+    DEFAULT_TABLES,
+    check_identifier,
+    encode_name,
+    lock_info,
+    seconds,
+    sqlite_statements,
+)
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import run_blocking
 from ..backend import AsyncBackend
@@ -51,7 +58,7 @@ class AsyncSQLiteBackend(AsyncBackend):
         self,
         path: str,
         *,
-        table: str = "dlock_locks",
+        table: str = DEFAULT_TABLES["lease"],
         busy_timeout: float = 10.0,
         synchronous: str = "full",
     ) -> None:
@@ -60,7 +67,7 @@ class AsyncSQLiteBackend(AsyncBackend):
         if synchronous not in SYNCHRONOUS_MODES:
             raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self._synchronous = synchronous
-        self._busy_timeout = busy_timeout
+        self._busy_timeout = seconds(busy_timeout, "busy_timeout")
         self._connection: sqlite3.Connection | None = None
         # One connection shared by the caller's thread and the renewer's, one at a time.
         self._mutex = threading.Lock()
@@ -82,14 +89,10 @@ class AsyncSQLiteBackend(AsyncBackend):
         unknown = set(settings) - {"table", "busy_timeout", "synchronous"}
         if unknown:
             raise ConfigurationError(f"unknown sqlite option(s): {', '.join(sorted(unknown))}")
-        try:
-            busy_timeout = float(settings.get("busy_timeout", 10.0))
-        except ValueError:
-            raise ConfigurationError("busy_timeout must be a number of seconds") from None
         return cls(
             path,
-            table=str(settings.get("table", "dlock_locks")),
-            busy_timeout=busy_timeout,
+            table=str(settings.get("table", DEFAULT_TABLES["lease"])),
+            busy_timeout=seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
             synchronous=str(settings.get("synchronous", "full")).lower(),
         )
 
@@ -146,7 +149,7 @@ class AsyncSQLiteBackend(AsyncBackend):
     ) -> Acquired | Busy:
         boot, now = _boot_and_now()
         params = {
-            "name": name,
+            "name": encode_name(name),
             "owner": token,
             "boot": boot,
             "now": now,
@@ -167,7 +170,7 @@ class AsyncSQLiteBackend(AsyncBackend):
 
     def _release(self, name: str, token: str) -> int | None:
         boot, now = _boot_and_now()
-        params = {"name": name, "owner": token, "boot": boot, "now": now}
+        params = {"name": encode_name(name), "owner": token, "boot": boot, "now": now}
         rows = self._run(self._sql["release"], params)
         return rows[0][0] if rows else None
 
@@ -177,7 +180,7 @@ class AsyncSQLiteBackend(AsyncBackend):
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
         boot, now = _boot_and_now()
         batch = [
-            {"name": x.name, "owner": x.token, "boot": boot, "now": now, "ttl": x.ttl}
+            {"name": encode_name(x.name), "owner": x.token, "boot": boot, "now": now, "ttl": x.ttl}
             for x in leases
         ]
         return [bool(rows) for rows in self._run_batch(self._sql["extend"], batch)]
@@ -195,15 +198,17 @@ class AsyncSQLiteBackend(AsyncBackend):
         return [lock_info(*row) for row in rows]
 
     async def inspect(self, name: str) -> LockInfo | None:
-        infos = await run_blocking(self._infos, self._sql["inspect"], {"name": name})
+        infos = await run_blocking(self._infos, self._sql["inspect"], {"name": encode_name(name)})
         return infos[0] if infos else None
 
     async def list(self, prefix: str) -> list[LockInfo]:
-        return await run_blocking(self._infos, self._sql["list"], {"prefix": prefix})
+        return await run_blocking(self._infos, self._sql["list"], {"prefix": encode_name(prefix)})
 
     def _force_release(self, name: str) -> bool:
         boot, now = _boot_and_now()
-        rows = self._run(self._sql["force_release"], {"name": name, "boot": boot, "now": now})
+        rows = self._run(
+            self._sql["force_release"], {"name": encode_name(name), "boot": boot, "now": now}
+        )
         return bool(rows)
 
     async def force_release(self, name: str) -> bool:

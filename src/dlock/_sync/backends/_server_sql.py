@@ -16,12 +16,13 @@ out by the server's clock, by ending its database session.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-import time
+import select
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -46,7 +47,6 @@ class Conn:
     """A driver connection and what we set on its session."""
 
     raw: Any
-    last_used: float = field(default_factory=time.monotonic)
     #: The database's id of this session (backend pid, connection id).
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
@@ -74,8 +74,6 @@ class ServerSQLBackend(Backend):
         self._schema = schema
         self._session_mode = settings.mode == "session"
         self._idle: list[Conn] = []
-        #: Over the pool size: closing is I/O, so it waits for ``close``.
-        self._overflow: list[Conn] = []
         self._schema_ready = not settings.create_table
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
@@ -85,13 +83,24 @@ class ServerSQLBackend(Backend):
     # -- driver hooks ----------------------------------------------------------------
 
     @abstractmethod
-    def _driver_connect(self) -> Any: ...
+    def _driver_connect(self) -> Any:
+        """A new connection from the URL's settings."""
+
+    @abstractmethod
+    def _driver_adopt(self, raw: Any) -> None:
+        """Make a connection from the ``client=`` factory fit for dlock (autocommit), or
+        refuse it with ConfigurationError."""
 
     @abstractmethod
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
 
     @abstractmethod
     def _driver_close(self, raw: Any) -> None: ...
+
+    @abstractmethod
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        """True when an idle connection is known dead without a round trip: the server
+        closed it (restart, killed session) or sent something unasked for."""
 
     @abstractmethod
     def _driver_error(self, exc: BaseException) -> BackendError | None:
@@ -126,14 +135,22 @@ class ServerSQLBackend(Backend):
         """Create the lock table now, whatever ``create_table`` says."""
         self._schema_ready = False
         conn = self._take()
-        self._ensure_schema(conn)
+        # A new connection has just run the DDL; a pooled one may predate the table.
+        if not self._schema_ready:
+            try:
+                self._ensure_schema(conn)
+            except BaseException:
+                self._drop(conn)
+                raise
         self._give(conn)
 
     def _connect(self) -> Conn:
         if self._closed:
             raise BackendError("this dlock client is closed")
         try:
-            raw = call_with_timeout(self._driver_connect(), self._settings.connect_timeout + 1)
+            raw = call_with_timeout(self._open(), self._settings.connect_timeout + 1)
+        except ConfigurationError:
+            raise
         except Exception as exc:
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw)
@@ -144,6 +161,23 @@ class ServerSQLBackend(Backend):
             self._drop(conn)
             raise
         return conn
+
+    def _open(self) -> Any:
+        factory = self._settings.client
+        if factory is None:
+            return self._driver_connect()
+        # The sync face's factory returns a connection, the sync face's may be a
+        # coroutine function.
+        raw = factory()
+        if inspect.isawaitable(raw):
+            raw = raw
+        try:
+            self._driver_adopt(raw)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._driver_close(raw)
+            raise
+        return raw
 
     def _ensure_schema(self, conn: Conn) -> None:
         try:
@@ -160,23 +194,40 @@ class ServerSQLBackend(Backend):
         self._schema_ready = True
 
     def _take(self) -> Conn:
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return self._connect()
+        """A pooled connection that is not known dead, else a new one.
+
+        Dead ones are weeded out here, before a statement is sent, because a statement
+        that fails in flight is never sent again: it may have committed.
+        """
+        while self._idle:
+            conn = self._idle.pop()
+            if not self._driver_idle_dead(conn.raw):
+                return conn
+            self._drop(conn)
+        return self._connect()
 
     def _give(self, conn: Conn) -> None:
-        conn.last_used = time.monotonic()
+        """Back to the pool; beyond its size (after a burst) closed at once."""
         conn.uses += 1
         if len(self._idle) < POOL_SIZE and not self._closed:
             self._idle.append(conn)
         else:
-            self._overflow.append(conn)
+            self._drop(conn)
 
     def _drop(self, conn: Conn) -> None:
         # A broken connection may fail to close; it is gone either way.
         with contextlib.suppress(Exception):
             self._driver_close(conn.raw)
+
+    @staticmethod
+    def _readable(fd: int) -> bool:
+        """An idle connection's socket with something to read is closed or broken."""
+        if fd < 0:
+            return True
+        try:
+            return bool(select.select([fd], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
         if isinstance(exc, BackendError):
@@ -198,27 +249,17 @@ class ServerSQLBackend(Backend):
             raise self._wrap(exc) from exc
 
     def _call(self, key: str, params: dict[str, Any], sql: str | None = None) -> Result:
-        """One statement on a pooled connection.
+        """One statement on a pooled connection, sent once.
 
-        A pooled connection may have died while idle (server restarted, session killed):
-        then the statement is tried once more on a new one. Should the first try have
-        committed after all, the retry errs on the safe side: an acquire finds its own
-        lease and reports busy (the lease expires), a release reports the lock lost.
+        Never retried after a failure: a timeout or a connection lost in flight says
+        nothing about whether the statement committed, and running it again could
+        count a re-entry twice. Connections that died while idle are replaced before
+        sending (``_take``); the core decides what a failed operation means.
         """
         conn = self._take()
         statement = self._sql[key] if sql is None else sql
         try:
             result = self._run(conn, statement, params)
-        except BackendUnavailable:
-            self._drop(conn)
-            if conn.uses == 0:
-                raise
-            conn = self._connect()
-            try:
-                result = self._run(conn, statement, params)
-            except BaseException:
-                self._drop(conn)
-                raise
         except BaseException:
             self._drop(conn)
             raise
@@ -227,10 +268,9 @@ class ServerSQLBackend(Backend):
 
     def close(self) -> None:
         self._closed = True
-        conns = [*self._idle, *self._overflow]
+        conns = [*self._idle]
         conns += [held.conn for held in (*self._held.values(), *self._parked.values())]
         self._idle.clear()
-        self._overflow.clear()
         self._held.clear()
         self._parked.clear()
         for conn in conns:

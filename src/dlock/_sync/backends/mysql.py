@@ -39,8 +39,6 @@ KNOWN_NAMES = 10_000
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 READ_ONLY = {1290, 1792, 1836}
-#: Lock wait timeout / deadlock: the statement may simply be retried.
-BUSY = {1205, 1213}
 
 
 def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
@@ -79,12 +77,6 @@ class MySQLBackend(ServerSQLBackend):
 
     def _driver_connect(self) -> Any:
         s = self._settings
-        if s.client is not None:
-            raw = s.client()
-            if not hasattr(raw, "cursor"):
-                raw = raw
-            raw.autocommit(True)
-            return raw
         kwargs: dict[str, Any] = {
             "host": s.host,
             "port": s.port or 3306,
@@ -109,6 +101,15 @@ class MySQLBackend(ServerSQLBackend):
             )
         return pymysql.connect(**kwargs)
 
+    def _driver_adopt(self, raw: Any) -> None:
+        if not getattr(raw, "client_flag", 0) & CLIENT.FOUND_ROWS:
+            raise ConfigurationError(
+                "a client= connection for MariaDB/MySQL needs client_flag=CLIENT.FOUND_ROWS "
+                "(pymysql.constants.CLIENT): without it a renewal that changes nothing "
+                "counts as lost"
+            )
+        raw.autocommit(True)
+
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # The cursor class is given here too, for connections brought with ``client=``.
         with raw.cursor(_QuietCursor) as cursor:
@@ -118,6 +119,14 @@ class MySQLBackend(ServerSQLBackend):
 
     def _driver_close(self, raw: Any) -> None:
         raw.close()
+
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        if IS_ASYNC:
+            # The event loop reads the socket as data comes, into the stream reader.
+            reader = getattr(raw, "_reader", None)
+            return reader is None or bool(reader._eof or reader._buffer)
+        sock = getattr(raw, "_sock", None)
+        return sock is None or self._readable(sock.fileno())
 
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if not isinstance(exc, pymysql.MySQLError):
@@ -146,9 +155,14 @@ class MySQLBackend(ServerSQLBackend):
         return float(rows[0][0]) if rows else None
 
     def _session_evict(self, name: str) -> None:
-        rows = (self._call("session_expired_holder", {"name": encode_name(name)})).rows
+        """Two steps (MySQL cannot KILL from inside a statement): a holder renewing
+        between them must not be killed, so the row is cleared, still expired, first."""
+        key = encode_name(name)
+        rows = (self._call("session_expired_holder", {"name": key})).rows
         for (session,) in rows:
-            self._kill(int(session))
+            params = {"name": key, "session": int(session)}
+            if (self._call("session_clear_expired", params)).rowcount > 0:
+                self._kill(int(session))
 
     def _kill(self, session: int) -> bool:
         try:
@@ -206,7 +220,8 @@ class MySQLBackend(ServerSQLBackend):
         return self._kill(session)
 
     def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
-        """Two round trips per distinct TTL (usually one): UPDATE, then read what is held."""
+        """Per distinct TTL (usually one) an UPDATE, and only when it matched fewer rows
+        than asked (FOUND_ROWS counts matched rows), a SELECT of which are still held."""
         prefix = "session_" if self._session_mode else ""
         renewed: set[tuple[bytes, str]] = set()
         by_ttl: dict[float, list[Lease]] = {}
@@ -221,7 +236,10 @@ class MySQLBackend(ServerSQLBackend):
                 pairs.append(f"(%(n{i})s, %(o{i})s)")
             placeholders = ", ".join(pairs)
             update = self._sql[f"{prefix}extend_many"].format(pairs=placeholders)
-            self._call("", params, sql=update)
+            updated = self._call("", params, sql=update)
+            if updated.rowcount == len(group):
+                renewed.update((encode_name(x.name), x.token) for x in group)
+                continue
             select = self._sql[f"{prefix}renewed"].format(pairs=placeholders)
             rows = (self._call("", params, sql=select)).rows
             renewed.update((bytes(name), bytes(owner).decode()) for name, owner in rows)

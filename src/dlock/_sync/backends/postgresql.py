@@ -9,7 +9,6 @@ released instead of polling.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,7 +22,6 @@ from ..._sql import (
     POSTGRESQL,
     ServerSettings,
     advisory_key,
-    check_identifier,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -65,12 +63,6 @@ class PostgreSQLBackend(ServerSQLBackend):
 
     def _driver_connect(self) -> Any:
         s = self._settings
-        if s.client is not None:
-            raw = s.client()
-            if inspect.isawaitable(raw):
-                raw = raw
-            raw.set_autocommit(True)
-            return raw
         params: dict[str, Any] = {
             "host": s.host,
             "port": s.port,
@@ -85,6 +77,9 @@ class PostgreSQLBackend(ServerSQLBackend):
         }
         return psycopg.Connection.connect(autocommit=True, **params)
 
+    def _driver_adopt(self, raw: Any) -> None:
+        raw.set_autocommit(True)
+
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed).
         cursor = raw.execute(sql, params or None)
@@ -95,6 +90,9 @@ class PostgreSQLBackend(ServerSQLBackend):
 
     def _driver_close(self, raw: Any) -> None:
         raw.close()
+
+    def _driver_idle_dead(self, raw: Any) -> bool:
+        return bool(raw.closed) or self._readable(raw.fileno())
 
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
@@ -193,7 +191,7 @@ class PostgreSQLBackend(ServerSQLBackend):
         waiter = _TurnstileWaiter(
             self,
             Conn(raw),
-            check_identifier(notify_channel(self._table, name), "channel"),
+            notify_channel(self._table, name),
             advisory_key(self._table + ":turnstile", name),
         )
         self._front[token] = waiter
@@ -242,16 +240,18 @@ class _TurnstileWaiter(Waiter):
                 self._backend._run(
                     self.conn, self._backend._sql["session_wait"], params, wait=timeout
                 )
-            except BackendUnavailable:
-                # A pooled listener died while idle (server restart): start over on a new
-                # one; the core simply tries again.
+            except BackendError as exc:
+                # LockNotAvailable is an OperationalError, so it arrives as unavailable:
+                # the turnstile's own timeout, checked first, keeps the connection.
+                if self._backend._is_lock_timeout(exc.__cause__ or exc):
+                    return
+                if not isinstance(exc, BackendUnavailable):
+                    raise
+                # The listener died (server restart): start over on a new one; the core
+                # simply tries again.
                 self._backend._driver_close(self.conn.raw)
                 self.conn = self._backend._connect()
                 return
-            except BackendError as exc:
-                if isinstance(exc.__cause__, psycopg.errors.LockNotAvailable):
-                    return
-                raise
             self.in_front = True
             # Listen before the core's next attempt, so no release goes unnoticed; drop
             # what an earlier waiter on this connection listened to.
