@@ -172,6 +172,28 @@ async def test_reentrancy(url: str, name: str) -> None:
                 await plain.acquire(timeout=0)
 
 
+async def test_reentry_extends_the_lease(url: str, name: str) -> None:
+    """A re-entry is a renewal: the lease runs a full ttl from it, not from the first entry."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        lock = first.lock(name, ttl=2, reentrant=True, auto_renew=False)
+        await lock.acquire()
+        await sleep(1.2)
+        assert await lock.acquire(timeout=0)
+        reentered = time.monotonic()
+        other = second.lock(name, ttl=5)
+        # Past the first lease's end (2 s after the first entry), within the new one.
+        while elapsed_since(reentered) < 1.5:
+            assert await other.acquire(timeout=0) is False
+            assert lock.owned()
+            await sleep(0.1)
+        assert await other.acquire(timeout=3)
+        assert elapsed_since(reentered) < 3.0
+        assert other.fencing_token is not None and lock.fencing_token is not None
+        assert other.fencing_token > lock.fencing_token
+        assert not lock.owned()
+        await other.release()
+
+
 async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=0.6)

@@ -420,7 +420,7 @@ class ZooKeeperBackend(Backend):
                 self._delete_orphans()
             node = self._nodes.get(key)
             if node is not None and node.held:
-                return self._reenter(zk, key, node, reentrant)
+                return self._reenter(zk, key, node, ttl, reentrant)
             for _ in range(3):
                 node = self._own_node(zk, key, ttl, holder)
                 result = self._check_queue(zk, key, node, ttl)
@@ -459,22 +459,27 @@ class ZooKeeperBackend(Backend):
             return result
 
     def _reenter(
-        self, zk: KazooClient, key: tuple[str, str], node: _Node, reentrant: bool
+        self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float, reentrant: bool
     ) -> Acquired | Busy:
         """Enter a held lock again; Busy (once) if the lease is gone, so that the core
-        reports the loss. A fresh acquisition after that creates a new node."""
+        reports the loss. A fresh acquisition after that creates a new node.
+
+        The core counts a re-entry as a renewal, so the lease runs ``ttl`` from now:
+        the reaper's deadline and the ``ttl`` recorded for inspection move with it.
+        """
         if not self._session_alive(node):
             self._give_up(key, node)
             return Busy()
         if not reentrant:
             return Busy()
-        data = {**node.data, "count": node.data["count"] + 1}
+        data = {**node.data, "count": node.data["count"] + 1, "ttl": ttl}
         try:
             self._call(zk.set_async(node.path, _dump(data)))
         except NoNodeError:
             self._forget(key, node)
             return Busy()
         node.data = data
+        node.deadline = time.monotonic() + ttl
         return Acquired(fencing_token=node.czxid, count=data["count"])
 
     def _own_node(self, zk: KazooClient, key: tuple[str, str], ttl: float, holder: Holder) -> _Node:
@@ -733,6 +738,7 @@ class ZooKeeperBackend(Backend):
             if self._suspended_at is not None:
                 # A write would only queue until the connection is back. The session
                 # surely lives until the grace ends, when the renewer asks again.
+                node.deadline = time.monotonic() + lease.ttl
                 answers[index] = True
                 continue
             data = {**node.data, "ttl": lease.ttl}
