@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
@@ -333,3 +334,17 @@ def test_busy_client_cut_off_still_learns_of_the_loss_in_time(
     finally:
         stop.set()
         partition.close()
+
+
+def test_only_answered_requests_end_a_stall(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """An operation that sent nothing proves nothing about the session."""
+    name = f"unanswered-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url()) as client:
+        backend: Any = client._backend
+        assert backend.inspect(name) is None
+        stalled_since = backend._stalled_since = backend._heard_at
+        assert backend.release(name, "0" * 32) is None  # nothing held: nothing sent
+        assert backend._stalled_since == stalled_since
+        assert backend._heard_at == stalled_since
+        assert backend.inspect(name) is None  # answered
+        assert backend._stalled_since is None

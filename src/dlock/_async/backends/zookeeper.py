@@ -61,6 +61,8 @@ STALL_SHARE = 3 / 4
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
 
+#: Errors that are the server's reply to a request (so it heard us), not a lost one.
+SERVER_REPLIES = (NoNodeError, NodeExistsError, NotEmptyError)
 #: Errors from kazoo and its threading handler that mean "could not use ZooKeeper".
 CLIENT_ERRORS = (KazooException, KazooTimeoutError, OSError, ssl.SSLError)
 
@@ -170,6 +172,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._suspended_at: float | None = None
         #: Before the latest request that was answered: the server heard us after this.
         self._heard_at = 0.0
+        #: When a reply (a result or a server-side error) last arrived.
+        self._answered_at = 0.0
         #: Set when a request went unanswered while kazoo still thought it connected.
         self._stalled_since: float | None = None
         self._connected = threading.Event()
@@ -346,7 +350,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
         return 0.0 if self._on_suspend == "lost" else self._session_timeout * STALL_SHARE
 
     def _heard(self, since: float) -> None:
-        """An answer to a request sent after ``since``: the session was alive then."""
+        """The session was alive at ``since`` if a reply arrived after it; an operation
+        that sent nothing (or got no reply) proves nothing."""
+        if self._answered_at < since:
+            return
         if since > self._heard_at:
             self._heard_at = since
         self._stalled_since = None
@@ -371,7 +378,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _call(self, result: Any) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout."""
-        return result.get(timeout=self._op_timeout)
+        return self._answer(lambda: result.get(timeout=self._op_timeout))
+
+    def _answer(self, get: Callable[[], T]) -> T:
+        """``get()``, noting that the server replied (a server-side error is a reply)."""
+        try:
+            value = get()
+        except SERVER_REPLIES:
+            self._answered_at = time.monotonic()
+            raise
+        self._answered_at = time.monotonic()
+        return value
 
     def _call_while_alive(self, result: Any, node: _Node) -> Any:
         """Like :meth:`_call`, but None as soon as the node's session is given up.
@@ -382,7 +399,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         deadline = time.monotonic() + self._op_timeout
         while True:
             try:
-                return result.get(timeout=min(POLL, max(0.0, deadline - time.monotonic())))
+                wait = min(POLL, max(0.0, deadline - time.monotonic()))
+                return self._answer(lambda: result.get(timeout=wait))
             except KazooTimeoutError:
                 if not self._session_alive(node):
                     return None
