@@ -379,12 +379,12 @@ class ZooKeeperBackend(Backend):
 
     def _call(self, result: Any) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout."""
-        return self._answer(lambda: result.get(timeout=self._op_timeout))
+        return self._answer(result, self._op_timeout)
 
-    def _answer(self, get: Callable[[], T]) -> T:
-        """``get()``, noting that the server replied (a server-side error is a reply)."""
+    def _answer(self, result: Any, timeout: float) -> Any:
+        """The result, noting that the server replied (a server-side error is a reply)."""
         try:
-            value = get()
+            value = result.get(timeout=timeout)
         except SERVER_REPLIES:
             self._answered_at = time.monotonic()
             raise
@@ -400,8 +400,7 @@ class ZooKeeperBackend(Backend):
         deadline = time.monotonic() + self._op_timeout
         while True:
             try:
-                wait = min(POLL, max(0.0, deadline - time.monotonic()))
-                return self._answer(lambda: result.get(timeout=wait))
+                return self._answer(result, min(POLL, max(0.0, deadline - time.monotonic())))
             except KazooTimeoutError:
                 if not self._session_alive(node):
                     return None
