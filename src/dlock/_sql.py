@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ._errors import ConfigurationError
+from ._options import flag as _flag
+from ._options import seconds as _seconds
 from ._types import Holder, LockInfo
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -90,27 +91,6 @@ class ServerSettings:
     extra: dict[str, str]
     #: A callable returning a new connection, instead of connecting from the URL.
     client: Any = None
-
-
-def _flag(value: object, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigurationError(f"{what} must be true or false, not {value!r}")
-
-
-def _seconds(value: object, what: str) -> float:
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"{what} must be a number of seconds, not {value!r}") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigurationError(f"{what} must be a positive number of seconds, not {value!r}")
-    return seconds
 
 
 def parse_server_url(
