@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -10,12 +11,13 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from kazoo.client import KazooClient
 
 import dlock
-from dlock._sync.backends.zookeeper import decode_name, encode_name
+from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -52,6 +54,32 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
     finally:
         existing.stop()
         existing.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"tls": "enabled"},
+        {"tls": "1", "verify_certs": "ture"},
+        {"tls": ""},
+        {"session_timeout": "inf"},
+        {"session_timeout": "nan"},
+        {"connect_timeout": "-1"},
+        {"operation_timeout": "0"},
+        {"operation_timeout": "soon"},
+    ],
+)
+def test_bad_option_values_are_refused(options: dict[str, Any]) -> None:
+    """A mistyped flag must not silently switch TLS or its checks off."""
+    with pytest.raises(dlock.ConfigurationError):
+        dlock.connect("zookeeper://127.0.0.1:1/dlock", **options)
+    with pytest.raises(dlock.ConfigurationError):
+        dlock.connect("zookeeper://127.0.0.1:1/dlock?" + urlencode(options))
+
+
+def test_bad_constructor_values_are_refused() -> None:
+    with pytest.raises(dlock.ConfigurationError):
+        ZooKeeperBackend("127.0.0.1:1", session_timeout=math.inf)
 
 
 def test_waiters_queue_in_fifo_order(zookeeper_server: ZooKeeperEnsemble) -> None:

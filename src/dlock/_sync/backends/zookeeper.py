@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import ssl
 import threading
 import time
@@ -39,6 +40,7 @@ from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._options import flag, seconds
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import WakeupEvent, run_blocking
 from ..backend import Backend, Waiter
@@ -145,7 +147,7 @@ class ZooKeeperBackend(Backend):
             ("connect_timeout", connect_timeout),
             ("operation_timeout", operation_timeout),
         ]:
-            if not value > 0:
+            if not (value > 0 and math.isfinite(value)):
                 raise ConfigurationError(f"{label} must be a positive number of seconds")
         if not root.startswith("/") or (root.endswith("/") and root != "/"):
             raise ConfigurationError(f"root {root!r} must be an absolute ZooKeeper path")
@@ -197,7 +199,7 @@ class ZooKeeperBackend(Backend):
         client = options.pop("client", None) if "client" in options else None
         if not netloc and client is None:
             raise ConfigurationError(f"{url!r} names no ZooKeeper host")
-        settings: dict[str, Any] = dict(parse_qsl(parts.query))
+        settings: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
         settings.update(options)
         known = {
             "session_timeout",
@@ -214,23 +216,22 @@ class ZooKeeperBackend(Backend):
         unknown = set(settings) - known
         if unknown:
             raise ConfigurationError(f"unknown zookeeper option(s): {', '.join(sorted(unknown))}")
-        seconds: dict[str, float] = {}
-        for key, default in [
-            ("session_timeout", 10.0),
-            ("connect_timeout", 5.0),
-            ("operation_timeout", 5.0),
-        ]:
-            try:
-                seconds[key] = float(settings.get(key, default))
-            except (TypeError, ValueError):
-                raise ConfigurationError(f"{key} must be a number of seconds") from None
+        durations = {
+            key: seconds(settings.get(key, default), key)
+            for key, default in [
+                ("session_timeout", 10.0),
+                ("connect_timeout", 5.0),
+                ("operation_timeout", 5.0),
+            ]
+        }
         tls: dict[str, Any] = {}
-        if _truthy(settings.get("tls", False)):
+        verify_certs = flag(settings.get("verify_certs", True), "verify_certs")
+        if flag(settings.get("tls", False), "tls"):
             tls["use_ssl"] = True
             for key in ("certfile", "keyfile", "ca", "keyfile_password"):
                 if key in settings:
                     tls[key] = str(settings[key])
-            tls["verify_certs"] = _truthy(settings.get("verify_certs", True))
+            tls["verify_certs"] = verify_certs
         if client is not None and not isinstance(client, KazooClient):
             raise ConfigurationError("client= must be a kazoo.client.KazooClient")
         return cls(
@@ -240,7 +241,7 @@ class ZooKeeperBackend(Backend):
             auth=auth,
             tls=tls,
             client=client,
-            **seconds,
+            **durations,
         )
 
     # -- connection and session ------------------------------------------------------
@@ -941,10 +942,6 @@ class ZooKeeperBackend(Backend):
 
 def _stripe_of(key: tuple[str, str]) -> int:
     return zlib.crc32(f"{key[0]}\0{key[1]}".encode()) % STRIPES
-
-
-def _truthy(value: object) -> bool:
-    return str(value).lower() in {"1", "true", "yes", "on"}
 
 
 def _dump(data: dict[str, Any]) -> bytes:
