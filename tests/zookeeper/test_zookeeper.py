@@ -376,3 +376,19 @@ def test_only_answered_requests_end_a_stall(zookeeper_server: ZooKeeperEnsemble)
         assert backend._heard_at == stalled_since
         assert backend.inspect(name) is None  # answered
         assert backend._stalled_since is None
+
+
+def test_the_root_node_as_lock_root(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """At '/', ZooKeeper's own /zookeeper node sits among the locks: not a lock queue."""
+    name = f"at-root-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url("/")) as client:
+        lock = client.lock(name, ttl=5)
+        lock.acquire()
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == lock.fencing_token
+        listed = [entry.name for entry in client.list("")]
+        assert name in listed and "zookeeper" not in listed
+        assert client.inspect("zookeeper") is None
+        assert client.force_release("zookeeper") is False
+        assert client.force_release(name) is True
+        assert client.inspect(name) is None

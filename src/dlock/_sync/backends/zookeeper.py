@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import ssl
 import threading
 import time
@@ -51,6 +52,8 @@ T = TypeVar("T")
 
 #: Suffix ZooKeeper appends to a sequential node: ten digits.
 SEQUENCE_DIGITS = 10
+#: A queued node's name ends with the sequence suffix.
+QUEUED = re.compile(rf"-\d{{{SEQUENCE_DIGITS}}}$")
 #: Characters kept as they are in a node name; everything else is %-escaped UTF-8.
 SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 #: What a suspended connection means for held locks (see docs/zookeeper.md).
@@ -83,6 +86,15 @@ def decode_name(node: str) -> str:
 
 def sequence_of(child: str) -> int:
     return int(child[-SEQUENCE_DIGITS:])
+
+
+def queue_of(children: list[str]) -> list[str]:
+    """The queued nodes among a lock node's children, in order.
+
+    Other children are not dlock's: at root '/', ZooKeeper's own /zookeeper node has
+    children ('config', 'quota') and a name 'zookeeper' would meet them.
+    """
+    return sorted((child for child in children if QUEUED.search(child)), key=sequence_of)
 
 
 @dataclass
@@ -608,7 +620,7 @@ class ZooKeeperBackend(Backend):
                 raise
             # The parent was made by the create (after a failed first try): list again.
             children = self._call(zk.get_children_async(parent))
-        children.sort(key=sequence_of)
+        children = queue_of(children)
         if child not in children:
             self._forget(key, node)
             return None
@@ -860,7 +872,7 @@ class ZooKeeperBackend(Backend):
         queues: list[tuple[str, list[Any]]] = []
         for name, result in listed:
             try:
-                children = sorted(self._call(result), key=sequence_of)
+                children = queue_of(self._call(result))
             except NoNodeError:
                 continue
             parent = self._parent(name)
@@ -900,14 +912,16 @@ class ZooKeeperBackend(Backend):
         parent = self._parent(name)
         while True:
             try:
-                children = self._call(zk.get_children_async(parent))
+                found = self._call(zk.get_children_async(parent))
             except NoNodeError:
                 return False
+            children = queue_of(found)
             if not children:
-                self._prune(zk, parent)
+                if not found:  # not a node of someone else's (such as /zookeeper)
+                    self._prune(zk, parent)
                 return False
             try:
-                self._call(zk.delete_async(f"{parent}/{min(children, key=sequence_of)}"))
+                self._call(zk.delete_async(f"{parent}/{children[0]}"))
                 return True
             except NoNodeError:
                 continue  # released meanwhile: the next in line now holds it
