@@ -82,6 +82,26 @@ def test_bad_constructor_values_are_refused() -> None:
         ZooKeeperBackend("127.0.0.1:1", session_timeout=math.inf)
 
 
+def test_closing_with_a_passed_in_client_frees_unrenewed_locks(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The session outlives dlock's client, so its nodes must go when dlock closes."""
+    name = f"passed-in-{time.monotonic_ns()}"
+    existing = KazooClient(hosts=zookeeper_server.hosts)
+    existing.start()
+    try:
+        with dlock.connect(zookeeper_server.url()) as other:
+            client = dlock.connect("zookeeper:///dlock", client=existing)
+            client.lock(name, ttl=30, auto_renew=False).acquire()
+            assert other.inspect(name) is not None
+            client.close()
+            assert other.inspect(name) is None
+            assert other.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        existing.stop()
+        existing.close()
+
+
 def test_waiters_queue_in_fifo_order(zookeeper_server: ZooKeeperEnsemble) -> None:
     url = zookeeper_server.url(session_timeout=5)
     name = f"fifo-{os.getpid()}-{time.monotonic_ns()}"

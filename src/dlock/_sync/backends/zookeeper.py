@@ -944,11 +944,27 @@ class ZooKeeperBackend(Backend):
             return
         zk.remove_listener(self._on_state)
         if self._owns_client:
+            # Ending the session makes the ensemble delete every node it made.
             try:
                 zk.stop()
                 zk.close()
             except CLIENT_ERRORS:
                 logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
+        else:
+            self._delete_own_nodes(zk)
+
+    def _delete_own_nodes(self, zk: KazooClient) -> None:
+        """The caller's session outlives us: delete our nodes ourselves (best effort),
+        or a lock not renewed would never end."""
+        paths = [n.path for n in self._nodes.values() if n.session == self._session_id]
+        paths.extend(self._orphans)
+        self._nodes.clear()
+        self._orphans.clear()
+        for result in [zk.delete_async(path) for path in paths]:
+            try:
+                self._call(result)
+            except (NoNodeError, *CLIENT_ERRORS):
+                logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     def close(self) -> None:
         run_blocking(self._close)
