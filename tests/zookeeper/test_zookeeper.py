@@ -412,3 +412,22 @@ def test_the_root_node_as_lock_root(zookeeper_server: ZooKeeperEnsemble) -> None
         assert client.force_release("zookeeper") is False
         assert client.force_release(name) is True
         assert client.inspect(name) is None
+
+
+def test_a_given_up_node_is_deleted_without_waiting_for_a_reconnect(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A lease given up while kazoo stays connected (a renewal that failed) must not
+    leave its node blocking the lock until this client happens to acquire again."""
+    name = f"given-up-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as client,
+        dlock.connect(zookeeper_server.url()) as other,
+    ):
+        backend: Any = client._backend
+        lock = client.lock(name, ttl=30)
+        lock.acquire()
+        key = next(key for key in backend._nodes if key[0] == name)
+        with backend._stripe(key):
+            backend._give_up(key, backend._nodes[key])
+        wait_until(lambda: other.inspect(name) is None, 3)

@@ -179,8 +179,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
         self._parents: set[str] = set()
-        #: Paths we gave up but could not delete yet (no connection): deleted on reconnect.
+        #: Paths we gave up but did not delete yet: the reaper deletes them.
         self._orphans: set[str] = set()
+        #: The reaper should try deleting orphans (one was added, or a connection is back).
+        self._orphans_due = False
         self._waiters: dict[tuple[str, str], AsyncZooKeeperWaiter] = {}
         self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
@@ -339,7 +341,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     self._renew_now()
                 self._session_id = session
             if self._orphans:
-                threading.Thread(target=self._delete_orphans, daemon=True).start()
+                self._start_reaper(orphans=True)
 
     def _end_session(self, session: int) -> None:
         """The session is gone and its ephemeral nodes with it: so are our leases."""
@@ -445,8 +447,6 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
         def attempt(retrying: bool) -> Acquired | Busy:
             zk = self._client()
-            if self._orphans:
-                self._delete_orphans()
             node = self._nodes.get(key)
             if node is not None and node.held:
                 return self._reenter(zk, key, node, ttl, reentrant)
@@ -671,7 +671,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             except (BackendError, *CLIENT_ERRORS):
                 logger.debug("dlock: could not leave the queue of %r", name, exc_info=True)
                 self._forget(key, node)
-                self._orphans.add(node.path)
+                self._orphan(node.path)
 
     def _delete(self, zk: KazooClient, key: tuple[str, str], node: _Node) -> bool:
         """Delete our node and forget it; False if it was already gone."""
@@ -795,8 +795,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
         """A lease declared lost while its node may still exist (a suspended session
         that comes back): delete the node as soon as the connection allows."""
         if not node.gone and node.session == self._session_id:
-            self._orphans.add(node.path)
+            self._orphan(node.path)
         self._forget(key, node)
+
+    def _orphan(self, path: str) -> None:
+        """A node of ours that nobody holds: until deleted, it blocks the lock."""
+        self._orphans.add(path)
+        self._start_reaper(orphans=True)
 
     async def extend(self, name: str, token: str, ttl: float) -> bool:
         result = await run_blocking(self._extend_all, [Lease(name, token, ttl)])
@@ -806,22 +811,25 @@ class AsyncZooKeeperBackend(AsyncBackend):
         return await run_blocking(self._extend_all, list(leases))
 
     def _delete_orphans(self) -> None:
+        """Delete given-up nodes (pipelined); those that fail stay for the next try."""
         zk = self._zk
-        if zk is None:
-            return
-        for path in list(self._orphans):
+        if zk is None or not self._connected.is_set():
+            return  # the next CONNECTED wakes the reaper
+        paths = list(self._orphans)
+        for path, result in [(path, zk.delete_async(path)) for path in paths]:
             try:
-                self._call(zk.delete_async(path))
+                self._call(result)
             except NoNodeError:
                 pass
             except CLIENT_ERRORS:
-                continue  # still disconnected: the next CONNECTED tries again
+                continue
             self._orphans.discard(path)
 
     # -- leases that run out without renewal -------------------------------------------
 
-    def _start_reaper(self) -> None:
+    def _start_reaper(self, orphans: bool = False) -> None:
         with self._reaper_wakeup:
+            self._orphans_due = self._orphans_due or orphans
             if self._reaper is None and not self._closed:
                 self._reaper = threading.Thread(
                     target=self._reap, name="dlock-zookeeper-reaper", daemon=True
@@ -830,7 +838,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._reaper_wakeup.notify()
 
     def _reap(self) -> None:
-        """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``).
+        """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``), and
+        nodes given up (orphans).
 
         The session keeps ephemeral nodes alive for as long as the process lives, so
         without this a lease would never end while its holder is alive but idle.
@@ -851,14 +860,23 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     except (BackendError, *CLIENT_ERRORS):
                         self._give_up(key, node)
             with self._reaper_wakeup:
+                orphans_due, self._orphans_due = self._orphans_due, False
+            if orphans_due:
+                self._delete_orphans()
+            with self._reaper_wakeup:
                 if self._closed:
                     return
+                if self._orphans_due:
+                    continue  # added while deleting the others
                 held = list(self._nodes.values())
                 deadlines = [n.deadline for n in held if n.held and not n.gone]
                 self._reaper_next = min(deadlines, default=float("inf"))
-                self._reaper_wakeup.wait(
-                    max(0.001, self._reaper_next - time.monotonic()) if deadlines else None
-                )
+                wait = self._reaper_next - time.monotonic()
+                if self._orphans:
+                    # Some could not be deleted: try again after a while.
+                    self._orphans_due = True
+                    wait = min(wait, self._op_timeout)
+                self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
                 self._reaper_next = float("inf")  # while reaping, every grant wakes it
 
     # -- inspection -------------------------------------------------------------------
