@@ -881,10 +881,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     # -- inspection -------------------------------------------------------------------
 
-    def _infos(self, names: list[str]) -> list[LockInfo]:
-        """Holder and queue of each name, with every read pipelined."""
-        zk = self._client()
-        self._catch_up(zk)
+    def _infos(self, zk: KazooClient, names: list[str]) -> list[LockInfo]:
+        """Holder and queue of each name, with every read pipelined (the caller syncs)."""
         listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
         queues: list[tuple[str, list[Any]]] = []
         for name, result in listed:
@@ -904,9 +902,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 infos.append(_info(name, entries))
         return infos
 
-    async def inspect(self, name: str) -> LockInfo | None:
-        infos = await run_blocking(self._guarded, lambda _: self._infos([name]))
+    def _inspect(self, name: str) -> LockInfo | None:
+        zk = self._client()
+        self._catch_up(zk)
+        infos = self._infos(zk, [name])
         return infos[0] if infos else None
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        info: LockInfo | None = await run_blocking(self._guarded, lambda _: self._inspect(name))
+        return info
 
     def _list(self, prefix: str) -> list[LockInfo]:
         zk = self._client()
@@ -918,7 +922,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
         )
-        return self._infos(names)
+        return self._infos(zk, names)
 
     async def list(self, prefix: str) -> list[LockInfo]:
         return await run_blocking(self._guarded, lambda _: self._list(prefix))

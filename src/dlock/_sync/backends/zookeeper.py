@@ -882,10 +882,8 @@ class ZooKeeperBackend(Backend):
 
     # -- inspection -------------------------------------------------------------------
 
-    def _infos(self, names: list[str]) -> list[LockInfo]:
-        """Holder and queue of each name, with every read pipelined."""
-        zk = self._client()
-        self._catch_up(zk)
+    def _infos(self, zk: KazooClient, names: list[str]) -> list[LockInfo]:
+        """Holder and queue of each name, with every read pipelined (the caller syncs)."""
         listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
         queues: list[tuple[str, list[Any]]] = []
         for name, result in listed:
@@ -905,9 +903,15 @@ class ZooKeeperBackend(Backend):
                 infos.append(_info(name, entries))
         return infos
 
-    def inspect(self, name: str) -> LockInfo | None:
-        infos = run_blocking(self._guarded, lambda _: self._infos([name]))
+    def _inspect(self, name: str) -> LockInfo | None:
+        zk = self._client()
+        self._catch_up(zk)
+        infos = self._infos(zk, [name])
         return infos[0] if infos else None
+
+    def inspect(self, name: str) -> LockInfo | None:
+        info: LockInfo | None = run_blocking(self._guarded, lambda _: self._inspect(name))
+        return info
 
     def _list(self, prefix: str) -> list[LockInfo]:
         zk = self._client()
@@ -919,7 +923,7 @@ class ZooKeeperBackend(Backend):
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
         )
-        return self._infos(names)
+        return self._infos(zk, names)
 
     def list(self, prefix: str) -> list[LockInfo]:
         return run_blocking(self._guarded, lambda _: self._list(prefix))
