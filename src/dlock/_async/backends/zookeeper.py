@@ -60,6 +60,11 @@ SUSPEND_POLICIES = ("session", "lost")
 STRIPES = 64
 #: How often a renewal waiting for its answer re-checks whether the session was given up.
 POLL = 0.05
+#: Share of the session timeout a suspended session surely outlives the suspension:
+#: kazoo drops a connection after hearing nothing for 2/3 of the session timeout, so
+#: the server may expire the session 1/3 of it after we notice; a quarter leaves a
+#: margin for scheduling.
+SUSPEND_SHARE = 1 / 4
 #: Share of the session timeout after the last answered request at which a client whose
 #: requests go unanswered (while kazoo still thinks it is connected) gives up its locks.
 STALL_SHARE = 3 / 4
@@ -305,14 +310,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
     def watch_leases(self, renew_now: Callable[[], None]) -> None:
         self._renew_now = renew_now
 
-    def _grace(self) -> float:
-        """How long a suspended session surely outlives the suspension.
+    def _grace(self, share: float) -> float:
+        """How long locks are kept after a suspension or stall begins (none if the
+        policy is to declare them lost at once)."""
+        return 0.0 if self._on_suspend == "lost" else self._session_timeout * share
 
-        kazoo drops a connection after hearing nothing for 2/3 of the session timeout,
-        so the server may expire the session 1/3 of it after we notice; a quarter
-        leaves a margin for scheduling.
-        """
-        return 0.0 if self._on_suspend == "lost" else self._session_timeout / 4
+    def _renew_now_and_after(self, delay: float) -> None:
+        """Wake the renewer now, and again when a grace ends (it decides then)."""
+        timer = threading.Timer(delay, self._renew_now)
+        timer.daemon = True
+        timer.start()
+        self._renew_now()
 
     def _on_state(self, state: str) -> None:
         """kazoo's connection thread: record the state, never block, wake the renewer."""
@@ -321,10 +329,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if state == KazooState.SUSPENDED:
             self._suspended_at = time.monotonic()
             logger.warning("dlock: ZooKeeper connection suspended; held locks may be lost")
-            timer = threading.Timer(self._grace(), self._renew_now)
-            timer.daemon = True
-            timer.start()
-            self._renew_now()
+            self._renew_now_and_after(self._grace(SUSPEND_SHARE))
         elif state == KazooState.LOST:
             self._suspended_at = None
             self._end_session(self._session_id)
@@ -357,12 +362,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return False
         now = time.monotonic()
         suspended, stalled = self._suspended_at, self._stalled_since
-        if stalled is not None and now >= stalled + self._stall_grace():
+        if stalled is not None and now >= stalled + self._grace(STALL_SHARE):
             return False
-        return suspended is None or now < suspended + self._grace()
-
-    def _stall_grace(self) -> float:
-        return 0.0 if self._on_suspend == "lost" else self._session_timeout * STALL_SHARE
+        return suspended is None or now < suspended + self._grace(SUSPEND_SHARE)
 
     def _heard(self, since: float) -> None:
         """The session was alive at ``since`` if a reply arrived after it; an operation
@@ -385,11 +387,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return
         self._stalled_since = self._heard_at
         logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
-        delay = max(0.0, self._heard_at + self._stall_grace() - time.monotonic())
-        timer = threading.Timer(delay, self._renew_now)
-        timer.daemon = True
-        timer.start()
-        self._renew_now()
+        delay = self._heard_at + self._grace(STALL_SHARE) - time.monotonic()
+        self._renew_now_and_after(max(0.0, delay))
 
     def _call(self, result: Any) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout."""
@@ -522,13 +521,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return node
         name, token = key
         parent = self._parent(name)
-        data = {
-            "host": holder.host,
-            "pid": holder.pid,
-            "label": holder.label,
-            "count": 1,
-            "ttl": ttl,
-        }
+        data = {**json.loads(holder.to_json()), "count": 1, "ttl": ttl}
         session = self._session_id
         if key in self._pending:
             # Curator's protection: a create that succeeded on the server but whose reply
