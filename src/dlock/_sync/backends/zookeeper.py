@@ -215,7 +215,7 @@ class ZooKeeperBackend(Backend):
             credentials, netloc = netloc.rsplit("@", 1)
             user, _, password = credentials.partition(":")
             auth = (unquote(user), unquote(password))
-        client = options.pop("client", None) if "client" in options else None
+        client = options.pop("client", None)
         if not netloc and client is None:
             raise ConfigurationError(f"{url!r} names no ZooKeeper host")
         settings: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
@@ -607,13 +607,13 @@ class ZooKeeperBackend(Backend):
         parent, child = node.path.rsplit("/", 1)
         listing, node.listing = node.listing, None
         try:
-            children = self._call(listing if listing is not None else zk.get_children_async(parent))
+            children = queue_of(
+                self._call(listing if listing is not None else zk.get_children_async(parent))
+            )
         except NoNodeError:
-            if listing is None:
-                raise
-            # The parent was made by the create (after a failed first try): list again.
-            children = self._call(zk.get_children_async(parent))
-        children = queue_of(children)
+            # The lock node holds ours until it is deleted: ours was (force release),
+            # then the empty lock node was pruned.
+            children = []
         if child not in children:
             self._forget(key, node)
             return None
