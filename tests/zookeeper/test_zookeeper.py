@@ -18,6 +18,7 @@ from kazoo.client import KazooClient
 
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
+from dlock._types import Acquired, Holder
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -320,6 +321,7 @@ def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEn
     url = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3&on_suspend=lost"
     try:
         with dlock.connect(url) as far, dlock.connect(zookeeper_server.url()) as near:
+            backend: Any = far._backend
             lost_at: list[float] = []
             lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
             lock.acquire()
@@ -327,7 +329,11 @@ def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEn
             partition.cut.set()
             wait_until(lambda: bool(lost_at), 5)
             # Noticed when kazoo gives up on the connection (2/3 of the session timeout),
-            # not when the session expires.
+            # not when the session expires, nor after the grace (a quarter of it: 0.75 s)
+            # that the default on_suspend=session keeps the locks for.
+            suspended_at = backend._suspended_at
+            assert suspended_at is not None, "the connection was not suspended"
+            assert lost_at[0] - suspended_at < 0.35
             assert lost_at[0] - cut_at < 2.6
             partition.cut.clear()
             successor = near.lock(name, ttl=30)
@@ -431,3 +437,23 @@ def test_a_given_up_node_is_deleted_without_waiting_for_a_reconnect(
         with backend._stripe(key):
             backend._give_up(key, backend._nodes[key])
         wait_until(lambda: other.inspect(name) is None, 3)
+
+
+def test_a_create_whose_reply_was_lost_is_found_again(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    name = f"lost-reply-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url()) as client:
+        backend = client._backend
+        token = "f" * 32
+        assert backend.inspect(name) is None
+        zk = backend._zk  # type: ignore[attr-defined]
+        parent = backend._parent(name)  # type: ignore[attr-defined]
+        # What the server did before the reply was lost: our node exists, unknown to us.
+        path = zk.create(f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True)
+        backend._pending.add((name, token))  # type: ignore[attr-defined]
+        result = backend.acquire(name, token, 5.0, Holder.current(), False)
+        assert isinstance(result, Acquired)
+        assert result.fencing_token == zk.exists(path).czxid
+        assert zk.get_children(parent) == [path.rsplit("/", 1)[1]], "no second node"
+        assert backend.release(name, token) == 0
