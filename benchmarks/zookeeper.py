@@ -4,7 +4,8 @@
                                    [--rounds R] [--ensemble]
 
 The raw baseline is the least any ZooKeeper lock does, with the same kazoo client:
-create an ephemeral sequential node, list the children, delete the node. The peer is
+create an ephemeral sequential node and list the children (pipelined in one round trip,
+as dlock does), then delete the node. The peer is
 kazoo's own ``Lock`` recipe. Servers are private ones started by the test harness: one
 standalone server by default (a three-node ensemble on a 2-core machine mostly measures
 the JVMs competing for CPU), or ``--ensemble``.
@@ -31,7 +32,7 @@ from benchmarks.common import (
 )
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
-RAW = "raw create+children+delete"
+RAW = "raw create|children, delete"
 
 
 class KazooHandle:
@@ -62,8 +63,11 @@ def uncontended(hosts: str, url: str, iterations: int) -> dict[str, Latency]:
     prefix = f"/raw-bench/lock/{uuid.uuid4().hex}-"
 
     def raw_ops() -> None:
-        path = zk.create(prefix, b"", ephemeral=True, sequence=True)
-        zk.get_children("/raw-bench/lock")
+        # A session's requests are served in order: the listing sees the new node.
+        created = zk.create_async(prefix, b"", ephemeral=True, sequence=True)
+        listing = zk.get_children_async("/raw-bench/lock")
+        path = created.get()
+        listing.get()
         zk.delete(path)
 
     kazoo_lock = zk.Lock("/kazoo-bench/uncontended", "bench")

@@ -344,7 +344,7 @@ def test_urls_and_options() -> None:
     patient = RedlockBackend.from_url("redis+redlock://a:1,b:2,c:3?socket_timeout=3", {})
     assert {m._client_options["socket_timeout"] for m in patient._masters} == {3.0}
     for bad in ("queue_ttl=0", "queue_ttl=inf", "socket_timeout=-1", "socket_timeout=x"):
-        with pytest.raises(dlock.ConfigurationError, match="positive number of seconds"):
+        with pytest.raises(dlock.ConfigurationError, match="number of seconds"):
             dlock.connect(f"redis://localhost?{bad}")
     with pytest.raises(dlock.ConfigurationError, match="list of redis-py clients"):
         dlock.connect("redis+redlock://", client=object())

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ._errors import ConfigurationError
+from ._options import flag, seconds
 from ._types import Holder, LockInfo
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -92,27 +92,6 @@ class ServerSettings:
     client: Any = None
 
 
-def _flag(value: object, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigurationError(f"{what} must be true or false, not {value!r}")
-
-
-def seconds(value: object, what: str) -> float:
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"{what} must be a number of seconds, not {value!r}") from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigurationError(f"{what} must be a positive number of seconds, not {value!r}")
-    return seconds
-
-
 def parse_server_url(
     url: str, options: dict[str, Any], passthrough: frozenset[str]
 ) -> ServerSettings:
@@ -148,7 +127,7 @@ def parse_server_url(
         table=check_identifier(settings.get("table", DEFAULT_TABLES[mode]), "table"),
         connect_timeout=seconds(settings.get("connect_timeout", 5), "connect_timeout"),
         timeout=seconds(settings.get("timeout", 10), "timeout"),
-        create_table=_flag(settings.get("create_table", True), "create_table"),
+        create_table=flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
         client=settings.get("client"),
     )

@@ -1,9 +1,10 @@
 """Private ZooKeeper servers from the Debian ``zookeeper`` package: standalone or an ensemble.
 
-Every node runs with a 100 ms tick so sessions can be as short as 0.2 s (a lock's TTL is
-its session timeout), and a large ``maxSessionTimeout`` so fault tests can choose longer
-ones. Nodes can be killed, paused and restarted one by one; :meth:`leader` finds the one
-to kill for the leader-failure tests.
+Every node runs with a 100 ms tick so sessions can be as short as 0.2 s (the session
+timeout bounds how long a crashed or paused holder keeps its locks, which the suite's
+crash tests expect within a few seconds), and a large ``maxSessionTimeout`` so fault
+tests can choose longer ones. Nodes can be killed, paused and restarted one by one;
+:meth:`leader` finds the one to kill for the leader-failure tests.
 """
 
 from __future__ import annotations

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from kazoo.client import KazooClient
 
 import dlock
-from dlock._sync.backends.zookeeper import decode_name, encode_name
+from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
+from dlock._types import Acquired, Holder
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -48,6 +52,52 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
         ):
             assert lock.fencing_token is not None
         assert existing.connected, "a client passed in is the caller's to close"
+    finally:
+        existing.stop()
+        existing.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"tls": "enabled"},
+        {"tls": "1", "verify_certs": "ture"},
+        {"tls": ""},
+        {"session_timeout": "inf"},
+        {"session_timeout": "nan"},
+        {"connect_timeout": "-1"},
+        {"operation_timeout": "0"},
+        {"operation_timeout": "soon"},
+    ],
+)
+def test_bad_option_values_are_refused(options: dict[str, Any]) -> None:
+    """A mistyped flag must not silently switch TLS or its checks off."""
+    with pytest.raises(dlock.ConfigurationError):
+        dlock.connect("zookeeper://127.0.0.1:1/dlock", **options)
+    with pytest.raises(dlock.ConfigurationError):
+        dlock.connect("zookeeper://127.0.0.1:1/dlock?" + urlencode(options))
+
+
+def test_bad_constructor_values_are_refused() -> None:
+    with pytest.raises(dlock.ConfigurationError):
+        ZooKeeperBackend("127.0.0.1:1", session_timeout=math.inf)
+
+
+def test_closing_with_a_passed_in_client_frees_unrenewed_locks(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The session outlives dlock's client, so its nodes must go when dlock closes."""
+    name = f"passed-in-{time.monotonic_ns()}"
+    existing = KazooClient(hosts=zookeeper_server.hosts)
+    existing.start()
+    try:
+        with dlock.connect(zookeeper_server.url()) as other:
+            client = dlock.connect("zookeeper:///dlock", client=existing)
+            client.lock(name, ttl=30, auto_renew=False).acquire()
+            assert other.inspect(name) is not None
+            client.close()
+            assert other.inspect(name) is None
+            assert other.lock(name, ttl=5).acquire(timeout=0)
     finally:
         existing.stop()
         existing.close()
@@ -271,6 +321,7 @@ def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEn
     url = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3&on_suspend=lost"
     try:
         with dlock.connect(url) as far, dlock.connect(zookeeper_server.url()) as near:
+            backend: Any = far._backend
             lost_at: list[float] = []
             lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
             lock.acquire()
@@ -278,7 +329,11 @@ def test_on_suspend_lost_declares_the_loss_at_once(zookeeper_server: ZooKeeperEn
             partition.cut.set()
             wait_until(lambda: bool(lost_at), 5)
             # Noticed when kazoo gives up on the connection (2/3 of the session timeout),
-            # not when the session expires.
+            # not when the session expires, nor after the grace (a quarter of it: 0.75 s)
+            # that the default on_suspend=session keeps the locks for.
+            suspended_at = backend._suspended_at
+            assert suspended_at is not None, "the connection was not suspended"
+            assert lost_at[0] - suspended_at < 0.35
             assert lost_at[0] - cut_at < 2.6
             partition.cut.clear()
             successor = near.lock(name, ttl=30)
@@ -333,3 +388,72 @@ def test_busy_client_cut_off_still_learns_of_the_loss_in_time(
     finally:
         stop.set()
         partition.close()
+
+
+def test_only_answered_requests_end_a_stall(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """An operation that sent nothing proves nothing about the session."""
+    name = f"unanswered-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url()) as client:
+        backend: Any = client._backend
+        assert backend.inspect(name) is None
+        stalled_since = backend._stalled_since = backend._heard_at
+        assert backend.release(name, "0" * 32) is None  # nothing held: nothing sent
+        assert backend._stalled_since == stalled_since
+        assert backend._heard_at == stalled_since
+        assert backend.inspect(name) is None  # answered
+        assert backend._stalled_since is None
+
+
+def test_the_root_node_as_lock_root(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """At '/', ZooKeeper's own /zookeeper node sits among the locks: not a lock queue."""
+    name = f"at-root-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url("/")) as client:
+        lock = client.lock(name, ttl=5)
+        lock.acquire()
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == lock.fencing_token
+        listed = [entry.name for entry in client.list("")]
+        assert name in listed and "zookeeper" not in listed
+        assert client.inspect("zookeeper") is None
+        assert client.force_release("zookeeper") is False
+        assert client.force_release(name) is True
+        assert client.inspect(name) is None
+
+
+def test_a_given_up_node_is_deleted_without_waiting_for_a_reconnect(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A lease given up while kazoo stays connected (a renewal that failed) must not
+    leave its node blocking the lock until this client happens to acquire again."""
+    name = f"given-up-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as client,
+        dlock.connect(zookeeper_server.url()) as other,
+    ):
+        backend: Any = client._backend
+        lock = client.lock(name, ttl=30)
+        lock.acquire()
+        key = next(key for key in backend._nodes if key[0] == name)
+        with backend._stripe(key):
+            backend._give_up(key, backend._nodes[key])
+        wait_until(lambda: other.inspect(name) is None, 3)
+
+
+def test_a_create_whose_reply_was_lost_is_found_again(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    name = f"lost-reply-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url()) as client:
+        backend = client._backend
+        token = "f" * 32
+        assert backend.inspect(name) is None
+        zk = backend._zk  # type: ignore[attr-defined]
+        parent = backend._parent(name)  # type: ignore[attr-defined]
+        # What the server did before the reply was lost: our node exists, unknown to us.
+        path = zk.create(f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True)
+        backend._pending.add((name, token))  # type: ignore[attr-defined]
+        result = backend.acquire(name, token, 5.0, Holder.current(), False)
+        assert isinstance(result, Acquired)
+        assert result.fencing_token == zk.exists(path).czxid
+        assert zk.get_children(parent) == [path.rsplit("/", 1)[1]], "no second node"
+        assert backend.release(name, token) == 0

@@ -10,7 +10,6 @@ from kazoo.client import KazooClient
 
 import dlock
 import dlock.aio
-from dlock._types import Holder
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
 
@@ -52,23 +51,3 @@ async def test_expired_session_cancels_the_body(zookeeper_server: ZooKeeperEnsem
                 await asyncio.sleep(5)
                 body_finished = True
         assert not body_finished and len(lost) == 1
-
-
-def test_a_create_whose_reply_was_lost_is_found_again(
-    zookeeper_server: ZooKeeperEnsemble,
-) -> None:
-    name = f"lost-reply-{time.monotonic_ns()}"
-    with dlock.connect(zookeeper_server.url()) as client:
-        backend = client._backend
-        token = "f" * 32
-        assert backend.inspect(name) is None
-        zk = backend._zk  # type: ignore[attr-defined]
-        parent = backend._parent(name)  # type: ignore[attr-defined]
-        # What the server did before the reply was lost: our node exists, unknown to us.
-        path = zk.create(f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True)
-        backend._pending.add((name, token))  # type: ignore[attr-defined]
-        result = backend.acquire(name, token, 5.0, Holder.current(), False)
-        assert isinstance(result, dlock._types.Acquired)
-        assert result.fencing_token == zk.exists(path).czxid
-        assert zk.get_children(parent) == [path.rsplit("/", 1)[1]], "no second node"
-        assert backend.release(name, token) == 0

@@ -172,6 +172,28 @@ async def test_reentrancy(url: str, name: str) -> None:
                 await plain.acquire(timeout=0)
 
 
+async def test_reentry_extends_the_lease(url: str, name: str) -> None:
+    """A re-entry is a renewal: the lease runs a full ttl from it, not from the first entry."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        lock = first.lock(name, ttl=2, reentrant=True, auto_renew=False)
+        await lock.acquire()
+        await sleep(1.2)
+        assert await lock.acquire(timeout=0)
+        reentered = time.monotonic()
+        other = second.lock(name, ttl=5)
+        # Past the first lease's end (2 s after the first entry), within the new one.
+        while elapsed_since(reentered) < 1.5:
+            assert await other.acquire(timeout=0) is False
+            assert lock.owned()
+            await sleep(0.1)
+        assert await other.acquire(timeout=3)
+        assert elapsed_since(reentered) < 3.0
+        assert other.fencing_token is not None and lock.fencing_token is not None
+        assert other.fencing_token > lock.fencing_token
+        assert not lock.owned()
+        await other.release()
+
+
 async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=0.6)
@@ -207,7 +229,9 @@ async def test_one_client_renews_many_locks_together(url: str, name: str) -> Non
         for lock in locks[1:]:
             await lock.acquire()
         await sleep(0.1)
-        assert running_workers() == workers, "one renewer per client, not one per lock"
+        # A backend's client library may run a task or thread of its own now and then;
+        # one renewer per lock would add 199.
+        assert running_workers() - workers < 10, "one renewer per client, not one per lock"
         await sleep(2.0)
         assert all(lock.owned() for lock in locks)
         assert len(await client.list(name)) == 200

@@ -330,6 +330,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         if held is not None:
             if not reentrant:
                 return Busy()
+            # Re-entry renews the lease, as on every backend, and fails if it is gone.
+            if not await self._session_extend(name, token, ttl):
+                return Busy()
             count = await self._session_count(token, held, +1)
             return Busy() if count is None else Acquired(held.fence, count)
         parked = self._parked.pop(token, None)

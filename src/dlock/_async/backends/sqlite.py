@@ -15,12 +15,12 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._options import seconds
 from ..._sql import (
     DEFAULT_TABLES,
     check_identifier,
     encode_name,
     lock_info,
-    seconds,
     sqlite_statements,
 )
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo

@@ -331,6 +331,9 @@ class ServerSQLBackend(Backend):
         if held is not None:
             if not reentrant:
                 return Busy()
+            # Re-entry renews the lease, as on every backend, and fails if it is gone.
+            if not self._session_extend(name, token, ttl):
+                return Busy()
             count = self._session_count(token, held, +1)
             return Busy() if count is None else Acquired(held.fence, count)
         parked = self._parked.pop(token, None)

@@ -37,6 +37,7 @@ from redis.retry import Retry
 
 from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._options import seconds
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import sleep
 from ..backend import Backend, Waiter
@@ -70,17 +71,6 @@ IDLE_SUBSCRIBERS = 8
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 #: What redis-py raises; its cluster errors do not all derive from RedisError.
 ERRORS = (RedisError, RedisClusterException)
-
-
-def _seconds(value: Any, option: str) -> float:
-    """An option that is a positive, finite number of seconds."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise ConfigurationError(f"{option} must be a positive number of seconds, not {value!r}")
-    return seconds
 
 
 def _ms(seconds: float) -> int:
@@ -222,11 +212,11 @@ class RedisBackend(Backend):
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
         client_options: dict[str, Any] = {
-            key: _seconds(settings[key], key)
+            key: seconds(settings[key], key)
             for key in ("socket_timeout", "socket_connect_timeout")
             if key in settings
         }
-        queue_ttl = _seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl")
+        queue_ttl = seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl")
         netloc = parts.netloc
         if not parts.hostname:
             auth, at, _ = netloc.rpartition("@")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import ssl
 import threading
 import time
@@ -39,6 +41,7 @@ from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._options import flag, seconds
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import WakeupEvent, run_blocking
 from ..backend import Backend, Waiter
@@ -49,6 +52,8 @@ T = TypeVar("T")
 
 #: Suffix ZooKeeper appends to a sequential node: ten digits.
 SEQUENCE_DIGITS = 10
+#: A queued node's name ends with the sequence suffix.
+QUEUED = re.compile(rf"-\d{{{SEQUENCE_DIGITS}}}$")
 #: Characters kept as they are in a node name; everything else is %-escaped UTF-8.
 SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 #: What a suspended connection means for held locks (see docs/zookeeper.md).
@@ -56,12 +61,19 @@ SUSPEND_POLICIES = ("session", "lost")
 STRIPES = 64
 #: How often a renewal waiting for its answer re-checks whether the session was given up.
 POLL = 0.05
+#: Share of the session timeout a suspended session surely outlives the suspension:
+#: kazoo drops a connection after hearing nothing for 2/3 of the session timeout, so
+#: the server may expire the session 1/3 of it after we notice; a quarter leaves a
+#: margin for scheduling.
+SUSPEND_SHARE = 1 / 4
 #: Share of the session timeout after the last answered request at which a client whose
 #: requests go unanswered (while kazoo still thinks it is connected) gives up its locks.
 STALL_SHARE = 3 / 4
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
 
+#: Errors that are the server's reply to a request (so it heard us), not a lost one.
+SERVER_REPLIES = (NoNodeError, NodeExistsError, NotEmptyError)
 #: Errors from kazoo and its threading handler that mean "could not use ZooKeeper".
 CLIENT_ERRORS = (KazooException, KazooTimeoutError, OSError, ssl.SSLError)
 
@@ -79,6 +91,15 @@ def decode_name(node: str) -> str:
 
 def sequence_of(child: str) -> int:
     return int(child[-SEQUENCE_DIGITS:])
+
+
+def queue_of(children: list[str]) -> list[str]:
+    """The queued nodes among a lock node's children, in order.
+
+    Other children are not dlock's: at root '/', ZooKeeper's own /zookeeper node has
+    children ('config', 'quota') and a name 'zookeeper' would meet them.
+    """
+    return sorted((child for child in children if QUEUED.search(child)), key=sequence_of)
 
 
 @dataclass
@@ -143,7 +164,7 @@ class ZooKeeperBackend(Backend):
             ("connect_timeout", connect_timeout),
             ("operation_timeout", operation_timeout),
         ]:
-            if not value > 0:
+            if not (value > 0 and math.isfinite(value)):
                 raise ConfigurationError(f"{label} must be a positive number of seconds")
         if not root.startswith("/") or (root.endswith("/") and root != "/"):
             raise ConfigurationError(f"root {root!r} must be an absolute ZooKeeper path")
@@ -164,13 +185,17 @@ class ZooKeeperBackend(Backend):
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
         self._parents: set[str] = set()
-        #: Paths we gave up but could not delete yet (no connection): deleted on reconnect.
+        #: Paths we gave up but did not delete yet: the reaper deletes them.
         self._orphans: set[str] = set()
+        #: The reaper should try deleting orphans (one was added, or a connection is back).
+        self._orphans_due = False
         self._waiters: dict[tuple[str, str], ZooKeeperWaiter] = {}
         self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
         #: Before the latest request that was answered: the server heard us after this.
         self._heard_at = 0.0
+        #: When a reply (a result or a server-side error) last arrived.
+        self._answered_at = 0.0
         #: Set when a request went unanswered while kazoo still thought it connected.
         self._stalled_since: float | None = None
         self._connected = threading.Event()
@@ -190,10 +215,10 @@ class ZooKeeperBackend(Backend):
             credentials, netloc = netloc.rsplit("@", 1)
             user, _, password = credentials.partition(":")
             auth = (unquote(user), unquote(password))
-        client = options.pop("client", None) if "client" in options else None
+        client = options.pop("client", None)
         if not netloc and client is None:
             raise ConfigurationError(f"{url!r} names no ZooKeeper host")
-        settings: dict[str, Any] = dict(parse_qsl(parts.query))
+        settings: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
         settings.update(options)
         known = {
             "session_timeout",
@@ -210,23 +235,22 @@ class ZooKeeperBackend(Backend):
         unknown = set(settings) - known
         if unknown:
             raise ConfigurationError(f"unknown zookeeper option(s): {', '.join(sorted(unknown))}")
-        seconds: dict[str, float] = {}
-        for key, default in [
-            ("session_timeout", 10.0),
-            ("connect_timeout", 5.0),
-            ("operation_timeout", 5.0),
-        ]:
-            try:
-                seconds[key] = float(settings.get(key, default))
-            except (TypeError, ValueError):
-                raise ConfigurationError(f"{key} must be a number of seconds") from None
+        durations = {
+            key: seconds(settings.get(key, default), key)
+            for key, default in [
+                ("session_timeout", 10.0),
+                ("connect_timeout", 5.0),
+                ("operation_timeout", 5.0),
+            ]
+        }
         tls: dict[str, Any] = {}
-        if _truthy(settings.get("tls", False)):
+        verify_certs = flag(settings.get("verify_certs", True), "verify_certs")
+        if flag(settings.get("tls", False), "tls"):
             tls["use_ssl"] = True
             for key in ("certfile", "keyfile", "ca", "keyfile_password"):
                 if key in settings:
                     tls[key] = str(settings[key])
-            tls["verify_certs"] = _truthy(settings.get("verify_certs", True))
+            tls["verify_certs"] = verify_certs
         if client is not None and not isinstance(client, KazooClient):
             raise ConfigurationError("client= must be a kazoo.client.KazooClient")
         return cls(
@@ -236,7 +260,7 @@ class ZooKeeperBackend(Backend):
             auth=auth,
             tls=tls,
             client=client,
-            **seconds,
+            **durations,
         )
 
     # -- connection and session ------------------------------------------------------
@@ -287,14 +311,17 @@ class ZooKeeperBackend(Backend):
     def watch_leases(self, renew_now: Callable[[], None]) -> None:
         self._renew_now = renew_now
 
-    def _grace(self) -> float:
-        """How long a suspended session surely outlives the suspension.
+    def _grace(self, share: float) -> float:
+        """How long locks are kept after a suspension or stall begins (none if the
+        policy is to declare them lost at once)."""
+        return 0.0 if self._on_suspend == "lost" else self._session_timeout * share
 
-        kazoo drops a connection after hearing nothing for 2/3 of the session timeout,
-        so the server may expire the session 1/3 of it after we notice; a quarter
-        leaves a margin for scheduling.
-        """
-        return 0.0 if self._on_suspend == "lost" else self._session_timeout / 4
+    def _renew_now_and_after(self, delay: float) -> None:
+        """Wake the renewer now, and again when a grace ends (it decides then)."""
+        timer = threading.Timer(delay, self._renew_now)
+        timer.daemon = True
+        timer.start()
+        self._renew_now()
 
     def _on_state(self, state: str) -> None:
         """kazoo's connection thread: record the state, never block, wake the renewer."""
@@ -303,10 +330,7 @@ class ZooKeeperBackend(Backend):
         if state == KazooState.SUSPENDED:
             self._suspended_at = time.monotonic()
             logger.warning("dlock: ZooKeeper connection suspended; held locks may be lost")
-            timer = threading.Timer(self._grace(), self._renew_now)
-            timer.daemon = True
-            timer.start()
-            self._renew_now()
+            self._renew_now_and_after(self._grace(SUSPEND_SHARE))
         elif state == KazooState.LOST:
             self._suspended_at = None
             self._end_session(self._session_id)
@@ -323,7 +347,7 @@ class ZooKeeperBackend(Backend):
                     self._renew_now()
                 self._session_id = session
             if self._orphans:
-                threading.Thread(target=self._delete_orphans, daemon=True).start()
+                self._start_reaper(orphans=True)
 
     def _end_session(self, session: int) -> None:
         """The session is gone and its ephemeral nodes with it: so are our leases."""
@@ -339,15 +363,15 @@ class ZooKeeperBackend(Backend):
             return False
         now = time.monotonic()
         suspended, stalled = self._suspended_at, self._stalled_since
-        if stalled is not None and now >= stalled + self._stall_grace():
+        if stalled is not None and now >= stalled + self._grace(STALL_SHARE):
             return False
-        return suspended is None or now < suspended + self._grace()
-
-    def _stall_grace(self) -> float:
-        return 0.0 if self._on_suspend == "lost" else self._session_timeout * STALL_SHARE
+        return suspended is None or now < suspended + self._grace(SUSPEND_SHARE)
 
     def _heard(self, since: float) -> None:
-        """An answer to a request sent after ``since``: the session was alive then."""
+        """The session was alive at ``since`` if a reply arrived after it; an operation
+        that sent nothing (or got no reply) proves nothing."""
+        if self._answered_at < since:
+            return
         if since > self._heard_at:
             self._heard_at = since
         self._stalled_since = None
@@ -364,15 +388,22 @@ class ZooKeeperBackend(Backend):
             return
         self._stalled_since = self._heard_at
         logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
-        delay = max(0.0, self._heard_at + self._stall_grace() - time.monotonic())
-        timer = threading.Timer(delay, self._renew_now)
-        timer.daemon = True
-        timer.start()
-        self._renew_now()
+        delay = self._heard_at + self._grace(STALL_SHARE) - time.monotonic()
+        self._renew_now_and_after(max(0.0, delay))
 
     def _call(self, result: Any) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout."""
-        return result.get(timeout=self._op_timeout)
+        return self._answer(result, self._op_timeout)
+
+    def _answer(self, result: Any, timeout: float) -> Any:
+        """The result, noting that the server replied (a server-side error is a reply)."""
+        try:
+            value = result.get(timeout=timeout)
+        except SERVER_REPLIES:
+            self._answered_at = time.monotonic()
+            raise
+        self._answered_at = time.monotonic()
+        return value
 
     def _call_while_alive(self, result: Any, node: _Node) -> Any:
         """Like :meth:`_call`, but None as soon as the node's session is given up.
@@ -383,7 +414,7 @@ class ZooKeeperBackend(Backend):
         deadline = time.monotonic() + self._op_timeout
         while True:
             try:
-                return result.get(timeout=min(POLL, max(0.0, deadline - time.monotonic())))
+                return self._answer(result, min(POLL, max(0.0, deadline - time.monotonic())))
             except KazooTimeoutError:
                 if not self._session_alive(node):
                     return None
@@ -416,11 +447,9 @@ class ZooKeeperBackend(Backend):
 
         def attempt(retrying: bool) -> Acquired | Busy:
             zk = self._client()
-            if self._orphans:
-                self._delete_orphans()
             node = self._nodes.get(key)
             if node is not None and node.held:
-                return self._reenter(zk, key, node, reentrant)
+                return self._reenter(zk, key, node, ttl, reentrant)
             for _ in range(3):
                 node = self._own_node(zk, key, ttl, holder)
                 result = self._check_queue(zk, key, node, ttl)
@@ -459,22 +488,27 @@ class ZooKeeperBackend(Backend):
             return result
 
     def _reenter(
-        self, zk: KazooClient, key: tuple[str, str], node: _Node, reentrant: bool
+        self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float, reentrant: bool
     ) -> Acquired | Busy:
         """Enter a held lock again; Busy (once) if the lease is gone, so that the core
-        reports the loss. A fresh acquisition after that creates a new node."""
+        reports the loss. A fresh acquisition after that creates a new node.
+
+        The core counts a re-entry as a renewal, so the lease runs ``ttl`` from now:
+        the reaper's deadline and the ``ttl`` recorded for inspection move with it.
+        """
         if not self._session_alive(node):
             self._give_up(key, node)
             return Busy()
         if not reentrant:
             return Busy()
-        data = {**node.data, "count": node.data["count"] + 1}
+        data = {**node.data, "count": node.data["count"] + 1, "ttl": ttl}
         try:
             self._call(zk.set_async(node.path, _dump(data)))
         except NoNodeError:
             self._forget(key, node)
             return Busy()
         node.data = data
+        node.deadline = time.monotonic() + ttl
         return Acquired(fencing_token=node.czxid, count=data["count"])
 
     def _own_node(self, zk: KazooClient, key: tuple[str, str], ttl: float, holder: Holder) -> _Node:
@@ -488,13 +522,7 @@ class ZooKeeperBackend(Backend):
             return node
         name, token = key
         parent = self._parent(name)
-        data = {
-            "host": holder.host,
-            "pid": holder.pid,
-            "label": holder.label,
-            "count": 1,
-            "ttl": ttl,
-        }
+        data = {**json.loads(holder.to_json()), "count": 1, "ttl": ttl}
         session = self._session_id
         if key in self._pending:
             # Curator's protection: a create that succeeded on the server but whose reply
@@ -579,13 +607,13 @@ class ZooKeeperBackend(Backend):
         parent, child = node.path.rsplit("/", 1)
         listing, node.listing = node.listing, None
         try:
-            children = self._call(listing if listing is not None else zk.get_children_async(parent))
+            children = queue_of(
+                self._call(listing if listing is not None else zk.get_children_async(parent))
+            )
         except NoNodeError:
-            if listing is None:
-                raise
-            # The parent was made by the create (after a failed first try): list again.
-            children = self._call(zk.get_children_async(parent))
-        children.sort(key=sequence_of)
+            # The lock node holds ours until it is deleted: ours was (force release),
+            # then the empty lock node was pruned.
+            children = []
         if child not in children:
             self._forget(key, node)
             return None
@@ -637,7 +665,7 @@ class ZooKeeperBackend(Backend):
             except (BackendError, *CLIENT_ERRORS):
                 logger.debug("dlock: could not leave the queue of %r", name, exc_info=True)
                 self._forget(key, node)
-                self._orphans.add(node.path)
+                self._orphan(node.path)
 
     def _delete(self, zk: KazooClient, key: tuple[str, str], node: _Node) -> bool:
         """Delete our node and forget it; False if it was already gone."""
@@ -733,6 +761,7 @@ class ZooKeeperBackend(Backend):
             if self._suspended_at is not None:
                 # A write would only queue until the connection is back. The session
                 # surely lives until the grace ends, when the renewer asks again.
+                node.deadline = time.monotonic() + lease.ttl
                 answers[index] = True
                 continue
             data = {**node.data, "ttl": lease.ttl}
@@ -760,8 +789,13 @@ class ZooKeeperBackend(Backend):
         """A lease declared lost while its node may still exist (a suspended session
         that comes back): delete the node as soon as the connection allows."""
         if not node.gone and node.session == self._session_id:
-            self._orphans.add(node.path)
+            self._orphan(node.path)
         self._forget(key, node)
+
+    def _orphan(self, path: str) -> None:
+        """A node of ours that nobody holds: until deleted, it blocks the lock."""
+        self._orphans.add(path)
+        self._start_reaper(orphans=True)
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
         result = run_blocking(self._extend_all, [Lease(name, token, ttl)])
@@ -771,22 +805,25 @@ class ZooKeeperBackend(Backend):
         return run_blocking(self._extend_all, list(leases))
 
     def _delete_orphans(self) -> None:
+        """Delete given-up nodes (pipelined); those that fail stay for the next try."""
         zk = self._zk
-        if zk is None:
-            return
-        for path in list(self._orphans):
+        if zk is None or not self._connected.is_set():
+            return  # the next CONNECTED wakes the reaper
+        paths = list(self._orphans)
+        for path, result in [(path, zk.delete_async(path)) for path in paths]:
             try:
-                self._call(zk.delete_async(path))
+                self._call(result)
             except NoNodeError:
                 pass
             except CLIENT_ERRORS:
-                continue  # still disconnected: the next CONNECTED tries again
+                continue
             self._orphans.discard(path)
 
     # -- leases that run out without renewal -------------------------------------------
 
-    def _start_reaper(self) -> None:
+    def _start_reaper(self, orphans: bool = False) -> None:
         with self._reaper_wakeup:
+            self._orphans_due = self._orphans_due or orphans
             if self._reaper is None and not self._closed:
                 self._reaper = threading.Thread(
                     target=self._reap, name="dlock-zookeeper-reaper", daemon=True
@@ -795,7 +832,8 @@ class ZooKeeperBackend(Backend):
             self._reaper_wakeup.notify()
 
     def _reap(self) -> None:
-        """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``).
+        """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``), and
+        nodes given up (orphans).
 
         The session keeps ephemeral nodes alive for as long as the process lives, so
         without this a lease would never end while its holder is alive but idle.
@@ -816,27 +854,34 @@ class ZooKeeperBackend(Backend):
                     except (BackendError, *CLIENT_ERRORS):
                         self._give_up(key, node)
             with self._reaper_wakeup:
+                orphans_due, self._orphans_due = self._orphans_due, False
+            if orphans_due:
+                self._delete_orphans()
+            with self._reaper_wakeup:
                 if self._closed:
                     return
+                if self._orphans_due:
+                    continue  # added while deleting the others
                 held = list(self._nodes.values())
                 deadlines = [n.deadline for n in held if n.held and not n.gone]
                 self._reaper_next = min(deadlines, default=float("inf"))
-                self._reaper_wakeup.wait(
-                    max(0.001, self._reaper_next - time.monotonic()) if deadlines else None
-                )
+                wait = self._reaper_next - time.monotonic()
+                if self._orphans:
+                    # Some could not be deleted: try again after a while.
+                    self._orphans_due = True
+                    wait = min(wait, self._op_timeout)
+                self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
                 self._reaper_next = float("inf")  # while reaping, every grant wakes it
 
     # -- inspection -------------------------------------------------------------------
 
-    def _infos(self, names: list[str]) -> list[LockInfo]:
-        """Holder and queue of each name, with every read pipelined."""
-        zk = self._client()
-        self._catch_up(zk)
+    def _infos(self, zk: KazooClient, names: list[str]) -> list[LockInfo]:
+        """Holder and queue of each name, with every read pipelined (the caller syncs)."""
         listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
         queues: list[tuple[str, list[Any]]] = []
         for name, result in listed:
             try:
-                children = sorted(self._call(result), key=sequence_of)
+                children = queue_of(self._call(result))
             except NoNodeError:
                 continue
             parent = self._parent(name)
@@ -851,9 +896,15 @@ class ZooKeeperBackend(Backend):
                 infos.append(_info(name, entries))
         return infos
 
-    def inspect(self, name: str) -> LockInfo | None:
-        infos = run_blocking(self._guarded, lambda _: self._infos([name]))
+    def _inspect(self, name: str) -> LockInfo | None:
+        zk = self._client()
+        self._catch_up(zk)
+        infos = self._infos(zk, [name])
         return infos[0] if infos else None
+
+    def inspect(self, name: str) -> LockInfo | None:
+        info: LockInfo | None = run_blocking(self._guarded, lambda _: self._inspect(name))
+        return info
 
     def _list(self, prefix: str) -> list[LockInfo]:
         zk = self._client()
@@ -865,7 +916,7 @@ class ZooKeeperBackend(Backend):
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
         )
-        return self._infos(names)
+        return self._infos(zk, names)
 
     def list(self, prefix: str) -> list[LockInfo]:
         return run_blocking(self._guarded, lambda _: self._list(prefix))
@@ -876,14 +927,16 @@ class ZooKeeperBackend(Backend):
         parent = self._parent(name)
         while True:
             try:
-                children = self._call(zk.get_children_async(parent))
+                found = self._call(zk.get_children_async(parent))
             except NoNodeError:
                 return False
+            children = queue_of(found)
             if not children:
-                self._prune(zk, parent)
+                if not found:  # not a node of someone else's (such as /zookeeper)
+                    self._prune(zk, parent)
                 return False
             try:
-                self._call(zk.delete_async(f"{parent}/{min(children, key=sequence_of)}"))
+                self._call(zk.delete_async(f"{parent}/{children[0]}"))
                 return True
             except NoNodeError:
                 continue  # released meanwhile: the next in line now holds it
@@ -906,11 +959,27 @@ class ZooKeeperBackend(Backend):
             return
         zk.remove_listener(self._on_state)
         if self._owns_client:
+            # Ending the session makes the ensemble delete every node it made.
             try:
                 zk.stop()
                 zk.close()
             except CLIENT_ERRORS:
                 logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
+        else:
+            self._delete_own_nodes(zk)
+
+    def _delete_own_nodes(self, zk: KazooClient) -> None:
+        """The caller's session outlives us: delete our nodes ourselves (best effort),
+        or a lock not renewed would never end."""
+        paths = [n.path for n in self._nodes.values() if n.session == self._session_id]
+        paths.extend(self._orphans)
+        self._nodes.clear()
+        self._orphans.clear()
+        for result in [zk.delete_async(path) for path in paths]:
+            try:
+                self._call(result)
+            except (NoNodeError, *CLIENT_ERRORS):
+                logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     def close(self) -> None:
         run_blocking(self._close)
@@ -918,10 +987,6 @@ class ZooKeeperBackend(Backend):
 
 def _stripe_of(key: tuple[str, str]) -> int:
     return zlib.crc32(f"{key[0]}\0{key[1]}".encode()) % STRIPES
-
-
-def _truthy(value: object) -> bool:
-    return str(value).lower() in {"1", "true", "yes", "on"}
 
 
 def _dump(data: dict[str, Any]) -> bytes:
