@@ -18,7 +18,7 @@ import dlock
 import dlock.aio
 from dlock._sync.backends.redis import RedisBackend
 from dlock._sync.backends.redlock import RedlockBackend
-from dlock._types import Holder, Lease
+from dlock._types import Acquired, Holder, Lease
 from tests.servers.redis import (
     RedisServer,
     TLSRedis,
@@ -126,6 +126,78 @@ def test_unreleased_lease_lets_waiter_in_when_it_expires(own_server: RedisServer
         start = time.monotonic()
         assert second.lock(name, ttl=5).acquire(timeout=5)
         assert 0.6 <= time.monotonic() - start < 1.5
+
+
+def test_release_hands_the_lease_to_the_waiter_without_its_own_round_trip(
+    own_server: RedisServer,
+) -> None:
+    name = unique()
+    admin = redis.Redis(port=own_server.port)
+    with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        waiter = second.lock(name, ttl=30)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10)))
+        thread.start()
+        deadline = time.monotonic() + 5
+        while not admin.exists(f"dlock:{{n:{name}}}:queue") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        admin.config_resetstat()
+        holder.release()
+        thread.join(5)
+        assert got == [True]
+        assert waiter.fencing_token is not None
+        assert waiter.fencing_token > (holder.fencing_token or 0)
+        # The release was the only script run: the waiter learnt of its grant by message.
+        assert admin.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == waiter.fencing_token
+        waiter.release()
+
+
+def test_waiter_leaving_gives_back_a_lease_handed_to_it(redis_server: RedisServer) -> None:
+    """A waiter that times out just as the lease is handed to it must not keep it, and a
+    lease handed to a waiter that died lasts no longer than its place in the queue."""
+    name = unique()
+    url = url_of(redis_server)
+    with dlock.connect(url) as first, dlock.connect(url + "?queue_ttl=2") as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        backend = second._backend
+        assert isinstance(backend, RedisBackend)
+        token = "f" * 32
+        backend.enqueue(name, token, "now")
+        assert not isinstance(backend.acquire(name, token, 30.0, Holder.current(), False), Acquired)
+        holder.release()
+        handed = second.inspect(name)
+        assert handed is not None and handed.fencing_token > (holder.fencing_token or 0)
+        assert handed.expires_in is not None and handed.expires_in <= 2.0
+        backend.dequeue(name, token)
+        assert second.inspect(name) is None
+
+
+def test_a_grant_for_an_earlier_attempt_is_not_taken(redis_server: RedisServer) -> None:
+    """Only a grant answering the waiter's latest attempt proves the lease was set after
+    that attempt was sent; an older one may have lapsed meanwhile."""
+    name = unique()
+    with dlock.connect(url_of(redis_server)) as client:
+        other = client.lock(name, ttl=30)
+        other.acquire()
+        backend = client._backend
+        assert isinstance(backend, RedisBackend)
+        token = "e" * 32
+        backend.enqueue(name, token, "now")
+        backend.acquire(name, token, 30.0, Holder.current(), False)
+        first = backend._attempts[token]
+        backend.acquire(name, token, 30.0, Holder.current(), False)
+        latest = backend._attempts[token]
+        assert backend.handed_over(token, f"{first} 7 6000".encode()) is None
+        handed = backend.handed_over(token, f"{latest} 7 6000".encode())
+        assert handed is not None and (handed.fencing_token, handed.ttl) == (7, 6.0)
+        backend.dequeue(name, token)
+        other.release()
 
 
 def test_tight_loop_releaser_does_not_starve_a_waiter(redis_server: RedisServer) -> None:
@@ -359,7 +431,7 @@ def test_keys_share_one_slot_for_awkward_names() -> None:
 
     for name in ["}", "}{", "{x}", "a}b", "\x00", "鎖"]:
         keys = Keys(b"dlock", name)
-        slots = {key_slot(k) for k in (keys.lease, keys.fence, keys.queue, keys.qexp)}
+        slots = {key_slot(k) for k in keys.queued()}
         assert len(slots) == 1, name
 
 

@@ -4,17 +4,24 @@ Every script touches only the keys of one lock name, and those keys share one ha
 so each script runs unchanged on a single server, on a Redis Cluster and on each
 Redlock master. Keys of a name (``P`` is the configured prefix)::
 
-    P:{n:NAME}:lease   hash owner/count/fence/holder, PEXPIRE = the lease
+    P:{n:NAME}:lease   "owner count fence holder", PEXPIRE = the lease (a string, not a
+                       hash: one SET NX PX takes a free lock)
     P:{n:NAME}:fence   the fencing counter; never expires, and never falls behind the
                        server's clock in microseconds, so tokens never go back even after
                        a restart that lost the data or a failover to a lagging replica
     P:{n:NAME}:queue   zset of waiting owner tokens, scored by arrival
     P:{n:NAME}:qexp    zset of the same tokens, scored by when their place lapses
+    P:{n:NAME}:info    hash token -> "lease_ms attempt holder": what a grant on the
+                       waiter's behalf needs
+    P:{n:NAME}:wake:T  the pub/sub channel of waiter T (a channel, not a key)
 
 Leases live on the server's clock (PEXPIRE), never on the client's. Waiters queue so a
 releaser that re-grabs in a tight loop cannot starve them: a free lock goes to the head
-of the queue, and a newcomer only gets it when nobody is queued. A queued waiter that
-vanishes without leaving (killed) loses its place when its entry lapses.
+of the queue, and a newcomer only gets it when nobody is queued. A release hands the
+lease straight to the head of the queue and tells it so on its own channel, so a
+hand-off costs the next holder no round trip and wakes no other waiter. A queued waiter
+that vanishes without leaving (killed) loses its place when its entry lapses, and a
+lease handed to it lasts no longer than its place would have (``lease_ms``).
 """
 
 from __future__ import annotations
@@ -32,103 +39,164 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# Shared preamble. The server's clock is read where it is needed: by queue operations and
-# by every grant (the fencing counter's floor); an uncontended release never reads it.
-_PRELUDE = """
+# Lua runs every ``local function`` statement on every call, so the uncontended paths
+# (nobody queued) come first and define only ``mint``; the queue's helpers (``_QUEUE``)
+# are spliced into the branches that need them.
+_MINT = """
+-- The fencing counter never falls behind the server's clock in microseconds, so tokens
+-- keep increasing after a restart that lost the data or a failover to a lagging replica.
+local function mint(fence)
+    local t = redis.call('TIME')
+    local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local f = redis.call('INCR', fence)
+    if f < clock then
+        f = string.format('%.0f', clock)
+        redis.call('SET', fence, f)
+        return f
+    end
+    return string.format('%.0f', f)
+end
+"""
+
+#: The lease's value: owner token, entry count, fencing token, holder (JSON).
+_PARSE = """
+local function parse(value)
+    local owner, count, f, holder = string.match(value, '^(%S+) (%d+) (%d+) (.*)$')
+    return owner, tonumber(count), f, holder
+end
+"""
+
+_QUEUE = """
 local function now_ms()
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function prune(queue, qexp, now)
-    local dead = redis.call('ZRANGEBYSCORE', qexp, '-inf', now, 'LIMIT', 0, 100)
-    if #dead > 0 then
-        redis.call('ZREM', qexp, unpack(dead))
-        redis.call('ZREM', queue, unpack(dead))
-    end
+local function leave(queue, qexp, info, tokens)
+    redis.call('ZREM', queue, unpack(tokens))
+    redis.call('ZREM', qexp, unpack(tokens))
+    redis.call('HDEL', info, unpack(tokens))
 end
-local function wake(queue, channel)
-    local head = redis.call('ZRANGE', queue, 0, 0)
-    redis.call('PUBLISH', channel, head[1] or '')
+local function prune(queue, qexp, info)
+    local dead = redis.call('ZRANGEBYSCORE', qexp, '-inf', now_ms(), 'LIMIT', 0, 100)
+    if #dead > 0 then leave(queue, qexp, info, dead) end
+end
+local function grant(lease, fence, token, ttl_ms, holder)
+    local f = mint(fence)
+    redis.call('SET', lease, token .. ' 1 ' .. f .. ' ' .. holder, 'PX', ttl_ms)
+    return f
+end
+-- The lock is free: hand it to the head of the queue. With hand_over = '1' the lease is
+-- granted to the head here and its message carries the grant (attempt number, fencing
+-- token, lease ms), saving it a round trip; otherwise (Redlock, where one master cannot
+-- grant alone) the message only wakes it. Each waiter has its own channel: no herd.
+local function hand_on(lease, fence, queue, qexp, info, wake, hand_over)
+    prune(queue, qexp, info)
+    local head = redis.call('ZRANGE', queue, 0, 0)[1]
+    if not head then return end
+    local entry = redis.call('HGET', info, head)
+    if hand_over ~= '1' or not entry then
+        redis.call('PUBLISH', wake .. head, '')
+        return
+    end
+    local ttl_ms, attempt, holder = string.match(entry, '^(%d+) (%d+) (.*)$')
+    local f = grant(lease, fence, head, ttl_ms, holder)
+    leave(queue, qexp, info, {head})
+    redis.call('PUBLISH', wake .. head, attempt .. ' ' .. f .. ' ' .. ttl_ms)
 end
 """
 
-#: KEYS lease fence queue qexp; ARGV token ttl_ms holder reentrant place_ms keep_place
-#: join. ``join`` (unless empty) first queues the token with that arrival time ("now":
-#: the server's clock): a waiter joins the queue with its first attempt inside the core's
-#: waiter, not with a round trip of its own, and every later attempt passes ``join``
-#: too, which refreshes its place (only waiters are queued).
+#: KEYS lease fence queue qexp info; ARGV token ttl_ms holder reentrant place_ms
+#: keep_place join attempt grant_ttl_ms. ``join`` (unless empty) first queues the token
+#: with that arrival time ("now": the server's clock) and records what a grant on its
+#: behalf needs (``info``: lease ms, the attempt's number, holder): a waiter joins the
+#: queue with its first attempt inside the core's waiter, not with a round trip of its
+#: own, and every later attempt passes ``join`` too, which refreshes its place (only
+#: waiters are queued).
 #: Returns {1, fence, count, left_queue} when granted, {0, ms_left} when busy (ms_left
 #: -1: free, but not our turn). A grant takes the winner out of the queue, saving it a
 #: round trip; Redlock keeps the place (keep_place=1) until a majority granted, since a
 #: minority grant is given back and the waiter must still be first in line afterwards.
+#: A lease already under ``token`` that is not re-entered was handed to it while it
+#: waited (or is an orphan of its own attempt cut off mid-flight): granted afresh.
 ACQUIRE = Script(
-    _PRELUDE
+    _MINT
     + """
-local lease, fence, queue, qexp = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local lease, fence, queue = KEYS[1], KEYS[2], KEYS[3]
 local token = ARGV[1]
-local left_queue = 0
-if ARGV[7] ~= '' then
+local joining = ARGV[7] ~= ''
+if not joining and redis.call('EXISTS', queue) == 0 then
+    -- Nobody queued: one SET NX decides. A token minted for a busy lock is skipped,
+    -- which keeps tokens increasing.
+    local f = mint(fence)
+    if redis.call('SET', lease, token .. ' 1 ' .. f .. ' ' .. ARGV[3], 'NX', 'PX', ARGV[2]) then
+        return {1, f, 1, 0}
+    end
+end
+"""
+    + _PARSE
+    + _QUEUE
+    + """
+local qexp, info = KEYS[4], KEYS[5]
+if joining then
     local now = now_ms()
     local arrival = now
     if ARGV[7] ~= 'now' then arrival = tonumber(ARGV[7]) end
     redis.call('ZADD', queue, 'NX', arrival, token)
     redis.call('ZADD', qexp, now + tonumber(ARGV[5]), token)
+    redis.call('HSET', info, token, ARGV[9] .. ' ' .. ARGV[8] .. ' ' .. ARGV[3])
 end
-local owner = redis.call('HGET', lease, 'owner')
-if owner then
-    if owner == token and ARGV[4] == '1' then
-        local count = redis.call('HINCRBY', lease, 'count', 1)
-        redis.call('PEXPIRE', lease, ARGV[2])
-        return {1, tonumber(redis.call('HGET', lease, 'fence')), count, 0}
-    end
+local value = redis.call('GET', lease)
+local owner, count, f, holder
+if value then owner, count, f, holder = parse(value) end
+if owner == token and ARGV[4] == '1' then
+    count = count + 1
+    redis.call('SET', lease, token .. ' ' .. count .. ' ' .. f .. ' ' .. holder, 'PX', ARGV[2])
+    return {1, f, count, 0}
+end
+if owner and owner ~= token then
     return {0, redis.call('PTTL', lease)}
 end
-if redis.call('EXISTS', queue) == 1 then
-    local now = now_ms()
-    prune(queue, qexp, now)
-    local head = redis.call('ZRANGE', queue, 0, 0)[1]
-    if head and head ~= token then
-        return {0, -1}
+local left_queue = 0
+if joining or redis.call('EXISTS', queue) == 1 then
+    if not owner then
+        prune(queue, qexp, info)
+        local head = redis.call('ZRANGE', queue, 0, 0)[1]
+        if head and head ~= token then
+            return {0, -1}
+        end
     end
-    if head and ARGV[6] ~= '1' then
-        redis.call('ZREM', queue, token)
-        redis.call('ZREM', qexp, token)
+    if ARGV[6] ~= '1' then
+        leave(queue, qexp, info, {token})
         left_queue = 1
     end
 end
--- The counter never falls behind the server's clock in microseconds, so tokens keep
--- increasing after a restart that lost the data or a failover to a lagging replica.
-local t = redis.call('TIME')
-local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local f = redis.call('INCR', fence)
-if f < clock then
-    redis.call('SET', fence, string.format('%.0f', clock))
-    f = clock
-end
-redis.call('HSET', lease, 'owner', token, 'count', 1, 'fence', string.format('%.0f', f),
-    'holder', ARGV[3])
-redis.call('PEXPIRE', lease, ARGV[2])
-return {1, f, 1, left_queue}
+return {1, grant(lease, fence, token, ARGV[2], ARGV[3]), 1, left_queue}
 """
 )
 
-#: KEYS lease queue qexp; ARGV token channel. Returns entries left, or -1 if not held.
+#: KEYS lease fence queue qexp info; ARGV token wake hand_over. Returns entries left,
+#: or -1 if not held.
 RELEASE = Script(
-    _PRELUDE
-    + """
-local lease, queue, qexp = KEYS[1], KEYS[2], KEYS[3]
-local held = redis.call('HMGET', lease, 'owner', 'count')
-if held[1] ~= ARGV[1] then
+    """
+local lease, queue, token = KEYS[1], KEYS[3], ARGV[1]
+local value = redis.call('GET', lease)
+if not value or string.sub(value, 1, #token + 1) ~= token .. ' ' then
     return -1
 end
-if tonumber(held[2]) > 1 then
-    return redis.call('HINCRBY', lease, 'count', -1)
+local count, rest = string.match(value, '^(%d+) (.*)$', #token + 2)
+count = tonumber(count)
+if count > 1 then
+    redis.call('SET', lease, token .. ' ' .. (count - 1) .. ' ' .. rest, 'KEEPTTL')
+    return count - 1
 end
 redis.call('DEL', lease)
 -- Every waiter queues before it waits, so with nobody queued there is nobody to wake.
 if redis.call('EXISTS', queue) == 1 then
-    prune(queue, qexp, now_ms())
-    wake(queue, ARGV[2])
+"""
+    + _MINT
+    + _QUEUE
+    + """
+    hand_on(lease, KEYS[2], queue, KEYS[4], KEYS[5], ARGV[2], ARGV[3])
 end
 return 0
 """
@@ -137,7 +205,8 @@ return 0
 #: KEYS lease; ARGV token ttl_ms. Returns 1 if extended, 0 if not held by token.
 EXTEND = Script(
     """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+local value = redis.call('GET', KEYS[1])
+if value and string.sub(value, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return 1
 end
@@ -145,18 +214,27 @@ return 0
 """
 )
 
-#: KEYS lease queue qexp; ARGV token channel. Leaving the head of the queue while the
-#: lock is free hands the turn on, or the next waiter would sit until its timer fires.
+#: KEYS lease fence queue qexp info; ARGV token wake hand_over. A waiter leaving (timed
+#: out, cancelled) gives back a lease handed to it meanwhile, and leaving the head of
+#: the queue while the lock is free hands the turn on, or the next waiter would sit
+#: until its timer fires.
 DEQUEUE = Script(
-    _PRELUDE
+    _MINT
+    + _PARSE
+    + _QUEUE
     + """
-local lease, queue, qexp = KEYS[1], KEYS[2], KEYS[3]
+local lease, fence, queue, qexp, info = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local token = ARGV[1]
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
-redis.call('ZREM', queue, ARGV[1])
-redis.call('ZREM', qexp, ARGV[1])
-if head == ARGV[1] and redis.call('EXISTS', lease) == 0 then
-    prune(queue, qexp, now_ms())
-    if redis.call('ZCARD', queue) > 0 then wake(queue, ARGV[2]) end
+leave(queue, qexp, info, {token})
+local value = redis.call('GET', lease)
+local owner = value and parse(value)
+if ARGV[3] == '1' and owner == token then
+    redis.call('DEL', lease)
+    owner = nil
+end
+if not owner and (head == token or ARGV[3] == '1') then
+    hand_on(lease, fence, queue, qexp, info, ARGV[2], ARGV[3])
 end
 return 1
 """
@@ -164,20 +242,23 @@ return 1
 
 #: KEYS lease. Returns {fence, count, holder, ms_left} or an empty reply when free.
 INSPECT = Script(
-    """
-local v = redis.call('HMGET', KEYS[1], 'fence', 'count', 'holder', 'owner')
-if not v[4] then return {} end
-return {tonumber(v[1]), tonumber(v[2]), v[3], redis.call('PTTL', KEYS[1])}
+    _PARSE
+    + """
+local value = redis.call('GET', KEYS[1])
+if not value then return {} end
+local _, count, f, holder = parse(value)
+return {f, count, holder, redis.call('PTTL', KEYS[1])}
 """
 )
 
-#: KEYS lease queue qexp; ARGV channel. Frees the lease whoever holds it; 1 if held.
+#: KEYS lease fence queue qexp info; ARGV wake hand_over. Frees the lease whoever
+#: holds it and hands it on; 1 if held.
 FORCE_RELEASE = Script(
-    _PRELUDE
+    _MINT
+    + _QUEUE
     + """
 if redis.call('DEL', KEYS[1]) == 0 then return 0 end
-prune(KEYS[2], KEYS[3], now_ms())
-wake(KEYS[2], ARGV[1])
+hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2])
 return 1
 """
 )
@@ -185,13 +266,17 @@ return 1
 #: KEYS lease fence; ARGV token floor. Redlock: raise this master's counter (and the
 #: lease's recorded token) to the token derived from the quorum. 1 if still held.
 RAISE_FENCE = Script(
-    """
+    _PARSE
+    + """
 local floor = tonumber(ARGV[2])
 if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
     redis.call('SET', KEYS[2], ARGV[2])
 end
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'fence', ARGV[2])
+local value = redis.call('GET', KEYS[1])
+local owner, count, _, holder
+if value then owner, count, _, holder = parse(value) end
+if owner ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], owner .. ' ' .. count .. ' ' .. ARGV[2] .. ' ' .. holder, 'KEEPTTL')
 return 1
 """
 )

@@ -60,6 +60,9 @@ class Acquired:
 
     fencing_token: int
     count: int = 1
+    #: The lease's length when it differs from the TTL asked for (a lease handed to a
+    #: waiter by the previous holder's release lasts at most as long as its queue place).
+    ttl: float | None = None
 
 
 @dataclass(frozen=True)

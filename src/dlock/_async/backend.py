@@ -31,8 +31,12 @@ class AsyncWaiter:
     #: True when ``wait`` returns early because the backend signalled a release.
     notifies: ClassVar[bool] = False
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float) -> Acquired | None:
+        """Return early when the lock may be free. A backend whose releases hand the lease
+        to the next waiter returns it here, granted after the waiter's latest attempt was
+        sent (so the lease lasts at least its ``ttl`` from that moment)."""
         await sleep(timeout)
+        return None
 
 
 class AsyncBackend(ABC):

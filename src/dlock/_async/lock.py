@@ -67,6 +67,10 @@ class AsyncLock:
         #: Local upper bound of the lease: measured from *before* the request was sent.
         self._deadline = 0.0
         self._renew_at = 0.0
+        #: The current lease's length: the TTL, or less for a lease handed over.
+        self._lease_ttl = ttl
+        #: When the latest acquire attempt was sent.
+        self._attempt_sent = 0.0
         self._body_task: Any = None
         self._cancelled_by_us = False
 
@@ -124,13 +128,28 @@ class AsyncLock:
                 delay = self._client._backoff.delay(attempt, busy.retry_after, waiter.notifies)
                 if remaining is not None:
                     delay = min(delay, remaining)
-                await waiter.wait(delay)
+                handed = await waiter.wait(delay)
+                if handed is not None and self._take_handed(handed):
+                    return True
                 attempt += 1
+
+    def _take_handed(self, handed: Acquired) -> bool:
+        """Hold a lease the previous holder handed over while we waited.
+
+        It was granted after our latest attempt was sent, so it lasts at least its TTL
+        from then. If little of that is left (a long wait since), decline: the next
+        attempt finds the lease under our token and grants it afresh, on a fresh clock.
+        """
+        ttl = self.ttl if handed.ttl is None else handed.ttl
+        if self._client._clock() >= self._attempt_sent + ttl * RENEW_AFTER:
+            return False
+        self._granted(handed, self._attempt_sent)
+        return True
 
     async def _attempt(self) -> Busy | None:
         """One round trip to the backend; None means this object now holds the lock."""
         reentry = self._count > 0
-        started = self._client._clock()
+        started = self._attempt_sent = self._client._clock()
         try:
             # A fresh acquire never re-enters: a lease under our token that we do not
             # hold is an orphan of an attempt cut off mid-flight, not ours to count.
@@ -161,11 +180,12 @@ class AsyncLock:
             self._lost_reason = ""
         self._fencing_token = result.fencing_token
         self._count = result.count
-        self._lease_renewed(started, self.ttl)
+        self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
         if self.auto_renew:
             self._client._renewer.add(self)
 
     def _lease_renewed(self, started: float, ttl: float) -> None:
+        self._lease_ttl = ttl
         self._deadline = started + ttl
         self._renew_at = started + ttl * RENEW_AFTER
 

@@ -20,6 +20,9 @@ logger = logging.getLogger("dlock")
 BATCH_EARLY = 1 / 6
 #: After a failed renewal, try again after this share of the TTL (while the lease lasts).
 RETRY_AFTER = 1 / 10
+#: Seconds an idle renewer sleeps before looking again. Sleeping "until woken" instead
+#: would make every acquire from idle wake it; with this, only a lease due sooner does.
+IDLE_TICK = 1.0
 
 
 class AsyncRenewer:
@@ -38,7 +41,7 @@ class AsyncRenewer:
         self._runner: Any = None
         self._closed = False
         self._urgent = False
-        #: When the loop will next wake by itself (inf: never, or it is busy right now).
+        #: When the loop will next wake by itself (inf: it is busy right now).
         #: A lock due no earlier needs no wake-up: waking a thread per acquire costs
         #: about as much as the acquire's own round trip on a small machine.
         self._sleeping_until = math.inf
@@ -73,13 +76,13 @@ class AsyncRenewer:
             self._wakeup.clear()
             await self._renew_due()
             delay = self._next_wakeup()
-            self._sleeping_until = math.inf if delay is None else self._clock() + delay
+            self._sleeping_until = self._clock() + delay
             await self._wakeup.wait(delay)
 
-    def _next_wakeup(self) -> float | None:
+    def _next_wakeup(self) -> float:
         locks = tuple(self._locks)
         if not locks:
-            return None
+            return IDLE_TICK
         now = self._clock()
         return max(0.0, min(min(lock._renew_at, lock._deadline) for lock in locks) - now)
 
@@ -90,7 +93,7 @@ class AsyncRenewer:
         for lock in tuple(self._locks):
             if now >= lock._deadline:
                 lock._declare_lost("the lease ran out before it could be renewed")
-            elif urgent or lock._renew_at - lock.ttl * BATCH_EARLY <= now:
+            elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
                 due.append((lock, lock._generation))
         if not due:
             return

@@ -32,6 +32,9 @@ class AsyncRedlockBackend(AsyncBackend):
         if len(masters) < 3 or len(masters) % 2 == 0:
             raise ConfigurationError("Redlock needs an odd number (3 or more) of masters")
         self._masters = list(masters)
+        for master in self._masters:
+            # One master's release cannot grant a Redlock lease: it only wakes the next.
+            master.hand_over = False
         self._quorum = len(masters) // 2 + 1
 
     @classmethod

@@ -3,14 +3,18 @@
 
 Every key of a lock carries the hash tag ``{n:NAME}``, so each script touches one slot
 and runs on a cluster as it does on one server (MOVED/ASK are redis-py's business).
-Waiters queue on the server (fairness) and are woken by pub/sub: one ``PUBLISH`` naming
-the next in line reaches however many clients wait, without a blocking connection per
-waiter (a list signal would need one), and a lost message only costs the core's
-fallback timer.
+Waiters queue on the server (fairness). A release grants the lease to the head of the
+queue in the same script and tells it by pub/sub on that waiter's own channel, so the
+next holder learns it holds the lock without a round trip of its own and no other
+waiter wakes. Pub/sub rather than a list signal: a subscription on an idle pooled
+connection can stay open between waits, while a blocking pop would need a connection
+parked in it per waiter; a lost message only costs the core's fallback timer, whose
+next attempt finds the lease already under the waiter's token.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -93,7 +97,7 @@ def wrap(exc: Exception, where: str) -> BackendError:
 class Keys:
     """The keys and the wake-up channel of one lock name, all in one hash slot."""
 
-    __slots__ = ("channel", "fence", "lease", "qexp", "queue")
+    __slots__ = ("fence", "info", "lease", "qexp", "queue", "wake")
 
     def __init__(self, prefix: bytes, name: str) -> None:
         # "n:" keeps the hash tag non-empty even for a name starting with "}".
@@ -102,7 +106,13 @@ class Keys:
         self.fence = base + b"fence"
         self.queue = base + b"queue"
         self.qexp = base + b"qexp"
-        self.channel = base + b"wake"
+        self.info = base + b"info"
+        #: Followed by a waiter's token: that waiter's pub/sub channel.
+        self.wake = base + b"wake:"
+
+    def queued(self) -> tuple[bytes, ...]:
+        """The keys of the scripts that hand the lock on to the queue."""
+        return (self.lease, self.fence, self.queue, self.qexp, self.info)
 
 
 @lru_cache(maxsize=4096)
@@ -112,22 +122,23 @@ def _keys(prefix: bytes, name: str) -> Keys:
 
 
 class _PubSubWaiter(Waiter):
-    """Returns early when a release names this waiter (or nobody in particular)."""
+    """Returns early when a release wakes this waiter, with the lease if it was handed over."""
 
     notifies: ClassVar[bool] = True
 
-    def __init__(self, pubsub: Any, channel: bytes, token: bytes) -> None:
+    def __init__(self, backend: RedisBackend, pubsub: Any, channel: bytes, token: str) -> None:
+        self._backend = backend
         self._pubsub = pubsub
         self._channel = channel
         self._token = token
         self.broken = False
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float) -> Acquired | None:
         deadline = time.monotonic() + timeout
         while (remaining := deadline - time.monotonic()) > 0:
             if self.broken:
                 sleep(remaining)
-                return
+                return None
             try:
                 message = self._pubsub.get_message(
                     ignore_subscribe_messages=True, timeout=remaining
@@ -137,12 +148,19 @@ class _PubSubWaiter(Waiter):
                 self.broken = True
                 continue
             if (
-                message is not None
-                and message.get("type") == "message"
-                and _bytes(message.get("channel")) == self._channel
-                and _bytes(message.get("data")) in (b"", self._token)
+                message is None
+                or message.get("type") != "message"
+                or _bytes(message.get("channel")) != self._channel
             ):
-                return
+                continue
+            data = _bytes(message.get("data"))
+            if not data:
+                return None
+            handed = self._backend.handed_over(self._token, data)
+            if handed is not None:
+                return handed
+            # A grant meant for an earlier attempt: the next attempt takes it if still ours.
+        return None
 
 
 class RedisBackend(Backend):
@@ -183,6 +201,13 @@ class RedisBackend(Backend):
         #: Waiting tokens and their arrival: each of their attempts (re)takes their place
         #: in the queue, so a waiter whose place lapsed (a long fallback wait) gets a new one.
         self._joining: dict[str, str] = {}
+        #: Each waiter's latest attempt number: a lease handed over is only taken when it
+        #: names the latest, so the waiter knows it was granted after that attempt was sent.
+        self._attempts: dict[str, int] = {}
+        self._attempt_numbers = itertools.count(1)
+        #: Releases grant the lease to the next waiter (False for Redlock's masters, where
+        #: one master cannot grant alone: the waiter is only woken).
+        self.hand_over = True
         self._where = self._describe()
         #: The sync face shares a backend between threads: create each client once.
         self._creating = threading.Lock()
@@ -326,27 +351,55 @@ class RedisBackend(Backend):
         keep_place: bool = False,
     ) -> Acquired | Busy:
         k = self._keys(name)
+        ttl_ms = _ms(ttl)
+        join = self._joining.get(token, "")
+        attempt = 0
+        if join:
+            attempt = self._attempts[token] = next(self._attempt_numbers)
         args = (
             token,
-            _ms(ttl),
+            ttl_ms,
             holder.to_json(),
             "1" if reentrant else "0",
             self._queue_ttl_ms,
             "1" if keep_place else "0",
-            self._joining.get(token, ""),
+            join,
+            attempt,
+            # A lease handed to a waiter lasts no longer than its place in the queue.
+            min(ttl_ms, self._queue_ttl_ms),
         )
         # A call cut off mid-flight may have been granted: the core gives the lease back.
-        result = self._call(scripts.ACQUIRE, (k.lease, k.fence, k.queue, k.qexp), args)
-        if int(result[0]) == 1:
-            if int(result[3]) and token in self._joining:
+        result = self._call(scripts.ACQUIRE, k.queued(), args)
+        granted = int(result[0]) == 1
+        if join:
+            if granted and int(result[3]):
                 self._dequeued.add(token)  # the waiter's exit need not leave the queue
+            else:
+                self._dequeued.discard(token)
+        if granted:
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
         left = int(result[1])
         return Busy(retry_after=left / 1000 if left >= 0 else None)
 
+    def handed_over(self, token: str, message: bytes) -> Acquired | None:
+        """The lease a release handed to waiter ``token`` ("attempt fence lease_ms"), if
+        it answers the waiter's latest attempt; the waiter then has left the queue."""
+        try:
+            attempt, fence, lease_ms = (int(part) for part in message.split())
+        except ValueError:
+            return None
+        if token not in self._joining or attempt != self._attempts.get(token):
+            return None
+        self._dequeued.add(token)
+        return Acquired(fencing_token=fence, count=1, ttl=lease_ms / 1000)
+
+    def _hand_over_flag(self) -> str:
+        return "1" if self.hand_over else "0"
+
     def release(self, name: str, token: str) -> int | None:
         k = self._keys(name)
-        left = int(self._call(scripts.RELEASE, (k.lease, k.queue, k.qexp), (token, k.channel)))
+        args = (token, k.wake, self._hand_over_flag())
+        left = int(self._call(scripts.RELEASE, k.queued(), args))
         return None if left < 0 else left
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
@@ -390,17 +443,19 @@ class RedisBackend(Backend):
     def dequeue(self, name: str, token: str) -> None:
         """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
         self._joining.pop(token, None)
+        self._attempts.pop(token, None)
         if token in self._dequeued:
             self._dequeued.discard(token)
             return
         k = self._keys(name)
         with suppress(BackendError):
-            self._call(scripts.DEQUEUE, (k.lease, k.queue, k.qexp), (token, k.channel))
+            args = (token, k.wake, self._hand_over_flag())
+            self._call(scripts.DEQUEUE, k.queued(), args)
 
     @contextmanager
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:
-        """A waiter woken by releases of ``name`` that name ``token`` (or nobody)."""
-        channel = self._keys(name).channel
+        """A waiter woken by releases of ``name`` on ``token``'s own channel."""
+        channel = self._keys(name).wake + token.encode()
         self._unsubscribe_lingering()
         pubsub, subscribed = self._take_idle(channel)
         waiter: Waiter
@@ -411,7 +466,7 @@ class RedisBackend(Backend):
                 if subscribed is not None:
                     pubsub.unsubscribe(subscribed)
                 pubsub.subscribe(channel)
-            waiter = _PubSubWaiter(pubsub, channel, token.encode())
+            waiter = _PubSubWaiter(self, pubsub, channel, token)
         except (*ERRORS, OSError):
             # No subscription (e.g. a node that refuses pub/sub): waiting still works
             # on the core's timer and the lease's time left, only later.
@@ -520,9 +575,8 @@ class RedisBackend(Backend):
 
     def force_release(self, name: str) -> bool:
         k = self._keys(name)
-        return bool(
-            int(self._call(scripts.FORCE_RELEASE, (k.lease, k.queue, k.qexp), (k.channel,)))
-        )
+        args = (k.wake, self._hand_over_flag())
+        return bool(int(self._call(scripts.FORCE_RELEASE, k.queued(), args)))
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
