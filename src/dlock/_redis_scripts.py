@@ -124,12 +124,12 @@ ACQUIRE = Script(
 local lease, fence, queue = KEYS[1], KEYS[2], KEYS[3]
 local token = ARGV[1]
 local joining = ARGV[7] ~= ''
-if not joining and redis.call('EXISTS', queue) == 0 then
-    -- Nobody queued: one SET NX decides. A token minted for a busy lock is skipped,
-    -- which keeps tokens increasing.
+if redis.call('EXISTS', queue) == 0 then
+    -- Nobody queued: one SET NX decides, and a waiter need not join. A token minted
+    -- for a busy lock is skipped, which keeps tokens increasing.
     local f = mint(fence)
     if redis.call('SET', lease, token .. ' 1 ' .. f .. ' ' .. ARGV[3], 'NX', 'PX', ARGV[2]) then
-        return {1, f, 1, 0}
+        return {1, f, 1, joining and 1 or 0}
     end
 end
 """

@@ -110,7 +110,8 @@ class AsyncLock:
         clock = self._client._clock
         deadline = None if wait is None else clock() + wait
         backend = self._client._backend
-        if wait == 0 or not backend.queues_waiters:
+        # A re-entry never waits (busy means lost), so it never takes a place in a queue.
+        if wait == 0 or not backend.queues_waiters or self._count:
             busy = await self._attempt()
             if busy is None:
                 return True

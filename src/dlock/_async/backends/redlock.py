@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -28,6 +28,9 @@ MASTER_TIMEOUT = 0.5
 
 
 class AsyncRedlockBackend(AsyncBackend):
+    #: As for one server: a blocking acquire's first attempt joins every master's queue.
+    queues_waiters: ClassVar[bool] = True
+
     def __init__(self, masters: Sequence[AsyncRedisBackend]) -> None:
         if len(masters) < 3 or len(masters) % 2 == 0:
             raise ConfigurationError("Redlock needs an odd number (3 or more) of masters")

@@ -69,6 +69,8 @@ QUEUE_TTL = 6.0
 #: Seconds an idle pub/sub connection stays subscribed to its last channel (at least:
 #: it is unsubscribed when the next wait begins, or when the client closes).
 LINGER = 1.0
+#: Seconds between attempts of a waiter that cannot subscribe (e.g. pub/sub refused).
+UNHEARD_POLL = 0.1
 #: Idle pub/sub connections kept for the next waiter.
 IDLE_SUBSCRIBERS = 8
 
@@ -128,21 +130,31 @@ class _PubSubWaiter(Waiter):
 
     def __init__(self, backend: RedisBackend, pubsub: Any, channel: bytes, token: str) -> None:
         self._backend = backend
-        self._pubsub = pubsub
+        #: None until the first wait: a lock that is free at the first attempt never
+        #: subscribes (an idle connection still subscribed to the channel is used at once).
+        self.pubsub = pubsub
         self._channel = channel
         self._token = token
         self.broken = False
 
     def wait(self, timeout: float) -> Acquired | None:
+        if self.pubsub is None and not self.broken:
+            try:
+                self.pubsub = self._backend.subscribe(self._channel)
+            except (*ERRORS, OSError):
+                # No subscription (e.g. a node that refuses pub/sub): waiting still works
+                # on the core's timer and the lease's time left, only later.
+                self.broken = True
+            # A release before the subscription was not heard: the caller tries again now.
+            return None
         deadline = time.monotonic() + timeout
         while (remaining := deadline - time.monotonic()) > 0:
             if self.broken:
-                sleep(remaining)
+                # Nothing will wake us: poll as a backend without notifications would.
+                sleep(min(remaining, UNHEARD_POLL))
                 return None
             try:
-                message = self._pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=remaining
-                )
+                message = self.pubsub.get_message(ignore_subscribe_messages=True, timeout=remaining)
             except (*ERRORS, OSError):
                 # The subscription is gone: the core's timer still lets us in.
                 self.broken = True
@@ -165,6 +177,10 @@ class _PubSubWaiter(Waiter):
 
 class RedisBackend(Backend):
     """One Redis server or one Redis Cluster, reached through redis-py."""
+
+    #: A blocking acquire's first attempt already joins the queue (if the lock is busy),
+    #: saving a waiter the second attempt it would otherwise make after subscribing.
+    queues_waiters: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -454,11 +470,26 @@ class RedisBackend(Backend):
 
     @contextmanager
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:
-        """A waiter woken by releases of ``name`` on ``token``'s own channel."""
+        """A waiter woken by releases of ``name`` on ``token``'s own channel.
+
+        It subscribes at its first wait, unless an idle connection is still subscribed
+        to the channel (a lock object that waits again soon, the usual case under
+        contention): that one listens from the start.
+        """
         channel = self._keys(name).wake + token.encode()
+        waiter = _PubSubWaiter(
+            self, self._take_idle(channel, subscribed_only=True)[0], channel, token
+        )
+        try:
+            yield waiter
+        finally:
+            if waiter.pubsub is not None:
+                self._put_back(waiter.pubsub, channel, waiter)
+
+    def subscribe(self, channel: bytes) -> Any:
+        """A pub/sub connection subscribed to ``channel``."""
         self._unsubscribe_lingering()
         pubsub, subscribed = self._take_idle(channel)
-        waiter: Waiter
         try:
             if pubsub is None:
                 pubsub = self._new_pubsub()
@@ -466,35 +497,29 @@ class RedisBackend(Backend):
                 if subscribed is not None:
                     pubsub.unsubscribe(subscribed)
                 pubsub.subscribe(channel)
-            waiter = _PubSubWaiter(self, pubsub, channel, token)
-        except (*ERRORS, OSError):
-            # No subscription (e.g. a node that refuses pub/sub): waiting still works
-            # on the core's timer and the lease's time left, only later.
-            waiter = Waiter()
-        try:
-            yield waiter
-        finally:
+        except BaseException:
             if pubsub is not None:
-                self._put_back(pubsub, channel, waiter)
+                self._aclose_quietly(pubsub)
+            raise
+        return pubsub
 
-    def _take_idle(self, channel: bytes) -> tuple[Any, bytes | None]:
+    def _take_idle(self, channel: bytes, subscribed_only: bool = False) -> tuple[Any, bytes | None]:
         """An idle pub/sub connection, preferably one still subscribed to ``channel``."""
         with self._creating:
-            if not self._idle:
-                return None, None
-            index = next(
-                (i for i, entry in enumerate(self._idle) if entry[1] == channel),
-                len(self._idle) - 1,
-            )
+            index = next((i for i, entry in enumerate(self._idle) if entry[1] == channel), None)
+            if index is None:
+                if subscribed_only or not self._idle:
+                    return None, None
+                index = len(self._idle) - 1
             pubsub, subscribed, _ = self._idle.pop(index)
             return pubsub, subscribed
 
-    def _put_back(self, pubsub: Any, channel: bytes, waiter: Waiter) -> None:
+    def _put_back(self, pubsub: Any, channel: bytes, waiter: _PubSubWaiter) -> None:
         # The subscription lingers for a moment: a process that waits on the same name
         # again (the usual case under contention) skips UNSUBSCRIBE and SUBSCRIBE, which
         # would otherwise sit between a wake-up and the caller getting the lock.
         with self._creating:
-            keep = isinstance(waiter, _PubSubWaiter) and not waiter.broken
+            keep = not waiter.broken
             if keep and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append((pubsub, channel, time.monotonic()))
                 return
