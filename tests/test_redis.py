@@ -3,6 +3,7 @@ misconfiguration, TLS, URLs. The shared semantics are in the conformance suite."
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -269,6 +270,33 @@ def test_paused_server_is_a_timely_error(own_server: RedisServer) -> None:
             assert time.monotonic() - start < 3
     finally:
         own_server.resume()
+
+
+def test_a_call_cut_off_mid_reply_leaves_no_reply_for_the_next(own_server: RedisServer) -> None:
+    """A call cancelled while the server is paused must not leave its late reply on the
+    connection, to be read as the answer to the next call."""
+
+    async def scenario() -> None:
+        async with dlock.aio.connect(url_of(own_server)) as client:
+            held = client.lock(unique(), ttl=30)
+            assert await held.acquire(timeout=0)
+            own_server.pause()
+            try:
+                call = asyncio.ensure_future(client.inspect(held.name))
+                await asyncio.sleep(0.2)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            finally:
+                own_server.resume()
+            other = client.lock(unique(), ttl=30)
+            assert await other.acquire(timeout=0)
+            info = await client.inspect(other.name)
+            assert info is not None and info.fencing_token == other.fencing_token
+            await other.release()
+            await held.release()
+
+    asyncio.run(scenario())
 
 
 def test_redlock_survives_one_dead_master_not_two(own_masters: list[RedisServer]) -> None:
