@@ -200,6 +200,36 @@ def measure_contention(
     )
 
 
+def measure_contention_rounds(
+    open_lock: Callable[[Any], LockHandle],
+    configs: dict[str, Any],
+    rounds: int = 3,
+    processes: int = 8,
+    sections: int = 200,
+) -> dict[str, Contention]:
+    """:func:`measure_contention` for several setups, run in ``rounds`` interleaved rounds.
+
+    A contention run lasts a fraction of a second, so one burst of other load on the
+    machine can halve a row. Interleaving spreads such bursts over every setup alike;
+    each row then reports the median rate and hand-off, the longest wait of all rounds
+    and the counters of all rounds added up (exact only if every round was).
+    """
+    runs: dict[str, list[Contention]] = {label: [] for label in configs}
+    for _ in range(rounds):
+        for label, config in configs.items():
+            runs[label].append(measure_contention(open_lock, config, processes, sections))
+    return {
+        label: Contention(
+            sections_per_s=statistics.median(c.sections_per_s for c in results),
+            median_handoff_ms=statistics.median(c.median_handoff_ms for c in results),
+            longest_wait_ms=max(c.longest_wait_ms for c in results),
+            counter=sum(c.counter for c in results),
+            expected=sum(c.expected for c in results),
+        )
+        for label, results in runs.items()
+    }
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     if value is None or not base:
         return "-"
