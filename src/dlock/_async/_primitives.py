@@ -22,14 +22,21 @@ class WakeupEvent:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        # Known from the start when made in the loop, so a set() from another thread
+        # before the first wait() is handed to the loop too (asyncio.Event is not
+        # thread-safe).
         self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
 
     def set(self) -> None:
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if self._loop is None or running is self._loop:
+        if self._loop is None or running is self._loop or self._loop.is_closed():
             self._event.set()
         else:
             self._loop.call_soon_threadsafe(self._event.set)
