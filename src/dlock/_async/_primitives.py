@@ -7,6 +7,7 @@ this module is written by hand, once per face, and the generated code calls it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -26,10 +27,8 @@ class WakeupEvent:
         # before the first wait() is handed to the loop too (asyncio.Event is not
         # thread-safe).
         self._loop: asyncio.AbstractEventLoop | None = None
-        try:
+        with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
-        except RuntimeError:
-            pass
 
     def set(self) -> None:
         try:

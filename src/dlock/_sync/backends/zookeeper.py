@@ -76,6 +76,8 @@ SUSPEND_SHARE = 1 / 4
 STALL_SHARE = 3 / 4
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
+#: Encoded node data kept for reuse (one per holder and TTL in use).
+MAX_PAYLOADS = 64
 
 #: Errors that are the server's reply to a request (so it heard us), not a lost one.
 SERVER_REPLIES = (NoNodeError, NodeExistsError, NotEmptyError)
@@ -222,6 +224,7 @@ class ZooKeeperBackend(Backend):
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
         self._parents: set[str] = set()
+        self._payloads: dict[tuple[Holder, float], tuple[dict[str, Any], bytes]] = {}
         #: Paths we gave up but did not delete yet: the reaper deletes them.
         self._orphans: set[str] = set()
         #: The reaper should try deleting orphans (one was added, or a connection is back).
@@ -557,14 +560,7 @@ class ZooKeeperBackend(Backend):
             return node
         name, token = key
         parent = self._parent(name)
-        # Holder.from_json reads these fields back for inspection.
-        data = {
-            "host": holder.host,
-            "pid": holder.pid,
-            "label": holder.label,
-            "count": 1,
-            "ttl": ttl,
-        }
+        data, payload = self._payload(holder, ttl)
         session = self._session_id
         if key in self._pending:
             # Curator's protection: a create that succeeded on the server but whose reply
@@ -578,11 +574,24 @@ class ZooKeeperBackend(Backend):
                     self._nodes[key] = node
                     return node
         self._pending.add(key)
-        path, stat, listing = self._create(zk, parent, f"{parent}/{token}-", _dump(data))
+        path, stat, listing = self._create(zk, parent, f"{parent}/{token}-", payload)
         self._pending.discard(key)
         node = _Node(path, stat.ephemeralOwner, stat.czxid, data, listing=listing)
         self._nodes[key] = node
         return node
+
+    def _payload(self, holder: Holder, ttl: float) -> tuple[dict[str, Any], bytes]:
+        """A new node's data, and its encoding: the same for every acquisition of a
+        client with one TTL, so made once (the dict is never changed in place)."""
+        cached = self._payloads.get((holder, ttl))
+        if cached is None:
+            # Holder.from_json reads these fields back for inspection.
+            data = {**json.loads(holder.to_json()), "count": 1, "ttl": ttl}
+            cached = data, _dump(data)
+            if len(self._payloads) >= MAX_PAYLOADS:
+                self._payloads.clear()
+            self._payloads[(holder, ttl)] = cached
+        return cached
 
     def _create(
         self, zk: KazooClient, parent: str, prefix: str, data: bytes
