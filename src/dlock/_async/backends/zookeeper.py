@@ -6,9 +6,11 @@ every other one watches only its predecessor (FIFO, no thundering herd), and a c
 holder's child vanishes with its session. The fencing token is the child's creation zxid,
 which the ensemble never reuses, even if the parent node is deleted and made again.
 
-kazoo is synchronous and there is no maintained asyncio ZooKeeper client, so each seam
-operation runs as one blocking function (its round trips pipelined where they can be)
-through ``run_blocking``: one thread hop per operation, not per round trip.
+kazoo is synchronous and there is no maintained asyncio ZooKeeper client, but its
+requests are asynchronous underneath: kazoo's connection thread sends them and sets their
+results. So the operations are written once, awaiting each result (``wait_result``): the
+sync face blocks on it, the asyncio face is woken by the result's callback, without a
+worker thread in between. Round trips are pipelined where they can be.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from functools import partial
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kazoo.client import KazooClient
@@ -45,12 +48,10 @@ from kazoo.security import make_acl, make_digest_acl
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, seconds
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import WakeupEvent, run_blocking
+from .._primitives import Mutex, WakeupEvent, join, run_blocking, shielded, spawn, wait_result
 from ..backend import AsyncBackend, AsyncWaiter
 
 logger = logging.getLogger("dlock")
-
-T = TypeVar("T")
 
 #: Suffix ZooKeeper appends to a sequential node: ten digits.
 SEQUENCE_DIGITS = 10
@@ -218,7 +219,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._owns_client = client is None
         self._zk: KazooClient | None = client
         self._start_lock = threading.Lock()
-        self._stripes = [threading.Lock() for _ in range(STRIPES)]
+        self._stripes = [Mutex() for _ in range(STRIPES)]
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
@@ -239,8 +240,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._stalled_since: float | None = None
         self._connected = threading.Event()
         self._session_id = 0
-        self._reaper: threading.Thread | None = None
-        self._reaper_wakeup = threading.Condition()
+        self._reaper: Any = None
+        self._reaper_wakeup = WakeupEvent()
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
         self._reaper_next = float("inf")
         self._closed = False
@@ -304,11 +305,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     # -- connection and session ------------------------------------------------------
 
-    def _client(self) -> KazooClient:
+    async def _client(self) -> KazooClient:
         """The started client; connecting happens here, on first use."""
         zk = self._zk
         if zk is not None and zk.connected and self._session_id:
             return zk
+        started: KazooClient = await run_blocking(self._connect)
+        return started
+
+    def _connect(self) -> KazooClient:
         with self._start_lock:
             if self._closed:
                 raise BackendError("the ZooKeeper backend is closed")
@@ -387,7 +392,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     self._renew_now()
                 self._session_id = session
             if self._orphans:
-                self._start_reaper(orphans=True)
+                # Not _start_reaper: an asyncio reaper can only be started in its loop,
+                # and it runs already (orphans started it).
+                self._orphans_due = True
+                self._reaper_wakeup.set()
 
     def _end_session(self, session: int) -> None:
         """The session is gone and its ephemeral nodes with it: so are our leases."""
@@ -431,18 +439,18 @@ class AsyncZooKeeperBackend(AsyncBackend):
         delay = self._heard_at + self._grace(STALL_SHARE) - time.monotonic()
         self._renew_now_and_after(max(0.0, delay))
 
-    def _call(self, result: Any, timeout: float | None = None) -> Any:
+    async def _call(self, result: Any, timeout: float | None = None) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout,
         noting that the server replied (a server-side error is a reply)."""
         try:
-            value = result.get(timeout=self._op_timeout if timeout is None else timeout)
+            value = await wait_result(result, self._op_timeout if timeout is None else timeout)
         except SERVER_REPLIES:
             self._answered_at = time.monotonic()
             raise
         self._answered_at = time.monotonic()
         return value
 
-    def _call_while_alive(self, result: Any, node: _Node) -> Any:
+    async def _call_while_alive(self, result: Any, node: _Node) -> Any:
         """Like :meth:`_call`, but None as soon as the node's session is given up.
 
         The renewer must not sit out a whole operation timeout once another request
@@ -451,23 +459,23 @@ class AsyncZooKeeperBackend(AsyncBackend):
         deadline = time.monotonic() + self._op_timeout
         while True:
             try:
-                return self._call(result, min(POLL, max(0.0, deadline - time.monotonic())))
+                return await self._call(result, min(POLL, max(0.0, deadline - time.monotonic())))
             except KazooTimeoutError:
                 if not self._session_alive(node):
                     return None
                 if time.monotonic() >= deadline:
                     raise
 
-    def _catch_up(self, zk: KazooClient) -> None:
+    async def _catch_up(self, zk: KazooClient) -> None:
         """Make the next reads see every write committed before now.
 
         A server answers reads from its own replica, which may lag the leader: another
         client's re-entry or release would be missed. Acquisition needs no sync: its
         create is a write, and reads after it on this session see everything before it.
         """
-        self._call(zk.sync_async("/"))
+        await self._call(zk.sync_async("/"))
 
-    def _stripe(self, key: tuple[str, str]) -> threading.Lock:
+    def _stripe(self, key: tuple[str, str]) -> Mutex:
         """Operations on one (name, token) run one at a time: the caller's and the
         renewer's, or a cancelled attempt still running and its clean-up."""
         return self._stripes[hash(key) % STRIPES]
@@ -477,27 +485,28 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     # -- acquisition ------------------------------------------------------------------
 
-    def _acquire(
+    async def _acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         key = (name, token)
 
-        def attempt(retrying: bool) -> Acquired | Busy:
-            zk = self._client()
+        async def attempt(retrying: bool) -> Acquired | Busy:
+            zk = await self._client()
             node = self._nodes.get(key)
             if node is not None and node.held:
-                return self._reenter(zk, key, node, ttl, reentrant)
+                return await self._reenter(zk, key, node, ttl, reentrant)
             for _ in range(3):
-                node = self._own_node(zk, key, ttl, holder)
-                result = self._check_queue(zk, key, node, ttl)
+                node = await self._own_node(zk, key, ttl, holder)
+                result = await self._check_queue(zk, key, node, ttl)
                 if result is not None:
                     return result
             raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
 
-        with self._stripe(key):
-            return self._guarded(attempt)
+        async with self._stripe(key):
+            acquired: Acquired | Busy = await self._guarded(attempt)
+            return acquired
 
-    def _guarded(self, op: Callable[[bool], T]) -> T:
+    async def _guarded(self, op: Callable[[bool], Any]) -> Any:
         """Run ``op``, again after a dropped connection, until the operation timeout.
 
         In an ensemble a dropped connection is usually one server going away, and kazoo
@@ -510,10 +519,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
         while True:
             started = time.monotonic()
             try:
-                result = op(retrying)
+                result = await op(retrying)
             except ConnectionLoss as exc:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._connected.wait(remaining):
+                if remaining <= 0 or not await run_blocking(self._connected.wait, remaining):
                     raise _wrap(exc) from exc
                 retrying = True
                 continue
@@ -524,7 +533,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._heard(started)
             return result
 
-    def _reenter(
+    async def _reenter(
         self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float, reentrant: bool
     ) -> Acquired | Busy:
         """Enter a held lock again; Busy (once) if the lease is gone, so that the core
@@ -540,7 +549,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return Busy()
         data = {**node.data, "count": node.data["count"] + 1, "ttl": ttl}
         try:
-            self._call(zk.set_async(node.path, _dump(data)))
+            await self._call(zk.set_async(node.path, _dump(data)))
         except NoNodeError:
             self._forget(key, node)
             return Busy()
@@ -548,7 +557,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
         node.deadline = time.monotonic() + ttl
         return Acquired(fencing_token=node.czxid, count=data["count"])
 
-    def _own_node(self, zk: KazooClient, key: tuple[str, str], ttl: float, holder: Holder) -> _Node:
+    async def _own_node(
+        self, zk: KazooClient, key: tuple[str, str], ttl: float, holder: Holder
+    ) -> _Node:
         """Our queued node for ``key``: the existing one, one found after a lost reply,
         or a new one."""
         node = self._nodes.get(key)
@@ -564,7 +575,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if key in self._pending:
             # Curator's protection: a create that succeeded on the server but whose reply
             # was lost left a node whose name starts with our token. Adopt it.
-            found = self._find_own(zk, parent, token)
+            found = await self._find_own(zk, parent, token)
             self._pending.discard(key)
             if found is not None:
                 path, stat = found
@@ -573,7 +584,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     self._nodes[key] = node
                     return node
         self._pending.add(key)
-        path, stat, listing = self._create(zk, parent, f"{parent}/{token}-", payload)
+        path, stat, listing = await self._create(zk, parent, f"{parent}/{token}-", payload)
         self._pending.discard(key)
         node = _Node(path, stat.ephemeralOwner, stat.czxid, data, listing=listing)
         self._nodes[key] = node
@@ -592,7 +603,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._payloads[(holder, ttl)] = cached
         return cached
 
-    def _create(
+    async def _create(
         self, zk: KazooClient, parent: str, prefix: str, data: bytes
     ) -> tuple[str, ZnodeStat, Any]:
         """Create our sequential node, and the lock's node first if it may be missing.
@@ -610,14 +621,14 @@ class AsyncZooKeeperBackend(AsyncBackend):
             listing = zk.get_children_async(parent)
             if made is not None:
                 try:
-                    self._call(made)
+                    await self._call(made)
                 except NodeExistsError:
                     pass
                 except NoNodeError:
-                    zk.ensure_path(self._root or "/")  # first use of this root
+                    await run_blocking(zk.ensure_path, self._root or "/")  # first use of this root
                     continue
             try:
-                path, stat = self._call(created)
+                path, stat = await self._call(created)
             except NoNodeError:
                 known = False  # pruned meanwhile: make it again
                 continue
@@ -627,19 +638,21 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return path, stat, listing
         raise BackendError(f"cannot create a lock node under {parent!r}")
 
-    def _find_own(self, zk: KazooClient, parent: str, token: str) -> tuple[str, ZnodeStat] | None:
+    async def _find_own(
+        self, zk: KazooClient, parent: str, token: str
+    ) -> tuple[str, ZnodeStat] | None:
         try:
-            children = self._call(zk.get_children_async(parent))
+            children = await self._call(zk.get_children_async(parent))
         except NoNodeError:
             return None
         for child in children:
             if child.startswith(f"{token}-"):
-                stat = self._call(zk.exists_async(f"{parent}/{child}"))
+                stat = await self._call(zk.exists_async(f"{parent}/{child}"))
                 if stat is not None:
                     return f"{parent}/{child}", stat
         return None
 
-    def _check_queue(
+    async def _check_queue(
         self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float
     ) -> Acquired | Busy | None:
         """Held if our node is the lowest; else queue behind the predecessor (inside a
@@ -661,7 +674,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         listing, node.listing = node.listing, None
         try:
             children = queue_of(
-                self._call(listing if listing is not None else zk.get_children_async(parent))
+                await self._call(listing if listing is not None else zk.get_children_async(parent))
             )
         except NoNodeError:
             # The lock node holds ours until it is deleted: ours was (force release),
@@ -676,21 +689,21 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if position == 0:
             return self._granted(node, ttl)
         if waiter is None:
-            self._delete(zk, key, node)
+            await self._delete(zk, key, node)
             return Busy()
         predecessor = f"{parent}/{children[position - 1]}"
         if ahead is None or ahead.path != predecessor:
             ahead = node.ahead = _Ahead(predecessor, waiter.wake)
         if position == 1:
             ahead.held = True
-        self._watch(zk, ahead)
+        await self._watch(zk, ahead)
         if ahead.deleted:
             if ahead.held and self._session_alive(node):
                 return self._granted(node, ttl)
             waiter.wake()  # gone already, but what was ahead of it? List again.
         return Busy()
 
-    def _watch(self, zk: KazooClient, ahead: _Ahead) -> None:
+    async def _watch(self, zk: KazooClient, ahead: _Ahead) -> None:
         """Watch the node ahead for its deletion, and, until we know it held the lock,
         for a rewrite of its data (pipelined: one round trip).
 
@@ -710,7 +723,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             if result is None:
                 continue
             try:
-                answer = self._call(result)
+                answer = await self._call(result)
             except NoNodeError:
                 ahead.deleted = True
                 continue
@@ -732,7 +745,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
     async def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
-        return await run_blocking(self._acquire, name, token, ttl, holder, reentrant)
+        return await self._acquire(name, token, ttl, holder, reentrant)
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncZooKeeperWaiter]:
@@ -742,24 +755,30 @@ class AsyncZooKeeperBackend(AsyncBackend):
             yield waiter
         finally:
             del self._waiters[(name, token)]
-            await run_blocking(self._leave_queue, name, token)
+            node = self._nodes.get((name, token))
+            if node is not None and not node.held:
+                # Run to the end even if cancelled again: a node left behind would
+                # block the line until the session ends.
+                await shielded(self._leave_queue(name, token))
 
-    def _leave_queue(self, name: str, token: str) -> None:
-        """Timeout or cancellation: a queued (not held) node must not block the line."""
+    async def _leave_queue(self, name: str, token: str) -> bool:
+        """Timeout or cancellation: a queued (not held) node must not block the line.
+        True if there was one (deleted now, or by the reaper once it can)."""
         key = (name, token)
-        with self._stripe(key):
+        async with self._stripe(key):
             node = self._nodes.get(key)
             if node is None or node.held:
-                return
+                return False
             try:
-                zk = self._client()
-                self._delete(zk, key, node)
+                zk = await self._client()
+                await self._delete(zk, key, node)
             except (BackendError, *CLIENT_ERRORS):
                 logger.debug("dlock: could not leave the queue of %r", name, exc_info=True)
                 self._forget(key, node)
                 self._orphan(node.path)
+            return True
 
-    def _delete(
+    async def _delete(
         self, zk: KazooClient, key: tuple[str, str], node: _Node, held: bool = False
     ) -> bool:
         """Delete our node and forget it; False if it was already gone.
@@ -774,9 +793,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 transaction = zk.transaction()
                 transaction.set_data(node.path, b"")
                 transaction.delete(node.path)
-                _committed(self._call(transaction.commit_async()))
+                _committed(await self._call(transaction.commit_async()))
             else:
-                self._call(zk.delete_async(node.path))
+                await self._call(zk.delete_async(node.path))
             existed = True
         except NoNodeError:
             existed = False
@@ -790,53 +809,54 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     # -- release and renewal ----------------------------------------------------------
 
-    def _release(self, name: str, token: str) -> int | None:
+    async def _release(self, name: str, token: str) -> int | None:
         key = (name, token)
 
-        def release(retrying: bool) -> int | None:
+        async def release(retrying: bool) -> int | None:
             node = self._nodes.get(key)
             if node is None and key not in self._pending:
                 return None
-            zk = self._client()
+            zk = await self._client()
             if node is None:
                 # An attempt interrupted mid-create: its node may exist all the same.
-                found = self._find_own(zk, self._parent(name), token)
+                found = await self._find_own(zk, self._parent(name), token)
                 self._pending.discard(key)
                 if found is not None:
                     with suppress(NoNodeError):
-                        self._call(zk.delete_async(found[0]))
+                        await self._call(zk.delete_async(found[0]))
                 return None
             if not node.held or not self._session_alive(node):
                 if not node.gone or node.session == self._session_id:
-                    self._delete(zk, key, node)
+                    await self._delete(zk, key, node)
                 self._forget(key, node)
                 return None
             count = int(node.data["count"])
             if count > 1:
                 data = {**node.data, "count": count - 1}
                 try:
-                    self._call(zk.set_async(node.path, _dump(data)))
+                    await self._call(zk.set_async(node.path, _dump(data)))
                 except NoNodeError:
                     self._forget(key, node)
                     return None
                 node.data = data
                 return count - 1
             # After a lost reply, finding nothing most likely means our delete went through.
-            return 0 if self._delete(zk, key, node, held=True) or retrying else None
+            return 0 if await self._delete(zk, key, node, held=True) or retrying else None
 
-        with self._stripe(key):
-            return self._guarded(release)
+        async with self._stripe(key):
+            remaining: int | None = await self._guarded(release)
+            return remaining
 
     async def release(self, name: str, token: str) -> int | None:
-        return await run_blocking(self._release, name, token)
+        return await self._release(name, token)
 
-    def _extend_all(self, leases: list[Lease]) -> list[bool]:
+    async def _extend_all(self, leases: list[Lease]) -> list[bool]:
         """Rewrite each held node (one pipelined round trip for the batch).
 
         The write proves the session alive now and moves ``mtime``, from which
         inspection tells how long the lease has left.
         """
-        zk = self._client()
+        zk = await self._client()
         started = time.monotonic()
         # Hold the stripes of the whole batch (in one order, and no other operation
         # holds two) so a re-entry or release cannot interleave with the rewrite.
@@ -844,9 +864,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._stripes[i] for i in sorted({hash((x.name, x.token)) % STRIPES for x in leases})
         ]
         for stripe in stripes:
-            stripe.acquire()
+            await stripe.acquire()
         try:
-            answers = self._extend_locked(zk, leases)
+            answers = await self._extend_locked(zk, leases)
         finally:
             for stripe in reversed(stripes):
                 stripe.release()
@@ -854,7 +874,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._heard(started)
         return answers
 
-    def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
+    async def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
         answers: list[bool] = [False] * len(leases)
         pending: list[tuple[int, _Node, dict[str, Any], Any]] = []
         for index, lease in enumerate(leases):
@@ -875,7 +895,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         for index, node, data, result in pending:
             key = (leases[index].name, leases[index].token)
             try:
-                stat = self._call_while_alive(result, node)
+                stat = await self._call_while_alive(result, node)
             except NoNodeError:
                 self._forget(key, node)
                 continue
@@ -904,13 +924,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._start_reaper(orphans=True)
 
     async def extend(self, name: str, token: str, ttl: float) -> bool:
-        result = await run_blocking(self._extend_all, [Lease(name, token, ttl)])
+        result = await self._extend_all([Lease(name, token, ttl)])
         return result[0]
 
     async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
-        return await run_blocking(self._extend_all, list(leases))
+        return await self._extend_all(list(leases))
 
-    def _delete_orphans(self) -> None:
+    async def _delete_orphans(self) -> None:
         """Delete given-up nodes (pipelined); those that fail stay for the next try."""
         zk = self._zk
         if zk is None or not self._connected.is_set():
@@ -918,7 +938,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         paths = list(self._orphans)
         for path, result in [(path, zk.delete_async(path)) for path in paths]:
             try:
-                self._call(result)
+                await self._call(result)
             except NoNodeError:
                 pass
             except CLIENT_ERRORS:
@@ -928,16 +948,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
     # -- leases that run out without renewal -------------------------------------------
 
     def _start_reaper(self, orphans: bool = False) -> None:
-        with self._reaper_wakeup:
-            self._orphans_due = self._orphans_due or orphans
-            if self._reaper is None and not self._closed:
-                self._reaper = threading.Thread(
-                    target=self._reap, name="dlock-zookeeper-reaper", daemon=True
-                )
-                self._reaper.start()
-            self._reaper_wakeup.notify()
+        """Wake the reaper, starting it on first use (in an operation: an asyncio reaper
+        is a task of the operations' loop)."""
+        if orphans:
+            self._orphans_due = True
+        if self._reaper is None and not self._closed:
+            self._reaper = spawn(self._reap, name="dlock-zookeeper-reaper")
+        self._reaper_wakeup.set()
 
-    def _reap(self) -> None:
+    async def _reap(self) -> None:
         """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``), and
         nodes given up (orphans).
 
@@ -945,6 +964,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
         without this a lease would never end while its holder is alive but idle.
         """
         while not self._closed:
+            # Cleared before looking: whatever is added after this wakes the next wait.
+            self._reaper_wakeup.clear()
+            self._reaper_next = float("inf")  # while reaping, every grant wakes it
             now = time.monotonic()
             due = [
                 (key, node)
@@ -952,42 +974,39 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 if node.held and not node.gone and node.deadline <= now
             ]
             for key, node in due:
-                with self._stripe(key):
+                async with self._stripe(key):
                     if self._nodes.get(key) is not node or node.deadline > time.monotonic():
                         continue
                     try:
-                        self._delete(self._client(), key, node)
+                        await self._delete(await self._client(), key, node)
                     except (BackendError, *CLIENT_ERRORS):
                         self._give_up(key, node)
-            with self._reaper_wakeup:
-                orphans_due, self._orphans_due = self._orphans_due, False
-            if orphans_due:
-                self._delete_orphans()
-            with self._reaper_wakeup:
-                if self._closed:
-                    return
-                if self._orphans_due:
-                    continue  # added while deleting the others
-                held = list(self._nodes.values())
-                deadlines = [n.deadline for n in held if n.held and not n.gone]
-                self._reaper_next = min(deadlines, default=float("inf"))
-                wait = self._reaper_next - time.monotonic()
-                if self._orphans:
-                    # Some could not be deleted: try again after a while.
-                    self._orphans_due = True
-                    wait = min(wait, self._op_timeout)
-                self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
-                self._reaper_next = float("inf")  # while reaping, every grant wakes it
+            if self._orphans_due:
+                self._orphans_due = False
+                await self._delete_orphans()
+            if self._closed:
+                return
+            held = list(self._nodes.values())
+            deadline = min(
+                (n.deadline for n in held if n.held and not n.gone), default=float("inf")
+            )
+            wait = deadline - time.monotonic()
+            if self._orphans:
+                # Some could not be deleted: try again after a while.
+                self._orphans_due = True
+                wait = min(wait, self._op_timeout)
+            self._reaper_next = deadline
+            await self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
 
     # -- inspection -------------------------------------------------------------------
 
-    def _infos(self, zk: KazooClient, names: list[str]) -> list[LockInfo]:
+    async def _infos(self, zk: KazooClient, names: list[str]) -> list[LockInfo]:
         """Holder and queue of each name, with every read pipelined (the caller syncs)."""
         listed = [(name, zk.get_children_async(self._parent(name))) for name in names]
         queues: list[tuple[str, list[Any]]] = []
         for name, result in listed:
             try:
-                children = queue_of(self._call(result))
+                children = queue_of(await self._call(result))
             except NoNodeError:
                 continue
             parent = self._parent(name)
@@ -997,69 +1016,70 @@ class AsyncZooKeeperBackend(AsyncBackend):
             entries = []
             for result in reads:
                 with suppress(NoNodeError):  # left the queue meanwhile
-                    entries.append(self._call(result))
+                    entries.append(await self._call(result))
             if entries:
                 infos.append(_info(name, entries))
         return infos
 
-    def _inspect(self, name: str) -> LockInfo | None:
-        zk = self._client()
-        self._catch_up(zk)
-        infos = self._infos(zk, [name])
+    async def _inspect(self, _: bool, name: str) -> LockInfo | None:
+        zk = await self._client()
+        await self._catch_up(zk)
+        infos = await self._infos(zk, [name])
         return infos[0] if infos else None
 
     async def inspect(self, name: str) -> LockInfo | None:
-        info: LockInfo | None = await run_blocking(self._guarded, lambda _: self._inspect(name))
+        info: LockInfo | None = await self._guarded(partial(self._inspect, name=name))
         return info
 
-    def _list(self, prefix: str) -> list[LockInfo]:
-        zk = self._client()
-        self._catch_up(zk)
+    async def _list(self, _: bool, prefix: str) -> list[LockInfo]:
+        zk = await self._client()
+        await self._catch_up(zk)
         try:
-            nodes = self._call(zk.get_children_async(self._root or "/"))
+            nodes = await self._call(zk.get_children_async(self._root or "/"))
         except NoNodeError:
             return []
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
         )
-        return self._infos(zk, names)
+        return await self._infos(zk, names)
 
     async def list(self, prefix: str) -> list[LockInfo]:
-        return await run_blocking(self._guarded, lambda _: self._list(prefix))
+        infos: list[LockInfo] = await self._guarded(partial(self._list, prefix=prefix))
+        return infos
 
-    def _force_release(self, name: str) -> bool:
-        zk = self._client()
-        self._catch_up(zk)
+    async def _force_release(self, _: bool, name: str) -> bool:
+        zk = await self._client()
+        await self._catch_up(zk)
         parent = self._parent(name)
         while True:
             try:
-                found = self._call(zk.get_children_async(parent))
+                found = await self._call(zk.get_children_async(parent))
             except NoNodeError:
                 return False
             children = queue_of(found)
             if not children:
                 if not found:  # not a node of someone else's (such as /zookeeper)
-                    self._prune(zk, parent)
+                    await self._prune(zk, parent)
                 return False
             try:
-                self._call(zk.delete_async(f"{parent}/{children[0]}"))
+                await self._call(zk.delete_async(f"{parent}/{children[0]}"))
                 return True
             except NoNodeError:
                 continue  # released meanwhile: the next in line now holds it
 
-    def _prune(self, zk: KazooClient, parent: str) -> None:
+    async def _prune(self, zk: KazooClient, parent: str) -> None:
         """Drop an empty lock node (a create racing with this just makes it again)."""
         with suppress(NoNodeError, NotEmptyError):
-            self._call(zk.delete_async(parent))
+            await self._call(zk.delete_async(parent))
 
     async def force_release(self, name: str) -> bool:
-        freed: bool = await run_blocking(self._guarded, lambda _: self._force_release(name))
+        freed: bool = await self._guarded(partial(self._force_release, name=name))
         return freed
 
-    def _close(self) -> None:
-        with self._reaper_wakeup:
-            self._closed = True
-            self._reaper_wakeup.notify()
+    async def _close(self) -> None:
+        self._closed = True
+        self._reaper_wakeup.set()
+        await join(self._reaper, timeout=1.0)
         zk = self._zk
         if zk is None:
             return
@@ -1067,14 +1087,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if self._owns_client:
             # Ending the session makes the ensemble delete every node it made.
             try:
-                zk.stop()
-                zk.close()
+                await run_blocking(_stop, zk)
             except CLIENT_ERRORS:
                 logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
         else:
-            self._delete_own_nodes(zk)
+            await self._delete_own_nodes(zk)
 
-    def _delete_own_nodes(self, zk: KazooClient) -> None:
+    async def _delete_own_nodes(self, zk: KazooClient) -> None:
         """The caller's session outlives us: delete our nodes ourselves (best effort),
         or a lock not renewed would never end."""
         paths = [n.path for n in self._nodes.values() if n.session == self._session_id]
@@ -1083,12 +1102,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._orphans.clear()
         for result in [zk.delete_async(path) for path in paths]:
             try:
-                self._call(result)
+                await self._call(result)
             except (NoNodeError, *CLIENT_ERRORS):
                 logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     async def aclose(self) -> None:
-        await run_blocking(self._close)
+        await self._close()
+
+
+def _stop(zk: KazooClient) -> None:
+    zk.stop()
+    zk.close()
 
 
 class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]

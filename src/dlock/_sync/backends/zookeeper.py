@@ -7,9 +7,11 @@ every other one watches only its predecessor (FIFO, no thundering herd), and a c
 holder's child vanishes with its session. The fencing token is the child's creation zxid,
 which the ensemble never reuses, even if the parent node is deleted and made again.
 
-kazoo is synchronous and there is no maintained asyncio ZooKeeper client, so each seam
-operation runs as one blocking function (its round trips pipelined where they can be)
-through ``run_blocking``: one thread hop per operation, not per round trip.
+kazoo is synchronous and there is no maintained asyncio ZooKeeper client, but its
+requests are asynchronous underneath: kazoo's connection thread sends them and sets their
+results. So the operations are written once, awaiting each result (``wait_result``): the
+sync face blocks on it, the sync face is woken by the result's callback, without a
+worker thread in between. Round trips are pipelined where they can be.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from functools import partial
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kazoo.client import KazooClient
@@ -46,12 +49,10 @@ from kazoo.security import make_acl, make_digest_acl
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, seconds
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import WakeupEvent, run_blocking
+from .._primitives import Mutex, WakeupEvent, join, run_blocking, shielded, spawn, wait_result
 from ..backend import Backend, Waiter
 
 logger = logging.getLogger("dlock")
-
-T = TypeVar("T")
 
 #: Suffix ZooKeeper appends to a sequential node: ten digits.
 SEQUENCE_DIGITS = 10
@@ -219,7 +220,7 @@ class ZooKeeperBackend(Backend):
         self._owns_client = client is None
         self._zk: KazooClient | None = client
         self._start_lock = threading.Lock()
-        self._stripes = [threading.Lock() for _ in range(STRIPES)]
+        self._stripes = [Mutex() for _ in range(STRIPES)]
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
@@ -240,8 +241,8 @@ class ZooKeeperBackend(Backend):
         self._stalled_since: float | None = None
         self._connected = threading.Event()
         self._session_id = 0
-        self._reaper: threading.Thread | None = None
-        self._reaper_wakeup = threading.Condition()
+        self._reaper: Any = None
+        self._reaper_wakeup = WakeupEvent()
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
         self._reaper_next = float("inf")
         self._closed = False
@@ -310,6 +311,10 @@ class ZooKeeperBackend(Backend):
         zk = self._zk
         if zk is not None and zk.connected and self._session_id:
             return zk
+        started: KazooClient = run_blocking(self._connect)
+        return started
+
+    def _connect(self) -> KazooClient:
         with self._start_lock:
             if self._closed:
                 raise BackendError("the ZooKeeper backend is closed")
@@ -388,7 +393,10 @@ class ZooKeeperBackend(Backend):
                     self._renew_now()
                 self._session_id = session
             if self._orphans:
-                self._start_reaper(orphans=True)
+                # Not _start_reaper: an asyncio reaper can only be started in its loop,
+                # and it runs already (orphans started it).
+                self._orphans_due = True
+                self._reaper_wakeup.set()
 
     def _end_session(self, session: int) -> None:
         """The session is gone and its ephemeral nodes with it: so are our leases."""
@@ -436,7 +444,7 @@ class ZooKeeperBackend(Backend):
         """Wait for one of kazoo's async results, bounded by the operation timeout,
         noting that the server replied (a server-side error is a reply)."""
         try:
-            value = result.get(timeout=self._op_timeout if timeout is None else timeout)
+            value = wait_result(result, self._op_timeout if timeout is None else timeout)
         except SERVER_REPLIES:
             self._answered_at = time.monotonic()
             raise
@@ -468,7 +476,7 @@ class ZooKeeperBackend(Backend):
         """
         self._call(zk.sync_async("/"))
 
-    def _stripe(self, key: tuple[str, str]) -> threading.Lock:
+    def _stripe(self, key: tuple[str, str]) -> Mutex:
         """Operations on one (name, token) run one at a time: the caller's and the
         renewer's, or a cancelled attempt still running and its clean-up."""
         return self._stripes[hash(key) % STRIPES]
@@ -496,9 +504,10 @@ class ZooKeeperBackend(Backend):
             raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
 
         with self._stripe(key):
-            return self._guarded(attempt)
+            acquired: Acquired | Busy = self._guarded(attempt)
+            return acquired
 
-    def _guarded(self, op: Callable[[bool], T]) -> T:
+    def _guarded(self, op: Callable[[bool], Any]) -> Any:
         """Run ``op``, again after a dropped connection, until the operation timeout.
 
         In an ensemble a dropped connection is usually one server going away, and kazoo
@@ -514,7 +523,7 @@ class ZooKeeperBackend(Backend):
                 result = op(retrying)
             except ConnectionLoss as exc:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._connected.wait(remaining):
+                if remaining <= 0 or not run_blocking(self._connected.wait, remaining):
                     raise _wrap(exc) from exc
                 retrying = True
                 continue
@@ -615,7 +624,7 @@ class ZooKeeperBackend(Backend):
                 except NodeExistsError:
                     pass
                 except NoNodeError:
-                    zk.ensure_path(self._root or "/")  # first use of this root
+                    run_blocking(zk.ensure_path, self._root or "/")  # first use of this root
                     continue
             try:
                 path, stat = self._call(created)
@@ -733,7 +742,7 @@ class ZooKeeperBackend(Backend):
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
-        return run_blocking(self._acquire, name, token, ttl, holder, reentrant)
+        return self._acquire(name, token, ttl, holder, reentrant)
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[ZooKeeperWaiter]:
@@ -743,15 +752,20 @@ class ZooKeeperBackend(Backend):
             yield waiter
         finally:
             del self._waiters[(name, token)]
-            run_blocking(self._leave_queue, name, token)
+            node = self._nodes.get((name, token))
+            if node is not None and not node.held:
+                # Run to the end even if cancelled again: a node left behind would
+                # block the line until the session ends.
+                shielded(self._leave_queue(name, token))
 
-    def _leave_queue(self, name: str, token: str) -> None:
-        """Timeout or cancellation: a queued (not held) node must not block the line."""
+    def _leave_queue(self, name: str, token: str) -> bool:
+        """Timeout or cancellation: a queued (not held) node must not block the line.
+        True if there was one (deleted now, or by the reaper once it can)."""
         key = (name, token)
         with self._stripe(key):
             node = self._nodes.get(key)
             if node is None or node.held:
-                return
+                return False
             try:
                 zk = self._client()
                 self._delete(zk, key, node)
@@ -759,6 +773,7 @@ class ZooKeeperBackend(Backend):
                 logger.debug("dlock: could not leave the queue of %r", name, exc_info=True)
                 self._forget(key, node)
                 self._orphan(node.path)
+            return True
 
     def _delete(
         self, zk: KazooClient, key: tuple[str, str], node: _Node, held: bool = False
@@ -826,10 +841,11 @@ class ZooKeeperBackend(Backend):
             return 0 if self._delete(zk, key, node, held=True) or retrying else None
 
         with self._stripe(key):
-            return self._guarded(release)
+            remaining: int | None = self._guarded(release)
+            return remaining
 
     def release(self, name: str, token: str) -> int | None:
-        return run_blocking(self._release, name, token)
+        return self._release(name, token)
 
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
         """Rewrite each held node (one pipelined round trip for the batch).
@@ -905,11 +921,11 @@ class ZooKeeperBackend(Backend):
         self._start_reaper(orphans=True)
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
-        result = run_blocking(self._extend_all, [Lease(name, token, ttl)])
+        result = self._extend_all([Lease(name, token, ttl)])
         return result[0]
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
-        return run_blocking(self._extend_all, list(leases))
+        return self._extend_all(list(leases))
 
     def _delete_orphans(self) -> None:
         """Delete given-up nodes (pipelined); those that fail stay for the next try."""
@@ -929,14 +945,13 @@ class ZooKeeperBackend(Backend):
     # -- leases that run out without renewal -------------------------------------------
 
     def _start_reaper(self, orphans: bool = False) -> None:
-        with self._reaper_wakeup:
-            self._orphans_due = self._orphans_due or orphans
-            if self._reaper is None and not self._closed:
-                self._reaper = threading.Thread(
-                    target=self._reap, name="dlock-zookeeper-reaper", daemon=True
-                )
-                self._reaper.start()
-            self._reaper_wakeup.notify()
+        """Wake the reaper, starting it on first use (in an operation: an asyncio reaper
+        is a task of the operations' loop)."""
+        if orphans:
+            self._orphans_due = True
+        if self._reaper is None and not self._closed:
+            self._reaper = spawn(self._reap, name="dlock-zookeeper-reaper")
+        self._reaper_wakeup.set()
 
     def _reap(self) -> None:
         """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``), and
@@ -946,6 +961,9 @@ class ZooKeeperBackend(Backend):
         without this a lease would never end while its holder is alive but idle.
         """
         while not self._closed:
+            # Cleared before looking: whatever is added after this wakes the next wait.
+            self._reaper_wakeup.clear()
+            self._reaper_next = float("inf")  # while reaping, every grant wakes it
             now = time.monotonic()
             due = [
                 (key, node)
@@ -960,25 +978,22 @@ class ZooKeeperBackend(Backend):
                         self._delete(self._client(), key, node)
                     except (BackendError, *CLIENT_ERRORS):
                         self._give_up(key, node)
-            with self._reaper_wakeup:
-                orphans_due, self._orphans_due = self._orphans_due, False
-            if orphans_due:
+            if self._orphans_due:
+                self._orphans_due = False
                 self._delete_orphans()
-            with self._reaper_wakeup:
-                if self._closed:
-                    return
-                if self._orphans_due:
-                    continue  # added while deleting the others
-                held = list(self._nodes.values())
-                deadlines = [n.deadline for n in held if n.held and not n.gone]
-                self._reaper_next = min(deadlines, default=float("inf"))
-                wait = self._reaper_next - time.monotonic()
-                if self._orphans:
-                    # Some could not be deleted: try again after a while.
-                    self._orphans_due = True
-                    wait = min(wait, self._op_timeout)
-                self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
-                self._reaper_next = float("inf")  # while reaping, every grant wakes it
+            if self._closed:
+                return
+            held = list(self._nodes.values())
+            deadline = min(
+                (n.deadline for n in held if n.held and not n.gone), default=float("inf")
+            )
+            wait = deadline - time.monotonic()
+            if self._orphans:
+                # Some could not be deleted: try again after a while.
+                self._orphans_due = True
+                wait = min(wait, self._op_timeout)
+            self._reaper_next = deadline
+            self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
 
     # -- inspection -------------------------------------------------------------------
 
@@ -1003,17 +1018,17 @@ class ZooKeeperBackend(Backend):
                 infos.append(_info(name, entries))
         return infos
 
-    def _inspect(self, name: str) -> LockInfo | None:
+    def _inspect(self, _: bool, name: str) -> LockInfo | None:
         zk = self._client()
         self._catch_up(zk)
         infos = self._infos(zk, [name])
         return infos[0] if infos else None
 
     def inspect(self, name: str) -> LockInfo | None:
-        info: LockInfo | None = run_blocking(self._guarded, lambda _: self._inspect(name))
+        info: LockInfo | None = self._guarded(partial(self._inspect, name=name))
         return info
 
-    def _list(self, prefix: str) -> list[LockInfo]:
+    def _list(self, _: bool, prefix: str) -> list[LockInfo]:
         zk = self._client()
         self._catch_up(zk)
         try:
@@ -1026,9 +1041,10 @@ class ZooKeeperBackend(Backend):
         return self._infos(zk, names)
 
     def list(self, prefix: str) -> list[LockInfo]:
-        return run_blocking(self._guarded, lambda _: self._list(prefix))
+        infos: list[LockInfo] = self._guarded(partial(self._list, prefix=prefix))
+        return infos
 
-    def _force_release(self, name: str) -> bool:
+    def _force_release(self, _: bool, name: str) -> bool:
         zk = self._client()
         self._catch_up(zk)
         parent = self._parent(name)
@@ -1054,13 +1070,13 @@ class ZooKeeperBackend(Backend):
             self._call(zk.delete_async(parent))
 
     def force_release(self, name: str) -> bool:
-        freed: bool = run_blocking(self._guarded, lambda _: self._force_release(name))
+        freed: bool = self._guarded(partial(self._force_release, name=name))
         return freed
 
     def _close(self) -> None:
-        with self._reaper_wakeup:
-            self._closed = True
-            self._reaper_wakeup.notify()
+        self._closed = True
+        self._reaper_wakeup.set()
+        join(self._reaper, timeout=1.0)
         zk = self._zk
         if zk is None:
             return
@@ -1068,8 +1084,7 @@ class ZooKeeperBackend(Backend):
         if self._owns_client:
             # Ending the session makes the ensemble delete every node it made.
             try:
-                zk.stop()
-                zk.close()
+                run_blocking(_stop, zk)
             except CLIENT_ERRORS:
                 logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
         else:
@@ -1089,7 +1104,12 @@ class ZooKeeperBackend(Backend):
                 logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     def close(self) -> None:
-        run_blocking(self._close)
+        self._close()
+
+
+def _stop(zk: KazooClient) -> None:
+    zk.stop()
+    zk.close()
 
 
 class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]
