@@ -126,8 +126,11 @@ class _Node:
     gone: bool = False
     #: The node just ahead of this one in its latest listing, and what we know of it.
     ahead: _Ahead | None = None
-    #: A listing showed other nodes: a waiter may be behind us, so releasing tells it
-    #: that this node held the lock (see :meth:`AsyncZooKeeperBackend._delete`).
+    #: A listing showed other nodes. Only then can a waiter behind us need to be told
+    #: that this node held the lock (see :meth:`AsyncZooKeeperBackend._delete`): a
+    #: waiter whose own listing showed nothing ahead of ours knows it already, and
+    #: whatever else it saw ahead of ours was created before ours, so our listing (sent
+    #: right after our create) saw it too, or saw that waiter.
     contended: bool = False
     #: A listing of the queue sent right behind the create (kazoo's async result).
     listing: Any = None
