@@ -480,8 +480,8 @@ class ZooKeeperBackend(Backend):
         self._call(zk.sync_async("/"))
 
     def _stripe(self, key: tuple[str, str]) -> Mutex:
-        """Operations on one (name, token) run one at a time: the caller's and the
-        renewer's, or a cancelled attempt still running and its clean-up."""
+        """Operations on one (name, token) run one at a time: the caller's, the
+        renewer's and the reaper's, and a cancelled waiter's clean-up."""
         return self._stripes[hash(key) % STRIPES]
 
     def _parent(self, name: str) -> str:
