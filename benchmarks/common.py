@@ -245,8 +245,9 @@ def print_table(
     base = {label: (lat, con) for label, lat, con in rows}[baseline]
     base_lat = base[0].median_us if base[0] else None
     base_con = base[1].sections_per_s if base[1] else None
+    width = max(28, *(len(label) for label, _, _ in rows))
     header = (
-        f"{'':28} {'median µs':>10} {'p99 µs':>9} {'vs base':>8} │ {'sect/s':>8} "
+        f"{'':{width}} {'median µs':>10} {'p99 µs':>9} {'vs base':>8} │ {'sect/s':>8} "
         f"{'vs base':>8} {'hand-off ms':>11} {'max wait ms':>11} {'counter':>11}"
     )
     print(f"\n{title}  (baseline: {baseline})")
@@ -265,4 +266,4 @@ def print_table(
             if con
             else f"{'-':>8} {'-':>8} {'-':>11} {'-':>11} {'-':>11}"
         )
-        print(f"{label:28} {left} │ {right}")
+        print(f"{label:{width}} {left} │ {right}")

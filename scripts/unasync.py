@@ -30,7 +30,8 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\baclose\b", "close"),
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\bAsyncIterator\b", "Iterator"),
-    (r"\bAsync([A-Z]\w*)", r"\1"),
+    # kazoo's AsyncResult is the synchronous library's own class, not an async twin.
+    (r"\bAsync(?!Result\b)([A-Z]\w*)", r"\1"),
     (r"\b_async\b", "_sync"),
     (r"\bdlock\.aio\b", "dlock"),
     (r"\basyncio face\b", "sync face"),

@@ -457,3 +457,83 @@ def test_a_create_whose_reply_was_lost_is_found_again(
         assert result.fencing_token == zk.exists(path).czxid
         assert zk.get_children(parent) == [path.rsplit("/", 1)[1]], "no second node"
         assert backend.release(name, token) == 0
+
+
+@pytest.mark.parametrize("leaves", ["deleted", "session ends"])
+def test_a_waiter_leaving_the_line_hands_nothing_on(
+    zookeeper_server: ZooKeeperEnsemble, leaves: str
+) -> None:
+    """The node ahead of a waiter goes without ever having held the lock: the waiter
+    must look at the queue again, not take the lock as it does after a release."""
+    name = f"leaves-{leaves.replace(' ', '-')}-{time.monotonic_ns()}"
+    other = KazooClient(hosts=zookeeper_server.hosts, timeout=5)
+    other.start()
+    with (
+        dlock.connect(zookeeper_server.url()) as first,
+        dlock.connect(zookeeper_server.url()) as second,
+    ):
+        holder = first.lock(name, ttl=10)
+        assert holder.acquire(timeout=0)
+        parent = first._backend._parent(name)  # type: ignore[attr-defined]
+        # A waiter in the line behind the holder, as any dlock client queues one.
+        ahead = other.create(
+            f"{parent}/{'e' * 32}-",
+            Holder.current().to_json().encode(),
+            ephemeral=True,
+            sequence=True,
+        )
+        waiter = second.lock(name, ttl=10)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+        thread.start()
+
+        def queued() -> bool:
+            info = first.inspect(name)
+            return info is not None and len(info.waiters) == 2
+
+        wait_until(queued)
+        if leaves == "deleted":
+            other.delete(ahead)
+        else:
+            other.stop()
+        wait_until(lambda: (info := first.inspect(name)) is not None and len(info.waiters) == 1)
+        time.sleep(0.5)
+        assert not got, "the waiter took the lock while it was held"
+        info = first.inspect(name)
+        assert info is not None and info.fencing_token == holder.fencing_token
+        assert holder.owned()
+        holder.release()
+        thread.join(10)
+        assert got == [True]
+        assert waiter.fencing_token is not None and holder.fencing_token is not None
+        assert waiter.fencing_token > holder.fencing_token
+        waiter.release()
+    other.stop()
+    other.close()
+
+
+def test_a_waiting_node_is_never_rewritten(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """A waiter takes a rewrite of the node ahead of it as proof that that node held
+    the lock: so nothing may rewrite a node while it waits, renewals included."""
+    name = f"rewrite-{time.monotonic_ns()}"
+    zk = KazooClient(hosts=zookeeper_server.hosts, timeout=5)
+    zk.start()
+    with (
+        dlock.connect(zookeeper_server.url()) as first,
+        dlock.connect(zookeeper_server.url()) as second,
+    ):
+        holder = first.lock(name, ttl=0.6)
+        assert holder.acquire(timeout=0)
+        waiter = second.lock(name, ttl=0.6)
+        thread = threading.Thread(target=waiter.acquire, args=(1.5,))
+        thread.start()
+        parent = first._backend._parent(name)  # type: ignore[attr-defined]
+        wait_until(lambda: len(zk.get_children(parent)) == 2)
+        time.sleep(1.0)  # several renewals of the holder, and of anything else held
+        holder_node, waiting_node = sorted(zk.get_children(parent), key=lambda c: c[-10:])
+        assert zk.exists(f"{parent}/{holder_node}").version > 0, "the holder was renewed"
+        assert zk.exists(f"{parent}/{waiting_node}").version == 0
+        thread.join()
+        holder.release()
+    zk.stop()
+    zk.close()

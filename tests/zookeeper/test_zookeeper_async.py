@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -51,3 +52,34 @@ async def test_expired_session_cancels_the_body(zookeeper_server: ZooKeeperEnsem
                 await asyncio.sleep(5)
                 body_finished = True
         assert not body_finished and len(lost) == 1
+
+
+async def test_attempts_cut_off_mid_request_leave_no_node_behind(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """asyncio operations await kazoo's replies in the loop: cancelled at any of those
+    points, an attempt (queued or not) must not leave a node blocking the line."""
+    name = f"cut-off-{time.monotonic_ns()}"
+    url = zookeeper_server.url()
+    zk = KazooClient(hosts=zookeeper_server.hosts, timeout=5)
+    await asyncio.to_thread(zk.start)
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        holder = first.lock(name, ttl=10)
+        await holder.acquire()
+        parent = first._backend._parent(name)  # type: ignore[attr-defined]
+        for steps in range(40):
+            lock = second.lock(name, ttl=10)
+            task = asyncio.create_task(lock.acquire(timeout=0 if steps % 2 else 5))
+            for _ in range(steps // 2):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                assert not await task
+        deadline = time.monotonic() + 10
+        while len(await asyncio.to_thread(zk.get_children, parent)) > 1:
+            assert time.monotonic() < deadline, await asyncio.to_thread(zk.get_children, parent)
+            await asyncio.sleep(0.05)
+        await holder.release()
+        assert await second.lock(name, ttl=10).acquire(timeout=0)
+    await asyncio.to_thread(zk.stop)
+    zk.close()

@@ -7,6 +7,7 @@ this module is written by hand, once per face, and the generated code calls it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -22,14 +23,19 @@ class WakeupEvent:
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        # Known from the start when made in the loop, so a set() from another thread
+        # before the first wait() is handed to the loop too (asyncio.Event is not
+        # thread-safe).
         self._loop: asyncio.AbstractEventLoop | None = None
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
 
     def set(self) -> None:
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if self._loop is None or running is self._loop:
+        if self._loop is None or running is self._loop or self._loop.is_closed():
             self._event.set()
         else:
             self._loop.call_soon_threadsafe(self._event.set)
@@ -73,6 +79,58 @@ async def _bounded(awaitable: Awaitable[T], timeout: float | None) -> T:
 async def run_blocking(func: Callable[..., T], *args: Any) -> T:
     """Run a blocking call (SQLite, a synchronous client library) off the event loop."""
     return await asyncio.to_thread(func, *args)
+
+
+#: Mutual exclusion between the operations of one backend (they all run in the loop).
+Mutex = asyncio.Lock
+
+
+async def wait_result(result: Any, timeout: float) -> Any:
+    """The value of a result that another thread sets (kazoo's: ``ready``, ``rawlink``,
+    ``unlink``, ``get``), waiting at most ``timeout``, then as its own ``get`` would:
+    its value, its error, or its library's timeout error.
+
+    The loop is woken by the result's callback: one cross-thread wake-up per result,
+    where a worker thread blocked on ``get`` costs two more (to the worker and back).
+    """
+    if not result.ready():
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: Any) -> None:
+            loop.call_soon_threadsafe(_settle, done)
+
+        result.rawlink(wake)
+        try:
+            await _bounded(done, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            result.unlink(wake)
+    return result.get(block=False)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def shielded(awaitable: Awaitable[T]) -> T:
+    """Run ``awaitable`` to its end even if the caller is cancelled meanwhile (the
+    caller still sees the cancellation), as a call in a worker thread would run on:
+    for clean-up that must not be cut short by a second cancellation."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_retrieve)
+        raise
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark the outcome of an abandoned operation as seen (no warning at exit)."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:

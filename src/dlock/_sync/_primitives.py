@@ -44,6 +44,20 @@ def run_blocking(func: Callable[..., T], *args: Any) -> T:
     return func(*args)
 
 
+#: Mutual exclusion between the operations of one backend (caller, renewer, reaper).
+Mutex = threading.Lock
+
+
+def wait_result(result: Any, timeout: float) -> Any:
+    """Twin of the asyncio wait_result: block on the result's own ``get``."""
+    return result.get(timeout=timeout)
+
+
+def shielded(value: T) -> T:
+    # The call has already run to its end: a thread cannot be cancelled.
+    return value
+
+
 def call_with_timeout(value: T, timeout: float) -> T:
     # The call has already run by the time we get here; its library's timeouts bound it.
     return value
