@@ -159,7 +159,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args()
-    iterations, rounds, sections = (400, 2, 20) if args.quick else (5000, 5, 200)
+    iterations, rounds, sections = (400, 2, 20) if args.quick else (5000, 25, 200)
     single: RedisServer = start_single("bench-redis")
     masters = start_masters()
     try:
