@@ -46,6 +46,8 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
     existing = KazooClient(hosts=zookeeper_server.hosts)
     existing.start()
     try:
+        with pytest.raises(dlock.ConfigurationError, match="TLS"):
+            dlock.connect("zookeeper:///dlock-existing?tls=1", client=existing)
         with (
             dlock.connect("zookeeper:///dlock-existing", client=existing) as client,
             client.lock("shared", ttl=5) as lock,
@@ -68,6 +70,15 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
         {"connect_timeout": "-1"},
         {"operation_timeout": "0"},
         {"operation_timeout": "soon"},
+        # TLS options that would be ignored, or fail only as a connection that never comes.
+        {"ca": "/etc/zk/ca.pem"},
+        {"tls": "0", "verify_certs": "1"},
+        {"tls": "1", "check_hostname": "maybe"},
+        {"tls": "1", "verify_certs": "0", "check_hostname": "1"},
+        {"tls": "1", "keyfile": "/etc/zk/client.key"},
+        {"tls": "1", "keyfile_password": "secret"},
+        {"tls": "1", "ca": "/nonexistent/ca.pem"},
+        {"tls": "1", "certfile": "/nonexistent/client.pem"},
     ],
 )
 def test_bad_option_values_are_refused(options: dict[str, Any]) -> None:
@@ -91,6 +102,8 @@ def test_closing_with_a_passed_in_client_frees_unrenewed_locks(
     existing = KazooClient(hosts=zookeeper_server.hosts)
     existing.start()
     try:
+        with pytest.raises(dlock.ConfigurationError, match="TLS"):
+            dlock.connect("zookeeper:///dlock-existing?tls=1", client=existing)
         with dlock.connect(zookeeper_server.url()) as other:
             client = dlock.connect("zookeeper:///dlock", client=existing)
             client.lock(name, ttl=30, auto_renew=False).acquire()
