@@ -3,9 +3,11 @@
 Every node runs with a 100 ms tick so sessions can be as short as 0.2 s (the session
 timeout bounds how long a crashed or paused holder keeps its locks, which the suite's
 crash tests expect within a few seconds), and a large ``maxSessionTimeout`` so fault
-tests can choose longer ones. Nodes can be killed, paused and restarted one by one;
+tests can choose longer ones. Empty lock nodes (containers) are deleted within
+:data:`CONTAINER_CHECK_MS`, not a minute, so the tests often meet a lock node deleted
+under a client that knew it. Nodes can be killed, paused and restarted one by one;
 :meth:`leader` finds the one to kill for the leader-failure tests. A standalone server
-can also serve TLS on a second port (:func:`start_tls`), requiring client certificates.
+can also serve TLS on a second port (``tls=True``), requiring client certificates.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ JAR = Path("/usr/share/java/zookeeper.jar")
 #: Netty's codecs, which its TLS handler needs: the Debian jar's manifest leaves them out.
 NETTY_CODEC_JAR = Path("/usr/share/java/netty-codec.jar")
 TICK_MS = 100
+#: How often the server deletes empty container nodes (ZooKeeper's default: a minute).
+CONTAINER_CHECK_MS = 200
 
 
 def four_letter(port: int, command: str = "srvr", timeout: float = 0.5) -> str:
@@ -136,6 +140,7 @@ class ZooKeeperEnsemble:
                         "-Xms32m",
                         "-Xmx256m",
                         "-XX:+UseSerialGC",
+                        f"-Dznode.container.checkIntervalMs={CONTAINER_CHECK_MS}",
                         "-cp",
                         ":".join(str(path) for path in [conf, *classpath]),
                         "org.apache.zookeeper.server.quorum.QuorumPeerMain",

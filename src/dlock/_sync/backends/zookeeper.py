@@ -1,11 +1,12 @@
 # DO NOT EDIT: generated from src/dlock/_async/backends/zookeeper.py by scripts/unasync.py.
 """ZooKeeper: the fair lock recipe, with fencing tokens and session loss handled.
 
-Each lock name is a persistent node under the root; each acquisition attempt queues an
-ephemeral sequential child named after the owner token. The lowest child holds the lock,
-every other one watches only its predecessor (FIFO, no thundering herd), and a crashed
-holder's child vanishes with its session. The fencing token is the child's creation zxid,
-which the ensemble never reuses, even if the parent node is deleted and made again.
+Each lock name is a container node under the root (the server deletes it once empty);
+each acquisition attempt queues an ephemeral sequential child named after the owner
+token. The lowest child holds the lock, every other one watches only its predecessor
+(FIFO, no thundering herd), and a crashed holder's child vanishes with its session. The
+fencing token is the child's creation zxid, which the ensemble never reuses, even when
+the lock's node is deleted and made again.
 
 kazoo is synchronous and there is no maintained asyncio ZooKeeper client, but its
 requests are asynchronous underneath: kazoo's connection thread sends them and sets their
@@ -44,8 +45,9 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
+from kazoo.protocol.serialization import Create2
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
-from kazoo.security import make_acl, make_digest_acl
+from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, seconds
@@ -689,11 +691,13 @@ class ZooKeeperBackend(Backend):
 
         The requests are pipelined: a session's requests are served in order, so the
         listing sent behind the create already includes the new node, and a lock used
-        for the first time costs no extra round trip for making its node.
+        for the first time costs no extra round trip for making its node. The lock's
+        node is a container, which the server deletes once it is empty, so names used
+        once do not stay forever; a node we knew of may thus be gone, and is made again.
         """
         known = parent in self._parents
         for _ in range(3):
-            made = None if known else zk.create_async(parent, b"")
+            made = None if known else _create_container(zk, parent)
             created = zk.create_async(
                 prefix, data, ephemeral=True, sequence=True, include_data=True
             )
@@ -709,7 +713,7 @@ class ZooKeeperBackend(Backend):
             try:
                 path, stat = self._call(created)
             except NoNodeError:
-                known = False  # pruned meanwhile: make it again
+                known = False  # deleted once empty (by the server, or pruned): make it again
                 continue
             if len(self._parents) >= MAX_KNOWN_PARENTS:
                 self._parents.clear()
@@ -754,8 +758,8 @@ class ZooKeeperBackend(Backend):
                 self._call(listing if listing is not None else zk.get_children_async(parent))
             )
         except NoNodeError:
-            # The lock node holds ours until it is deleted: ours was (force release),
-            # then the empty lock node was pruned.
+            # The lock node holds ours until it is deleted: ours was (force release,
+            # session end), then the empty lock node was deleted.
             children = []
         if child not in children:
             self._forget(key, node)
@@ -1404,6 +1408,30 @@ def _tls_connection(
 
 def _fd(item: Any) -> int:
     return item if isinstance(item, int) else int(item.fileno())
+
+
+class _CreateContainer(Create2):  # type: ignore[misc]
+    """ZooKeeper's ``createContainer`` request (3.5.3 on; kazoo does not offer it): the
+    same fields and reply as ``create2``. The server deletes a container node once
+    its last child is gone (it looks every ``znode.container.checkIntervalMs``, a
+    minute by default), and never while it has one."""
+
+    __slots__ = ()
+    type = 19
+
+
+#: CreateMode.CONTAINER
+CONTAINER = 4
+
+
+def _create_container(zk: KazooClient, path: str) -> AsyncResult:
+    """Like ``zk.create_async(path, b"")`` (with the client's ACL), for a container."""
+    result: AsyncResult = zk.handler.async_result()
+    request = _CreateContainer(
+        (zk.chroot or "") + path, b"", zk.default_acl or OPEN_ACL_UNSAFE, CONTAINER
+    )
+    zk._call(request, result)  # as kazoo's create_async does; on failure, result has it
+    return result
 
 
 def _committed(results: list[Any]) -> None:
