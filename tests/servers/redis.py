@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import ServerProcess, free_port, port_open, private_dir, require_binary
+from tests.servers.tls import make_certificates
 
 
 def _cli(port: int, *args: str) -> str:
@@ -165,80 +166,29 @@ class TLSRedis:
         return f"rediss://{self.server.address}?ssl_ca_certs={self.ca}"
 
 
-def _openssl(workdir: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True, timeout=60)
-
-
 def start_tls() -> TLSRedis:
     """A server that speaks only TLS, with a certificate from a throwaway CA."""
     workdir = private_dir("redis-tls")
-    _openssl(
-        workdir,
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=dlock test CA",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-    )
-    _openssl(
-        workdir,
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-    )
-    (workdir / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl(
-        workdir,
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "san.cnf",
-        "-out",
-        "server.crt",
-    )
+    certificates = make_certificates(workdir)
     port = free_port()
     server = RedisServer(
         "redis-tls",
         "--tls-port",
         str(port),
         "--tls-cert-file",
-        str(workdir / "server.crt"),
+        str(certificates.server_cert),
         "--tls-key-file",
-        str(workdir / "server.key"),
+        str(certificates.server_key),
         "--tls-ca-cert-file",
-        str(workdir / "ca.crt"),
+        str(certificates.ca),
         "--tls-auth-clients",
         "no",
         port=free_port(),
         workdir=workdir,
-        cli=("--tls", "--cacert", str(workdir / "ca.crt")),
+        cli=("--tls", "--cacert", str(certificates.ca)),
     )
     # The plain port is closed ("--port 0" after the defaults); clients reach TLS only.
     server.command += ["--port", "0"]
     server.port = port
     server.start()
-    return TLSRedis(server, workdir / "ca.crt")
+    return TLSRedis(server, certificates.ca)

@@ -3,8 +3,11 @@
 Every node runs with a 100 ms tick so sessions can be as short as 0.2 s (the session
 timeout bounds how long a crashed or paused holder keeps its locks, which the suite's
 crash tests expect within a few seconds), and a large ``maxSessionTimeout`` so fault
-tests can choose longer ones. Nodes can be killed, paused and restarted one by one;
-:meth:`leader` finds the one to kill for the leader-failure tests.
+tests can choose longer ones. Empty lock nodes (containers) are deleted within
+:data:`CONTAINER_CHECK_MS`, not a minute, so the tests often meet a lock node deleted
+under a client that knew it. Nodes can be killed, paused and restarted one by one;
+:meth:`leader` finds the one to kill for the leader-failure tests. A standalone server
+can also serve TLS on a second port (``tls=True``), requiring client certificates.
 """
 
 from __future__ import annotations
@@ -18,10 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServerProcess, free_port, private_dir
+from tests.servers import ServerProcess, free_port, port_open, private_dir
+from tests.servers.tls import Certificates, make_certificates
 
 JAR = Path("/usr/share/java/zookeeper.jar")
+#: Netty's codecs, which its TLS handler needs: the Debian jar's manifest leaves them out.
+NETTY_CODEC_JAR = Path("/usr/share/java/netty-codec.jar")
 TICK_MS = 100
+#: How often the server deletes empty container nodes (ZooKeeper's default: a minute).
+CONTAINER_CHECK_MS = 200
 
 
 def four_letter(port: int, command: str = "srvr", timeout: float = 0.5) -> str:
@@ -45,9 +53,11 @@ def mode(port: int) -> str | None:
     return None
 
 
-def _readiness(port: int, *, standalone: bool) -> Callable[[], bool]:
+def _readiness(port: int, *, standalone: bool, secure_port: int | None) -> Callable[[], bool]:
     """A standalone node is ready when it serves; an ensemble node serves only once a
     quorum exists, which needs the others started too, so it is "up" when it answers."""
+    if secure_port is not None:
+        return lambda: mode(port) is not None and port_open(secure_port)
     if standalone:
         return lambda: mode(port) is not None
     return lambda: four_letter(port, "ruok") == "imok"
@@ -56,12 +66,39 @@ def _readiness(port: int, *, standalone: bool) -> Callable[[], bool]:
 class ZooKeeperEnsemble:
     """One standalone server (size 1) or a quorum of several on loopback."""
 
-    def __init__(self, size: int = 1) -> None:
+    def __init__(self, size: int = 1, *, tls: bool = False) -> None:
+        """``tls``: a standalone server that also serves TLS on :attr:`secure_port`, with
+        throwaway :attr:`certificates`, and refuses TLS clients without a certificate."""
         if not JAR.exists():
             raise RuntimeError(f"{JAR} not found: run ./scripts/test, which installs zookeeper")
+        if tls and size != 1:
+            raise ValueError("the TLS server is a standalone one")
+        if tls and not NETTY_CODEC_JAR.exists():
+            raise RuntimeError(f"{NETTY_CODEC_JAR} not found: zookeeper needs libnetty-java")
         self.size = size
         self.root = private_dir("zookeeper")
         self.client_ports = [free_port() for _ in range(size)]
+        self.secure_port: int | None = None
+        self.certificates: Certificates | None = None
+        classpath = [JAR]
+        tls_lines: list[str] = []
+        if tls:
+            self.secure_port = free_port()
+            self.certificates = certs = make_certificates(self.root, ["IP:127.0.0.1"])
+            # A PEM key store is the private key followed by its certificate chain.
+            keystore = self.root / "server-keystore.pem"
+            keystore.write_text(certs.server_key.read_text() + certs.server_cert.read_text())
+            classpath.append(NETTY_CODEC_JAR)
+            tls_lines = [
+                "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+                f"secureClientPort={self.secure_port}",
+                "secureClientPortAddress=127.0.0.1",
+                f"ssl.keyStore.location={keystore}",
+                "ssl.keyStore.type=PEM",
+                f"ssl.trustStore.location={certs.ca}",
+                "ssl.trustStore.type=PEM",
+                "ssl.clientAuth=need",
+            ]
         peers = [(free_port(), free_port()) for _ in range(size)]
         self.nodes: list[ServerProcess] = []
         for index in range(size):
@@ -80,6 +117,7 @@ class ZooKeeperEnsemble:
                 "forceSync=no",
                 f"minSessionTimeout={2 * TICK_MS}",
                 "maxSessionTimeout=60000",
+                *tls_lines,
             ]
             if size > 1:
                 (data / "myid").write_text(f"{index + 1}\n")
@@ -102,12 +140,13 @@ class ZooKeeperEnsemble:
                         "-Xms32m",
                         "-Xmx256m",
                         "-XX:+UseSerialGC",
+                        f"-Dznode.container.checkIntervalMs={CONTAINER_CHECK_MS}",
                         "-cp",
-                        f"{conf}:{JAR}",
+                        ":".join(str(path) for path in [conf, *classpath]),
                         "org.apache.zookeeper.server.quorum.QuorumPeerMain",
                         str(conf / "zoo.cfg"),
                     ],
-                    ready=_readiness(port, standalone=size == 1),
+                    ready=_readiness(port, standalone=size == 1, secure_port=self.secure_port),
                     workdir=conf,
                 )
             )
@@ -119,6 +158,21 @@ class ZooKeeperEnsemble:
     def url(self, path: str = "/dlock", **options: object) -> str:
         query = "&".join(f"{key}={value}" for key, value in options.items())
         return f"zookeeper://{self.hosts}{path}" + (f"?{query}" if query else "")
+
+    def tls_url(self, path: str = "/dlock", host: str = "127.0.0.1", **options: object) -> str:
+        """A URL of the TLS port, trusting the test CA and presenting the client
+        certificate; ``options`` add to or replace (None: leave out) those."""
+        if self.certificates is None or self.secure_port is None:
+            raise RuntimeError("this server was started without TLS")
+        settings: dict[str, object] = {
+            "tls": 1,
+            "ca": self.certificates.ca,
+            "certfile": self.certificates.client_cert,
+            "keyfile": self.certificates.client_key,
+            **options,
+        }
+        query = "&".join(f"{key}={value}" for key, value in settings.items() if value is not None)
+        return f"zookeeper://{host}:{self.secure_port}{path}?{query}"
 
     def start(self) -> None:
         for node in self.nodes:

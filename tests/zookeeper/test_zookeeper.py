@@ -46,6 +46,8 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
     existing = KazooClient(hosts=zookeeper_server.hosts)
     existing.start()
     try:
+        with pytest.raises(dlock.ConfigurationError, match="TLS"):
+            dlock.connect("zookeeper:///dlock-existing?tls=1", client=existing)
         with (
             dlock.connect("zookeeper:///dlock-existing", client=existing) as client,
             client.lock("shared", ttl=5) as lock,
@@ -68,6 +70,15 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
         {"connect_timeout": "-1"},
         {"operation_timeout": "0"},
         {"operation_timeout": "soon"},
+        # TLS options that would be ignored, or fail only as a connection that never comes.
+        {"ca": "/etc/zk/ca.pem"},
+        {"tls": "0", "verify_certs": "1"},
+        {"tls": "1", "check_hostname": "maybe"},
+        {"tls": "1", "verify_certs": "0", "check_hostname": "1"},
+        {"tls": "1", "keyfile": "/etc/zk/client.key"},
+        {"tls": "1", "keyfile_password": "secret"},
+        {"tls": "1", "ca": "/nonexistent/ca.pem"},
+        {"tls": "1", "certfile": "/nonexistent/client.pem"},
     ],
 )
 def test_bad_option_values_are_refused(options: dict[str, Any]) -> None:
@@ -91,6 +102,8 @@ def test_closing_with_a_passed_in_client_frees_unrenewed_locks(
     existing = KazooClient(hosts=zookeeper_server.hosts)
     existing.start()
     try:
+        with pytest.raises(dlock.ConfigurationError, match="TLS"):
+            dlock.connect("zookeeper:///dlock-existing?tls=1", client=existing)
         with dlock.connect(zookeeper_server.url()) as other:
             client = dlock.connect("zookeeper:///dlock", client=existing)
             client.lock(name, ttl=30, auto_renew=False).acquire()
@@ -537,3 +550,81 @@ def test_a_waiting_node_is_never_rewritten(zookeeper_server: ZooKeeperEnsemble) 
         holder.release()
     zk.stop()
     zk.close()
+
+
+def test_a_lock_node_goes_once_empty_and_comes_back(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """Lock nodes are containers: the server deletes them once empty (never while a
+    node is queued in them), so names used once do not pile up; a client that knew
+    the node makes it again, and fencing tokens keep growing."""
+    root = f"/dlock-containers-{time.monotonic_ns()}"
+    zk = KazooClient(hosts=zookeeper_server.hosts, timeout=5)
+    zk.start()
+    try:
+        with dlock.connect(zookeeper_server.url(root)) as client:
+            parent = client._backend._parent("once")  # type: ignore[attr-defined]
+            lock = client.lock("once", ttl=5)
+            tokens = []
+            for _ in range(2):
+                with lock:
+                    tokens.append(lock.fencing_token)
+                    time.sleep(0.6)  # the server looked at least twice meanwhile
+                    assert zk.exists(parent) is not None, "deleted while held"
+                wait_until(lambda: zk.exists(parent) is None, 5)
+                assert zk.get_children(root) == []
+            assert tokens[0] is not None and tokens[1] is not None and tokens[1] > tokens[0]
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def test_lock_nodes_deleted_under_busy_clients(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """Several clients take a few names over and over, with pauses in which a name is
+    free and its node may be deleted (the server looks every 200 ms here), and now and
+    then it is deleted by hand too: every acquisition works, one holder at a time,
+    and each name's fencing tokens grow in the order the lock was taken."""
+    root = f"/dlock-churn-{time.monotonic_ns()}"
+    names = ["a", "b", "c"]
+    tokens: dict[str, list[int]] = {name: [] for name in names}
+    inside: dict[str, int] = dict.fromkeys(names, 0)
+    errors: list[BaseException] = []
+    zk = KazooClient(hosts=zookeeper_server.hosts, timeout=5)
+    zk.start()
+
+    def work(client: dlock.Client, seed: int) -> None:
+        try:
+            for index in range(60):
+                name = names[(seed + index) % len(names)]
+                with client.lock(name, ttl=5) as lock:
+                    inside[name] += 1
+                    assert inside[name] == 1, "two holders at once"
+                    assert lock.fencing_token is not None
+                    tokens[name].append(lock.fencing_token)
+                    inside[name] -= 1
+                time.sleep(0.001 * ((seed * 7 + index) % 12))
+        except BaseException as exc:
+            errors.append(exc)
+
+    clients = [dlock.connect(zookeeper_server.url(root)) for _ in range(3)]
+    try:
+        threads = [threading.Thread(target=work, args=(c, i)) for i, c in enumerate(clients)]
+        for thread in threads:
+            thread.start()
+        deleted = 0
+        while any(thread.is_alive() for thread in threads):
+            for name in names:
+                with contextlib.suppress(Exception):  # not empty, or gone already
+                    zk.delete(f"{root}/{name}")
+                    deleted += 1
+            time.sleep(0.01)
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert deleted > 0, "no lock node was deleted under the clients"
+        for name in names:
+            assert tokens[name] == sorted(set(tokens[name])), f"tokens of {name!r} out of order"
+        assert sum(len(taken) for taken in tokens.values()) == 180
+    finally:
+        for client in clients:
+            client.close()
+        zk.stop()
+        zk.close()

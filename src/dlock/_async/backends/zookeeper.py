@@ -1,10 +1,11 @@
 """ZooKeeper: the fair lock recipe, with fencing tokens and session loss handled.
 
-Each lock name is a persistent node under the root; each acquisition attempt queues an
-ephemeral sequential child named after the owner token. The lowest child holds the lock,
-every other one watches only its predecessor (FIFO, no thundering herd), and a crashed
-holder's child vanishes with its session. The fencing token is the child's creation zxid,
-which the ensemble never reuses, even if the parent node is deleted and made again.
+Each lock name is a container node under the root (the server deletes it once empty);
+each acquisition attempt queues an ephemeral sequential child named after the owner
+token. The lowest child holds the lock, every other one watches only its predecessor
+(FIFO, no thundering herd), and a crashed holder's child vanishes with its session. The
+fencing token is the child's creation zxid, which the ensemble never reuses, even when
+the lock's node is deleted and made again.
 
 kazoo is synchronous and there is no maintained asyncio ZooKeeper client, but its
 requests are asynchronous underneath: kazoo's connection thread sends them and sets their
@@ -21,6 +22,7 @@ import logging
 import math
 import re
 import select
+import socket
 import ssl
 import threading
 import time
@@ -42,8 +44,9 @@ from kazoo.exceptions import (
     RuntimeInconsistency,
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
+from kazoo.protocol.serialization import Create2
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
-from kazoo.security import make_acl, make_digest_acl
+from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, seconds
@@ -79,10 +82,65 @@ MAX_KNOWN_PARENTS = 10_000
 #: Encoded node data kept for reuse (one per holder and TTL in use).
 MAX_PAYLOADS = 64
 
+#: Options that configure TLS; each needs ``tls=1``.
+TLS_OPTIONS = ("ca", "certfile", "keyfile", "keyfile_password", "verify_certs", "check_hostname")
+
 #: Errors that are the server's reply to a request (so it heard us), not a lost one.
 SERVER_REPLIES = (NoNodeError, NodeExistsError, NotEmptyError)
 #: Errors from kazoo and its threading handler that mean "could not use ZooKeeper".
 CLIENT_ERRORS = (KazooException, KazooTimeoutError, OSError, ssl.SSLError)
+
+
+def _tls_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """kazoo's TLS arguments from the options, checked now: a TLS option without
+    ``tls=1``, a key without its certificate, or a file that cannot be loaded would
+    otherwise show only as a connection that never comes (kazoo retries until the
+    connect timeout) or, worse, as a plaintext or unauthenticated one.
+    """
+    given = sorted(key for key in TLS_OPTIONS if key in settings)
+    if not flag(settings.get("tls", False), "tls"):
+        if given:
+            raise ConfigurationError(f"zookeeper option(s) {', '.join(given)} need tls=1")
+        return {}
+    verify_certs = flag(settings.get("verify_certs", True), "verify_certs")
+    check_hostname = flag(settings.get("check_hostname", verify_certs), "check_hostname")
+    if check_hostname and not verify_certs:
+        raise ConfigurationError("check_hostname=1 needs verify_certs=1")
+    files: dict[str, str] = {
+        key: str(settings[key]) for key in ("ca", "certfile", "keyfile") if key in settings
+    }
+    if "keyfile" in files and "certfile" not in files:
+        raise ConfigurationError("keyfile needs certfile (the client certificate)")
+    if "certfile" in files:
+        # kazoo ignores a certificate given without a key file: the key is then in it.
+        files.setdefault("keyfile", files["certfile"])
+    password = settings.get("keyfile_password")
+    if password is not None and "certfile" not in files:
+        raise ConfigurationError("keyfile_password needs certfile (the client certificate)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    what = f"ca {files.get('ca')!r}"
+    try:
+        if "ca" in files:
+            context.load_verify_locations(files["ca"])
+        if "certfile" in files:
+            what = f"certfile {files['certfile']!r} with keyfile {files['keyfile']!r}"
+            # Never None: OpenSSL would then ask for an encrypted key's password on the
+            # terminal.
+            context.load_cert_chain(files["certfile"], files["keyfile"], str(password or ""))
+    except OSError as exc:  # ssl.SSLError is one too
+        hint = ""
+        if isinstance(exc, ssl.SSLError):
+            hint = " (wrong keyfile_password?)" if password else " (encrypted: keyfile_password?)"
+        raise ConfigurationError(f"zookeeper TLS: cannot load {what}: {exc}{hint}") from exc
+    tls: dict[str, Any] = {
+        "use_ssl": True,
+        "verify_certs": verify_certs,
+        "check_hostname": check_hostname,
+        **files,
+    }
+    if password is not None:
+        tls["keyfile_password"] = str(password)
+    return tls
 
 
 def encode_name(name: str) -> str:
@@ -221,6 +279,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._tls = tls or {}
         self._owns_client = client is None
         self._zk: KazooClient | None = client
+        #: What went wrong connecting, as kazoo reports it (for the clients we create).
+        self._diagnosis: _Diagnosis | None = None
         self._start_lock = threading.Lock()
         self._stripes = [Mutex() for _ in range(STRIPES)]
         self._nodes: dict[tuple[str, str], _Node] = {}
@@ -263,19 +323,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
             raise ConfigurationError(f"{url!r} names no ZooKeeper host")
         settings: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
         settings.update(options)
-        known = {
-            "session_timeout",
-            "connect_timeout",
-            "operation_timeout",
-            "on_suspend",
-            "tls",
-            "certfile",
-            "keyfile",
-            "ca",
-            "verify_certs",
-            "keyfile_password",
-        }
-        unknown = set(settings) - known
+        known = {"session_timeout", "connect_timeout", "operation_timeout", "on_suspend", "tls"}
+        unknown = set(settings) - known - set(TLS_OPTIONS)
         if unknown:
             raise ConfigurationError(f"unknown zookeeper option(s): {', '.join(sorted(unknown))}")
         durations = {
@@ -286,16 +335,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 ("operation_timeout", 5.0),
             ]
         }
-        tls: dict[str, Any] = {}
-        verify_certs = flag(settings.get("verify_certs", True), "verify_certs")
-        if flag(settings.get("tls", False), "tls"):
-            tls["use_ssl"] = True
-            for key in ("certfile", "keyfile", "ca", "keyfile_password"):
-                if key in settings:
-                    tls[key] = str(settings[key])
-            tls["verify_certs"] = verify_certs
+        tls = _tls_settings(settings)
         if client is not None and not isinstance(client, KazooClient):
             raise ConfigurationError("client= must be a kazoo.client.KazooClient")
+        if client is not None and tls:
+            raise ConfigurationError("with client=, TLS is the kazoo client's own setting")
         return cls(
             netloc,
             unquote(parts.path) or "/dlock",
@@ -329,8 +373,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
                         make_digest_acl(*self._auth, all=True),
                         make_acl("world", "anyone", read=True),
                     ]
+                self._diagnosis = diagnosis = _Diagnosis()
                 self._zk = KazooClient(
-                    handler=KazooHandler(),
+                    handler=KazooHandler(diagnosis),
+                    logger=_KazooLog(diagnosis),
                     hosts=self._hosts,
                     timeout=self._session_timeout,
                     auth_data=[("digest", ":".join(self._auth))] if self._auth else None,
@@ -343,11 +389,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 if not zk.connected:
                     self._heard_at = time.monotonic()
                     try:
-                        zk.start(timeout=self._connect_timeout)
-                    except CLIENT_ERRORS as exc:
+                        self._start(zk)
+                    except (BackendError, *CLIENT_ERRORS) as exc:
                         zk.remove_listener(self._on_state)
                         if self._owns_client:
                             self._zk = None  # a stopped and closed client cannot restart
+                        if isinstance(exc, BackendError):
+                            raise
                         raise BackendUnavailable(
                             f"cannot connect to ZooKeeper {self._hosts!r}: {exc!r}"
                         ) from exc
@@ -355,6 +403,37 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 if zk.connected:
                     self._connected.set()
             return zk
+
+    def _start(self, zk: KazooClient) -> None:
+        """``zk.start()``, but saying why no session came, and not waiting out the
+        connect timeout once every server refused the TLS certificates (the server's
+        or ours): kazoo would try again until then, and that cannot change meanwhile.
+        """
+        diagnosis = self._diagnosis  # None for a client passed in: it has its own log
+        if diagnosis is not None:
+            diagnosis.reset(zk.hosts)
+        live = zk.start_async()
+        deadline = time.monotonic() + self._connect_timeout
+        while not zk.connected:
+            remaining = deadline - time.monotonic()
+            refused = diagnosis is not None and diagnosis.refused_everywhere()
+            if remaining <= 0 or refused:
+                zk.stop()
+                zk.close()
+                raise self._no_session(refused)
+            live.wait(min(POLL, remaining))
+
+    def _no_session(self, refused: bool) -> BackendUnavailable:
+        where = f"cannot connect to ZooKeeper {self._hosts!r}"
+        diagnosis = self._diagnosis
+        if refused:
+            return BackendUnavailable(f"{where}: TLS certificate refused: {diagnosis}")
+        message = f"{where}: no session in {self._connect_timeout:g} s"
+        if diagnosis is not None and diagnosis.errors:
+            message += f": {diagnosis}"
+            if not self._tls and diagnosis.closed_by_server():
+                message += " (closed by the server: a TLS port needs tls=1)"
+        return BackendUnavailable(message)
 
     def watch_leases(self, renew_now: Callable[[], None]) -> None:
         self._renew_now = renew_now
@@ -613,11 +692,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
         The requests are pipelined: a session's requests are served in order, so the
         listing sent behind the create already includes the new node, and a lock used
-        for the first time costs no extra round trip for making its node.
+        for the first time costs no extra round trip for making its node. The lock's
+        node is a container, which the server deletes once it is empty, so names used
+        once do not stay forever; a node we knew of may thus be gone, and is made again.
         """
         known = parent in self._parents
         for _ in range(3):
-            made = None if known else zk.create_async(parent, b"")
+            made = None if known else _create_container(zk, parent)
             created = zk.create_async(
                 prefix, data, ephemeral=True, sequence=True, include_data=True
             )
@@ -633,7 +714,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             try:
                 path, stat = await self._call(created)
             except NoNodeError:
-                known = False  # pruned meanwhile: make it again
+                known = False  # deleted once empty (by the server, or pruned): make it again
                 continue
             if len(self._parents) >= MAX_KNOWN_PARENTS:
                 self._parents.clear()
@@ -680,8 +761,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 await self._call(listing if listing is not None else zk.get_children_async(parent))
             )
         except NoNodeError:
-            # The lock node holds ours until it is deleted: ours was (force release),
-            # then the empty lock node was pruned.
+            # The lock node holds ours until it is deleted: ours was (force release,
+            # session end), then the empty lock node was deleted.
             children = []
         if child not in children:
             self._forget(key, node)
@@ -1118,6 +1199,87 @@ def _stop(zk: KazooClient) -> None:
     zk.close()
 
 
+class _Diagnosis:
+    """Why a client does not connect: the latest error kazoo reported for each server.
+
+    Written by kazoo's connection thread (which server it is trying, from the handler;
+    what failed, from its log), read by the thread waiting for the first session.
+    """
+
+    def __init__(self) -> None:
+        self.servers: set[tuple[str, int]] = set()
+        self.current: tuple[str, int] | None = None
+        self.errors: dict[tuple[str, int], BaseException] = {}
+        #: Servers that refused the TLS certificates at least once.
+        self.refused: set[tuple[str, int]] = set()
+
+    def reset(self, servers: Sequence[tuple[str, int]]) -> None:
+        self.servers = {(host.strip(), int(port)) for host, port in servers}
+        self.current = None
+        self.errors = {}
+        self.refused = set()
+
+    def attempt(self, server: tuple[str, int]) -> None:
+        self.current = server
+
+    def failed(self, error: BaseException) -> None:
+        server = self.current
+        if server is None:
+            return
+        self.errors[server] = error
+        if _certificate_refused(error):
+            self.refused.add(server)
+
+    def refused_everywhere(self) -> bool:
+        return bool(self.servers) and self.servers <= self.refused
+
+    def closed_by_server(self) -> bool:
+        """Some server accepted the connection and then closed it without a word."""
+        return any(_cause(error) is None for error in self.errors.values())
+
+    def __str__(self) -> str:
+        return "; ".join(
+            f"{host}:{port}: {_cause(error) or error}"
+            for (host, port), error in sorted(self.errors.items())
+        )
+
+
+def _cause(error: BaseException) -> BaseException | None:
+    """The socket or TLS error kazoo wrapped (in ``ConnectionDropped``), if any."""
+    return error.__context__
+
+
+def _certificate_refused(error: BaseException) -> bool:
+    """A TLS handshake failed over a certificate: ours refused the server's (wrong CA,
+    name or date), or the server refused ours (missing, unknown CA, ...)."""
+    cause = _cause(error) or error
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return True
+    reason = getattr(cause, "reason", None)
+    return (
+        isinstance(cause, ssl.SSLError)
+        and isinstance(reason, str)
+        and ("CERTIFICATE" in reason or reason.endswith("UNKNOWN_CA"))
+    )
+
+
+class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """kazoo's own logger, which also hands each error kazoo warns about (a failed
+    connection attempt, mostly) to a :class:`_Diagnosis`: kazoo's ``start`` only ever
+    says "Connection time-out", and its log is the one place that says why."""
+
+    def __init__(self, diagnosis: _Diagnosis) -> None:
+        super().__init__(logging.getLogger("kazoo.client"), {})
+        self._diagnosis = diagnosis
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if level >= logging.WARNING:
+            for arg in args:
+                if isinstance(arg, BaseException):
+                    self._diagnosis.failed(arg)
+        super().log(level, msg, *args, **kwargs)
+
+
 class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]
     """kazoo's threading handler, with less work per request and per hand-off.
 
@@ -1127,8 +1289,31 @@ class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]
     node ahead run on the connection thread instead of being queued for kazoo's
     callback thread: they only record the event and set a wake-up, so a hand-off wakes
     one thread less. dlock uses it for the clients it creates; the benchmarks use it
-    for the raw baseline, so that baseline is the same client.
+    for the raw baseline, so that baseline is the same client. It also makes the TLS
+    connections (see :func:`_tls_connection`), and tells a :class:`_Diagnosis` which
+    server each connection attempt is for.
     """
+
+    def __init__(self, diagnosis: _Diagnosis | None = None) -> None:
+        super().__init__()
+        self._diagnosis = diagnosis
+
+    def create_connection(
+        self,
+        address: tuple[str, int],
+        hostname: str | None = None,
+        timeout: float | None = None,
+        use_ssl: bool = False,
+        **tls: Any,
+    ) -> socket.socket:
+        if self._diagnosis is not None:
+            self._diagnosis.attempt((hostname or address[0], address[1]))
+        if use_ssl:
+            return _tls_connection(address, hostname, timeout, **tls)
+        connection: socket.socket = super().create_connection(
+            address, hostname=hostname, timeout=timeout, **tls
+        )
+        return connection
 
     def select(
         self, rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: float | None = None
@@ -1184,8 +1369,72 @@ class _InlineResult(AsyncResult):  # type: ignore[misc]
                 logger.debug("dlock: a completion callback failed", exc_info=True)
 
 
+def _tls_connection(
+    address: tuple[str, int],
+    hostname: str | None,
+    timeout: float | None,
+    *,
+    ca: str | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    keyfile_password: str | None = None,
+    verify_certs: bool = True,
+    check_hostname: bool = False,
+    options: ssl.Options | None = None,
+    ciphers: str | None = None,
+) -> ssl.SSLSocket:
+    """A TLS connection with kazoo's options, where a failed handshake closes its socket.
+
+    kazoo's own leaves it to the garbage collector (it wraps the socket before
+    connecting, and ``SSLSocket.connect`` does not close on failure; wrapping a
+    connected one does). ``ca`` given, only that CA is trusted, else the system's
+    (kazoo trusts both). The files are read at every connection, so renewed
+    certificates are used from the next one on.
+    """
+    context = ssl.create_default_context(cafile=ca)
+    context.check_hostname = check_hostname
+    context.verify_mode = ssl.CERT_REQUIRED if verify_certs else ssl.CERT_NONE
+    if options is not None:
+        context.options = options
+    if ciphers:
+        context.set_ciphers(ciphers)
+    if certfile:
+        context.load_cert_chain(certfile, keyfile, keyfile_password or "")
+    raw = socket.create_connection(address, timeout)
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return context.wrap_socket(raw, server_hostname=hostname)
+    except BaseException:
+        raw.close()  # a no-op once the TLS socket took it over (and closed itself)
+        raise
+
+
 def _fd(item: Any) -> int:
     return item if isinstance(item, int) else int(item.fileno())
+
+
+class _CreateContainer(Create2):  # type: ignore[misc]
+    """ZooKeeper's ``createContainer`` request (3.5.3 on; kazoo does not offer it): the
+    same fields and reply as ``create2``. The server deletes a container node once
+    its last child is gone (it looks every ``znode.container.checkIntervalMs``, a
+    minute by default), and never while it has one."""
+
+    __slots__ = ()
+    type = 19
+
+
+#: CreateMode.CONTAINER
+CONTAINER = 4
+
+
+def _create_container(zk: KazooClient, path: str) -> AsyncResult:
+    """Like ``zk.create_async(path, b"")`` (with the client's ACL), for a container."""
+    result: AsyncResult = zk.handler.async_result()
+    request = _CreateContainer(
+        (zk.chroot or "") + path, b"", zk.default_acl or OPEN_ACL_UNSAFE, CONTAINER
+    )
+    zk._call(request, result)  # as kazoo's create_async does; on failure, result has it
+    return result
 
 
 def _committed(results: list[Any]) -> None:
