@@ -158,6 +158,32 @@ def test_release_hands_the_lease_to_the_waiter_without_its_own_round_trip(
         waiter.release()
 
 
+def test_a_lease_handed_over_long_after_the_last_attempt_is_confirmed(
+    redis_server: RedisServer,
+) -> None:
+    """The waiter counts a handed-over lease from its latest attempt; when most of a short
+    lease has passed since then, it must not come back holding a lease it thinks is over."""
+    name = unique()
+    url = url_of(redis_server)
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        waiter = second.lock(name, ttl=0.3)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=5)))
+        thread.start()
+        time.sleep(0.5)  # well past a third of the waiter's TTL since its attempt
+        holder.release()
+        thread.join(5)
+        assert got == [True]
+        assert waiter.owned(), "acquired a lease already counted as run out"
+        assert waiter.fencing_token is not None
+        assert waiter.fencing_token > (holder.fencing_token or 0)
+        time.sleep(0.4)  # longer than the TTL: renewal keeps it
+        assert waiter.owned()
+        waiter.release()
+
+
 def test_waiter_leaving_gives_back_a_lease_handed_to_it(redis_server: RedisServer) -> None:
     """A waiter that times out just as the lease is handed to it must not keep it, and a
     lease handed to a waiter that died lasts no longer than its place in the queue."""

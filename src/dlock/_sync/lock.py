@@ -136,17 +136,25 @@ class Lock:
                 attempt += 1
 
     def _take_handed(self, handed: Acquired) -> bool:
-        """Hold a lease the previous holder handed over while we waited.
+        """Hold a lease granted to us while we waited (handed over by its last holder).
 
         It was granted after our latest attempt was sent, so it lasts at least its TTL
-        from then. If little of that is left (a long wait since), decline: the next
-        attempt finds the lease under our token and grants it afresh, on a fresh clock.
+        from then. If little of that is left (a long wait since), confirm it with an
+        owner-checked renewal first; if it has lapsed meanwhile, keep waiting.
         """
         ttl = self.ttl if handed.ttl is None else handed.ttl
-        if self._client._clock() >= self._attempt_sent + ttl * RENEW_AFTER:
-            return False
-        self._granted(handed, self._attempt_sent)
-        return True
+        if self._client._clock() < self._attempt_sent + ttl * RENEW_AFTER:
+            self._granted(handed, self._attempt_sent)
+            return True
+        started = self._client._clock()
+        try:
+            confirmed = self._client._backend.extend(self.name, self._token, self.ttl)
+        except BaseException:
+            self._release_quietly()
+            raise
+        if confirmed:
+            self._granted(Acquired(handed.fencing_token, handed.count), started)
+        return confirmed
 
     def _attempt(self) -> Busy | None:
         """One round trip to the backend; None means this object now holds the lock."""
