@@ -18,6 +18,7 @@ import pytest
 from pymysql.constants import CLIENT
 
 import dlock
+from dlock._sql import MYSQL
 from tests.servers.sql import SQLServer
 
 
@@ -119,6 +120,64 @@ def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) ->
         assert token is not None and successor.fencing_token is not None
         assert successor.fencing_token > token, "fencing survives the restart"
         successor.release()
+
+
+def test_session_fencing_survives_a_crash_that_empties_the_table(
+    server: SQLServer, name: str
+) -> None:
+    """Session mode keeps its counters in a table that a crash empties (UNLOGGED,
+    MEMORY); tokens must still increase, from the server's clock."""
+    with dlock.connect(server.url("mode=session")) as client:
+        lock = client.lock(name, ttl=5)
+        tokens: list[int | None] = []
+        for _ in range(3):
+            assert lock.acquire(timeout=0)
+            tokens.append(lock.fencing_token)
+            lock.release()
+    if server.scheme == "postgresql":
+        # The test server commits asynchronously: make the table itself durable first.
+        admin(server)("CHECKPOINT", ())
+    server.crash_restart()
+    rows = admin(server)("SELECT fence FROM dlock_session_locks WHERE name = %s", (name.encode(),))
+    assert rows == [], "the crash emptied the table (else this test proves nothing)"
+    with dlock.connect(server.url("mode=session")) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        tokens.append(lock.fencing_token)
+        lock.release()
+    known = [token for token in tokens if token is not None]
+    assert len(known) == 4 and known == sorted(set(known)), f"fencing tokens went back: {tokens}"
+
+
+def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: str) -> None:
+    """MariaDB's MEMORY session table has a fixed size; rows of free names make room,
+    while a held lock's row (and its token) stays."""
+    table = f"tiny_{uuid.uuid4().hex[:8]}"
+    conn = mariadb_server.connect()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SET SESSION max_heap_table_size = 16384")  # the smallest allowed
+        cursor.execute(MYSQL.schema(table, session=True))
+    finally:
+        conn.close()
+    with dlock.connect(mariadb_server.url("mode=session"), table=table) as client:
+        held = client.lock(f"{name}-held", ttl=30)
+        assert held.acquire(timeout=0)
+        last: dict[str, int] = {}
+        for round_ in range(2):
+            for i in range(40):
+                lock = client.lock(f"{name}-{i}", ttl=30)
+                assert lock.acquire(timeout=0)
+                token = lock.fencing_token
+                assert token is not None and token > last.get(lock.name, 0), (round_, i)
+                last[lock.name] = token
+                lock.release()
+        info = client.inspect(held.name)
+        assert info is not None and info.fencing_token == held.fencing_token
+        held.release()
+    rows = admin(mariadb_server)(f"SELECT count(*) FROM {table}", ())
+    assert rows[0][0] < 40, "the table really was too small for every name"
+    admin(mariadb_server)(f"DROP TABLE {table}", ())
 
 
 @pytest.mark.parametrize("table", ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", ""])

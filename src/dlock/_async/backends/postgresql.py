@@ -48,7 +48,9 @@ PASSTHROUGH = frozenset(
 class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
         super().__init__(
-            settings, postgresql_statements(settings.table), POSTGRESQL.schema(settings.table)
+            settings,
+            postgresql_statements(settings.table),
+            POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
         )
         #: Connections that LISTEN for waiters, kept apart from the statement pool.
         self._listeners: list[Any] = []

@@ -49,7 +49,9 @@ PASSTHROUGH = frozenset(
 class PostgreSQLBackend(ServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
         super().__init__(
-            settings, postgresql_statements(settings.table), POSTGRESQL.schema(settings.table)
+            settings,
+            postgresql_statements(settings.table),
+            POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
         )
         #: Connections that LISTEN for waiters, kept apart from the statement pool.
         self._listeners: list[Any] = []
