@@ -6,6 +6,7 @@ face is generated from the same code and covered by the conformance suite).
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
@@ -147,6 +148,31 @@ def test_session_fencing_survives_a_crash_that_empties_the_table(
         lock.release()
     known = [token for token in tokens if token is not None]
     assert len(known) == 4 and known == sorted(set(known)), f"fencing tokens went back: {tokens}"
+
+
+def test_mysql_clock_ignores_daylight_saving(mariadb_server: SQLServer) -> None:
+    """The server clock that leases expire by is the epoch whatever the time zone: with
+    UNIX_TIMESTAMP(NOW(6)), 02:30 CEST on the autumn change day read as 02:30 CET, an
+    hour ahead, so a lease taken at 01:59:50 would have expired at 02:00:00."""
+    subprocess.run(
+        f"mariadb-tzinfo-to-sql /usr/share/zoneinfo/Europe/Berlin Europe/Berlin"
+        f" | mariadb --protocol=tcp -h127.0.0.1 -P{mariadb_server.port} -udlock -psecret mysql",
+        shell=True,
+        check=True,
+        capture_output=True,
+    )
+    conn = mariadb_server.connect()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SET time_zone = 'Europe/Berlin'")
+        # 2025-10-26 00:30 and 01:30 UTC: 02:30 CEST, then 02:30 CET.
+        for epoch in (1761438600.25, 1761442200.25):
+            cursor.execute(f"SET timestamp = {epoch}")
+            cursor.execute(f"SELECT {MYSQL.now}, {MYSQL.clock_us}")
+            now, clock_us = cursor.fetchone()
+            assert float(now) == epoch and int(clock_us) == int(epoch * 1_000_000)
+    finally:
+        conn.close()
 
 
 def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: str) -> None:

@@ -261,9 +261,11 @@ POSTGRESQL = Dialect(
 )
 MYSQL = Dialect(
     name="mysql",
-    # NOW(6) is fixed for the whole statement, so every comparison in it agrees.
-    now="UNIX_TIMESTAMP(NOW(6))",
-    # UTC: no time zone conversion, no daylight saving jump.
+    # UTC_TIMESTAMP(6) is fixed for the whole statement, so every comparison in it
+    # agrees. Not UNIX_TIMESTAMP(NOW(6)): that converts local time back to the epoch, and
+    # in a time zone with daylight saving it reads an hour ahead during the first pass of
+    # the repeated autumn hour, then jumps back, which would expire live leases early.
+    now="(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) / 1e6)",
     clock_us="TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))",
     name_type="VARBINARY(1020)",
     # Binary, so that owner tokens compare exactly, whatever the default collation.
