@@ -376,15 +376,29 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND NOT {live}
             """
     returning = "RETURNING fence, count"
-    in_front = ", pg_advisory_unlock(%(turnstile)s)"
+
+    def waiting(update: str, in_front: bool) -> str:
+        """A waiter's attempt: granted, the fence and count; busy, in the same round trip,
+        the seconds left on the holder's lease (0: free, a concurrent grant was
+        faster); no row at all: the name was never used. The waiter in front of the
+        turnstile tries on its own connection and leaves the turnstile in the same
+        statement, only if it got the lease."""
+        leave = ", pg_advisory_unlock(%(turnstile)s)" if in_front else ""
+        return f"""
+            WITH a AS ({update} {returning}{leave})
+            SELECT fence, count, NULL::float8 FROM a
+            UNION ALL
+            SELECT NULL, NULL, CASE WHEN {live} THEN expires - {now} ELSE 0 END FROM {table}
+            WHERE name = %(name)s AND NOT EXISTS (SELECT FROM a)"""
+
     return {
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,
-        # The waiter in front of the turnstile tries on its own connection and leaves the
-        # turnstile in the same statement, only if it got the lease: no extra round trip.
-        "acquire_in_front": acquire + returning + in_front,
-        "acquire_once_in_front": acquire_once + returning + in_front,
+        "acquire_waiting": waiting(acquire, in_front=False),
+        "acquire_once_waiting": waiting(acquire_once, in_front=False),
+        "acquire_in_front": waiting(acquire, in_front=True),
+        "acquire_once_in_front": waiting(acquire_once, in_front=True),
         # Not taken: NULL if the row is free (released meanwhile), no row if the name was
         # never used (then ``create_row``), else the seconds left on the holder's lease.
         "time_left": f"""

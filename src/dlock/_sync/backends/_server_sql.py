@@ -33,6 +33,8 @@ from ..backend import Backend, Waiter
 
 #: Idle connections kept per backend; more are closed when given back.
 POOL_SIZE = 16
+#: Names known to have a row; more than this many and the set starts over.
+KNOWN_NAMES = 10_000
 
 
 @dataclass
@@ -78,6 +80,8 @@ class ServerSQLBackend(Backend):
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
         self._parked: dict[str, Held] = {}
+        #: Lease mode: names whose row exists, so a busy answer needs no second query.
+        self._known: set[bytes] = set()
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -277,6 +281,11 @@ class ServerSQLBackend(Backend):
             self._drop(conn)
 
     # -- the seam --------------------------------------------------------------------
+
+    def _remember(self, name: bytes) -> None:
+        if len(self._known) >= KNOWN_NAMES:
+            self._known.clear()
+        self._known.add(name)
 
     def _params(self, name: str, token: str, **more: Any) -> dict[str, Any]:
         return {"name": encode_name(name), "owner": token, **more}

@@ -34,8 +34,6 @@ from .._primitives import IS_ASYNC
 from ._server_sql import Result, ServerSQLBackend
 
 PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
-#: Names known to have a row; more than this many and the set starts over.
-KNOWN_NAMES = 10_000
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
@@ -75,7 +73,6 @@ class MySQLBackend(ServerSQLBackend):
             self._ssl = _ssl_context(settings.extra)
         except (OSError, ValueError) as exc:
             raise ConfigurationError(f"TLS options: {exc}") from exc
-        self._known: set[bytes] = set()
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> MySQLBackend:
@@ -216,9 +213,7 @@ class MySQLBackend(ServerSQLBackend):
             return Busy()
         # First use of this name here: create its row, already held by us if it is new.
         created = self._call("create_row", params)
-        if len(self._known) >= KNOWN_NAMES:
-            self._known.clear()
-        self._known.add(params["name"])
+        self._remember(params["name"])
         if created.insert_id == 1:
             return Acquired(1, 1)
         # Someone else's row appeared (or was there): one more try for a free one.

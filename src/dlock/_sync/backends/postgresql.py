@@ -134,24 +134,45 @@ class PostgreSQLBackend(ServerSQLBackend):
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
         statement = "acquire" if reentrant else "acquire_once"
-        front = self._front.get(token)
-        if front is not None and front.in_front:
-            params["turnstile"] = front.key
-            sql = self._sql[statement + "_in_front"]
-            result = self._run(front.conn, sql, params)
-            if result.rows:
-                front.in_front = False  # the statement left the turnstile
-                return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-        else:
+        waiter = self._front.get(token)
+        if waiter is None:
+            # Not waiting (yet): one plain statement, the uncontended path.
             result = self._call(statement, params)
             if result.rows:
                 return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-        # Not taken: one more round trip, only on this path, for when the lease ends.
+            if params["name"] in self._known:
+                # Busy. When the lease ends matters only to a waiter, whose attempts ask.
+                return Busy()
+            return self._first_use(params)
+        if waiter.in_front:
+            params["turnstile"] = waiter.key
+            result = self._run(waiter.conn, self._sql[statement + "_in_front"], params)
+        elif waiter.fresh:
+            # The core's attempt on entering the waiter would only repeat the one just
+            # made: the attempt in front of the turnstile, made after LISTEN, is the one
+            # that cannot miss a release.
+            waiter.fresh = False
+            return Busy()
+        else:
+            result = self._call(statement + "_waiting", params)
+        if not result.rows:
+            return self._first_use(params)
+        self._remember(params["name"])
+        fence, count, left = result.rows[0]
+        if fence is None:
+            return Busy(retry_after=max(0.0, float(left)))
+        waiter.in_front = False  # if it was, the statement left the turnstile
+        return Acquired(int(fence), int(count))
+
+    def _first_use(self, params: dict[str, Any]) -> Acquired | Busy:
+        """No row came back: ask when the lease ends, and create the row if there is none
+        (the name's first use; the new row is ours unless someone was faster)."""
         left = (self._call("time_left", params)).rows
         if left:
+            self._remember(params["name"])
             return Busy(retry_after=0.0 if left[0][0] is None else max(0.0, float(left[0][0])))
-        # First use of the name: create its row, held by us unless someone was faster.
         created = (self._call("create_row", params)).rows
+        self._remember(params["name"])
         if created:
             return Acquired(int(created[0][0]), int(created[0][1]))
         result = self._call("acquire", params)
@@ -232,16 +253,23 @@ class _TurnstileWaiter(Waiter):
         self._channel = channel
         self.key = key
         self.in_front = False
+        #: No attempt made inside this waiter yet.
+        self.fresh = True
 
     def wait(self, timeout: float) -> None:
         if not self.in_front:
-            # Blocked inside the server until the waiters ahead have got the lock.
-            wait_ms = str(max(1, math.ceil(timeout * 1000)))
-            params = {"key": self.key, "wait_ms": wait_ms}
+            # Blocked inside the server until the waiters ahead have got the lock, then
+            # listening, in one round trip: a simple-protocol query of statements that
+            # run as one transaction, so the timeout applies to the lock wait and LISTEN
+            # takes effect only if the turnstile was taken. Only integers and the
+            # channel (a hex identifier) are interpolated; it drops what an earlier
+            # waiter on this connection listened to.
+            sql = (
+                f"SELECT set_config('lock_timeout', '{max(1, math.ceil(timeout * 1000))}', true);"
+                f" SELECT pg_advisory_lock({int(self.key)}); UNLISTEN *; LISTEN {self._channel}"
+            )
             try:
-                self._backend._run(
-                    self.conn, self._backend._sql["session_wait"], params, wait=timeout
-                )
+                self._backend._run(self.conn, sql, {}, wait=timeout)
             except BackendError as exc:
                 # LockNotAvailable is an OperationalError, so it arrives as unavailable:
                 # the turnstile's own timeout, checked first, keeps the connection.
@@ -254,10 +282,8 @@ class _TurnstileWaiter(Waiter):
                 self._backend._driver_close(self.conn.raw)
                 self.conn = self._backend._connect()
                 return
+            # Listening before the core's next attempt, so no release goes unnoticed.
             self.in_front = True
-            # Listen before the core's next attempt, so no release goes unnoticed; drop
-            # what an earlier waiter on this connection listened to.
-            self._backend._run(self.conn, f"UNLISTEN *; LISTEN {self._channel}", {})
             return
         try:
             for notify in self.conn.raw.notifies(timeout=timeout):
