@@ -19,7 +19,8 @@ import pytest
 from pymysql.constants import CLIENT
 
 import dlock
-from dlock._sql import MYSQL
+from dlock._sql import MYSQL, advisory_key
+from dlock._types import Holder
 from tests.servers.sql import SQLServer
 
 
@@ -480,6 +481,88 @@ def test_turnstile_timeouts_keep_the_waiters_connection(
         assert behind.lock(name, ttl=30).acquire(timeout=3) is False
         assert len(connects) <= 1, "only the listening connection is new"
         in_front.join()
+        lock.release()
+
+
+def _turnstile_held(server: SQLServer, name: str) -> bool:
+    key = advisory_key("dlock_locks:turnstile", name)
+    rows = admin(server)(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND objsubid = 1 AND classid::bigint = (%s >> 32) & 4294967295"
+        " AND objid::bigint = %s & 4294967295",
+        (key, key),
+    )
+    return bool(rows[0][0])
+
+
+def _take_through_the_turnstile(url: str, name: str, waiter: dlock.Lock) -> None:
+    """``waiter`` gets ``name`` by queueing behind a holder that releases it."""
+    with dlock.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        thread = threading.Thread(target=lambda: waiter.acquire(timeout=10))
+        thread.start()
+        time.sleep(0.3)
+        holder.release()
+        thread.join()
+    assert waiter.owned()
+
+
+def test_queued_waiters_take_the_lease_in_turn(postgresql_server: SQLServer, name: str) -> None:
+    """A lease taken in front of the turnstile keeps it; its release hands the lease to
+    the next waiter inside the server, and the turnstile is left when the queue ends."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        _take_through_the_turnstile(url, name, lock)
+        assert _turnstile_held(postgresql_server, name), "the lease keeps the turnstile"
+        token = lock.fencing_token
+        successor = second.lock(name, ttl=30)
+        thread = threading.Thread(target=lambda: successor.acquire(timeout=10))
+        thread.start()
+        time.sleep(0.3)
+        assert not successor.owned()
+        lock.release()
+        thread.join()
+        assert successor.owned() and token is not None
+        assert successor.fencing_token == token + 1
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        assert info.holder == Holder.current() and info.count == 1
+        successor.release()
+        assert not _turnstile_held(postgresql_server, name)
+
+
+def test_lease_lost_through_the_turnstile_leaves_it(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A lease that ends without a release (here force-released) must not keep the
+    turnstile: the renewal that finds it gone leaves it, or waiters would only poll."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as client, dlock.connect(url) as operator:
+        lock = client.lock(name, ttl=1.5)
+        _take_through_the_turnstile(url, name, lock)
+        assert _turnstile_held(postgresql_server, name)
+        assert operator.force_release(name)
+        deadline = time.monotonic() + 3
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lock.lost
+        assert not _turnstile_held(postgresql_server, name)
+
+
+def test_fresh_acquire_leaves_a_turnstile_kept_by_a_lost_lease(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """Without renewal nobody notices the lease running out; the next acquisition by the
+    same lock object (which never released it) must not leave the turnstile held."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=1, auto_renew=False)
+        _take_through_the_turnstile(url, name, lock)
+        time.sleep(1.2)
+        assert lock.acquire(timeout=1)  # the lease ran out: taken again at once
+        assert not _turnstile_held(postgresql_server, name)
         lock.release()
 
 

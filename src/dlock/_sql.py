@@ -377,15 +377,12 @@ def postgresql_statements(table: str) -> dict[str, str]:
             """
     returning = "RETURNING fence, count"
 
-    def waiting(update: str, in_front: bool) -> str:
+    def waiting(update: str) -> str:
         """A waiter's attempt: granted, the fence and count; busy, in the same round trip,
         the seconds left on the holder's lease (0: free, a concurrent grant was
-        faster); no row at all: the name was never used. The waiter in front of the
-        turnstile tries on its own connection and leaves the turnstile in the same
-        statement, only if it got the lease."""
-        leave = ", pg_advisory_unlock(%(turnstile)s)" if in_front else ""
+        faster); no row at all: the name was never used."""
         return f"""
-            WITH a AS ({update} {returning}{leave})
+            WITH a AS ({update} {returning})
             SELECT fence, count, NULL::float8 FROM a
             UNION ALL
             SELECT NULL, NULL, CASE WHEN {live} THEN expires - {now} ELSE 0 END FROM {table}
@@ -395,10 +392,25 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,
-        "acquire_waiting": waiting(acquire, in_front=False),
-        "acquire_once_waiting": waiting(acquire_once, in_front=False),
-        "acquire_in_front": waiting(acquire, in_front=True),
-        "acquire_once_in_front": waiting(acquire_once, in_front=True),
+        "acquire_waiting": waiting(acquire),
+        "acquire_once_waiting": waiting(acquire_once),
+        # The waiter that gets the turnstile runs this in the same round trip, inside the
+        # server, the moment the turnstile is handed over. It always updates the row
+        # (leaving it as it is when the lease is live): a row lock taken FOR UPDATE waits
+        # for the releasing statement to commit and reads the row it committed, where a
+        # plain UPDATE's WHERE would judge the version before the release. Holding the
+        # row until commit also orders any later release after our LISTEN.
+        "turnstile_take": f"""
+            UPDATE {table} AS x SET
+                fence = CASE WHEN o.free THEN x.fence + 1 ELSE x.fence END,
+                count = CASE WHEN o.free THEN 1 ELSE x.count END,
+                owner = CASE WHEN o.free THEN %(owner)s ELSE x.owner END,
+                expires = CASE WHEN o.free THEN {now} + %(ttl)s ELSE x.expires END,
+                holder = CASE WHEN o.free THEN %(holder)s ELSE x.holder END
+            FROM (SELECT name, NOT {live} AS free FROM {table}
+                  WHERE name = %(name)s FOR UPDATE) AS o
+            WHERE x.name = o.name
+            RETURNING o.free, x.fence, x.count, x.expires - {now}""",
         # Not taken: NULL if the row is free (released meanwhile), no row if the name was
         # never used (then ``create_row``), else the seconds left on the holder's lease.
         "time_left": f"""
@@ -412,6 +424,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # The last release wakes waiters on the name's channel, in the same statement.
         "release": d.release(table)
         + " RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END",
+        # A lease taken through the turnstile is released on the connection holding it,
+        # and the last release leaves it: the next waiter, blocked on it in the server,
+        # takes the lease there (turnstile_take). Nobody listens meanwhile.
+        "release_gate": d.release(table)
+        + " RETURNING count, CASE WHEN count = 0 THEN pg_advisory_unlock(%(turnstile)s) END",
         "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
         "inspect": d.inspect(table),

@@ -31,8 +31,15 @@ class AsyncWaiter:
     #: True when ``wait`` returns early because the backend signalled a release.
     notifies: ClassVar[bool] = False
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float) -> Acquired | None:
+        """Return when the lock may be free, or after ``timeout`` seconds.
+
+        A waiter that queues inside the server may take the lock for its caller there
+        (PostgreSQL's turnstile) and return the grant; the core then counts the lease
+        from before this call, which is never later than the server's grant.
+        """
         await sleep(timeout)
+        return None
 
 
 class AsyncBackend(ABC):

@@ -124,7 +124,12 @@ class AsyncLock:
                 delay = self._client._backoff.delay(attempt, busy.retry_after, waiter.notifies)
                 if remaining is not None:
                     delay = min(delay, remaining)
-                await waiter.wait(delay)
+                started = clock()
+                granted = await waiter.wait(delay)
+                if granted is not None:
+                    # Taken in the server while waiting: the lease counts from before.
+                    self._granted(granted, started)
+                    return True
                 attempt += 1
 
     async def _attempt(self) -> Busy | None:

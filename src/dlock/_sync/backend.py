@@ -32,8 +32,15 @@ class Waiter:
     #: True when ``wait`` returns early because the backend signalled a release.
     notifies: ClassVar[bool] = False
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float) -> Acquired | None:
+        """Return when the lock may be free, or after ``timeout`` seconds.
+
+        A waiter that queues inside the server may take the lock for its caller there
+        (PostgreSQL's turnstile) and return the grant; the core then counts the lease
+        from before this call, which is never later than the server's grant.
+        """
         sleep(timeout)
+        return None
 
 
 class Backend(ABC):

@@ -125,7 +125,12 @@ class Lock:
                 delay = self._client._backoff.delay(attempt, busy.retry_after, waiter.notifies)
                 if remaining is not None:
                     delay = min(delay, remaining)
-                waiter.wait(delay)
+                started = clock()
+                granted = waiter.wait(delay)
+                if granted is not None:
+                    # Taken in the server while waiting: the lease counts from before.
+                    self._granted(granted, started)
+                    return True
                 attempt += 1
 
     def _attempt(self) -> Busy | None:
