@@ -6,6 +6,7 @@ face is generated from the same code and covered by the conformance suite).
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ import pytest
 from pymysql.constants import CLIENT
 
 import dlock
+from dlock._sql import MYSQL, advisory_key
+from dlock._types import Holder
 from tests.servers.sql import SQLServer
 
 
@@ -119,6 +122,89 @@ def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) ->
         assert token is not None and successor.fencing_token is not None
         assert successor.fencing_token > token, "fencing survives the restart"
         successor.release()
+
+
+def test_session_fencing_survives_a_crash_that_empties_the_table(
+    server: SQLServer, name: str
+) -> None:
+    """Session mode keeps its counters in a table that a crash empties (UNLOGGED,
+    MEMORY); tokens must still increase, from the server's clock."""
+    with dlock.connect(server.url("mode=session")) as client:
+        lock = client.lock(name, ttl=5)
+        tokens: list[int | None] = []
+        for _ in range(3):
+            assert lock.acquire(timeout=0)
+            tokens.append(lock.fencing_token)
+            lock.release()
+    if server.scheme == "postgresql":
+        # The test server commits asynchronously: make the table itself durable first.
+        admin(server)("CHECKPOINT", ())
+    server.crash_restart()
+    rows = admin(server)("SELECT fence FROM dlock_session_locks WHERE name = %s", (name.encode(),))
+    assert rows == [], "the crash emptied the table (else this test proves nothing)"
+    with dlock.connect(server.url("mode=session")) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        tokens.append(lock.fencing_token)
+        lock.release()
+    known = [token for token in tokens if token is not None]
+    assert len(known) == 4 and known == sorted(set(known)), f"fencing tokens went back: {tokens}"
+
+
+def test_mysql_clock_ignores_daylight_saving(mariadb_server: SQLServer) -> None:
+    """The server clock that leases expire by is the epoch whatever the time zone: with
+    UNIX_TIMESTAMP(NOW(6)), 02:30 CEST on the autumn change day read as 02:30 CET, an
+    hour ahead, so a lease taken at 01:59:50 would have expired at 02:00:00."""
+    subprocess.run(
+        f"mariadb-tzinfo-to-sql /usr/share/zoneinfo/Europe/Berlin Europe/Berlin"
+        f" | mariadb --protocol=tcp -h127.0.0.1 -P{mariadb_server.port} -udlock -psecret mysql",
+        shell=True,
+        check=True,
+        capture_output=True,
+    )
+    conn = mariadb_server.connect()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SET time_zone = 'Europe/Berlin'")
+        # 2025-10-26 00:30 and 01:30 UTC: 02:30 CEST, then 02:30 CET.
+        for epoch in (1761438600.25, 1761442200.25):
+            cursor.execute(f"SET timestamp = {epoch}")
+            cursor.execute(f"SELECT {MYSQL.now}, {MYSQL.clock_us}")
+            now, clock_us = cursor.fetchone()
+            assert float(now) == epoch and int(clock_us) == int(epoch * 1_000_000)
+    finally:
+        conn.close()
+
+
+def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: str) -> None:
+    """MariaDB's MEMORY session table has a fixed size; rows of free names make room,
+    while a held lock's row (and its token) stays."""
+    table = f"tiny_{uuid.uuid4().hex[:8]}"
+    conn = mariadb_server.connect()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SET SESSION max_heap_table_size = 16384")  # the smallest allowed
+        cursor.execute(MYSQL.schema(table, session=True))
+    finally:
+        conn.close()
+    with dlock.connect(mariadb_server.url("mode=session"), table=table) as client:
+        held = client.lock(f"{name}-held", ttl=30)
+        assert held.acquire(timeout=0)
+        last: dict[str, int] = {}
+        for round_ in range(2):
+            for i in range(40):
+                lock = client.lock(f"{name}-{i}", ttl=30)
+                assert lock.acquire(timeout=0)
+                token = lock.fencing_token
+                assert token is not None and token > last.get(lock.name, 0), (round_, i)
+                last[lock.name] = token
+                lock.release()
+        info = client.inspect(held.name)
+        assert info is not None and info.fencing_token == held.fencing_token
+        held.release()
+    rows = admin(mariadb_server)(f"SELECT count(*) FROM {table}", ())
+    assert rows[0][0] < 40, "the table really was too small for every name"
+    admin(mariadb_server)(f"DROP TABLE {table}", ())
 
 
 @pytest.mark.parametrize("table", ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", ""])
@@ -395,6 +481,88 @@ def test_turnstile_timeouts_keep_the_waiters_connection(
         assert behind.lock(name, ttl=30).acquire(timeout=3) is False
         assert len(connects) <= 1, "only the listening connection is new"
         in_front.join()
+        lock.release()
+
+
+def _turnstile_held(server: SQLServer, name: str) -> bool:
+    key = advisory_key("dlock_locks:turnstile", name)
+    rows = admin(server)(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND objsubid = 1 AND classid::bigint = (%s >> 32) & 4294967295"
+        " AND objid::bigint = %s & 4294967295",
+        (key, key),
+    )
+    return bool(rows[0][0])
+
+
+def _take_through_the_turnstile(url: str, name: str, waiter: dlock.Lock) -> None:
+    """``waiter`` gets ``name`` by queueing behind a holder that releases it."""
+    with dlock.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        thread = threading.Thread(target=lambda: waiter.acquire(timeout=10))
+        thread.start()
+        time.sleep(0.3)
+        holder.release()
+        thread.join()
+    assert waiter.owned()
+
+
+def test_queued_waiters_take_the_lease_in_turn(postgresql_server: SQLServer, name: str) -> None:
+    """A lease taken in front of the turnstile keeps it; its release hands the lease to
+    the next waiter inside the server, and the turnstile is left when the queue ends."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        _take_through_the_turnstile(url, name, lock)
+        assert _turnstile_held(postgresql_server, name), "the lease keeps the turnstile"
+        token = lock.fencing_token
+        successor = second.lock(name, ttl=30)
+        thread = threading.Thread(target=lambda: successor.acquire(timeout=10))
+        thread.start()
+        time.sleep(0.3)
+        assert not successor.owned()
+        lock.release()
+        thread.join()
+        assert successor.owned() and token is not None
+        assert successor.fencing_token == token + 1
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == successor.fencing_token
+        assert info.holder == Holder.current() and info.count == 1
+        successor.release()
+        assert not _turnstile_held(postgresql_server, name)
+
+
+def test_lease_lost_through_the_turnstile_leaves_it(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A lease that ends without a release (here force-released) must not keep the
+    turnstile: the renewal that finds it gone leaves it, or waiters would only poll."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as client, dlock.connect(url) as operator:
+        lock = client.lock(name, ttl=1.5)
+        _take_through_the_turnstile(url, name, lock)
+        assert _turnstile_held(postgresql_server, name)
+        assert operator.force_release(name)
+        deadline = time.monotonic() + 3
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lock.lost
+        assert not _turnstile_held(postgresql_server, name)
+
+
+def test_fresh_acquire_leaves_a_turnstile_kept_by_a_lost_lease(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """Without renewal nobody notices the lease running out; the next acquisition by the
+    same lock object (which never released it) must not leave the turnstile held."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=1, auto_renew=False)
+        _take_through_the_turnstile(url, name, lock)
+        time.sleep(1.2)
+        assert lock.acquire(timeout=1)  # the lease ran out: taken again at once
+        assert not _turnstile_held(postgresql_server, name)
         lock.release()
 
 

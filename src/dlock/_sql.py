@@ -159,6 +159,9 @@ class Dialect:
     name: str
     #: The clock, evaluated once per statement.
     now: str
+    #: The server's clock in whole microseconds since the epoch: the floor of session
+    #: mode's fencing counter (see :func:`session_fence`).
+    clock_us: str
     name_type: str
     owner_type: str
     #: True when ``name`` starts with the bytes of ``%(prefix)s``.
@@ -169,8 +172,14 @@ class Dialect:
     extra_columns: tuple[tuple[str, str, str], ...] = ()
     #: Session mode columns: which database session holds the database's own lock.
     session_columns: bool = True
+    #: Session mode's table: kept out of the write-ahead log / in memory, so that taking
+    #: a lock never waits for a disk flush (its fencing counter does not need one).
+    session_table: str = "TABLE"
+    session_table_options: str = ""
+    #: Session mode's holder column (MEMORY tables store every row at full width).
+    session_holder_type: str = "VARCHAR(1024)"
 
-    def schema(self, table: str) -> str:
+    def schema(self, table: str, session: bool = False) -> str:
         check_identifier(table, "table")
         columns = [
             f"name {self.name_type} PRIMARY KEY",
@@ -178,12 +187,30 @@ class Dialect:
             "fence BIGINT NOT NULL",
             "count INTEGER NOT NULL DEFAULT 0",
             "expires DOUBLE PRECISION NOT NULL DEFAULT 0",
-            "holder VARCHAR(1024)",
+            f"holder {self.session_holder_type if session else 'VARCHAR(1024)'}",
             *(f"{column} {kind}" for column, kind, _ in self.extra_columns),
         ]
         if self.session_columns:
             columns += ["session BIGINT", f"lock_key {self.key_type}"]
-        return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)}){self.table_options}"
+        kind, options = (
+            (self.session_table, self.session_table_options)
+            if session
+            else ("TABLE", self.table_options)
+        )
+        return f"CREATE {kind} IF NOT EXISTS {table} ({', '.join(columns)}){options}"
+
+    def session_fence(self, previous: str) -> str:
+        """Session mode's next fencing token: one more than ``previous``, and never below
+        the server's clock in microseconds.
+
+        The session table is not crash-safe (UNLOGGED, MEMORY): a crash, a restart or a
+        failover may lose its rows and with them the counter. Tokens handed out so far
+        are at most the clock at their time (a name is taken at most once per
+        microsecond), so after such a loss the clock alone keeps them increasing, unless
+        the server's clock went back by more than the outage lasted. While the row lives,
+        the ``+ 1`` keeps them increasing whatever the clock does.
+        """
+        return f"GREATEST({previous} + 1, {self.clock_us})"
 
     def live(self, alias: str = "") -> str:
         extra = "".join(f" AND {alias}{c} = {value}" for c, _, value in self.extra_columns)
@@ -226,25 +253,36 @@ POSTGRESQL = Dialect(
     name="postgresql",
     # date_part gives float8 directly; extract() would compute a numeric and cast it.
     now="date_part('epoch', clock_timestamp())",
+    clock_us="(date_part('epoch', clock_timestamp()) * 1000000)::bigint",
     name_type="BYTEA",
     owner_type="TEXT",
     prefix_match="substring(name FROM 1 FOR length(%(prefix)s)) = %(prefix)s",
+    session_table="UNLOGGED TABLE",
 )
 MYSQL = Dialect(
     name="mysql",
-    # NOW(6) is fixed for the whole statement, so every comparison in it agrees.
-    now="UNIX_TIMESTAMP(NOW(6))",
+    # UTC_TIMESTAMP(6) is fixed for the whole statement, so every comparison in it
+    # agrees. Not UNIX_TIMESTAMP(NOW(6)): that converts local time back to the epoch, and
+    # in a time zone with daylight saving it reads an hour ahead during the first pass of
+    # the repeated autumn hour, then jumps back, which would expire live leases early.
+    now="(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) / 1e6)",
+    clock_us="TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))",
     name_type="VARBINARY(1020)",
     # Binary, so that owner tokens compare exactly, whatever the default collation.
     owner_type="VARBINARY(64)",
     prefix_match="LEFT(name, LENGTH(%(prefix)s)) = %(prefix)s",
     key_type="VARCHAR(64)",
     table_options=" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+    # MEMORY: no redo log, no transaction; emptied by a restart (the session locks it
+    # describes are gone then too). Rows are fixed width: ASCII holder JSON as bytes.
+    session_table_options=" ENGINE=MEMORY DEFAULT CHARSET=ascii",
+    session_holder_type="VARBINARY(1024)",
 )
 SQLITE = Dialect(
     name="sqlite",
     # The host's boot clock, passed in by the client: SQLite has no server.
     now="%(now)s",
+    clock_us="",
     # Names are bound as UTF-8 BLOBs, as on the servers: SQLite's length() and substr()
     # of TEXT stop at a NUL, of a BLOB they count bytes.
     name_type="BLOB",
@@ -311,11 +349,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
     session_upsert = f"""
             INSERT INTO {table} AS x
                 (name, owner, fence, count, expires, holder, session, lock_key)
-            SELECT %(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s,
+            SELECT %(name)s, %(owner)s, {d.clock_us}, 1, {now} + %(ttl)s, %(holder)s,
                    pg_backend_pid(), %(key)s
             FROM l WHERE {{condition}}
             ON CONFLICT (name) DO UPDATE SET
-                fence = x.fence + 1, owner = excluded.owner, count = 1,
+                fence = {d.session_fence("x.fence")}, owner = excluded.owner, count = 1,
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session"""
@@ -338,15 +376,41 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND NOT {live}
             """
     returning = "RETURNING fence, count"
-    in_front = ", pg_advisory_unlock(%(turnstile)s)"
+
+    def waiting(update: str) -> str:
+        """A waiter's attempt: granted, the fence and count; busy, in the same round trip,
+        the seconds left on the holder's lease (0: free, a concurrent grant was
+        faster); no row at all: the name was never used."""
+        return f"""
+            WITH a AS ({update} {returning})
+            SELECT fence, count, NULL::float8 FROM a
+            UNION ALL
+            SELECT NULL, NULL, CASE WHEN {live} THEN expires - {now} ELSE 0 END FROM {table}
+            WHERE name = %(name)s AND NOT EXISTS (SELECT FROM a)"""
+
     return {
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,
-        # The waiter in front of the turnstile tries on its own connection and leaves the
-        # turnstile in the same statement, only if it got the lease: no extra round trip.
-        "acquire_in_front": acquire + returning + in_front,
-        "acquire_once_in_front": acquire_once + returning + in_front,
+        "acquire_waiting": waiting(acquire),
+        "acquire_once_waiting": waiting(acquire_once),
+        # The waiter that gets the turnstile runs this in the same round trip, inside the
+        # server, the moment the turnstile is handed over. It always updates the row
+        # (leaving it as it is when the lease is live): a row lock taken FOR UPDATE waits
+        # for the releasing statement to commit and reads the row it committed, where a
+        # plain UPDATE's WHERE would judge the version before the release. Holding the
+        # row until commit also orders any later release after our LISTEN.
+        "turnstile_take": f"""
+            UPDATE {table} AS x SET
+                fence = CASE WHEN o.free THEN x.fence + 1 ELSE x.fence END,
+                count = CASE WHEN o.free THEN 1 ELSE x.count END,
+                owner = CASE WHEN o.free THEN %(owner)s ELSE x.owner END,
+                expires = CASE WHEN o.free THEN {now} + %(ttl)s ELSE x.expires END,
+                holder = CASE WHEN o.free THEN %(holder)s ELSE x.holder END
+            FROM (SELECT name, NOT {live} AS free FROM {table}
+                  WHERE name = %(name)s FOR UPDATE) AS o
+            WHERE x.name = o.name
+            RETURNING o.free, x.fence, x.count, x.expires - {now}""",
         # Not taken: NULL if the row is free (released meanwhile), no row if the name was
         # never used (then ``create_row``), else the seconds left on the holder's lease.
         "time_left": f"""
@@ -360,6 +424,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # The last release wakes waiters on the name's channel, in the same statement.
         "release": d.release(table)
         + " RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END",
+        # A lease taken through the turnstile is released on the connection holding it,
+        # and the last release leaves it: the next waiter, blocked on it in the server,
+        # takes the lease there (turnstile_take). Nobody listens meanwhile.
+        "release_gate": d.release(table)
+        + " RETURNING count, CASE WHEN count = 0 THEN pg_advisory_unlock(%(turnstile)s) END",
         "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
         "inspect": d.inspect(table),
@@ -374,8 +443,8 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "session_acquire": f"""
             WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
             bump AS (
-                UPDATE {table} SET fence = fence + 1, owner = %(owner)s, count = 1,
-                    expires = {now} + %(ttl)s, holder = %(holder)s,
+                UPDATE {table} SET fence = {d.session_fence("fence")}, owner = %(owner)s,
+                    count = 1, expires = {now} + %(ttl)s, holder = %(holder)s,
                     session = pg_backend_pid(), lock_key = %(key)s
                 FROM l WHERE l.ok AND name = %(name)s
                 RETURNING fence, session),
@@ -447,11 +516,11 @@ def mysql_statements(table: str) -> dict[str, str]:
     columns = f"name, fence, count, expires - {now}, holder"
     session_upsert = f"""
             INSERT INTO {table} (name, owner, fence, count, expires, holder, session, lock_key)
-            SELECT %(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s,
-                   CONNECTION_ID(), %(key)s
+            SELECT %(name)s, %(owner)s, LAST_INSERT_ID({d.clock_us}), 1, {now} + %(ttl)s,
+                   %(holder)s, CONNECTION_ID(), %(key)s
             FROM DUAL WHERE {{condition}}
             ON DUPLICATE KEY UPDATE
-                fence = LAST_INSERT_ID(fence + 1), owner = %(owner)s, count = 1,
+                fence = LAST_INSERT_ID({d.session_fence("fence")}), owner = %(owner)s, count = 1,
                 expires = {now} + %(ttl)s, holder = %(holder)s,
                 session = CONNECTION_ID(), lock_key = %(key)s"""
     return {
@@ -526,6 +595,10 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {live} AND {held} ORDER BY name""",
         "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
+        # The MEMORY table is full: rows of names nobody holds go. Their counters are
+        # below the clock, which keeps their next tokens increasing without them.
+        "session_prune": f"""
+            DELETE FROM {table} WHERE fence < {d.clock_us} AND IS_USED_LOCK(lock_key) IS NULL""",
         "session_clear": f"""
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             WHERE name = %(name)s AND session = %(session)s""",

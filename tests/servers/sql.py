@@ -63,6 +63,17 @@ class SQLServer:
         """Stop and start again on the same port and data (the data survives)."""
         self.process.restart()
 
+    def crash_restart(self) -> None:
+        """Stop without a clean shutdown, then start on the same data: PostgreSQL's
+        immediate mode recovers from its WAL and empties UNLOGGED tables; MariaDB loses
+        its MEMORY tables (as on any restart)."""
+        process = self.process.process
+        assert process is not None
+        self.process.signal(signal.SIGQUIT if self.scheme == "postgresql" else signal.SIGKILL)
+        process.wait(30)
+        self.process.process = None
+        self.process.start()
+
 
 def _pg_ready(port: int) -> bool:
     result = subprocess.run(

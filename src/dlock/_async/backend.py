@@ -32,9 +32,13 @@ class AsyncWaiter:
     notifies: ClassVar[bool] = False
 
     async def wait(self, timeout: float) -> Acquired | None:
-        """Return early when the lock may be free. A backend whose releases hand the lease
-        to the next waiter returns it here, granted after the waiter's latest attempt was
-        sent (so the lease lasts at least its ``ttl`` from that moment)."""
+        """Return when the lock may be free, or after ``timeout`` seconds.
+
+        A backend that grants the lease to a waiter on its behalf (Redis: the release
+        hands it over; PostgreSQL: the waiter's turnstile takes it inside the server)
+        returns the grant here. It must have been made after the waiter's latest attempt
+        was sent: the core counts the lease from that moment.
+        """
         await sleep(timeout)
         return None
 

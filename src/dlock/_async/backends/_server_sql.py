@@ -32,6 +32,8 @@ from ..backend import AsyncBackend, AsyncWaiter
 
 #: Idle connections kept per backend; more are closed when given back.
 POOL_SIZE = 16
+#: Names known to have a row; more than this many and the set starts over.
+KNOWN_NAMES = 10_000
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Conn:
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
     uses: int = 0
+    #: The backend's own prepared statements exist on this session.
+    prepared: bool = False
 
 
 @dataclass
@@ -77,6 +81,8 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
         self._parked: dict[str, Held] = {}
+        #: Lease mode: names whose row exists, so a busy answer needs no second query.
+        self._known: set[bytes] = set()
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -277,6 +283,11 @@ class AsyncServerSQLBackend(AsyncBackend):
 
     # -- the seam --------------------------------------------------------------------
 
+    def _remember(self, name: bytes) -> None:
+        if len(self._known) >= KNOWN_NAMES:
+            self._known.clear()
+        self._known.add(name)
+
     def _params(self, name: str, token: str, **more: Any) -> dict[str, Any]:
         return {"name": encode_name(name), "owner": token, **more}
 
@@ -304,7 +315,13 @@ class AsyncServerSQLBackend(AsyncBackend):
         if self._session_mode:
             return await self._session_extend(name, token, ttl)
         result = await self._call("extend", self._params(name, token, ttl=ttl))
-        return result.rowcount > 0
+        if result.rowcount > 0:
+            return True
+        await self._lease_lost(token)
+        return False
+
+    async def _lease_lost(self, token: str) -> None:
+        """A lease found gone by a renewal: drop what was kept for it."""
 
     async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         if len(leases) == 1:
@@ -415,10 +432,12 @@ class AsyncServerSQLBackend(AsyncBackend):
     ) -> list[bool]:
         """Which leases a batch renewed; session locks that were not are given up."""
         results = [(encode_name(x.name), x.token) in renewed for x in leases]
-        if self._session_mode:
-            for lease, ok in zip(leases, results, strict=True):
-                if not ok:
+        for lease, ok in zip(leases, results, strict=True):
+            if not ok:
+                if self._session_mode:
                     await self._session_lost(lease.token)
+                else:
+                    await self._lease_lost(lease.token)
         return results
 
     async def _session_wait(self, name: str, token: str, timeout: float) -> None:

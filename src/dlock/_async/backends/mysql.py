@@ -34,10 +34,10 @@ from .._primitives import IS_ASYNC
 from ._server_sql import AsyncServerSQLBackend, Result
 
 PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
-#: Names known to have a row; more than this many and the set starts over.
-KNOWN_NAMES = 10_000
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
+#: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
+TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
 
 
@@ -64,12 +64,15 @@ class _QuietCursor(aiomysql.cursors.Cursor):  # type: ignore[misc]
 
 class AsyncMySQLBackend(AsyncServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
-        super().__init__(settings, mysql_statements(settings.table), MYSQL.schema(settings.table))
+        super().__init__(
+            settings,
+            mysql_statements(settings.table),
+            MYSQL.schema(settings.table, session=settings.mode == "session"),
+        )
         try:
             self._ssl = _ssl_context(settings.extra)
         except (OSError, ValueError) as exc:
             raise ConfigurationError(f"TLS options: {exc}") from exc
-        self._known: set[bytes] = set()
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncMySQLBackend:
@@ -176,6 +179,22 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
     def _got_wait(self, result: Result) -> bool:
         return bool(result.rows) and result.rows[0][0] == 1
 
+    async def _session_acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        """A name's first lock may find the MEMORY table full (its size is fixed when
+        the server starts): the rows of free names are pruned and the lock tried once
+        more. The failed statement was refused by the server, and its connection (with
+        any lock it took) was closed, so trying again cannot count anything twice."""
+        try:
+            return await super()._session_acquire(name, token, ttl, holder, reentrant)
+        except BackendError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, pymysql.MySQLError) or cause.args[:1] != (TABLE_FULL,):
+                raise
+        await self._call("session_prune", {})
+        return await super()._session_acquire(name, token, ttl, holder, reentrant)
+
     # -- lease mode --------------------------------------------------------------------
 
     async def _lease_acquire(
@@ -194,9 +213,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             return Busy()
         # First use of this name here: create its row, already held by us if it is new.
         created = await self._call("create_row", params)
-        if len(self._known) >= KNOWN_NAMES:
-            self._known.clear()
-        self._known.add(params["name"])
+        self._remember(params["name"])
         if created.insert_id == 1:
             return Acquired(1, 1)
         # Someone else's row appeared (or was there): one more try for a free one.

@@ -8,13 +8,17 @@ released instead of polling.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import psycopg.errors
+from psycopg import sql as psql
 
 from ..._errors import BackendError, BackendUnavailable
 from ..._sql import (
@@ -29,6 +33,10 @@ from ..._sql import (
 from ..._types import Acquired, Busy, Holder, Lease
 from ..backend import AsyncWaiter
 from ._server_sql import AsyncServerSQLBackend, Conn, Result
+
+#: The turnstile take, prepared once per waiting connection (see ``turnstile_take``).
+TAKE = "dlock_take"
+TAKE_PARAMETERS = (("name", "bytea"), ("owner", "text"), ("ttl", "float8"), ("holder", "text"))
 
 #: libpq options passed through from the URL or ``connect()``: TLS and the like.
 PASSTHROUGH = frozenset(
@@ -48,13 +56,23 @@ PASSTHROUGH = frozenset(
 class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
         super().__init__(
-            settings, postgresql_statements(settings.table), POSTGRESQL.schema(settings.table)
+            settings,
+            postgresql_statements(settings.table),
+            POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
         )
-        #: Connections that LISTEN for waiters, kept apart from the statement pool.
-        self._listeners: list[Any] = []
+        #: Connections that wait on the turnstile and LISTEN, apart from the statement pool.
+        self._listeners: list[Conn] = []
         #: Waiters by owner token: the one in front of the turnstile acquires on its own
-        #: connection, so getting the lease and leaving the turnstile is one statement.
+        #: connection.
         self._front: dict[str, _TurnstileWaiter] = {}
+        #: Leases taken in front of the turnstile, by owner token: the turnstile stays
+        #: held on their connection until they end.
+        self._gates: dict[str, _Gate] = {}
+        #: ``turnstile_take`` as a PREPARE statement, with positional parameters.
+        position = {name: f"${i}" for i, (name, _) in enumerate(TAKE_PARAMETERS, 1)}
+        types = ", ".join(kind for _, kind in TAKE_PARAMETERS)
+        body = re.sub(r"%\((\w+)\)s", lambda m: position[m[1]], self._sql["turnstile_take"])
+        self._prepare_take = f"PREPARE {TAKE} ({types}) AS {body}"
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncPostgreSQLBackend:
@@ -80,8 +98,11 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         await raw.set_autocommit(True)
 
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
-        # Without parameters psycopg uses the simple protocol (several statements allowed).
+        # Without parameters psycopg uses the simple protocol (several statements allowed,
+        # the last one's result is the answer).
         cursor = await raw.execute(sql, params or None)
+        while cursor.nextset():
+            pass
         # pgresult.nfields, not description, which builds a Column object per column.
         result = cursor.pgresult
         rows = await cursor.fetchall() if result is not None and result.nfields else []
@@ -131,24 +152,57 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
         statement = "acquire" if reentrant else "acquire_once"
-        front = self._front.get(token)
-        if front is not None and front.in_front:
-            params["turnstile"] = front.key
-            sql = self._sql[statement + "_in_front"]
-            result = await self._run(front.conn, sql, params)
-            if result.rows:
-                front.in_front = False  # the statement left the turnstile
-                return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-        else:
+        waiter = self._front.get(token)
+        if waiter is None:
+            if not reentrant:
+                # A fresh acquisition: a gate left by an earlier one (lost, never
+                # released) only blocks the queue.
+                await self._drop_gate(token)
+            # Not waiting (yet): one plain statement, the uncontended path.
             result = await self._call(statement, params)
             if result.rows:
                 return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-        # Not taken: one more round trip, only on this path, for when the lease ends.
+            if params["name"] in self._known:
+                # Busy. When the lease ends matters only to a waiter, whose attempts ask.
+                return Busy()
+            return await self._first_use(params)
+        waiter.params = params
+        if waiter.busy is not None:
+            # The take that put this waiter in front has just answered, and it is
+            # listening since: asking again would tell nothing new.
+            left, waiter.busy = waiter.busy, None
+            return Busy(retry_after=left)
+        if waiter.in_front:
+            result = await self._run(waiter.conn, self._sql[statement + "_waiting"], params)
+        elif waiter.fresh:
+            # The core's attempt on entering the waiter would only repeat the one just
+            # made: the take in front of the turnstile, made after LISTEN, is the one
+            # that cannot miss a release.
+            waiter.fresh = False
+            return Busy()
+        else:
+            result = await self._call(statement + "_waiting", params)
+        if not result.rows:
+            granted = await self._first_use(params)
+        else:
+            self._remember(params["name"])
+            fence, count, left = result.rows[0]
+            if fence is None:
+                return Busy(retry_after=max(0.0, float(left)))
+            granted = Acquired(int(fence), int(count))
+        if isinstance(granted, Acquired) and waiter.in_front:
+            waiter.granted = True  # the turnstile stays with the lease
+        return granted
+
+    async def _first_use(self, params: dict[str, Any]) -> Acquired | Busy:
+        """No row came back: ask when the lease ends, and create the row if there is none
+        (the name's first use; the new row is ours unless someone was faster)."""
         left = (await self._call("time_left", params)).rows
         if left:
+            self._remember(params["name"])
             return Busy(retry_after=0.0 if left[0][0] is None else max(0.0, float(left[0][0])))
-        # First use of the name: create its row, held by us unless someone was faster.
         created = (await self._call("create_row", params)).rows
+        self._remember(params["name"])
         if created:
             return Acquired(int(created[0][0]), int(created[0][1]))
         result = await self._call("acquire", params)
@@ -157,9 +211,49 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         return Busy()
 
     async def _lease_release(self, name: str, token: str) -> int | None:
-        params = self._params(name, token, channel=notify_channel(self._table, name))
-        result = await self._call("release", params)
-        return int(result.rows[0][0]) if result.rows else None
+        gate = self._gates.pop(token, None)
+        if gate is None:
+            params = self._params(name, token, channel=notify_channel(self._table, name))
+            result = await self._call("release", params)
+            return int(result.rows[0][0]) if result.rows else None
+        # On the connection holding the turnstile: the last release leaves it, and the
+        # waiter blocked on it takes the lease inside the server.
+        params = self._params(name, token, turnstile=gate.key)
+        try:
+            result = await self._run(gate.conn, self._sql["release_gate"], params)
+        except BaseException:
+            await self._drop(gate.conn)  # closing frees the turnstile
+            raise
+        if not result.rows:
+            # Not ours any more (expired, taken over): leave the turnstile all the same.
+            await self._leave_turnstile(gate.conn)
+            return None
+        count = int(result.rows[0][0])
+        if count:
+            self._gates[token] = gate
+        else:
+            self._listeners.append(gate.conn)
+        return count
+
+    async def _leave_turnstile(self, conn: Conn) -> None:
+        """Unlisten and leave the turnstile in one round trip; the connection goes back
+        to the waiters' pool (or, broken, is closed, which leaves it too)."""
+        try:
+            await self._run(conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
+        except BaseException:
+            await self._drop(conn)
+            raise
+        self._listeners.append(conn)
+
+    async def _drop_gate(self, token: str) -> None:
+        gate = self._gates.pop(token, None)
+        if gate is not None:
+            await self._drop(gate.conn)
+
+    async def _lease_lost(self, token: str) -> None:
+        # The lease ended without a release (expired, taken over, force-released): the
+        # turnstile it kept must not hold the queue up.
+        await self._drop_gate(token)
 
     async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         params = {
@@ -177,47 +271,81 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     @asynccontextmanager
     async def _lease_waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
-        """Waiters queue on an advisory lock (the turnstile); the one in front LISTENs.
+        """Waiters queue on an advisory lock (the turnstile) inside the server.
 
-        The holder's release notifies in its own statement. Were every waiter to listen,
-        each release would wake them all to race for the lease; through the turnstile the
-        server wakes one, in arrival order, and the rest stay blocked inside the server.
+        The waiter that gets the turnstile takes the lease in the same round trip if it
+        is free, and keeps the turnstile for as long as it holds the lease; its release
+        leaves the turnstile, so the next waiter takes the lease inside the server, as
+        the database's own blocking lock hands over. If the lease is busy (its holder
+        did not queue), the waiter in front LISTENs and the holder's release notifies.
+        Were every waiter to listen, each release would wake them all to race for the
+        lease; through the turnstile the server wakes one, in arrival order.
         """
         try:
-            raw = self._listeners.pop()
+            conn = self._listeners.pop()
         except IndexError:
-            raw = (await self._connect()).raw
+            conn = await self._connect()
         waiter = _TurnstileWaiter(
             self,
-            Conn(raw),
+            conn,
             notify_channel(self._table, name),
             advisory_key(self._table + ":turnstile", name),
         )
         self._front[token] = waiter
         try:
             yield waiter
-            if waiter.in_front:
-                # One simple-protocol round trip; the next waiter moves to the front.
-                await self._run(waiter.conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
         except BaseException:
-            await self._driver_close(waiter.conn.raw)
+            await self._drop(waiter.conn)  # frees the turnstile
+            if waiter.cut_off:
+                # A take cut off in flight may have committed: give it back.
+                with contextlib.suppress(Exception):
+                    await self._lease_release(name, token)
             raise
         finally:
             self._front.pop(token, None)
-        # Still listening if it got the lease in front: the next waiter to use this
-        # connection unlistens (with its LISTEN) and ignores other channels meanwhile.
-        # The waiter may have replaced a connection that died while idle (restart).
-        self._listeners.append(waiter.conn.raw)
+        if waiter.granted:
+            self._gates[token] = _Gate(waiter.conn, waiter.key)
+        elif waiter.in_front:
+            # One simple-protocol round trip; the next waiter moves to the front.
+            await self._leave_turnstile(waiter.conn)
+        else:
+            # The waiter may have replaced a connection that died while idle (restart).
+            self._listeners.append(waiter.conn)
+
+    def _take_sql(self, conn: Any, key: int, channel: str, params: dict[str, Any], ms: int) -> str:
+        """Queue on the turnstile, then listen and take the lease, as one simple-protocol
+        round trip: its statements run as one transaction, so the timeout bounds the
+        lock wait and LISTEN and the take happen only once the turnstile is ours. The
+        take runs in the server the moment the turnstile is handed over, with a fresh
+        snapshot. Integers and the channel (a hex identifier) are interpolated; the
+        values are literals quoted by the driver, for the prepared ``turnstile_take``."""
+        values = ", ".join(
+            psql.Literal(params[name]).as_string(conn) for name, _ in TAKE_PARAMETERS
+        )
+        return (
+            f"SELECT set_config('lock_timeout', '{ms}', true);"
+            f" SELECT pg_advisory_lock({int(key)}); UNLISTEN *; LISTEN {channel};"
+            f" EXECUTE {TAKE}({values})"
+        )
 
     async def _session_force_release(self, name: str) -> bool:
         result = await self._call("session_force_release", {"name": encode_name(name)})
         return any(row[0] for row in result.rows)
 
     async def aclose(self) -> None:
-        listeners, self._listeners = self._listeners, []
-        for raw in listeners:
-            await self._driver_close(raw)
+        conns = [*self._listeners, *(gate.conn for gate in self._gates.values())]
+        self._listeners, self._gates = [], {}
+        for conn in conns:
+            await self._drop(conn)
         await super().aclose()
+
+
+@dataclass
+class _Gate:
+    """A lease taken in front of the turnstile, and the connection that keeps it."""
+
+    conn: Conn
+    key: int
 
 
 class _TurnstileWaiter(AsyncWaiter):
@@ -229,33 +357,20 @@ class _TurnstileWaiter(AsyncWaiter):
         self._channel = channel
         self.key = key
         self.in_front = False
+        #: No attempt made inside this waiter yet.
+        self.fresh = True
+        #: The lease was taken in front of the turnstile, which stays with it.
+        self.granted = False
+        #: A take failed in flight: it may have committed.
+        self.cut_off = False
+        #: The holder's time left, as the take that put this waiter in front saw it.
+        self.busy: float | None = None
+        #: The latest attempt's parameters (owner, ttl, holder), for the take.
+        self.params: dict[str, Any] = {}
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float) -> Acquired | None:
         if not self.in_front:
-            # Blocked inside the server until the waiters ahead have got the lock.
-            wait_ms = str(max(1, math.ceil(timeout * 1000)))
-            params = {"key": self.key, "wait_ms": wait_ms}
-            try:
-                await self._backend._run(
-                    self.conn, self._backend._sql["session_wait"], params, wait=timeout
-                )
-            except BackendError as exc:
-                # LockNotAvailable is an OperationalError, so it arrives as unavailable:
-                # the turnstile's own timeout, checked first, keeps the connection.
-                if self._backend._is_lock_timeout(exc.__cause__ or exc):
-                    return
-                if not isinstance(exc, BackendUnavailable):
-                    raise
-                # The listener died (server restart): start over on a new one; the core
-                # simply tries again.
-                await self._backend._driver_close(self.conn.raw)
-                self.conn = await self._backend._connect()
-                return
-            self.in_front = True
-            # Listen before the core's next attempt, so no release goes unnoticed; drop
-            # what an earlier waiter on this connection listened to.
-            await self._backend._run(self.conn, f"UNLISTEN *; LISTEN {self._channel}", {})
-            return
+            return await self._queue(timeout)
         try:
             async for notify in self.conn.raw.notifies(timeout=timeout):
                 # Earlier waiters' channels may still have sent something: not ours.
@@ -263,6 +378,50 @@ class _TurnstileWaiter(AsyncWaiter):
                     break
         except psycopg.Error as exc:
             raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
+        return None
+
+    async def _queue(self, timeout: float) -> Acquired | None:
+        backend = self._backend
+        if not self.conn.prepared:
+            await backend._run(self.conn, backend._prepare_take, {})
+            self.conn.prepared = True
+        # A lease taken here counts (on the client) from before this wait: the wait is
+        # bounded by a third of the TTL, so most of the lease is left.
+        wait = min(timeout, float(self.params["ttl"]) / 3)
+        ms = max(1, math.ceil(wait * 1000))
+        sql = backend._take_sql(self.conn.raw, self.key, self._channel, self.params, ms)
+        try:
+            result = await backend._run(self.conn, sql, {}, wait=wait)
+        except BackendError as exc:
+            # LockNotAvailable is an OperationalError, so it arrives as unavailable:
+            # the turnstile's own timeout, checked first, keeps the connection.
+            if backend._is_lock_timeout(exc.__cause__ or exc):
+                return None
+            self.cut_off = True
+            if not isinstance(exc, BackendUnavailable):
+                raise
+            # The connection died (server restart): start over on a new one; the core
+            # simply tries again.
+            await backend._drop(self.conn)
+            self.conn = await backend._connect()
+            with contextlib.suppress(Exception):
+                params = {**self.params, "channel": self._channel}
+                await backend._call("release", params)
+            self.cut_off = False
+            return None
+        except BaseException:
+            self.cut_off = True
+            raise
+        self.in_front = True
+        if not result.rows:
+            return None  # the name has no row yet: the core's next attempt makes it
+        free, fence, count, left = result.rows[0]
+        backend._remember(self.params["name"])
+        if free:
+            self.granted = True
+            return Acquired(int(fence), int(count))
+        self.busy = max(0.0, float(left))
+        return None
 
 
 BACKEND = AsyncPostgreSQLBackend

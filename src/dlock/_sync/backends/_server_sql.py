@@ -33,6 +33,8 @@ from ..backend import Backend, Waiter
 
 #: Idle connections kept per backend; more are closed when given back.
 POOL_SIZE = 16
+#: Names known to have a row; more than this many and the set starts over.
+KNOWN_NAMES = 10_000
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Conn:
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
     uses: int = 0
+    #: The backend's own prepared statements exist on this session.
+    prepared: bool = False
 
 
 @dataclass
@@ -78,6 +82,8 @@ class ServerSQLBackend(Backend):
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
         self._parked: dict[str, Held] = {}
+        #: Lease mode: names whose row exists, so a busy answer needs no second query.
+        self._known: set[bytes] = set()
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -278,6 +284,11 @@ class ServerSQLBackend(Backend):
 
     # -- the seam --------------------------------------------------------------------
 
+    def _remember(self, name: bytes) -> None:
+        if len(self._known) >= KNOWN_NAMES:
+            self._known.clear()
+        self._known.add(name)
+
     def _params(self, name: str, token: str, **more: Any) -> dict[str, Any]:
         return {"name": encode_name(name), "owner": token, **more}
 
@@ -305,7 +316,13 @@ class ServerSQLBackend(Backend):
         if self._session_mode:
             return self._session_extend(name, token, ttl)
         result = self._call("extend", self._params(name, token, ttl=ttl))
-        return result.rowcount > 0
+        if result.rowcount > 0:
+            return True
+        self._lease_lost(token)
+        return False
+
+    def _lease_lost(self, token: str) -> None:
+        """A lease found gone by a renewal: drop what was kept for it."""
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         if len(leases) == 1:
@@ -414,10 +431,12 @@ class ServerSQLBackend(Backend):
     def _renewed(self, leases: Sequence[Lease], renewed: set[tuple[bytes, str]]) -> list[bool]:
         """Which leases a batch renewed; session locks that were not are given up."""
         results = [(encode_name(x.name), x.token) in renewed for x in leases]
-        if self._session_mode:
-            for lease, ok in zip(leases, results, strict=True):
-                if not ok:
+        for lease, ok in zip(leases, results, strict=True):
+            if not ok:
+                if self._session_mode:
                     self._session_lost(lease.token)
+                else:
+                    self._lease_lost(lease.token)
         return results
 
     def _session_wait(self, name: str, token: str, timeout: float) -> None:
