@@ -206,8 +206,12 @@ class AsyncLock:
         """
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
-        if self._lost:
+        if self.lost:
             self._forget()
+            if not self._lost:
+                # Ran out locally before the renewer noticed: free it if still ours.
+                self._declare_lost("the lease ran out before it could be renewed")
+                await self._release_quietly()
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         remaining = await self._client._backend.release(self.name, self._token)
         if remaining is None:

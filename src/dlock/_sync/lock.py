@@ -207,8 +207,12 @@ class Lock:
         """
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
-        if self._lost:
+        if self.lost:
             self._forget()
+            if not self._lost:
+                # Ran out locally before the renewer noticed: free it if still ours.
+                self._declare_lost("the lease ran out before it could be renewed")
+                self._release_quietly()
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         remaining = self._client._backend.release(self.name, self._token)
         if remaining is None:
