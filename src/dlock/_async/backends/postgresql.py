@@ -225,6 +225,11 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     async def _lease_release(self, name: str, token: str) -> int | None:
         gate = self._gates.pop(token, None)
+        if gate is not None and self._driver_idle_dead(gate.conn.raw):
+            # Its session is gone (a restart), and the turnstile with it; or it only has
+            # notifications to read. The lease itself lives on in the table.
+            await self._drop(gate.conn)
+            gate = None
         if gate is None:
             params = self._params(name, token, channel=notify_channel(self._table, name))
             result = await self._call("release", params)
