@@ -551,6 +551,21 @@ def test_lease_lost_through_the_turnstile_leaves_it(
         assert not _turnstile_held(postgresql_server, name)
 
 
+def test_lease_taken_through_the_turnstile_survives_a_restart(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """The connection keeping the turnstile dies with the server; the lease does not, and
+    its release goes through a new connection."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=30)
+        _take_through_the_turnstile(url, name, lock)
+        postgresql_server.restart()
+        lock.extend()
+        lock.release()
+        assert client.lock(name, ttl=5).acquire(timeout=0)
+
+
 def test_fresh_acquire_leaves_a_turnstile_kept_by_a_lost_lease(
     postgresql_server: SQLServer, name: str
 ) -> None:

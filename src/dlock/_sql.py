@@ -426,9 +426,14 @@ def postgresql_statements(table: str) -> dict[str, str]:
         + " RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END",
         # A lease taken through the turnstile is released on the connection holding it,
         # and the last release leaves it: the next waiter, blocked on it in the server,
-        # takes the lease there (turnstile_take). Nobody listens meanwhile.
+        # takes the lease there (turnstile_take). Nobody listens meanwhile. The session's
+        # hold is traded for one that ends with this transaction (CASE fixes the order),
+        # so the next waiter wakes once, after the release has committed, not first at
+        # the unlock and again at the commit, on the row.
         "release_gate": d.release(table)
-        + " RETURNING count, CASE WHEN count = 0 THEN pg_advisory_unlock(%(turnstile)s) END",
+        + """ RETURNING count, CASE WHEN count = 0 THEN
+                CASE WHEN pg_advisory_xact_lock(%(turnstile)s) IS NULL THEN NULL
+                     ELSE pg_advisory_unlock(%(turnstile)s) END END""",
         "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
         "inspect": d.inspect(table),

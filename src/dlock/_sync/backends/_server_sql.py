@@ -22,7 +22,7 @@ import select
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -53,8 +53,8 @@ class Conn:
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
     uses: int = 0
-    #: The backend's own prepared statements exist on this session.
-    prepared: bool = False
+    #: The backend's own prepared statements (SQL PREPARE) on this session.
+    prepared: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -82,6 +82,8 @@ class ServerSQLBackend(Backend):
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
         self._parked: dict[str, Held] = {}
+        #: Session waiters by owner token, told the latest attempt's parameters.
+        self._waiting: dict[str, _SessionWaiter] = {}
         #: Lease mode: names whose row exists, so a busy answer needs no second query.
         self._known: set[bytes] = set()
         self._closed = False
@@ -361,23 +363,16 @@ class ServerSQLBackend(Backend):
             statement = "session_record" if parked is not None else "session_acquire"
             result = self._run(conn, self._sql[statement], params)
             granted = self._session_fence(result)
-            if granted is not None and granted[1] is not None:
-                if conn.session_id is None:
-                    conn.session_id = granted[1]
-                elif granted[1] != conn.session_id:
-                    raise ConfigurationError(
-                        "session mode needs one database session for the lock's lifetime, but "
-                        "statements on one connection ran in different sessions: a "
-                        "transaction-pooling proxy (PgBouncer transaction mode, ProxySQL "
-                        "multiplexing) is in front of the database; connect directly or use "
-                        "lease mode"
-                    )
+            self._check_session(conn, granted)
         except BaseException:
             # Whatever happened, closing the session frees any lock it may have taken.
             self._drop(conn)
             raise
         if granted is None:
             self._give(conn)
+            waiter = self._waiting.get(token)
+            if waiter is not None:
+                waiter.params = params
             left = self._session_time_left(name, result)
             if left is not None and left <= 0:
                 self._session_evict(name)
@@ -385,6 +380,22 @@ class ServerSQLBackend(Backend):
             return Busy(retry_after=left)
         self._held[token] = Held(conn, name, key, granted[0])
         return Acquired(granted[0], 1)
+
+    @staticmethod
+    def _check_session(conn: Conn, granted: tuple[int, int | None] | None) -> None:
+        """The statement that took the lock ran in the connection's own session."""
+        if granted is None or granted[1] is None:
+            return
+        if conn.session_id is None:
+            conn.session_id = granted[1]
+        elif granted[1] != conn.session_id:
+            raise ConfigurationError(
+                "session mode needs one database session for the lock's lifetime, but "
+                "statements on one connection ran in different sessions: a "
+                "transaction-pooling proxy (PgBouncer transaction mode, ProxySQL "
+                "multiplexing) is in front of the database; connect directly or use "
+                "lease mode"
+            )
 
     def _session_count(self, token: str, held: Held, delta: int) -> int | None:
         """Re-entry or partial release: keep the row's count (for inspection) in step."""
@@ -439,36 +450,65 @@ class ServerSQLBackend(Backend):
                     self._lease_lost(lease.token)
         return results
 
-    def _session_wait(self, name: str, token: str, timeout: float) -> None:
+    def _session_wait(self, waiter: _SessionWaiter, timeout: float) -> Acquired | None:
         """Block inside the server until the lock is ours or ``timeout`` passes.
 
-        The lock obtained is parked for the acquire that the core makes next, so a
-        hand-off costs no extra round trip and no polling.
+        Where the database can (PostgreSQL), the same round trip records the lock in
+        its row the moment it is granted, and the grant is returned. Otherwise the lock
+        obtained is parked for the acquire that the core makes next, which records it:
+        no polling either way.
         """
+        name, token = waiter.name, waiter.token
         if token in self._parked or token in self._held:
-            return
+            return None
         # Bounded by the operation timeout, so a dead server is noticed in time.
         wait = max(0.001, min(timeout, self._settings.timeout / 2))
+        record = waiter.params is not None and self._can_record_in_wait
+        if record and waiter.params is not None:
+            # A grant counts (on the client) from before this wait: most of its lease
+            # is left when the wait is bounded by a third of the TTL.
+            wait = max(0.001, min(wait, float(waiter.params["ttl"]) / 3))
         conn = self._take()
         key = self._session_key(name)
-        params = {"key": key, "wait": wait, "wait_ms": str(max(1, math.ceil(wait * 1000)))}
+        ms = max(1, math.ceil(wait * 1000))
         try:
-            result = self._run(conn, self._sql["session_wait"], params, wait=wait)
+            if record and waiter.params is not None:
+                sql, params = self._wait_and_record_sql(conn, waiter.params, ms), {}
+            else:
+                sql, params = (
+                    self._sql["session_wait"],
+                    {"key": key, "wait": wait, "wait_ms": str(ms)},
+                )
+            result = self._run(conn, sql, params, wait=wait)
+            granted = self._session_fence(result) if record else None
+            self._check_session(conn, granted)
         except BackendError as exc:
             if self._is_lock_timeout(exc.__cause__ or exc):
                 self._give(conn)
-                return
+                return None
             self._drop(conn)
             if isinstance(exc, BackendUnavailable) and conn.uses > 0:
-                return  # a pooled connection died while idle; the core tries again
+                return None  # a pooled connection died while idle; the core tries again
             raise
         except BaseException:
+            # Closing the session frees any lock it may have taken.
             self._drop(conn)
             raise
-        if self._got_wait(result):
+        if granted is not None:
+            self._held[token] = Held(conn, name, key, granted[0])
+            return Acquired(granted[0], 1)
+        if not record and self._got_wait(result):
             self._parked[token] = Held(conn, name, key, 0)
         else:
             self._give(conn)
+        return None
+
+    #: The database can record a session lock in the statement that waits for it.
+    _can_record_in_wait = False
+
+    def _wait_and_record_sql(self, conn: Conn, params: dict[str, Any], ms: int) -> str:
+        """One statement text that waits for the lock (up to ``ms``) and records it."""
+        raise NotImplementedError
 
     def _got_wait(self, result: Result) -> bool:
         """PostgreSQL's pg_advisory_lock returns void (it raised on timeout);
@@ -492,9 +532,12 @@ class ServerSQLBackend(Backend):
             with self._lease_waiter(name, token) as lease_waiter:
                 yield lease_waiter
             return
+        waiter = _SessionWaiter(self, name, token)
+        self._waiting[token] = waiter
         try:
-            yield _SessionWaiter(self, name, token)
+            yield waiter
         finally:
+            self._waiting.pop(token, None)
             self._unpark(token)
 
     @contextmanager
@@ -527,8 +570,10 @@ class _SessionWaiter(Waiter):
 
     def __init__(self, backend: ServerSQLBackend, name: str, token: str) -> None:
         self._backend = backend
-        self._name = name
-        self._token = token
+        self.name = name
+        self.token = token
+        #: The latest busy attempt's parameters (owner, ttl, holder, key).
+        self.params: dict[str, Any] | None = None
 
-    def wait(self, timeout: float) -> None:
-        self._backend._session_wait(self._name, self._token, timeout)
+    def wait(self, timeout: float) -> Acquired | None:
+        return self._backend._session_wait(self, timeout)

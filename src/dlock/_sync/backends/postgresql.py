@@ -38,6 +38,22 @@ from ._server_sql import Conn, Result, ServerSQLBackend
 #: The turnstile take, prepared once per waiting connection (see ``turnstile_take``).
 TAKE = "dlock_take"
 TAKE_PARAMETERS = (("name", "bytea"), ("owner", "text"), ("ttl", "float8"), ("holder", "text"))
+#: Session mode's record of a lock obtained by waiting, prepared likewise.
+RECORD = "dlock_record"
+RECORD_PARAMETERS = (*TAKE_PARAMETERS, ("key", "int8"))
+
+
+def _prepare(name: str, parameters: tuple[tuple[str, str], ...], sql: str) -> str:
+    """A PREPARE statement for ``sql``, whose ``%(name)s`` become positional."""
+    position = {p: f"${i}" for i, (p, _) in enumerate(parameters, 1)}
+    body = re.sub(r"%\((\w+)\)s", lambda m: position[m[1]], sql)
+    return f"PREPARE {name} ({', '.join(kind for _, kind in parameters)}) AS {body}"
+
+
+def _literals(conn: Any, parameters: tuple[tuple[str, str], ...], values: dict[str, Any]) -> str:
+    """Values as SQL literals, quoted by the driver, for EXECUTE in a simple query."""
+    return ", ".join(psql.Literal(values[p]).as_string(conn) for p, _ in parameters)
+
 
 #: libpq options passed through from the URL or ``connect()``: TLS and the like.
 PASSTHROUGH = frozenset(
@@ -69,11 +85,8 @@ class PostgreSQLBackend(ServerSQLBackend):
         #: Leases taken in front of the turnstile, by owner token: the turnstile stays
         #: held on their connection until they end.
         self._gates: dict[str, _Gate] = {}
-        #: ``turnstile_take`` as a PREPARE statement, with positional parameters.
-        position = {name: f"${i}" for i, (name, _) in enumerate(TAKE_PARAMETERS, 1)}
-        types = ", ".join(kind for _, kind in TAKE_PARAMETERS)
-        body = re.sub(r"%\((\w+)\)s", lambda m: position[m[1]], self._sql["turnstile_take"])
-        self._prepare_take = f"PREPARE {TAKE} ({types}) AS {body}"
+        self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
+        self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> PostgreSQLBackend:
@@ -213,6 +226,11 @@ class PostgreSQLBackend(ServerSQLBackend):
 
     def _lease_release(self, name: str, token: str) -> int | None:
         gate = self._gates.pop(token, None)
+        if gate is not None and self._driver_idle_dead(gate.conn.raw):
+            # Its session is gone (a restart), and the turnstile with it; or it only has
+            # notifications to read. The lease itself lives on in the table.
+            self._drop(gate.conn)
+            gate = None
         if gate is None:
             params = self._params(name, token, channel=notify_channel(self._table, name))
             result = self._call("release", params)
@@ -320,13 +338,28 @@ class PostgreSQLBackend(ServerSQLBackend):
         take runs in the server the moment the turnstile is handed over, with a fresh
         snapshot. Integers and the channel (a hex identifier) are interpolated; the
         values are literals quoted by the driver, for the prepared ``turnstile_take``."""
-        values = ", ".join(
-            psql.Literal(params[name]).as_string(conn) for name, _ in TAKE_PARAMETERS
-        )
+        values = _literals(conn, TAKE_PARAMETERS, params)
         return (
             f"SELECT set_config('lock_timeout', '{ms}', true);"
             f" SELECT pg_advisory_lock({int(key)}); UNLISTEN *; LISTEN {channel};"
             f" EXECUTE {TAKE}({values})"
+        )
+
+    _can_record_in_wait = True
+
+    def _wait_and_record_sql(self, conn: Conn, params: dict[str, Any], ms: int) -> str:
+        """Wait for the advisory lock, then record it (fence, holder, lease, session),
+        as one simple-protocol round trip: the record runs inside the server the moment
+        the lock is granted. Only integers are interpolated, and literals quoted by the
+        driver for the prepared ``session_record``."""
+        if RECORD not in conn.prepared:
+            self._run(conn, self._prepare_record, {})
+            conn.prepared.add(RECORD)
+        values = _literals(conn.raw, RECORD_PARAMETERS, params)
+        return (
+            f"SELECT pg_advisory_lock({int(params['key'])})"
+            f" FROM (SELECT set_config('lock_timeout', '{ms}', true)) AS s;"
+            f" EXECUTE {RECORD}({values})"
         )
 
     def _session_force_release(self, name: str) -> bool:
@@ -383,9 +416,9 @@ class _TurnstileWaiter(Waiter):
 
     def _queue(self, timeout: float) -> Acquired | None:
         backend = self._backend
-        if not self.conn.prepared:
+        if TAKE not in self.conn.prepared:
             backend._run(self.conn, backend._prepare_take, {})
-            self.conn.prepared = True
+            self.conn.prepared.add(TAKE)
         # A lease taken here counts (on the client) from before this wait: the wait is
         # bounded by a third of the TTL, so most of the lease is left.
         wait = min(timeout, float(self.params["ttl"]) / 3)
