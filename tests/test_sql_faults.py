@@ -60,12 +60,18 @@ def kill_other_sessions(server: SQLServer) -> None:
             (),
         )
         return
-    for (thread,) in run(
+    query = (
         "SELECT id FROM information_schema.processlist "
-        "WHERE id <> CONNECTION_ID() AND command <> 'Daemon' AND user = 'dlock'",
-        (),
-    ):
-        run(f"KILL CONNECTION {int(thread)}", ())
+        "WHERE id <> CONNECTION_ID() AND command <> 'Daemon' AND user = 'dlock'"
+    )
+    killed = {int(thread) for (thread,) in run(query, ())}
+    for thread in killed:
+        run(f"KILL CONNECTION {thread}", ())
+    # KILL only flags the session: it ends (and frees its GET_LOCK locks) moments later.
+    deadline = time.monotonic() + 5
+    while killed & {int(thread) for (thread,) in run(query, ())}:
+        assert time.monotonic() < deadline, "killed sessions did not end"
+        time.sleep(0.01)
 
 
 def test_session_lock_freed_at_once_when_its_connection_is_killed(
