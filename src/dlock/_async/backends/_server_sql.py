@@ -464,24 +464,23 @@ class AsyncServerSQLBackend(AsyncBackend):
             return None
         # Bounded by the operation timeout, so a dead server is noticed in time.
         wait = max(0.001, min(timeout, self._settings.timeout / 2))
-        record = waiter.params is not None and self._can_record_in_wait
-        if record and waiter.params is not None:
+        # The parameters of the attempt that found the lock busy, to record it with.
+        record = waiter.params if self._can_record_in_wait else None
+        if record is not None:
             # A grant counts (on the client) from before this wait: most of its lease
             # is left when the wait is bounded by a third of the TTL.
-            wait = max(0.001, min(wait, float(waiter.params["ttl"]) / 3))
+            wait = max(0.001, min(wait, float(record["ttl"]) / 3))
         conn = await self._take()
         key = self._session_key(name)
         ms = max(1, math.ceil(wait * 1000))
         try:
-            if record and waiter.params is not None:
-                sql, params = await self._wait_and_record_sql(conn, waiter.params, ms), {}
+            if record is not None:
+                sql, params = await self._wait_and_record_sql(conn, record, ms), {}
             else:
-                sql, params = (
-                    self._sql["session_wait"],
-                    {"key": key, "wait": wait, "wait_ms": str(ms)},
-                )
+                sql = self._sql["session_wait"]
+                params = {"key": key, "wait": wait, "wait_ms": str(ms)}
             result = await self._run(conn, sql, params, wait=wait)
-            granted = self._session_fence(result) if record else None
+            granted = None if record is None else self._session_fence(result)
             self._check_session(conn, granted)
         except BackendError as exc:
             if self._is_lock_timeout(exc.__cause__ or exc):
@@ -498,7 +497,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         if granted is not None:
             self._held[token] = Held(conn, name, key, granted[0])
             return Acquired(granted[0], 1)
-        if not record and self._got_wait(result):
+        if record is None and self._got_wait(result):
             self._parked[token] = Held(conn, name, key, 0)
         else:
             await self._give(conn)

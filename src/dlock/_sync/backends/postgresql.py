@@ -332,16 +332,17 @@ class PostgreSQLBackend(ServerSQLBackend):
             self._listeners.append(waiter.conn)
 
     def _take_sql(self, conn: Any, key: int, channel: str, params: dict[str, Any], ms: int) -> str:
-        """Queue on the turnstile, then listen and take the lease, as one simple-protocol
+        """Listen, queue on the turnstile and take the lease, as one simple-protocol
         round trip: its statements run as one transaction, so the timeout bounds the
-        lock wait and LISTEN and the take happen only once the turnstile is ours. The
-        take runs in the server the moment the turnstile is handed over, with a fresh
-        snapshot. Integers and the channel (a hex identifier) are interpolated; the
-        values are literals quoted by the driver, for the prepared ``turnstile_take``."""
+        lock wait, and LISTEN (which takes effect at commit) and the take happen only
+        once the turnstile is ours. After the turnstile is handed over only the take is
+        left to run, inside the server, with a fresh snapshot. Integers and the channel
+        (a hex identifier) are interpolated; the values are literals quoted by the
+        driver, for the prepared ``turnstile_take``."""
         values = _literals(conn, TAKE_PARAMETERS, params)
         return (
-            f"SELECT set_config('lock_timeout', '{ms}', true);"
-            f" SELECT pg_advisory_lock({int(key)}); UNLISTEN *; LISTEN {channel};"
+            f"UNLISTEN *; LISTEN {channel}; SELECT pg_advisory_lock({int(key)})"
+            f" FROM (SELECT set_config('lock_timeout', '{ms}', true)) AS s;"
             f" EXECUTE {TAKE}({values})"
         )
 
