@@ -207,12 +207,7 @@ class AsyncLock:
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
-            self._forget()
-            if not self._lost:
-                # Ran out locally before the renewer noticed: free it if still ours.
-                self._declare_lost("the lease ran out before it could be renewed")
-                await self._release_quietly()
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+            raise await self._give_up_lost()
         remaining = await self._client._backend.release(self.name, self._token)
         if remaining is None:
             self._declare_lost("the lease had expired or been taken over before release")
@@ -259,6 +254,16 @@ class AsyncLock:
         self._count = 0
         self._client._renewer.discard(self)
 
+    async def _give_up_lost(self) -> LockLost:
+        """Forget a lost lease and return the error to raise. A lease that ran out on our
+        clock before the backend or renewer said so is declared lost now and freed if
+        it is somehow still ours."""
+        self._forget()
+        if not self._lost:
+            self._declare_lost("the lease ran out before it could be renewed")
+            await self._release_quietly()
+        return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+
     async def _release_quietly(self) -> None:
         try:
             await self._client._backend.release(self.name, self._token)
@@ -280,12 +285,8 @@ class AsyncLock:
     ) -> None:
         task, self._body_task = self._body_task, None
         if self.lost:
-            self._forget()
-            if not self._lost:
-                # Ran out locally without the backend saying so: free it if still ours.
-                self._declare_lost("the lease ran out before it could be renewed")
-                await self._release_quietly()
+            lost = await self._give_up_lost()
             if self._cancelled_by_us and isinstance(exc, Cancelled):
                 uncancel(task)
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}") from exc
+            raise lost from exc
         await self.release()
