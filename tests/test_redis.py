@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -323,6 +324,60 @@ def test_a_call_cut_off_mid_reply_leaves_no_reply_for_the_next(own_server: Redis
             await held.release()
 
     asyncio.run(scenario())
+
+
+def test_release_after_the_lease_ran_out_is_lock_lost_even_if_the_server_is_gone(
+    own_server: RedisServer,
+) -> None:
+    """A holder whose lease ran out on its own clock is told LockLost, not whatever the
+    backend answers (here: nothing, a paused server)."""
+    with dlock.connect(url_of(own_server), socket_timeout=0.3) as client:
+        lock = client.lock(unique(), ttl=0.3, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        own_server.pause()
+        try:
+            time.sleep(0.4)
+            with pytest.raises(dlock.LockLost, match="ran out"):
+                lock.release()
+        finally:
+            own_server.resume()
+
+
+def test_a_kept_connection_reconnects_after_a_server_restart(own_server: RedisServer) -> None:
+    """dlock keeps connections out of redis-py's pool; one the server closed must be
+    noticed before use, as the pool would, not fail the first call after a restart."""
+    with dlock.connect(url_of(own_server)) as client:
+        assert client.lock(unique(), ttl=5).acquire(timeout=0)
+        own_server.restart()
+        lock = client.lock(unique(), ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+
+
+def test_a_forked_child_does_not_share_the_parents_connections(redis_server: RedisServer) -> None:
+    with dlock.connect(url_of(redis_server)) as client:
+        first = client.lock(unique(), ttl=5)
+        assert first.acquire(timeout=0)
+        first.release()
+        pid = os.fork()
+        if pid == 0:  # the child: its replies must not be read by the parent, or vice versa
+            code = 1
+            try:
+                for _ in range(200):
+                    child_lock = client.lock(unique(), ttl=5)
+                    assert child_lock.acquire(timeout=0)
+                    child_lock.release()
+                code = 0
+            finally:
+                os._exit(code)
+        for _ in range(200):
+            lock = client.lock(unique(), ttl=5)
+            assert lock.acquire(timeout=0)
+            info = client.inspect(lock.name)
+            assert info is not None and info.fencing_token == lock.fencing_token
+            lock.release()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_redlock_survives_one_dead_master_not_two(own_masters: list[RedisServer]) -> None:
