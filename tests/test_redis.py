@@ -218,9 +218,9 @@ def test_a_grant_for_an_earlier_attempt_is_not_taken(redis_server: RedisServer) 
         token = "e" * 32
         backend.enqueue(name, token, "now")
         backend.acquire(name, token, 30.0, Holder.current(), False)
-        first = backend._attempts[token]
+        first = backend._waiting[token].attempt
         backend.acquire(name, token, 30.0, Holder.current(), False)
-        latest = backend._attempts[token]
+        latest = backend._waiting[token].attempt
         assert backend.handed_over(token, f"{first} 7 6000".encode()) is None
         handed = backend.handed_over(token, f"{latest} 7 6000".encode())
         assert handed is not None and (handed.fencing_token, handed.ttl) == (7, 6.0)

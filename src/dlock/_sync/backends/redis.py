@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -123,6 +124,22 @@ class Keys:
 def _keys(prefix: bytes, name: str) -> Keys:
     """Keys of recently used names, so a hot lock does not re-encode its name each time."""
     return Keys(prefix, name)
+
+
+@dataclass
+class _Waiting:
+    """A token waiting for a lock: its place in the queue and its latest attempt."""
+
+    #: Orders the queue: "now" (the server's clock at its first attempt) or, for
+    #: Redlock, one arrival in ms shared by every master.
+    arrival: str
+    #: The number of its latest attempt: a lease handed over is only taken when it names
+    #: the latest, so the waiter knows it was granted after that attempt was sent. Each
+    #: attempt also (re)takes the place, so a place that lapsed is taken again.
+    attempt: int = 0
+    #: Out of the queue already (granted by an attempt or handed the lease): leaving
+    #: needs no round trip.
+    left: bool = False
 
 
 class _PubSubWaiter(Waiter):
@@ -264,14 +281,8 @@ class RedisBackend(Backend):
         self._subscriber: Any = None
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
-        #: Waiting tokens that the acquire script already took out of their queue.
-        self._dequeued: set[str] = set()
-        #: Waiting tokens and their arrival: each of their attempts (re)takes their place
-        #: in the queue, so a waiter whose place lapsed (a long fallback wait) gets a new one.
-        self._joining: dict[str, str] = {}
-        #: Each waiter's latest attempt number: a lease handed over is only taken when it
-        #: names the latest, so the waiter knows it was granted after that attempt was sent.
-        self._attempts: dict[str, int] = {}
+        #: The tokens waiting through this backend (the sync face: from several threads).
+        self._waiting: dict[str, _Waiting] = {}
         self._attempt_numbers = itertools.count(1)
         #: Releases grant the lease to the next waiter (False for Redlock's masters, where
         #: one master cannot grant alone: the waiter is only woken).
@@ -440,10 +451,10 @@ class RedisBackend(Backend):
     ) -> Acquired | Busy:
         k = self._keys(name)
         ttl_ms = _ms(ttl)
-        join = self._joining.get(token, "")
+        waiting = self._waiting.get(token)
         attempt = 0
-        if join:
-            attempt = self._attempts[token] = next(self._attempt_numbers)
+        if waiting is not None:
+            attempt = waiting.attempt = next(self._attempt_numbers)
         args = (
             token,
             ttl_ms,
@@ -451,7 +462,7 @@ class RedisBackend(Backend):
             "1" if reentrant else "0",
             self._queue_ttl_ms,
             "1" if keep_place else "0",
-            join,
+            "" if waiting is None else waiting.arrival,
             attempt,
             # A lease handed to a waiter lasts no longer than its place in the queue.
             min(ttl_ms, self._queue_ttl_ms),
@@ -459,11 +470,8 @@ class RedisBackend(Backend):
         # A call cut off mid-flight may have been granted: the core gives the lease back.
         result = self._call(scripts.ACQUIRE, k.queued(), args)
         granted = int(result[0]) == 1
-        if join:
-            if granted and int(result[3]):
-                self._dequeued.add(token)  # the waiter's exit need not leave the queue
-            else:
-                self._dequeued.discard(token)
+        if waiting is not None:
+            waiting.left = granted and bool(int(result[3]))
         if granted:
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
         left = int(result[1])
@@ -476,9 +484,10 @@ class RedisBackend(Backend):
             attempt, fence, lease_ms = (int(part) for part in message.split())
         except ValueError:
             return None
-        if token not in self._joining or attempt != self._attempts.get(token):
+        waiting = self._waiting.get(token)
+        if waiting is None or attempt != waiting.attempt:
             return None
-        self._dequeued.add(token)
+        waiting.left = True
         return Acquired(fencing_token=fence, count=1, ttl=lease_ms / 1000)
 
     def _hand_over_flag(self) -> str:
@@ -526,14 +535,12 @@ class RedisBackend(Backend):
         """Queue ``token`` with its acquire attempts (the core makes one right after
         entering the waiter), not a round trip of its own; ``arrival`` orders the queue
         ("now": the server's clock)."""
-        self._joining[token] = arrival
+        self._waiting[token] = _Waiting(arrival)
 
     def dequeue(self, name: str, token: str) -> None:
         """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
-        self._joining.pop(token, None)
-        self._attempts.pop(token, None)
-        if token in self._dequeued:
-            self._dequeued.discard(token)
+        waiting = self._waiting.pop(token, None)
+        if waiting is None or waiting.left:
             return
         k = self._keys(name)
         with suppress(BackendError):
