@@ -9,7 +9,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -62,6 +62,20 @@ def tls_server() -> Iterator[TLSRedis]:
 
 def url_of(server: RedisServer) -> str:
     return f"redis://{server.address}/0"
+
+
+def acquire_in_thread(lock: dlock.Lock, timeout: float) -> Callable[[], bool | None]:
+    """Start ``lock.acquire(timeout)`` in a thread; the call returned joins it (at most
+    ``timeout`` + 5 s) and gives acquire's answer, or None if it had not returned."""
+    answer: list[bool] = []
+    thread = threading.Thread(target=lambda: answer.append(lock.acquire(timeout=timeout)))
+    thread.start()
+
+    def result() -> bool | None:
+        thread.join(timeout + 5)
+        return answer[0] if answer else None
+
+    return result
 
 
 def test_restart_while_held_is_reported_as_a_loss(own_server: RedisServer) -> None:
@@ -139,17 +153,14 @@ def test_release_hands_the_lease_to_the_waiter_without_its_own_round_trip(
         holder = first.lock(name, ttl=30)
         holder.acquire()
         waiter = second.lock(name, ttl=30)
-        got: list[bool] = []
-        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10)))
-        thread.start()
+        acquired = acquire_in_thread(waiter, timeout=10)
         deadline = time.monotonic() + 5
         while not admin.exists(f"dlock:{{n:{name}}}:queue") and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.1)
         admin.config_resetstat()
         holder.release()
-        thread.join(5)
-        assert got == [True]
+        assert acquired() is True
         assert waiter.fencing_token is not None
         assert waiter.fencing_token > (holder.fencing_token or 0)
         # The release was the only script run: the waiter learnt of its grant by message.
@@ -170,13 +181,10 @@ def test_a_lease_handed_over_long_after_the_last_attempt_is_confirmed(
         holder = first.lock(name, ttl=30)
         holder.acquire()
         waiter = second.lock(name, ttl=0.3)
-        got: list[bool] = []
-        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=5)))
-        thread.start()
+        acquired = acquire_in_thread(waiter, timeout=5)
         time.sleep(0.5)  # well past a third of the waiter's TTL since its attempt
         holder.release()
-        thread.join(5)
-        assert got == [True]
+        assert acquired() is True
         assert waiter.owned(), "acquired a lease already counted as run out"
         assert waiter.fencing_token is not None
         assert waiter.fencing_token > (holder.fencing_token or 0)
