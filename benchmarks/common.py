@@ -205,33 +205,35 @@ def measure_contention(
 
 
 def measure_contention_rounds(
-    open_lock: Callable[[Any], LockHandle],
-    configs: dict[str, Any],
+    setups: dict[str, tuple[Callable[[Any], LockHandle], Any]],
     rounds: int = 3,
     processes: int = 8,
     sections: int = 200,
-) -> dict[str, Contention]:
-    """:func:`measure_contention` for several setups, run in ``rounds`` interleaved rounds.
+) -> dict[str, list[Contention]]:
+    """:func:`measure_contention` of every setup (``label: (open_lock, config)``), run in
+    ``rounds`` interleaved rounds; each label's results in round order.
 
     A contention run lasts a fraction of a second, so one burst of other load on the
-    machine can halve a row. Interleaving spreads such bursts over every setup alike;
-    each row then reports the median rate and hand-off, the longest wait of all rounds
-    and the counters of all rounds added up (exact only if every round was).
+    machine can halve a row. Interleaving spreads such bursts over every setup alike,
+    and results of one round are comparable with each other.
     """
-    runs: dict[str, list[Contention]] = {label: [] for label in configs}
+    runs: dict[str, list[Contention]] = {label: [] for label in setups}
     for _ in range(rounds):
-        for label, config in configs.items():
+        for label, (open_lock, config) in setups.items():
             runs[label].append(measure_contention(open_lock, config, processes, sections))
-    return {
-        label: Contention(
-            sections_per_s=statistics.median(c.sections_per_s for c in results),
-            median_handoff_ms=statistics.median(c.median_handoff_ms for c in results),
-            longest_wait_ms=max(c.longest_wait_ms for c in results),
-            counter=sum(c.counter for c in results),
-            expected=sum(c.expected for c in results),
-        )
-        for label, results in runs.items()
-    }
+    return runs
+
+
+def combine_rounds(results: list[Contention]) -> Contention:
+    """One row for several rounds: the median rate and hand-off, the longest wait of all
+    rounds and the counters added up (exact only if every round was)."""
+    return Contention(
+        sections_per_s=statistics.median(c.sections_per_s for c in results),
+        median_handoff_ms=statistics.median(c.median_handoff_ms for c in results),
+        longest_wait_ms=max(c.longest_wait_ms for c in results),
+        counter=sum(c.counter for c in results),
+        expected=sum(c.expected for c in results),
+    )
 
 
 def _ratio(value: float | None, base: float | None) -> str:

@@ -26,6 +26,7 @@ from benchmarks.common import (
     Contention,
     DlockHandle,
     Latency,
+    combine_rounds,
     dlock_ops,
     measure_contention_rounds,
     measure_latencies,
@@ -178,9 +179,13 @@ def main() -> int:
         ]
         lats = latencies(setups, url, iterations, rounds)
         print("  measured uncontended latency", file=sys.stderr, flush=True)
-        cons = measure_contention_rounds(
-            open_lock, dict(setups), rounds=CONTENTION_ROUNDS, processes=8, sections=sections
+        runs = measure_contention_rounds(
+            {label: (open_lock, config) for label, config in setups},
+            rounds=CONTENTION_ROUNDS,
+            processes=8,
+            sections=sections,
         )
+        cons = {label: combine_rounds(results) for label, results in runs.items()}
         rows: list[tuple[str, Latency | None, Contention | None]] = []
         for label, _ in setups:
             rows.append((label, lats[label], cons[label]))

@@ -23,11 +23,11 @@ from typing import Any
 from kazoo.client import KazooClient
 
 from benchmarks.common import (
-    Contention,
     Latency,
     LockHandle,
+    combine_rounds,
     dlock_ops,
-    measure_contention,
+    measure_contention_rounds,
     measure_latencies,
     open_dlock,
     print_table,
@@ -139,17 +139,14 @@ def main() -> None:
             (KAZOO_FAST, open_kazoo_fast, servers.hosts),
         ]
         # Contention is noisy on a shared 2-core machine: alternate the contenders over
-        # several rounds and keep each one's median round (by throughput).
-        runs: dict[str, list[Contention]] = {label: [] for label, _, _ in openers}
-        for _ in range(args.rounds):
-            for label, opener, config in openers:
-                runs[label].append(
-                    measure_contention(opener, config, args.processes, args.sections)
-                )
-        medians = {
-            label: sorted(results, key=lambda c: c.sections_per_s)[len(results) // 2]
-            for label, results in runs.items()
-        }
+        # several rounds and report each one's median.
+        runs = measure_contention_rounds(
+            {label: (opener, config) for label, opener, config in openers},
+            args.rounds,
+            args.processes,
+            args.sections,
+        )
+        medians = {label: combine_rounds(results) for label, results in runs.items()}
         for label, contention in medians.items():
             rows.append((f"{label}, {args.processes} processes", None, contention))
         kind = "3-node ensemble" if args.ensemble else "standalone server"
