@@ -230,6 +230,8 @@ def test_a_grant_for_an_earlier_attempt_is_not_taken(redis_server: RedisServer) 
         backend.acquire(name, token, 30.0, Holder.current(), False)
         latest = backend._waiting[token].attempt
         assert backend.handed_over(token, f"{first} 7 6000".encode()) is None
+        for garbled in (b"x y z", f"{latest} 7".encode(), f"{latest} 7 6000 1".encode()):
+            assert backend.handed_over(token, garbled) is None, garbled
         handed = backend.handed_over(token, f"{latest} 7 6000".encode())
         assert handed is not None and (handed.fencing_token, handed.ttl) == (7, 6.0)
         backend.dequeue(name, token)
