@@ -438,9 +438,12 @@ def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) 
         start_worker(FACE, "sections", url, name, str(per_process), str(out), str(counter))
         for out in outputs
     ]
-    for worker in workers:
-        assert run_blocking(worker.wait, 300) == 0
-        finish(worker)
+    try:
+        for worker in workers:
+            assert run_blocking(worker.wait, 300) == 0
+    finally:
+        for worker in workers:
+            finish(worker)
     records = load_records(outputs)
     assert len(records) == processes * per_process
     for before, after in pairwise(records):

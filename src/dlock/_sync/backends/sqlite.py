@@ -7,6 +7,7 @@ jitter. Every statement runs in a worker thread under the sync face.
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import threading
 import time
@@ -114,12 +115,31 @@ class SQLiteBackend(Backend):
                 isolation_level=None,
                 check_same_thread=False,
             )
-            conn.execute("PRAGMA journal_mode=WAL")
+            self._use_wal(conn)
             conn.execute(f"PRAGMA synchronous={self._synchronous}")
             conn.execute(self._sql["schema"])
         except (OSError, sqlite3.Error) as exc:
             raise BackendUnavailable(f"cannot open SQLite database {self._path!r}: {exc}") from exc
         return conn
+
+    def _use_wal(self, conn: sqlite3.Connection) -> None:
+        """Switch the file to WAL (kept in the file: the first opener does it).
+
+        Switching takes an exclusive lock, and SQLite answers "database is locked" at
+        once, without its busy handler, when another process opens the new file at the
+        same moment: try again with jitter until the busy timeout.
+        """
+        deadline = time.monotonic() + self._busy_timeout
+        delay = 0.002
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(random.uniform(0, delay))
+            delay = min(delay * 2, 0.1)
 
     def _run(self, statement: str, params: dict[str, Any]) -> list[Any]:
         """Run one statement (its own transaction) and return its rows."""
