@@ -1,7 +1,7 @@
 """MariaDB and PostgreSQL: dlock's two modes against the raw operations and tooz.
 
     python -m benchmarks.sql [--db mariadb|postgresql|both] [--iterations N]
-                             [--processes P] [--sections S]
+                             [--processes P] [--sections S] [--rounds R]
 
 Per database, in one run with private servers (tests/servers/sql.py):
 
@@ -30,7 +30,8 @@ import dlock.aio
 from benchmarks.common import (
     Contention,
     Latency,
-    measure_contention,
+    combine_rounds,
+    measure_contention_rounds,
     measure_latencies,
     open_dlock,
 )
@@ -205,7 +206,7 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
     return {RAW_LEASE: insert_delete, RAW_SESSION: lock_unlock}
 
 
-def run(db: str, iterations: int, processes: int, sections: int) -> None:
+def run(db: str, iterations: int, processes: int, sections: int, rounds: int) -> None:
     server = start_postgresql() if db == "postgresql" else start_mariadb()
     try:
         lease_url, session_url = server.url(), server.url("mode=session")
@@ -235,22 +236,32 @@ def run(db: str, iterations: int, processes: int, sections: int) -> None:
                     TOOZ: tooz_op(tooz_url, cleanup),
                 },
                 iterations,
+                # One by one: the time of a loopback round trip flips between two levels
+                # here (client and server on one CPU or two), for a few hundred
+                # operations at a time; every operation should see both alike.
+                rounds=iterations,
             )
         finally:
             for close in reversed(cleanup):
                 close()
             loop.close()
-        blocking: Contention
-        if db == "postgresql":
-            blocking = measure_contention(open_pg_blocking, server.url(), processes, sections)
-        else:
-            blocking = measure_contention(open_mysql_blocking, server.port, processes, sections)
-        contention = {
-            "dlock lease": measure_contention(open_dlock, lease_url, processes, sections),
-            "dlock session": measure_contention(open_dlock, session_url, processes, sections),
-            TOOZ: measure_contention(open_tooz, tooz_url, processes, sections),
-            RAW_BLOCKING: blocking,
-        }
+        blocking: tuple[Callable[[Any], Any], Any] = (
+            (open_pg_blocking, server.url())
+            if db == "postgresql"
+            else (open_mysql_blocking, server.port)
+        )
+        runs = measure_contention_rounds(
+            {
+                "dlock lease": (open_dlock, lease_url),
+                "dlock session": (open_dlock, session_url),
+                TOOZ: (open_tooz, tooz_url),
+                RAW_BLOCKING: blocking,
+            },
+            rounds=rounds,
+            processes=processes,
+            sections=sections,
+        )
+        contention = {label: combine_rounds(results) for label, results in runs.items()}
     finally:
         server.stop()
     title = "PostgreSQL 15" if db == "postgresql" else "MariaDB 10.11"
@@ -265,7 +276,10 @@ def run(db: str, iterations: int, processes: int, sections: int) -> None:
         (RAW_BLOCKING, None, contention[RAW_BLOCKING]),
     ]
     print_table(
-        f"{title}: uncontended acquire+release; {processes} processes on one name",
+        f"{title}: uncontended acquire+release ({iterations} of each, interleaved one by "
+        f"one); {processes} processes x {sections} sections on one name, {rounds} "
+        "interleaved rounds (median rate and hand-off, longest wait of all rounds, "
+        "counters added up)",
         rows,
         RAW_LEASE,
     )
@@ -300,10 +314,11 @@ def main() -> None:
     parser.add_argument("--db", choices=["mariadb", "postgresql", "both"], default="both")
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--processes", type=int, default=8)
-    parser.add_argument("--sections", type=int, default=50)
+    parser.add_argument("--sections", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     for db in ("mariadb", "postgresql") if args.db == "both" else (args.db,):
-        run(db, args.iterations, args.processes, args.sections)
+        run(db, args.iterations, args.processes, args.sections, args.rounds)
 
 
 if __name__ == "__main__":
