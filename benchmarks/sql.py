@@ -1,7 +1,7 @@
 """MariaDB and PostgreSQL: dlock's two modes against the raw operations and tooz.
 
     python -m benchmarks.sql [--db mariadb|postgresql|both] [--iterations N]
-                             [--processes P] [--sections S] [--rounds R]
+                             [--processes P] [--sections S] [--rounds R] [--pin CPU]
 
 Per database, in one run with private servers (tests/servers/sql.py):
 
@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -36,13 +39,23 @@ from benchmarks.common import (
     open_dlock,
 )
 from benchmarks.common import print_table as print_table
-from dlock._sql import advisory_key, named_lock_key
+from dlock._sql import (
+    advisory_key,
+    encode_name,
+    mysql_statements,
+    named_lock_key,
+    notify_channel,
+    postgresql_statements,
+)
+from dlock._types import Holder
 from tests.servers.sql import SQLServer, start_mariadb, start_postgresql
 
 RAW_LEASE = "raw INSERT + DELETE"
 RAW_SESSION = "raw lock + unlock"
 RAW_BLOCKING = "raw blocking lock"
 TOOZ = "tooz"
+LEASE_SQL = "dlock's lease SQL, direct"
+SESSION_SQL = "dlock's session SQL, direct"
 
 
 # -- lock handles for the contending processes (module level: they run after spawn) --
@@ -178,7 +191,42 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
         conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
         conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
 
-    return {RAW_LEASE: insert_delete, RAW_SESSION: lock_unlock}
+    lease, session = (
+        postgresql_statements("dlock_locks"),
+        postgresql_statements("dlock_session_locks"),
+    )
+    lease_params, session_params = (
+        _direct_params("dlock_locks"),
+        _direct_params("dlock_session_locks"),
+    )
+    release_params = {**lease_params, "channel": notify_channel("dlock_locks", "direct")}
+
+    def lease_sql() -> None:
+        assert conn.execute(lease["acquire_once"], lease_params).fetchall()
+        conn.execute(lease["release"], release_params).fetchall()
+
+    def session_sql() -> None:
+        assert conn.execute(session["session_acquire"], session_params).fetchall()[0][0]
+        conn.execute(session["session_unlock"], session_params).fetchall()
+
+    return {
+        RAW_LEASE: insert_delete,
+        RAW_SESSION: lock_unlock,
+        LEASE_SQL: lease_sql,
+        SESSION_SQL: session_sql,
+    }
+
+
+def _direct_params(table: str) -> dict[str, Any]:
+    """Parameters for dlock's statements run directly (its tables hold the row by then)."""
+    return {
+        "name": encode_name("direct"),
+        "owner": secrets.token_hex(16),
+        "ttl": 30.0,
+        "holder": Holder.current().to_json(),
+        "reentrant": False,
+        "key": advisory_key(table, "direct"),
+    }
 
 
 def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[str, Any]:
@@ -203,10 +251,70 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
         cursor.execute("SELECT GET_LOCK(%s, 0)", (key,))
         cursor.execute("SELECT RELEASE_LOCK(%s)", (key,))
 
-    return {RAW_LEASE: insert_delete, RAW_SESSION: lock_unlock}
+    lease, session = mysql_statements("dlock_locks"), mysql_statements("dlock_session_locks")
+    lease_params = _direct_params("dlock_locks")
+    session_params = {
+        **_direct_params("dlock_session_locks"),
+        "key": named_lock_key("dlock_session_locks", "direct"),
+    }
+
+    def lease_sql() -> None:
+        assert cursor.execute(lease["acquire_once"], lease_params) == 1
+        cursor.execute(lease["release"], lease_params)
+
+    def session_sql() -> None:
+        assert cursor.execute(session["session_acquire"], session_params) > 0
+        cursor.execute(session["session_unlock"], session_params)
+        cursor.fetchall()
+
+    return {
+        RAW_LEASE: insert_delete,
+        RAW_SESSION: lock_unlock,
+        LEASE_SQL: lease_sql,
+        SESSION_SQL: session_sql,
+    }
 
 
-def run(db: str, iterations: int, processes: int, sections: int, rounds: int) -> None:
+@contextmanager
+def pinned(server: SQLServer, cpu: int | None) -> Iterator[None]:
+    """With ``cpu``: the server and this process run on that one CPU meanwhile.
+
+    A loopback round trip here costs ~25 µs when client and server share a CPU and
+    ~90 µs when the scheduler wakes the other one on a second CPU, and which one
+    happens flips every few hundred operations. Pinned, every operation pays the first:
+    the ratios then show what each side's work costs, not where the scheduler put it.
+    PostgreSQL's sessions are forked afterwards from the pinned postmaster.
+    """
+    if cpu is None:
+        yield
+        return
+    everywhere = os.sched_getaffinity(0)
+    assert server.process.process is not None
+    for pid in (server.process.process.pid, os.getpid()):
+        _set_affinity(pid, {cpu})
+    try:
+        yield
+    finally:
+        for pid in (server.process.process.pid, os.getpid()):
+            _set_affinity(pid, everywhere)
+
+
+def _set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid``: threads it starts later inherit it."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+
+
+def _create_rows(*urls: str) -> None:
+    """The rows that "dlock's SQL, direct" updates (dlock keeps a row per name)."""
+    for url in urls:
+        with dlock.connect(url) as client, client.lock("direct", ttl=30):
+            pass
+
+
+def run(
+    db: str, iterations: int, processes: int, sections: int, rounds: int, pin: int | None
+) -> None:
     server = start_postgresql() if db == "postgresql" else start_mariadb()
     try:
         lease_url, session_url = server.url(), server.url("mode=session")
@@ -217,7 +325,8 @@ def run(db: str, iterations: int, processes: int, sections: int, rounds: int) ->
         )
         cleanup: list[Callable[[], None]] = []
         loop = asyncio.new_event_loop()
-        try:
+        with pinned(server, pin):
+            _create_rows(lease_url, session_url)
             raw = (
                 postgresql_raw(server, cleanup)
                 if db == "postgresql"
@@ -228,9 +337,11 @@ def run(db: str, iterations: int, processes: int, sections: int, rounds: int) ->
             latencies = measure_latencies(
                 {
                     RAW_LEASE: raw[RAW_LEASE],
+                    LEASE_SQL: raw[LEASE_SQL],
                     "dlock lease sync": lease_sync,
                     "dlock lease asyncio": lease_async,
                     RAW_SESSION: raw[RAW_SESSION],
+                    SESSION_SQL: raw[SESSION_SQL],
                     "dlock session sync": session_sync,
                     "dlock session asyncio": session_async,
                     TOOZ: tooz_op(tooz_url, cleanup),
@@ -241,7 +352,6 @@ def run(db: str, iterations: int, processes: int, sections: int, rounds: int) ->
                 # operations at a time; every operation should see both alike.
                 rounds=iterations,
             )
-        finally:
             for close in reversed(cleanup):
                 close()
             loop.close()
@@ -267,16 +377,19 @@ def run(db: str, iterations: int, processes: int, sections: int, rounds: int) ->
     title = "PostgreSQL 15" if db == "postgresql" else "MariaDB 10.11"
     rows: list[tuple[str, Latency | None, Contention | None]] = [
         (RAW_LEASE, latencies[RAW_LEASE], None),
+        (LEASE_SQL, latencies[LEASE_SQL], None),
         ("dlock lease sync", latencies["dlock lease sync"], contention["dlock lease"]),
         ("dlock lease asyncio", latencies["dlock lease asyncio"], None),
         (RAW_SESSION, latencies[RAW_SESSION], None),
+        (SESSION_SQL, latencies[SESSION_SQL], None),
         ("dlock session sync", latencies["dlock session sync"], contention["dlock session"]),
         ("dlock session asyncio", latencies["dlock session asyncio"], None),
         (TOOZ, latencies[TOOZ], contention[TOOZ]),
         (RAW_BLOCKING, None, contention[RAW_BLOCKING]),
     ]
+    where = "" if pin is None else f"; uncontended pinned to CPU {pin} with the server"
     print_table(
-        f"{title}: uncontended acquire+release ({iterations} of each, interleaved one by "
+        f"{title}{where}: uncontended acquire+release ({iterations} of each, interleaved one by "
         f"one); {processes} processes x {sections} sections on one name, {rounds} "
         "interleaved rounds (median rate and hand-off, longest wait of all rounds, "
         "counters added up)",
@@ -301,6 +414,11 @@ def print_targets(latencies: dict[str, Latency], contention: dict[str, Contentio
     print(f"  lease asyncio vs {RAW_LEASE}: {lat('dlock lease asyncio', RAW_LEASE)}")
     print(f"  session sync vs {RAW_SESSION}: {lat('dlock session sync', RAW_SESSION)} (<= 1.15x)")
     print(f"  session asyncio vs {RAW_SESSION}: {lat('dlock session asyncio', RAW_SESSION)}")
+    print("  where it goes: the statements dlock sends, run directly, and dlock around them:")
+    print(f"    {LEASE_SQL} vs {RAW_LEASE}: {lat(LEASE_SQL, RAW_LEASE)}")
+    print(f"    dlock lease sync vs {LEASE_SQL}: {lat('dlock lease sync', LEASE_SQL)}")
+    print(f"    {SESSION_SQL} vs {RAW_SESSION}: {lat(SESSION_SQL, RAW_SESSION)}")
+    print(f"    dlock session sync vs {SESSION_SQL}: {lat('dlock session sync', SESSION_SQL)}")
     print(f"  lease throughput vs tooz: {thr('dlock lease')} (>= 3x)")
     print(f"  session throughput vs tooz: {thr('dlock session')} (>= 3x)")
     for mode in ("dlock lease", "dlock session"):
@@ -316,9 +434,15 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--sections", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--pin",
+        type=int,
+        metavar="CPU",
+        help="run the uncontended part with the server and this process on one CPU",
+    )
     args = parser.parse_args()
     for db in ("mariadb", "postgresql") if args.db == "both" else (args.db,):
-        run(db, args.iterations, args.processes, args.sections, args.rounds)
+        run(db, args.iterations, args.processes, args.sections, args.rounds, args.pin)
 
 
 if __name__ == "__main__":
