@@ -55,6 +55,8 @@ RAW_SESSION = "raw lock + unlock"
 RAW_BLOCKING = "raw blocking lock"
 TOOZ = "tooz"
 LEASE_SQL = "dlock's lease SQL, direct"
+#: Operations of one kind in a row when measuring latency.
+BLOCK = 20
 SESSION_SQL = "dlock's session SQL, direct"
 
 
@@ -347,10 +349,12 @@ def run(
                     TOOZ: tooz_op(tooz_url, cleanup),
                 },
                 iterations,
-                # One by one: the time of a loopback round trip flips between two levels
-                # here (client and server on one CPU or two), for a few hundred
-                # operations at a time; every operation should see both alike.
-                rounds=iterations,
+                # Short blocks: the time of a loopback round trip flips between two
+                # levels here (client and server on one CPU or two) every few hundred
+                # operations, and every operation should see both alike. Not one by one:
+                # each switch to another connection costs its first operation a cold
+                # server session (after tooz's, the most), which would blur the ratios.
+                rounds=max(1, iterations // BLOCK),
             )
             for close in reversed(cleanup):
                 close()
@@ -389,8 +393,8 @@ def run(
     ]
     where = "" if pin is None else f"; uncontended pinned to CPU {pin} with the server"
     print_table(
-        f"{title}{where}: uncontended acquire+release ({iterations} of each, interleaved one by "
-        f"one); {processes} processes x {sections} sections on one name, {rounds} "
+        f"{title}{where}: uncontended acquire+release ({iterations} of each, interleaved in "
+        f"blocks of {BLOCK}); {processes} processes x {sections} sections on one name, {rounds} "
         "interleaved rounds (median rate and hand-off, longest wait of all rounds, "
         "counters added up)",
         rows,
