@@ -131,6 +131,10 @@ def measure_latencies(
     return {label: _summary(values) for label, values in samples.items()}
 
 
+#: Sections each contending process runs, all processes at once, before the timed ones.
+WARM_UP_SECTIONS = 5
+
+
 def _contender(
     open_lock: Callable[[Any], LockHandle],
     config: Any,
@@ -140,9 +144,12 @@ def _contender(
     results: Any,
 ) -> None:
     handle = open_lock(config)
-    # Once before the start, so that connecting (and loading scripts) is not timed.
-    handle.acquire()
-    handle.release()
+    # Before the start, all at once, so that connecting (and loading scripts), including
+    # what a library opens only to wait for a busy lock, is not timed: steady state.
+    barrier.wait()
+    for _ in range(WARM_UP_SECTIONS):
+        handle.acquire()
+        handle.release()
     barrier.wait()
     records = []
     for _ in range(sections):
@@ -169,9 +176,10 @@ def measure_contention(
     """Run ``processes`` spawned processes that each take the lock ``sections`` times.
 
     ``open_lock`` must be a module-level function: it runs in the spawned processes.
-    Each process takes and frees the lock once before the start (connecting is not
-    timed, for any library). Hand-off is the time from one holder's release to the next
-    holder's acquire, counted only when the next holder was already waiting.
+    The processes first contend for a few untimed sections (connecting, also for
+    waiting, is not timed, for any library). Hand-off is the time from one holder's
+    release to the next holder's acquire, counted only when the next holder was already
+    waiting.
     """
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(processes)
