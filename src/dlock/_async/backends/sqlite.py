@@ -6,7 +6,7 @@ jitter. Every statement runs in a worker thread under the asyncio face.
 
 from __future__ import annotations
 
-import random
+import itertools
 import sqlite3
 import threading
 import time
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import seconds
 from ..._sql import (
@@ -129,16 +130,15 @@ class AsyncSQLiteBackend(AsyncBackend):
         same moment: try again with jitter until the busy timeout.
         """
         deadline = time.monotonic() + self._busy_timeout
-        delay = 0.002
-        while True:
+        backoff = Backoff()
+        for attempt in itertools.count():
             try:
                 conn.execute("PRAGMA journal_mode=WAL")
                 return
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) or time.monotonic() >= deadline:
                     raise
-            time.sleep(random.uniform(0, delay))
-            delay = min(delay * 2, 0.1)
+            time.sleep(backoff.delay(attempt, None, notifies=False))
 
     def _run(self, statement: str, params: dict[str, Any]) -> list[Any]:
         """Run one statement (its own transaction) and return its rows."""
