@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -39,6 +40,9 @@ def test_processes_that_create_the_file_at_once_all_get_the_lock(tmp_path: Path)
         ]
         time.sleep(0.5)
         start.touch()
-        for process in processes:
-            _, errors = process.communicate(timeout=60)
+        # Every process is waited for before judging, so none is left running.
+        outcomes = [(process.communicate(timeout=60)[1], process) for process in processes]
+        for errors, process in outcomes:
             assert process.returncode == 0, errors[-500:]
+        with sqlite3.connect(database) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
