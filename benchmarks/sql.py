@@ -55,9 +55,9 @@ RAW_SESSION = "raw lock + unlock"
 RAW_BLOCKING = "raw blocking lock"
 TOOZ = "tooz"
 LEASE_SQL = "dlock's lease SQL, direct"
+SESSION_SQL = "dlock's session SQL, direct"
 #: Operations of one kind in a row when measuring latency.
 BLOCK = 20
-SESSION_SQL = "dlock's session SQL, direct"
 
 
 # -- lock handles for the contending processes (module level: they run after spawn) --
@@ -328,37 +328,39 @@ def run(
         cleanup: list[Callable[[], None]] = []
         loop = asyncio.new_event_loop()
         with pinned(server, pin):
-            _create_rows(lease_url, session_url)
-            raw = (
-                postgresql_raw(server, cleanup)
-                if db == "postgresql"
-                else mariadb_raw(server, cleanup)
-            )
-            lease_sync, lease_async = dlock_ops(lease_url, loop, cleanup)
-            session_sync, session_async = dlock_ops(session_url, loop, cleanup)
-            latencies = measure_latencies(
-                {
-                    RAW_LEASE: raw[RAW_LEASE],
-                    LEASE_SQL: raw[LEASE_SQL],
-                    "dlock lease sync": lease_sync,
-                    "dlock lease asyncio": lease_async,
-                    RAW_SESSION: raw[RAW_SESSION],
-                    SESSION_SQL: raw[SESSION_SQL],
-                    "dlock session sync": session_sync,
-                    "dlock session asyncio": session_async,
-                    TOOZ: tooz_op(tooz_url, cleanup),
-                },
-                iterations,
-                # Short blocks: the time of a loopback round trip flips between two
-                # levels here (client and server on one CPU or two) every few hundred
-                # operations, and every operation should see both alike. Not one by one:
-                # each switch to another connection costs its first operation a cold
-                # server session (after tooz's, the most), which would blur the ratios.
-                rounds=max(1, iterations // BLOCK),
-            )
-            for close in reversed(cleanup):
-                close()
-            loop.close()
+            try:
+                _create_rows(lease_url, session_url)
+                raw = (
+                    postgresql_raw(server, cleanup)
+                    if db == "postgresql"
+                    else mariadb_raw(server, cleanup)
+                )
+                lease_sync, lease_async = dlock_ops(lease_url, loop, cleanup)
+                session_sync, session_async = dlock_ops(session_url, loop, cleanup)
+                latencies = measure_latencies(
+                    {
+                        RAW_LEASE: raw[RAW_LEASE],
+                        LEASE_SQL: raw[LEASE_SQL],
+                        "dlock lease sync": lease_sync,
+                        "dlock lease asyncio": lease_async,
+                        RAW_SESSION: raw[RAW_SESSION],
+                        SESSION_SQL: raw[SESSION_SQL],
+                        "dlock session sync": session_sync,
+                        "dlock session asyncio": session_async,
+                        TOOZ: tooz_op(tooz_url, cleanup),
+                    },
+                    iterations,
+                    # Short blocks: the time of a loopback round trip flips between two
+                    # levels here (client and server on one CPU or two) every few hundred
+                    # operations, and every operation should see both alike. Not one by one:
+                    # each switch to another connection costs its first operation a cold
+                    # server session (after tooz's, the most), which would blur the ratios.
+                    rounds=max(1, iterations // BLOCK),
+                )
+            finally:
+                for close in reversed(cleanup):
+                    close()
+                loop.close()
         blocking: tuple[Callable[[Any], Any], Any] = (
             (open_pg_blocking, server.url())
             if db == "postgresql"
