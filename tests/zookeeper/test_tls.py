@@ -43,6 +43,19 @@ def refused(url: str) -> tuple[dlock.BackendError, float]:
     return caught.value, time.monotonic() - started
 
 
+def assert_refused(
+    server: ZooKeeperEnsemble, url: str, root: str, *words: str, within: float
+) -> None:
+    """Acquiring through ``url`` fails as unavailable within ``within`` seconds, with a
+    message naming each of ``words``, and leaves nothing under ``root``."""
+    error, elapsed = refused(url)
+    assert isinstance(error, dlock.BackendUnavailable)
+    for word in words:
+        assert word in str(error), f"{word!r} missing from {error}"
+    assert elapsed < within, f"refused after {elapsed:.1f} s, not at once"
+    assert_nothing_under(server, root)
+
+
 def assert_nothing_under(server: ZooKeeperEnsemble, root: str) -> None:
     """No lock and no queued node was left by a client that could not connect."""
     with dlock.connect(server.url(root)) as plain:
@@ -114,11 +127,14 @@ def test_a_server_certificate_from_another_ca_is_refused_at_once(
     assert tls_server.certificates is not None
     root = f"/{unique('wrong-ca')}"
     url = tls_server.tls_url(root, ca=tls_server.certificates.other_ca, connect_timeout=PATIENT)
-    error, elapsed = refused(url)
-    assert isinstance(error, dlock.BackendUnavailable)
-    assert "TLS certificate refused" in str(error) and "CERTIFICATE_VERIFY_FAILED" in str(error)
-    assert elapsed < PATIENT / 2, "a refused certificate waited for the connect timeout"
-    assert_nothing_under(tls_server, root)
+    assert_refused(
+        tls_server,
+        url,
+        root,
+        "TLS certificate refused",
+        "CERTIFICATE_VERIFY_FAILED",
+        within=PATIENT / 2,
+    )
 
 
 def test_the_server_name_is_checked(tls_server: ZooKeeperEnsemble) -> None:
@@ -126,11 +142,9 @@ def test_the_server_name_is_checked(tls_server: ZooKeeperEnsemble) -> None:
     address), it is refused unless the name check is switched off."""
     root = f"/{unique('wrong-name')}"
     url = tls_server.tls_url(root, host="localhost", connect_timeout=PATIENT)
-    error, elapsed = refused(url)
-    assert isinstance(error, dlock.BackendUnavailable)
-    assert "TLS certificate refused" in str(error) and "localhost" in str(error)
-    assert elapsed < PATIENT / 2
-    assert_nothing_under(tls_server, root)
+    assert_refused(
+        tls_server, url, root, "TLS certificate refused", "localhost", within=PATIENT / 2
+    )
     unchecked = tls_server.tls_url(root, host="localhost", check_hostname=0)
     with dlock.connect(unchecked) as client, client.lock(unique("unchecked"), ttl=5) as lock:
         assert lock.fencing_token is not None
@@ -141,11 +155,9 @@ def test_a_client_without_a_certificate_is_refused_at_once(
 ) -> None:
     root = f"/{unique('no-cert')}"
     url = tls_server.tls_url(root, certfile=None, keyfile=None, connect_timeout=PATIENT)
-    error, elapsed = refused(url)
-    assert isinstance(error, dlock.BackendUnavailable)
-    assert "TLS certificate refused" in str(error) and "CERTIFICATE" in str(error)
-    assert elapsed < PATIENT / 2
-    assert_nothing_under(tls_server, root)
+    assert_refused(
+        tls_server, url, root, "TLS certificate refused", "CERTIFICATE", within=PATIENT / 2
+    )
 
 
 def test_verify_certs_off_accepts_any_server_certificate(tls_server: ZooKeeperEnsemble) -> None:
@@ -161,11 +173,8 @@ def test_plaintext_against_the_tls_port_fails_in_bounded_time(
 ) -> None:
     root = f"/{unique('plain-to-tls')}"
     url = f"zookeeper://127.0.0.1:{tls_server.secure_port}{root}?connect_timeout=1"
-    error, elapsed = refused(url)
-    assert isinstance(error, dlock.BackendUnavailable)
-    assert "tls=1" in str(error), "the message should point at the likely mistake"
-    assert elapsed < 1 + 3
-    assert_nothing_under(tls_server, root)
+    # The message points at the likely mistake.
+    assert_refused(tls_server, url, root, "tls=1", within=1 + 3)
 
 
 def test_tls_against_the_plaintext_port_fails_in_bounded_time(
@@ -175,11 +184,7 @@ def test_tls_against_the_plaintext_port_fails_in_bounded_time(
     url = tls_server.tls_url(root, connect_timeout=1).replace(
         f":{tls_server.secure_port}/", f":{tls_server.client_ports[0]}/"
     )
-    error, elapsed = refused(url)
-    assert isinstance(error, dlock.BackendUnavailable)
-    assert "SSL" in str(error)
-    assert elapsed < 1 + 3
-    assert_nothing_under(tls_server, root)
+    assert_refused(tls_server, url, root, "SSL", within=1 + 3)
 
 
 async def test_the_asyncio_face_over_tls(tls_server: ZooKeeperEnsemble) -> None:
