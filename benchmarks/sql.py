@@ -2,6 +2,7 @@
 
     python -m benchmarks.sql [--db mariadb|postgresql|both] [--iterations N]
                              [--processes P] [--sections S] [--rounds R] [--pin CPU]
+                             [--durable]
 
 Per database, in one run with private servers (tests/servers/sql.py):
 
@@ -315,9 +316,16 @@ def _create_rows(*urls: str) -> None:
 
 
 def run(
-    db: str, iterations: int, processes: int, sections: int, rounds: int, pin: int | None
+    db: str,
+    iterations: int,
+    processes: int,
+    sections: int,
+    rounds: int,
+    pin: int | None,
+    durable: bool,
 ) -> None:
-    server = start_postgresql() if db == "postgresql" else start_mariadb()
+    start = start_postgresql if db == "postgresql" else start_mariadb
+    server = start(durable=durable)
     try:
         lease_url, session_url = server.url(), server.url("mode=session")
         tooz_url = (
@@ -393,7 +401,8 @@ def run(
         (TOOZ, latencies[TOOZ], contention[TOOZ]),
         (RAW_BLOCKING, None, contention[RAW_BLOCKING]),
     ]
-    where = "" if pin is None else f"; uncontended pinned to CPU {pin} with the server"
+    where = "; flushing every commit to disk" if durable else ""
+    where += "" if pin is None else f"; uncontended pinned to CPU {pin} with the server"
     print_table(
         f"{title}{where}: uncontended acquire+release ({iterations} of each, interleaved in "
         f"blocks of {BLOCK}); {processes} processes x {sections} sections on one name, {rounds} "
@@ -446,9 +455,23 @@ def main() -> None:
         metavar="CPU",
         help="run the uncontended part with the server and this process on one CPU",
     )
+    parser.add_argument(
+        "--durable",
+        action="store_true",
+        help="servers that flush every commit to disk (the databases' default; the tests' "
+        "servers do not)",
+    )
     args = parser.parse_args()
     for db in ("mariadb", "postgresql") if args.db == "both" else (args.db,):
-        run(db, args.iterations, args.processes, args.sections, args.rounds, args.pin)
+        run(
+            db,
+            args.iterations,
+            args.processes,
+            args.sections,
+            args.rounds,
+            args.pin,
+            args.durable,
+        )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pymysql.constants import CLIENT
 import dlock
 from dlock._sql import MYSQL, advisory_key
 from dlock._types import Holder
-from tests.servers.sql import SQLServer
+from tests.servers.sql import SQLServer, start_postgresql
 
 
 @pytest.fixture(params=["mariadb", "postgresql"])
@@ -660,3 +660,49 @@ def test_session_wait_times_out_on_time_and_keeps_its_connection(
         assert 0.9 <= time.monotonic() - start < 2.0
         assert connects == [], "a wait that timed out is not a dead connection"
         held.release()
+
+
+def _wal_flushes(server: SQLServer) -> int:
+    """The server's WAL flushes so far, once dlock's sessions have ended and reported
+    them (a session reports its statistics when it ends, the others every second)."""
+    run = admin(server)
+    deadline = time.monotonic() + 10
+    while _sessions(server) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    flushes = -1
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        latest = int(run("SELECT wal_sync FROM pg_stat_wal", ())[0][0])
+        if latest == flushes:
+            break
+        flushes = latest
+    return flushes
+
+
+@pytest.mark.parametrize("reentries", [0, 1])
+def test_only_the_last_release_skips_the_disk_flush(name: str, reentries: int) -> None:
+    """On a server that flushes on commit, grants and re-entries wait for the flush, and
+    so does a partial release (its holder goes on by the count it returned); the last
+    release does not: lost in a crash, it only leaves the lease to run out."""
+    server = start_postgresql(durable=True)
+    rounds = 20
+    try:
+        with dlock.connect(server.url()) as client:
+            lock = client.lock(name, ttl=30, reentrant=True)
+            lock.acquire()
+            lock.release()
+        before = _wal_flushes(server)
+        with dlock.connect(server.url()) as client:
+            lock = client.lock(name, ttl=30, reentrant=True)
+            for _ in range(rounds):
+                for _ in range(1 + reentries):
+                    lock.acquire()
+                for _ in range(1 + reentries):
+                    lock.release()
+        flushes = _wal_flushes(server) - before
+    finally:
+        server.stop()
+    # Each round: 1 + reentries grants and re-entries, reentries partial releases, all
+    # flushed; the WAL writer may flush an unflushed last release now and then.
+    expected = rounds * (1 + 2 * reentries)
+    assert expected <= flushes <= expected + rounds // 2

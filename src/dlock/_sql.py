@@ -376,6 +376,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND NOT {live}
             """
     returning = "RETURNING fence, count"
+    # The last release need not wait for its commit to reach the disk: lost in a crash,
+    # it leaves the lease to run out, exactly as a crashed holder's would; and any later
+    # grant's commit, which does wait, flushes the write-ahead log past it first. (Not a
+    # partial release: the holder goes on by the count it returned.)
+    unflushed = "CASE WHEN count = 0 THEN set_config('synchronous_commit', 'off', true) END"
 
     def waiting(update: str) -> str:
         """A waiter's attempt: granted, the fence and count; busy, in the same round trip,
@@ -423,7 +428,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
             RETURNING fence, count""",
         # The last release wakes waiters on the name's channel, in the same statement.
         "release": d.release(table)
-        + " RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END",
+        + f" RETURNING count, CASE WHEN count = 0 THEN pg_notify(%(channel)s, '') END, {unflushed}",
         # A lease taken through the turnstile is released on the connection holding it,
         # and the last release leaves it: the next waiter, blocked on it in the server,
         # takes the lease there (turnstile_take). Nobody listens meanwhile. The session's
@@ -431,9 +436,9 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # so the next waiter wakes once, after the release has committed, not first at
         # the unlock and again at the commit, on the row.
         "release_gate": d.release(table)
-        + """ RETURNING count, CASE WHEN count = 0 THEN
+        + f""" RETURNING count, CASE WHEN count = 0 THEN
                 CASE WHEN pg_advisory_xact_lock(%(turnstile)s) IS NULL THEN NULL
-                     ELSE pg_advisory_unlock(%(turnstile)s) END END""",
+                     ELSE pg_advisory_unlock(%(turnstile)s) END END, {unflushed}""",
         "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
         "inspect": d.inspect(table),

@@ -83,8 +83,12 @@ def _pg_ready(port: int) -> bool:
     return result.returncode == 0
 
 
-def start_postgresql() -> SQLServer:
-    """initdb into a fresh directory owned by ``postgres``, then run ``postgres`` directly."""
+def start_postgresql(durable: bool = False) -> SQLServer:
+    """initdb into a fresh directory owned by ``postgres``, then run ``postgres`` directly.
+
+    Commits are not flushed to disk unless ``durable`` (the database's default, which
+    the benchmarks can ask for): the tests need no durability and run faster without.
+    """
     if not (PG_BIN / "initdb").exists():
         raise RuntimeError("PostgreSQL 15 not found: run ./scripts/test, which installs postgresql")
     root = private_dir("postgresql")
@@ -121,13 +125,10 @@ def start_postgresql() -> SQLServer:
         f"unix_socket_directories={root}",
         "-c",
         f"max_connections={MAX_CONNECTIONS}",
-        "-c",
-        "fsync=off",
-        "-c",
-        "synchronous_commit=off",
-        "-c",
-        "full_page_writes=off",
     ]
+    if not durable:
+        command += ["-c", "fsync=off", "-c", "synchronous_commit=off"]
+        command += ["-c", "full_page_writes=off"]
     # A fast shutdown: SIGTERM waits for clients, and SIGKILL of the postmaster would
     # leave its backends running.
     process = ServerProcess(
@@ -142,8 +143,11 @@ def start_postgresql() -> SQLServer:
     return SQLServer(process, port, "postgresql", "postgres", "", "postgres")
 
 
-def start_mariadb() -> SQLServer:
-    """mariadb-install-db into a fresh directory, then run ``mariadbd`` on a free port."""
+def start_mariadb(durable: bool = False) -> SQLServer:
+    """mariadb-install-db into a fresh directory, then run ``mariadbd`` on a free port.
+
+    ``durable``: flush the redo log on every commit (the default of InnoDB).
+    """
     install = require_binary("mariadb-install-db", "mariadb-server")
     mariadbd = require_binary("mariadbd", "mariadb-server")
     root = private_dir("mariadb")
@@ -173,7 +177,7 @@ def start_mariadb() -> SQLServer:
         f"--log-error={root}/err",
         "--skip-name-resolve",
         f"--max-connections={MAX_CONNECTIONS}",
-        "--innodb-flush-log-at-trx-commit=2",
+        f"--innodb-flush-log-at-trx-commit={1 if durable else 2}",
     ]
     process = ServerProcess("mariadb", command, lambda: port_open(port), workdir=root)
     process.start()
