@@ -127,8 +127,8 @@ def start_postgresql(durable: bool = False) -> SQLServer:
         f"max_connections={MAX_CONNECTIONS}",
     ]
     if not durable:
-        command += ["-c", "fsync=off", "-c", "synchronous_commit=off"]
-        command += ["-c", "full_page_writes=off"]
+        for setting in ("fsync=off", "synchronous_commit=off", "full_page_writes=off"):
+            command += ["-c", setting]
     # A fast shutdown: SIGTERM waits for clients, and SIGKILL of the postmaster would
     # leave its backends running.
     process = ServerProcess(
