@@ -107,8 +107,16 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         }
         return await psycopg.AsyncConnection.connect(autocommit=True, **params)
 
-    async def _driver_adopt(self, raw: Any) -> None:
+    def _driver_is_connection(self, value: Any) -> bool:
+        return isinstance(value, psycopg.AsyncConnection)
+
+    async def _driver_adopt(self, raw: Any) -> bool:
+        before = bool(raw.autocommit)
         await raw.set_autocommit(True)
+        return before
+
+    async def _driver_restore(self, raw: Any, autocommit: bool) -> None:
+        await raw.set_autocommit(autocommit)
 
     async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed,

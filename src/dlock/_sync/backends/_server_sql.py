@@ -55,6 +55,19 @@ class Conn:
     uses: int = 0
     #: The backend's own prepared statements (SQL PREPARE) on this session.
     prepared: set[str] = field(default_factory=set)
+    #: Borrowed from the application's pool (``client=``), else ours to close.
+    loan: Loan | None = None
+
+
+@dataclass
+class Loan:
+    """How a connection borrowed from the application's pool goes back: as it came
+    (its own autocommit setting), through the context manager that lent it or
+    SQLAlchemy's pooled-connection proxy."""
+
+    autocommit: bool
+    context: Any = None
+    proxy: Any = None
 
 
 @dataclass
@@ -95,9 +108,17 @@ class ServerSQLBackend(Backend):
         """A new connection from the URL's settings."""
 
     @abstractmethod
-    def _driver_adopt(self, raw: Any) -> None:
-        """Make a connection from the ``client=`` factory fit for dlock (autocommit), or
-        refuse it with ConfigurationError."""
+    def _driver_is_connection(self, value: Any) -> bool:
+        """True for the driver's own connection object (which is a context manager too)."""
+
+    @abstractmethod
+    def _driver_adopt(self, raw: Any) -> bool:
+        """Make a connection from ``client=`` fit for dlock (autocommit), or refuse it
+        with ConfigurationError; return its autocommit setting before."""
+
+    @abstractmethod
+    def _driver_restore(self, raw: Any, autocommit: bool) -> None:
+        """Give a borrowed connection its own autocommit setting back."""
 
     @abstractmethod
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
@@ -156,12 +177,12 @@ class ServerSQLBackend(Backend):
         if self._closed:
             raise BackendError("this dlock client is closed")
         try:
-            raw = call_with_timeout(self._open(), self._settings.connect_timeout + 1)
+            raw, loan = call_with_timeout(self._open(), self._settings.connect_timeout + 1)
         except ConfigurationError:
             raise
         except Exception as exc:
             raise self._wrap(exc, "cannot connect") from exc
-        conn = Conn(raw)
+        conn = Conn(raw, loan=loan)
         try:
             if not self._schema_ready:
                 self._ensure_schema(conn)
@@ -170,22 +191,70 @@ class ServerSQLBackend(Backend):
             raise
         return conn
 
-    def _open(self) -> Any:
+    def _open(self) -> tuple[Any, Loan | None]:
+        """A connection from the URL, or from ``client=``: a function returning a
+        connection, or a borrowed one (a pool's context manager, such as psycopg_pool's
+        ``pool.connection`` or pymysql's ``pool.acquire``; SQLAlchemy's
+        ``engine.raw_connection``)."""
         factory = self._settings.client
         if factory is None:
-            return self._driver_connect()
-        # The sync face's factory returns a connection, the sync face's may be a
-        # coroutine function.
-        raw = factory()
-        if inspect.isawaitable(raw):
-            raw = raw
-        try:
-            self._driver_adopt(raw)
-        except BaseException:
+            return self._driver_connect(), None
+        for _ in range(POOL_SIZE):
+            raw, loan = self._borrow(factory)
+            try:
+                autocommit = self._driver_adopt(raw)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._give_back(raw, loan, keep=False)
+                raise
+            if loan is None:
+                return raw, None
+            loan.autocommit = autocommit
+            # The application's pool may lend a connection that died while idle, and a
+            # statement that fails in flight is never sent again: weed it out first.
+            if not self._driver_idle_dead(raw):
+                return raw, loan
+            self._give_back(raw, loan, keep=False)
+        raise BackendUnavailable("the client= pool lent only dead connections")
+
+    def _borrow(self, factory: Any) -> tuple[Any, Loan | None]:
+        made = factory()
+        if self._driver_is_connection(made):
+            return made, None
+        loan = Loan(autocommit=False)
+        if hasattr(made, "__enter__"):
+            loan.context = made
+            made = made.__enter__()
+        elif inspect.isawaitable(made):
+            # The sync face's factory may be a coroutine function.
+            made = made
+        if hasattr(made, "driver_connection"):
+            loan.proxy = made
+            made = made.driver_connection
+        if loan.context is None and loan.proxy is None:
+            return made, None
+        return made, loan
+
+    def _give_back(self, raw: Any, loan: Loan | None, keep: bool) -> None:
+        """Close a connection of ours; return a borrowed one to its pool, as it came if
+        ``keep``, else closed (the pool then replaces it)."""
+        if keep and loan is not None:
+            try:
+                self._driver_restore(raw, loan.autocommit)
+            except Exception:
+                keep = False
+        if not keep:
             with contextlib.suppress(Exception):
-                self._driver_close(raw)
-            raise
-        return raw
+                if loan is not None and loan.proxy is not None:
+                    loan.proxy.invalidate()  # closes it, and the pool forgets it
+                else:
+                    self._driver_close(raw)
+        if loan is None:
+            return
+        if loan.context is not None:
+            loan.context.__exit__(None, None, None)
+        elif loan.proxy is not None and keep:
+            loan.proxy.close()
 
     def _ensure_schema(self, conn: Conn) -> None:
         try:
@@ -217,15 +286,23 @@ class ServerSQLBackend(Backend):
     def _give(self, conn: Conn) -> None:
         """Back to the pool; beyond its size (after a burst) closed at once."""
         conn.uses += 1
+        if conn.loan is not None:
+            # Borrowed: back to the application's pool at once, not kept idle here;
+            # closed if it carries statements we prepared, which a later borrower of
+            # it would find in the way.
+            self._give_back(conn.raw, conn.loan, keep=not conn.prepared)
+            return
         if len(self._idle) < POOL_SIZE and not self._closed:
             self._idle.append(conn)
         else:
             self._drop(conn)
 
     def _drop(self, conn: Conn) -> None:
-        # A broken connection may fail to close; it is gone either way.
+        # A broken connection may fail to close; it is gone either way. A borrowed one
+        # goes back to its pool closed: it may hold a lock, a LISTEN, a statement cut
+        # off in flight.
         with contextlib.suppress(Exception):
-            self._driver_close(conn.raw)
+            self._give_back(conn.raw, conn.loan, keep=False)
 
     @staticmethod
     def _readable(fd: int) -> bool:

@@ -104,14 +104,22 @@ class MySQLBackend(ServerSQLBackend):
             )
         return pymysql.connect(**kwargs)
 
-    def _driver_adopt(self, raw: Any) -> None:
+    def _driver_is_connection(self, value: Any) -> bool:
+        return isinstance(value, pymysql.Connection)
+
+    def _driver_adopt(self, raw: Any) -> bool:
         if not getattr(raw, "client_flag", 0) & CLIENT.FOUND_ROWS:
             raise ConfigurationError(
                 "a client= connection for MariaDB/MySQL needs client_flag=CLIENT.FOUND_ROWS "
                 "(pymysql.constants.CLIENT): without it a renewal that changes nothing "
                 "counts as lost"
             )
+        before = bool(raw.get_autocommit())
         raw.autocommit(True)
+        return before
+
+    def _driver_restore(self, raw: Any, autocommit: bool) -> None:
+        raw.autocommit(autocommit)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # The cursor class is given here too, for connections brought with ``client=``.

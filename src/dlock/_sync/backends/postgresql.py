@@ -108,8 +108,16 @@ class PostgreSQLBackend(ServerSQLBackend):
         }
         return psycopg.Connection.connect(autocommit=True, **params)
 
-    def _driver_adopt(self, raw: Any) -> None:
+    def _driver_is_connection(self, value: Any) -> bool:
+        return isinstance(value, psycopg.Connection)
+
+    def _driver_adopt(self, raw: Any) -> bool:
+        before = bool(raw.autocommit)
         raw.set_autocommit(True)
+        return before
+
+    def _driver_restore(self, raw: Any, autocommit: bool) -> None:
+        raw.set_autocommit(autocommit)
 
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
         # Without parameters psycopg uses the simple protocol (several statements allowed,

@@ -1,0 +1,206 @@
+"""``client=`` with the application's own connection pool: psycopg_pool, SQLAlchemy's
+engine, aiomysql's pool.
+
+dlock borrows a connection for each operation and gives it back at once, as it came
+(the application's autocommit setting); a session lock keeps its connection, out of the
+pool, for as long as it is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aiomysql
+import psycopg_pool
+import pytest
+import sqlalchemy
+import sqlalchemy.exc
+from pymysql.constants import CLIENT
+
+import dlock
+import dlock.aio
+from tests.servers.sql import SQLServer
+
+#: A borrow that waits this long for a pool that has nothing left fails.
+EMPTY = 0.3
+
+
+class Pool:
+    """An application's pool of two connections, and how the test borrows from it."""
+
+    def __init__(self, server: SQLServer, kind: str) -> None:
+        self.kind = kind
+        if kind == "psycopg_pool":
+            self.pool = psycopg_pool.ConnectionPool(server.url(), min_size=2, max_size=2, open=True)
+            self.client: Callable[[], Any] = self.pool.connection
+            self.exhausted: type[Exception] = psycopg_pool.PoolTimeout
+        else:
+            driver = "psycopg" if server.scheme == "postgresql" else "pymysql"
+            url = server.url().replace(f"{server.scheme}://", f"{server.scheme}+{driver}://")
+            self.engine = sqlalchemy.create_engine(
+                url, pool_size=2, max_overflow=0, pool_timeout=EMPTY
+            )
+            self.client = self.engine.raw_connection
+            self.exhausted = sqlalchemy.exc.TimeoutError
+
+    @contextlib.contextmanager
+    def borrow(self, timeout: float = 5) -> Iterator[Any]:
+        """One of the pool's connections, as the application gets it (driver level)."""
+        if self.kind == "psycopg_pool":
+            with self.pool.connection(timeout=timeout) as conn:
+                yield conn
+        else:
+            with contextlib.closing(self.engine.raw_connection()) as proxy:
+                yield proxy.driver_connection
+
+    def close(self) -> None:
+        if self.kind == "psycopg_pool":
+            self.pool.close()
+        else:
+            self.engine.dispose()
+
+
+def autocommit(conn: Any) -> bool:
+    value = conn.get_autocommit() if hasattr(conn, "get_autocommit") else conn.autocommit
+    return bool(value)
+
+
+@pytest.fixture(
+    params=[
+        ("postgresql", "psycopg_pool"),
+        ("postgresql", "sqlalchemy"),
+        ("mariadb", "sqlalchemy"),
+    ],
+    ids=lambda p: "-".join(p),
+)
+def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
+    database, kind = request.param
+    server: SQLServer = request.getfixturevalue(f"{database}_server")
+    pool = Pool(server, kind)
+    pool.server = server  # type: ignore[attr-defined]
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def name() -> str:
+    return f"pool-{uuid.uuid4().hex}"
+
+
+def url(pool: Pool, query: str = "") -> str:
+    server: SQLServer = pool.server  # type: ignore[attr-defined]
+    return f"{server.scheme}://" + (f"?{query}" if query else "")
+
+
+def test_lease_borrows_and_gives_back_as_it_came(pool: Pool, name: str) -> None:
+    with pool.borrow() as conn:
+        assert not autocommit(conn)
+    with dlock.connect(url(pool), client=pool.client) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        # Both connections are back in the pool while the lease is held, and as the
+        # application left them: not switched to autocommit.
+        with pool.borrow(timeout=EMPTY) as first, pool.borrow(timeout=EMPTY) as second:
+            assert not autocommit(first) and not autocommit(second)
+            # dlock's statement was committed (it ran in autocommit): seen from the
+            # application's own connection.
+            cursor = first.cursor()
+            cursor.execute("SELECT fence FROM dlock_locks WHERE name = %s", (name.encode(),))
+            assert list(cursor.fetchall()) == [(lock.fencing_token,)]
+            first.rollback()
+        lock.release()
+        assert client.inspect(name) is None
+    with pool.borrow(timeout=EMPTY) as first, pool.borrow(timeout=EMPTY) as second:
+        assert not autocommit(first) and not autocommit(second)
+
+
+def test_session_lock_keeps_its_connection_out_of_the_pool(pool: Pool, name: str) -> None:
+    with dlock.connect(url(pool, "mode=session"), client=pool.client) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        # One connection is free; the other holds the database's lock.
+        free = pool.borrow(timeout=EMPTY)
+        with free, pytest.raises(pool.exhausted), pool.borrow(timeout=EMPTY):
+            pass
+        lock.release()
+        # Unlocked, it went back usable: both can be borrowed at once.
+        with pool.borrow(timeout=EMPTY) as first, pool.borrow(timeout=EMPTY) as second:
+            assert not autocommit(first) and not autocommit(second)
+        # And dlock borrows it again.
+        assert lock.acquire(timeout=0)
+        lock.release()
+
+
+def test_a_killed_session_lock_connection_goes_back_closed(pool: Pool, name: str) -> None:
+    """A lock given up by closing its connection (force release) must not hand the
+    application a dead connection: it goes back closed and the pool replaces it."""
+    with dlock.connect(url(pool, "mode=session"), client=pool.client) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        assert client.force_release(name)
+        with pytest.raises(dlock.LockLost):
+            lock.extend()
+    for _ in range(3):
+        with pool.borrow(timeout=5) as first, pool.borrow(timeout=5) as second:
+            for conn in (first, second):
+                cursor = conn.cursor()
+                cursor.execute("SELECT 1")
+                assert list(cursor.fetchall()) == [(1,)]
+                conn.rollback()
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+async def test_asyncio_face_borrows_from_an_async_pool(
+    database: str, request: pytest.FixtureRequest, name: str
+) -> None:
+    server: SQLServer = request.getfixturevalue(f"{database}_server")
+    borrow: Callable[[], Any]
+    if database == "postgresql":
+        apool: Any = psycopg_pool.AsyncConnectionPool(
+            server.url(), min_size=2, max_size=2, open=False
+        )
+        await apool.open()
+        client_factory: Callable[[], Any] = apool.connection
+        borrow = apool.connection
+        close = apool.close
+    else:
+        apool = await aiomysql.create_pool(
+            host="127.0.0.1",
+            port=server.port,
+            user=server.user,
+            password=server.password,
+            db=server.database,
+            minsize=2,
+            maxsize=2,
+            client_flag=CLIENT.FOUND_ROWS,
+        )
+        client_factory = borrow = apool.acquire
+
+        async def close() -> None:
+            apool.close()
+            await apool.wait_closed()
+
+    async def autocommit_of_both() -> list[bool]:
+        async with borrow() as first, borrow() as second:
+            return [autocommit(first), autocommit(second)]
+
+    try:
+        async with dlock.aio.connect(f"{server.scheme}://", client=client_factory) as client:
+            lock = client.lock(name, ttl=5)
+            assert await lock.acquire(timeout=0)
+            assert await asyncio.wait_for(autocommit_of_both(), 5) == [False, False]
+            await lock.release()
+        query = f"{server.scheme}://?mode=session"
+        async with dlock.aio.connect(query, client=client_factory) as client:
+            lock = client.lock(name, ttl=30)
+            assert await lock.acquire(timeout=0)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(autocommit_of_both(), EMPTY)
+            await lock.release()
+            assert await asyncio.wait_for(autocommit_of_both(), 5) == [False, False]
+    finally:
+        await close()
