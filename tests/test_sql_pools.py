@@ -33,6 +33,7 @@ class Pool:
     """An application's pool of two connections, and how the test borrows from it."""
 
     def __init__(self, server: SQLServer, kind: str) -> None:
+        self.server = server
         self.kind = kind
         if kind == "psycopg_pool":
             self.pool = psycopg_pool.ConnectionPool(server.url(), min_size=2, max_size=2, open=True)
@@ -81,7 +82,6 @@ def pool(request: pytest.FixtureRequest) -> Iterator[Pool]:
     database, kind = request.param
     server: SQLServer = request.getfixturevalue(f"{database}_server")
     pool = Pool(server, kind)
-    pool.server = server  # type: ignore[attr-defined]
     yield pool
     pool.close()
 
@@ -92,8 +92,7 @@ def name() -> str:
 
 
 def url(pool: Pool, query: str = "") -> str:
-    server: SQLServer = pool.server  # type: ignore[attr-defined]
-    return f"{server.scheme}://" + (f"?{query}" if query else "")
+    return f"{pool.server.scheme}://" + (f"?{query}" if query else "")
 
 
 def test_lease_borrows_and_gives_back_as_it_came(pool: Pool, name: str) -> None:
