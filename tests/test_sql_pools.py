@@ -203,3 +203,18 @@ async def test_asyncio_face_borrows_from_an_async_pool(
             assert await asyncio.wait_for(autocommit_of_both(), 5) == [False, False]
     finally:
         await close()
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+def test_client_that_is_no_connection_is_refused_by_name(
+    database: str, request: pytest.FixtureRequest, name: str
+) -> None:
+    server: SQLServer = request.getfixturevalue(f"{database}_server")
+    # A pool itself, not its function that lends a connection.
+    unopened = psycopg_pool.ConnectionPool(server.url(), open=False)
+    with pytest.raises(dlock.ConfigurationError, match="client= must be a function"):
+        dlock.connect(f"{server.scheme}://", client=unopened)
+    # A function returning something else: named, never used as a connection.
+    client = dlock.connect(f"{server.scheme}://", client=lambda: object())
+    with client, pytest.raises(dlock.ConfigurationError, match=r"builtins\.object"):
+        client.lock(name, ttl=5).acquire(timeout=0)

@@ -129,8 +129,20 @@ def parse_server_url(
         timeout=seconds(settings.get("timeout", 10), "timeout"),
         create_table=flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
-        client=settings.get("client"),
+        client=_client_factory(settings.get("client")),
     )
+
+
+def _client_factory(value: Any) -> Any:
+    """``client=`` is called for each connection: a pool object itself is refused
+    here, with what to pass instead, rather than failing at the first acquire."""
+    if value is not None and not callable(value):
+        raise ConfigurationError(
+            f"client= must be a function returning a connection or lending one "
+            f"(a pool's connection/acquire, SQLAlchemy's engine.raw_connection), "
+            f"not {type(value).__name__}"
+        )
+    return value
 
 
 def lock_info(

@@ -231,9 +231,17 @@ class ServerSQLBackend(Backend):
         if hasattr(made, "driver_connection"):
             loan.proxy = made
             made = made.driver_connection
-        if loan.context is None and loan.proxy is None:
-            return made, None
-        return made, loan
+        lent = loan if loan.context is not None or loan.proxy is not None else None
+        if not self._driver_is_connection(made):
+            # Something else (another driver's connection, a sync one for the asyncio
+            # face): refused by name, not misused.
+            with contextlib.suppress(Exception):
+                self._give_back(made, lent, keep=False)
+            raise ConfigurationError(
+                f"client= gave a {type(made).__module__}.{type(made).__name__}, "
+                f"not a connection of this face's driver"
+            )
+        return made, lent
 
     def _give_back(self, raw: Any, loan: Loan | None, keep: bool) -> None:
         """Close a connection of ours; return a borrowed one to its pool, as it came if
