@@ -1,4 +1,4 @@
-"""PostgreSQL: what dlock's lease statements cost the server, in instructions.
+"""PostgreSQL: what dlock's statements cost the server, in instructions.
 
     python -m benchmarks.sql_instructions [--pairs N]
 
@@ -7,7 +7,8 @@ worth knowing; instruction counts do not. This runs PostgreSQL single-user
 (``postgres --single``, no client, no network) under ``valgrind --tool=callgrind``,
 feeds it prepared statements, and reports server instructions per acquire + release
 pair: the raw INSERT + DELETE of ``benchmarks.sql``, two bare UPDATEs of a row (the
-floor for a lock table whose rows stay), and dlock's own lease statements, taken from
+floor for a lock table whose rows stay), and dlock's own lease statements; then the
+bare advisory lock + unlock and dlock's session statements. dlock's are taken from
 ``dlock._sql`` as the backend sends them. Each figure is the difference between a run
 of ``N + 100`` pairs and one of 100, so start-up and the first executions cancel out.
 
@@ -26,11 +27,19 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from dlock._sql import POSTGRESQL, encode_name, notify_channel, postgresql_statements
+from dlock._sql import (
+    DEFAULT_TABLES,
+    POSTGRESQL,
+    advisory_key,
+    encode_name,
+    notify_channel,
+    postgresql_statements,
+)
 from dlock._types import Holder
 from tests.servers.sql import PG_BIN
 
-TABLE = "dlock_locks"
+TABLE = DEFAULT_TABLES["lease"]
+SESSION_TABLE = DEFAULT_TABLES["session"]
 NAME = "bench"
 TYPES = {
     "name": "bytea",
@@ -39,6 +48,7 @@ TYPES = {
     "holder": "text",
     "channel": "text",
     "reentrant": "boolean",
+    "key": "int8",
 }
 SETTINGS = ("fsync=off", "synchronous_commit=off", "full_page_writes=off", "autovacuum=off")
 #: Pairs run in every measurement before the counted ones.
@@ -70,8 +80,11 @@ def literal(value: object) -> str:
 
 
 def variants() -> dict[str, tuple[str, str]]:
-    """Acquire and release statements per variant, ``%(name)s`` style."""
+    """Acquire and release statements per variant, ``%(name)s`` style; the first of
+    each mode is its baseline."""
     dlock_sql = postgresql_statements(TABLE)
+    session_sql = postgresql_statements(SESSION_TABLE)
+    unlock = session_sql["session_unlock"]
     return {
         "raw INSERT + DELETE": (
             "INSERT INTO raw_locks (name, owner, expires) VALUES (%(name)s, %(owner)s, %(ttl)s)",
@@ -83,7 +96,13 @@ def variants() -> dict[str, tuple[str, str]]:
         ),
         "dlock lease (acquire_once + release)": (dlock_sql["acquire_once"], dlock_sql["release"]),
         "dlock reentrant lease (acquire + release)": (dlock_sql["acquire"], dlock_sql["release"]),
+        "raw advisory lock + unlock": ("SELECT pg_try_advisory_lock(%(key)s)", unlock),
+        "dlock session (session_acquire + unlock)": (session_sql["session_acquire"], unlock),
     }
+
+
+#: Where each mode's baseline starts.
+BASELINES = ("raw INSERT + DELETE", "raw advisory lock + unlock")
 
 
 def script(acquire: str, release: str, pairs: int) -> str:
@@ -93,12 +112,15 @@ def script(acquire: str, release: str, pairs: int) -> str:
         "holder": Holder.current().to_json(),
         "channel": notify_channel(TABLE, NAME),
         "reentrant": True,
+        "key": advisory_key(SESSION_TABLE, NAME),
     }
     lines = [
         "CREATE TABLE raw_locks (name bytea PRIMARY KEY, owner text, expires double precision)",
         POSTGRESQL.schema(TABLE),
-        f"INSERT INTO {TABLE} (name, fence) VALUES ({literal(params['name'])}, 0)",
+        POSTGRESQL.schema(SESSION_TABLE, session=True),
     ]
+    for table in (TABLE, SESSION_TABLE):
+        lines.append(f"INSERT INTO {table} (name, fence) VALUES ({literal(params['name'])}, 0)")
     calls = []
     for label, sql in (("a", acquire), ("r", release)):
         statement, order = prepare(label, sql)
@@ -165,7 +187,8 @@ def measure(pairs: int, report: Callable[[str, float, float], None]) -> None:
             counted = instructions(acquire, release, BASE_PAIRS + pairs, workdir)
             base = instructions(acquire, release, BASE_PAIRS, workdir)
             per_pair = (counted - base) / pairs
-            baseline = baseline or per_pair
+            if label in BASELINES:
+                baseline = per_pair
             report(label, per_pair, per_pair / baseline)
 
 
@@ -175,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
-    print("| PostgreSQL server, per acquire + release | instructions | vs raw |")
+    print("| PostgreSQL server, per acquire + release | instructions | vs its mode's raw |")
     print("|---|---|---|")
     measure(
         args.pairs,

@@ -358,18 +358,6 @@ def postgresql_statements(table: str) -> dict[str, str]:
                   AND l.classid::bigint = ({table}.lock_key >> 32) & 4294967295
                   AND l.objid::bigint = {table}.lock_key & 4294967295)"""
     columns = f"name, fence, count, expires - {now}, holder"
-    session_upsert = f"""
-            INSERT INTO {table} AS x
-                (name, owner, fence, count, expires, holder, session, lock_key)
-            SELECT %(name)s, %(owner)s, {d.clock_us}, 1, {now} + %(ttl)s, %(holder)s,
-                   pg_backend_pid(), %(key)s
-            FROM l WHERE {{condition}}
-            ON CONFLICT (name) DO UPDATE SET
-                fence = {d.session_fence("x.fence")}, owner = excluded.owner, count = 1,
-                expires = excluded.expires, holder = excluded.holder,
-                session = excluded.session, lock_key = excluded.lock_key
-            RETURNING fence, session"""
-    first_use = session_upsert.format(condition="l.ok AND NOT EXISTS (SELECT FROM bump)")
     live = d.live()
     reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
     # Rows stay after release, so acquire is a plain UPDATE of the name's row: cheaper
@@ -459,9 +447,10 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # Session mode: the advisory lock excludes; the row carries the fencing counter,
         # the holder, its lease and its session. Taking the lock and bumping the counter
         # is one statement; when busy, the same statement tells how long the holder's
-        # lease lasts.
-        # The row usually exists: a plain UPDATE bumps it (cheaper than ON CONFLICT DO
-        # UPDATE, which locks the row first); the upsert runs only when it found none.
+        # lease lasts. One row always: fence, session, seconds left, lock taken.
+        # The row usually exists, so this only UPDATEs: a name's first use (lock taken,
+        # no row) is recorded by ``session_record`` next. An upsert branch here would
+        # cost the server a third more on every acquire, whether it ran or not.
         "session_acquire": f"""
             WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
             bump AS (
@@ -469,17 +458,24 @@ def postgresql_statements(table: str) -> dict[str, str]:
                     count = 1, expires = {now} + %(ttl)s, holder = %(holder)s,
                     session = pg_backend_pid(), lock_key = %(key)s
                 FROM l WHERE l.ok AND name = %(name)s
-                RETURNING fence, session),
-            up AS ({first_use})
-            SELECT fence, session, NULL::float8 FROM bump
-            UNION ALL
-            SELECT fence, session, NULL::float8 FROM up
-            UNION ALL
-            SELECT NULL, NULL, expires - {now} FROM {table}, l
-            WHERE NOT l.ok AND name = %(name)s""",
-        # A waiter got the lock inside the server: record it.
-        "session_record": "WITH l AS (SELECT true AS ok) "
-        + session_upsert.format(condition="l.ok"),
+                RETURNING fence, session)
+            SELECT bump.fence, bump.session,
+                CASE WHEN NOT l.ok THEN
+                    (SELECT expires - {now} FROM {table} WHERE name = %(name)s) END,
+                l.ok
+            FROM l LEFT JOIN bump ON true""",
+        # The lock is ours (taken by a waiter inside the server, or on the name's first
+        # use): record it, creating the row if there is none.
+        "session_record": f"""
+            INSERT INTO {table} AS x
+                (name, owner, fence, count, expires, holder, session, lock_key)
+            VALUES (%(name)s, %(owner)s, {d.clock_us}, 1, {now} + %(ttl)s, %(holder)s,
+                    pg_backend_pid(), %(key)s)
+            ON CONFLICT (name) DO UPDATE SET
+                fence = {d.session_fence("x.fence")}, owner = excluded.owner, count = 1,
+                expires = excluded.expires, holder = excluded.holder,
+                session = excluded.session, lock_key = excluded.lock_key
+            RETURNING fence, session""",
         # true: the timeout lasts for this statement's transaction only, not for the
         # pooled connection's later statements.
         "session_wait": """

@@ -142,6 +142,12 @@ class AsyncServerSQLBackend(AsyncBackend):
     def _session_fence(self, result: Result) -> tuple[int, int | None] | None:
         """(fence, session id) from a session acquire, or None if the lock was busy."""
 
+    def _session_unrecorded(self, result: Result) -> bool:
+        """The session acquire took the lock, but the name has no row yet (its first
+        use): ``session_record`` is run next on the same connection. Only where the
+        acquire statement does not create the row itself."""
+        return False
+
     @abstractmethod
     def _session_key(self, name: str) -> Any: ...
 
@@ -446,6 +452,8 @@ class AsyncServerSQLBackend(AsyncBackend):
         try:
             statement = "session_record" if parked is not None else "session_acquire"
             result = await self._run(conn, self._sql[statement], params)
+            if parked is None and self._session_unrecorded(result):
+                result = await self._run(conn, self._sql["session_record"], params)
             granted = self._session_fence(result)
             self._check_session(conn, granted)
         except BaseException:

@@ -154,6 +154,10 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             return None  # busy: the row is the holder's lease
         return int(result.rows[0][0]), int(result.rows[0][1])
 
+    def _session_unrecorded(self, result: Result) -> bool:
+        # session_acquire's row: fence, session, seconds left, lock taken.
+        return bool(result.rows) and result.rows[0][0] is None and bool(result.rows[0][3])
+
     def _session_key(self, name: str) -> Any:
         return advisory_key(self._table, name)
 
