@@ -400,22 +400,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "acquire_waiting": waiting(acquire),
         "acquire_once_waiting": waiting(acquire_once),
         # The waiter that gets the turnstile runs this in the same round trip, inside the
-        # server, the moment the turnstile is handed over. It always updates the row
-        # (leaving it as it is when the lease is live): a row lock taken FOR UPDATE waits
-        # for the releasing statement to commit and reads the row it committed, where a
-        # plain UPDATE's WHERE would judge the version before the release. Holding the
-        # row until commit also orders any later release after our LISTEN.
-        "turnstile_take": f"""
-            UPDATE {table} AS x SET
-                fence = CASE WHEN o.free THEN x.fence + 1 ELSE x.fence END,
-                count = CASE WHEN o.free THEN 1 ELSE x.count END,
-                owner = CASE WHEN o.free THEN %(owner)s ELSE x.owner END,
-                expires = CASE WHEN o.free THEN {now} + %(ttl)s ELSE x.expires END,
-                holder = CASE WHEN o.free THEN %(holder)s ELSE x.holder END
-            FROM (SELECT name, NOT {live} AS free FROM {table}
-                  WHERE name = %(name)s FOR UPDATE) AS o
-            WHERE x.name = o.name
-            RETURNING o.free, x.fence, x.count, x.expires - {now}""",
+        # server, the moment the turnstile is handed over. A lease released through the
+        # turnstile committed before the turnstile was free, so this statement's snapshot
+        # sees it free: the plain acquire takes it. Busy (the holder did not queue), it
+        # takes nothing and locks nothing, so a release that commits before our LISTEN
+        # does would go unheard: the waiter asks once more on its connection, LISTEN in
+        # force by then (``acquire_once_waiting``).
+        "turnstile_take": acquire_once + returning,
         # Not taken: NULL if the row is free (released meanwhile), no row if the name was
         # never used (then ``create_row``), else the seconds left on the holder's lease.
         "time_left": f"""

@@ -7,6 +7,9 @@ worker.py sections URL NAME COUNT RECORDS COUNTER
 worker.py hold URL NAME TTL
     Acquire, print "acquired TOKEN", then obey commands on stdin, one per line:
     release, extend, check. Exits at end of input.
+worker.py wait URL NAME TIMEOUT
+    Find the lock busy, print "waiting", then wait for it up to TIMEOUT and print
+    "acquired AT" (the system-wide monotonic clock) or "timed out".
 """
 
 from __future__ import annotations
@@ -56,11 +59,26 @@ async def hold(url: str, name: str, ttl: float) -> None:
             print(answer, flush=True)
 
 
+async def wait(url: str, name: str, timeout: float) -> None:
+    async with dlock.aio.connect(url, label="waiter") as client:
+        lock = client.lock(name, ttl=10)
+        if await lock.acquire(timeout=0):
+            raise SystemExit("the lock was free: nothing to wait for")
+        print("waiting", flush=True)
+        if await lock.acquire(timeout=timeout):
+            print(f"acquired {time.monotonic()}", flush=True)
+            await lock.release()
+        else:
+            print("timed out", flush=True)
+
+
 async def main(argv: list[str]) -> None:
     if argv[0] == "sections":
         await sections(argv[1], argv[2], int(argv[3]), Path(argv[4]), Path(argv[5]))
     elif argv[0] == "hold":
         await hold(argv[1], argv[2], float(argv[3]))
+    elif argv[0] == "wait":
+        await wait(argv[1], argv[2], float(argv[3]))
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

@@ -152,6 +152,26 @@ def test_waiter_gets_the_lock_when_released(url: str, name: str) -> None:
         finish(holder)
 
 
+def test_blocked_waiter_is_woken_by_the_release(url: str, name: str) -> None:
+    """A waiter already waiting when the lock is released gets it at once: woken by the
+    backend where it can notify (not by its 2 s fallback, nor the 30 s lease), after
+    a short backoff where it cannot."""
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = start_worker(FACE, "wait", url, name, "10")
+        try:
+            assert read_line(waiter) == "waiting"
+            sleep(0.5)  # queued and listening by now
+            released = time.monotonic()
+            holder.release()
+            answer = read_line(waiter)
+            assert answer.startswith("acquired"), answer
+            assert 0 < float(answer.split()[1]) - released < 1.0
+        finally:
+            finish(waiter)
+
+
 def test_reentrancy(url: str, name: str) -> None:
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=5, reentrant=True)

@@ -193,17 +193,13 @@ class PostgreSQLBackend(ServerSQLBackend):
                 return Busy()
             return self._first_use(params)
         waiter.params = params
-        if waiter.busy is not None:
-            # The take that put this waiter in front has just answered, and it is
-            # listening since: asking again would tell nothing new.
-            left, waiter.busy = waiter.busy, None
-            return Busy(retry_after=left)
         if waiter.in_front:
             result = self._run(waiter.conn, self._sql[statement + "_waiting"], params)
         elif waiter.fresh:
             # The core's attempt on entering the waiter would only repeat the one just
-            # made: the take in front of the turnstile, made after LISTEN, is the one
-            # that cannot miss a release.
+            # made: the take in front of the turnstile comes next, and the attempt
+            # after it, on its connection once LISTEN is in force, cannot miss a
+            # release.
             waiter.fresh = False
             return Busy()
         else:
@@ -410,8 +406,6 @@ class _TurnstileWaiter(Waiter):
         self.granted = False
         #: A take failed in flight: it may have committed.
         self.cut_off = False
-        #: The holder's time left, as the take that put this waiter in front saw it.
-        self.busy: float | None = None
         #: The latest attempt's parameters (owner, ttl, holder), for the take.
         self.params: dict[str, Any] = {}
 
@@ -461,14 +455,12 @@ class _TurnstileWaiter(Waiter):
             raise
         self.in_front = True
         if not result.rows:
-            return None  # the name has no row yet: the core's next attempt makes it
-        free, fence, count, left = result.rows[0]
+            # Busy, or the name has no row yet: the core's next attempt asks again on
+            # this connection, now listening, and learns which (and makes the row).
+            return None
         backend._remember(self.params["name"])
-        if free:
-            self.granted = True
-            return Acquired(int(fence), int(count))
-        self.busy = max(0.0, float(left))
-        return None
+        self.granted = True
+        return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
 
 
 BACKEND = PostgreSQLBackend
