@@ -441,7 +441,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # lease lasts. One row always: fence, session, seconds left, lock taken.
         # The row usually exists, so this only UPDATEs: a name's first use (lock taken,
         # no row) is recorded by ``session_record`` next. An upsert branch here would
-        # cost the server a third more on every acquire, whether it ran or not.
+        # cost the server over a quarter more on every acquire, run or not.
         "session_acquire": f"""
             WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
             bump AS (
