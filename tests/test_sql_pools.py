@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -132,6 +133,30 @@ def test_session_lock_keeps_its_connection_out_of_the_pool(pool: Pool, name: str
         # And dlock borrows it again.
         assert lock.acquire(timeout=0)
         lock.release()
+
+
+def test_lease_waiter_gives_its_connection_back(pool: Pool, name: str) -> None:
+    """A lease waiter's connection (PostgreSQL: LISTEN and the queue) is out of the pool
+    while it waits and, taken in front of the queue, while the lease is held; after
+    the release dlock keeps none of the pool's connections for later waits."""
+    with dlock.connect(pool.server.url()) as other:
+        held = other.lock(name, ttl=30)
+        assert held.acquire(timeout=0)
+        threading.Timer(0.5, held.release).start()
+        with dlock.connect(url(pool), client=pool.client) as client:
+            lock = client.lock(name, ttl=30)
+            assert lock.acquire(timeout=10)
+            lock.release()
+            assert client.inspect(name) is None
+            with pool.borrow(timeout=EMPTY) as first, pool.borrow(timeout=EMPTY) as second:
+                assert not autocommit(first) and not autocommit(second)
+            # And it waits again as well, on a connection borrowed afresh.
+            assert held.acquire(timeout=0)
+            threading.Timer(0.5, held.release).start()
+            assert lock.acquire(timeout=10)
+            lock.release()
+            with pool.borrow(timeout=EMPTY), pool.borrow(timeout=EMPTY):
+                pass
 
 
 def test_a_killed_session_lock_connection_goes_back_closed(pool: Pool, name: str) -> None:

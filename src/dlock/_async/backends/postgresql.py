@@ -258,7 +258,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         if count:
             self._gates[token] = gate
         else:
-            self._listeners.append(gate.conn)
+            await self._keep_for_waiting(gate.conn)
         return count
 
     async def _leave_turnstile(self, conn: Conn) -> None:
@@ -269,7 +269,16 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         except BaseException:
             await self._drop(conn)
             raise
-        self._listeners.append(conn)
+        await self._keep_for_waiting(conn)
+
+    async def _keep_for_waiting(self, conn: Conn) -> None:
+        """Keep a waiting connection for the next wait. One borrowed from the
+        application's pool goes back instead (closed: it carries dlock's LISTEN and
+        PREPARE): dlock keeps none of the application's connections idle."""
+        if conn.loan is not None:
+            await self._drop(conn)
+        else:
+            self._listeners.append(conn)
 
     async def _drop_gate(self, token: str) -> None:
         gate = self._gates.pop(token, None)
@@ -336,7 +345,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             await self._leave_turnstile(waiter.conn)
         else:
             # The waiter may have replaced a connection that died while idle (restart).
-            self._listeners.append(waiter.conn)
+            await self._keep_for_waiting(waiter.conn)
 
     def _take_sql(self, conn: Any, key: int, channel: str, params: dict[str, Any], ms: int) -> str:
         """Listen, queue on the turnstile and take the lease, as one simple-protocol

@@ -259,7 +259,7 @@ class PostgreSQLBackend(ServerSQLBackend):
         if count:
             self._gates[token] = gate
         else:
-            self._listeners.append(gate.conn)
+            self._keep_for_waiting(gate.conn)
         return count
 
     def _leave_turnstile(self, conn: Conn) -> None:
@@ -270,7 +270,16 @@ class PostgreSQLBackend(ServerSQLBackend):
         except BaseException:
             self._drop(conn)
             raise
-        self._listeners.append(conn)
+        self._keep_for_waiting(conn)
+
+    def _keep_for_waiting(self, conn: Conn) -> None:
+        """Keep a waiting connection for the next wait. One borrowed from the
+        application's pool goes back instead (closed: it carries dlock's LISTEN and
+        PREPARE): dlock keeps none of the application's connections idle."""
+        if conn.loan is not None:
+            self._drop(conn)
+        else:
+            self._listeners.append(conn)
 
     def _drop_gate(self, token: str) -> None:
         gate = self._gates.pop(token, None)
@@ -337,7 +346,7 @@ class PostgreSQLBackend(ServerSQLBackend):
             self._leave_turnstile(waiter.conn)
         else:
             # The waiter may have replaced a connection that died while idle (restart).
-            self._listeners.append(waiter.conn)
+            self._keep_for_waiting(waiter.conn)
 
     def _take_sql(self, conn: Any, key: int, channel: str, params: dict[str, Any], ms: int) -> str:
         """Listen, queue on the turnstile and take the lease, as one simple-protocol
