@@ -456,9 +456,8 @@ class AsyncServerSQLBackend(AsyncBackend):
                 result = await self._run(conn, self._sql["session_record"], params)
             granted = self._session_fence(result)
             self._check_session(conn, granted)
-        except BaseException:
-            # Whatever happened, closing the session frees any lock it may have taken.
-            await self._drop(conn)
+        except BaseException as exc:
+            await self._abandon_session(conn, key, exc)
             raise
         if granted is None:
             await self._give(conn)
@@ -472,6 +471,11 @@ class AsyncServerSQLBackend(AsyncBackend):
             return Busy(retry_after=left)
         self._held[token] = Held(conn, name, key, granted[0])
         return Acquired(granted[0], 1)
+
+    async def _abandon_session(self, conn: Conn, key: Any, exc: BaseException) -> None:
+        """A session acquire failed: whatever happened, closing the session frees any
+        lock it may have taken (once the server has noticed the close)."""
+        await self._drop(conn)
 
     @staticmethod
     def _check_session(conn: Conn, granted: tuple[int, int | None] | None) -> None:

@@ -457,9 +457,8 @@ class ServerSQLBackend(Backend):
                 result = self._run(conn, self._sql["session_record"], params)
             granted = self._session_fence(result)
             self._check_session(conn, granted)
-        except BaseException:
-            # Whatever happened, closing the session frees any lock it may have taken.
-            self._drop(conn)
+        except BaseException as exc:
+            self._abandon_session(conn, key, exc)
             raise
         if granted is None:
             self._give(conn)
@@ -473,6 +472,11 @@ class ServerSQLBackend(Backend):
             return Busy(retry_after=left)
         self._held[token] = Held(conn, name, key, granted[0])
         return Acquired(granted[0], 1)
+
+    def _abandon_session(self, conn: Conn, key: Any, exc: BaseException) -> None:
+        """A session acquire failed: whatever happened, closing the session frees any
+        lock it may have taken (once the server has noticed the close)."""
+        self._drop(conn)
 
     @staticmethod
     def _check_session(conn: Conn, granted: tuple[int, int | None] | None) -> None:

@@ -31,7 +31,7 @@ from ..._sql import (
 )
 from ..._types import Acquired, Busy, Holder, Lease
 from .._primitives import IS_ASYNC
-from ._server_sql import Result, ServerSQLBackend
+from ._server_sql import Conn, Result, ServerSQLBackend
 
 PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
 #: Server error codes that deserve their own message.
@@ -39,6 +39,11 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
+
+
+def _table_full(exc: BackendError) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, pymysql.MySQLError) and cause.args[:1] == (TABLE_FULL,)
 
 
 def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
@@ -192,16 +197,31 @@ class MySQLBackend(ServerSQLBackend):
     ) -> Acquired | Busy:
         """A name's first lock may find the MEMORY table full (its size is fixed when
         the server starts): the rows of free names are pruned and the lock tried once
-        more. The failed statement was refused by the server, and its connection (with
-        any lock it took) was closed, so trying again cannot count anything twice."""
+        more. The failed statement was refused by the server, which wrote nothing, and
+        the lock it took was given up (``_abandon_session``), so trying again cannot
+        count anything twice, nor find our own lock busy."""
         try:
             return super()._session_acquire(name, token, ttl, holder, reentrant)
         except BackendError as exc:
-            cause = exc.__cause__
-            if not isinstance(cause, pymysql.MySQLError) or cause.args[:1] != (TABLE_FULL,):
+            if not _table_full(exc):
                 raise
         self._call("session_prune", {})
         return super()._session_acquire(name, token, ttl, holder, reentrant)
+
+    def _abandon_session(self, conn: Conn, key: Any, exc: BaseException) -> None:
+        """Refused for a full table, the statement had already taken the lock on its
+        connection, which is still usable: unlock it there. Closing the connection
+        would free it too, but only once the server has noticed the close, so that an
+        attempt right after could find the lock still held by the closed session."""
+        if isinstance(exc, BackendError) and _table_full(exc):
+            try:
+                self._run(conn, self._sql["session_unlock"], {"key": key})
+            except BaseException:
+                self._drop(conn)
+                raise
+            self._give(conn)
+            return
+        super()._abandon_session(conn, key, exc)
 
     # -- lease mode --------------------------------------------------------------------
 
