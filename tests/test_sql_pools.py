@@ -135,6 +135,27 @@ def test_session_lock_keeps_its_connection_out_of_the_pool(pool: Pool, name: str
         lock.release()
 
 
+def test_session_waiter_through_the_pool(pool: Pool, name: str) -> None:
+    """A session-mode wait on a connection of the application's pool, which on MariaDB
+    was opened without multi-statements: the lock obtained is recorded by the next
+    statement instead of in the wait's own round trip; the connection goes back after."""
+    with dlock.connect(pool.server.url("mode=session")) as other:
+        held = other.lock(name, ttl=30)
+        assert held.acquire(timeout=0)
+        threading.Timer(0.5, held.release).start()
+        with dlock.connect(url(pool, "mode=session"), client=pool.client) as client:
+            lock = client.lock(name, ttl=30)
+            assert lock.acquire(timeout=10)
+            assert held.fencing_token is not None and lock.fencing_token is not None
+            assert lock.fencing_token > held.fencing_token
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == lock.fencing_token
+            lock.release()
+            assert client.inspect(name) is None
+            with pool.borrow(timeout=EMPTY) as first, pool.borrow(timeout=EMPTY) as second:
+                assert not autocommit(first) and not autocommit(second)
+
+
 def test_lease_waiter_gives_its_connection_back(pool: Pool, name: str) -> None:
     """A lease waiter's connection (PostgreSQL: LISTEN and the queue) is out of the pool
     while it waits and, taken in front of the queue, while the lease is held; after

@@ -576,6 +576,10 @@ def mysql_statements(table: str) -> dict[str, str]:
         # counter in one round trip; the row is written only if the lock was granted.
         "session_acquire": session_upsert.format(condition="GET_LOCK(%(key)s, 0) = 1"),
         "session_record": session_upsert.format(condition="TRUE"),
+        # With multi-statements: wait, and record the lock the moment it is granted,
+        # inside the server (the second statement's result is the answer).
+        "session_wait_and_record": "SELECT GET_LOCK(%(key)s, %(wait)s); "
+        + session_upsert.format(condition="IS_USED_LOCK(%(key)s) = CONNECTION_ID()"),
         "session_time_left": f"""
             SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {held}""",
         "session_wait": "SELECT GET_LOCK(%(key)s, %(wait)s)",

@@ -551,28 +551,28 @@ class AsyncServerSQLBackend(AsyncBackend):
     async def _session_wait(self, waiter: _SessionWaiter, timeout: float) -> Acquired | None:
         """Block inside the server until the lock is ours or ``timeout`` passes.
 
-        Where the database can (PostgreSQL), the same round trip records the lock in
-        its row the moment it is granted, and the grant is returned. Otherwise the lock
-        obtained is parked for the acquire that the core makes next, which records it:
-        no polling either way.
+        Where the connection can (PostgreSQL; MariaDB/MySQL with multi-statements),
+        the same round trip records the lock in its row the moment it is granted, and
+        the grant is returned. Otherwise the lock obtained is parked for the acquire
+        that the core makes next, which records it: no polling either way.
         """
         name, token = waiter.name, waiter.token
         if token in self._parked or token in self._held:
             return None
+        conn = await self._take()
         # Bounded by the operation timeout, so a dead server is noticed in time.
         wait = max(0.001, min(timeout, self._settings.timeout / 2))
         # The parameters of the attempt that found the lock busy, to record it with.
-        record = waiter.params if self._can_record_in_wait else None
+        record = waiter.params if self._records_in_wait(conn) else None
         if record is not None:
             # A grant counts (on the client) from before this wait: most of its lease
             # is left when the wait is bounded by a third of the TTL.
             wait = max(0.001, min(wait, float(record["ttl"]) / 3))
-        conn = await self._take()
         key = self._session_key(name)
         ms = max(1, math.ceil(wait * 1000))
         try:
             if record is not None:
-                sql, params = await self._wait_and_record_sql(conn, record, ms), {}
+                sql, params = await self._wait_and_record_sql(conn, record, wait)
             else:
                 sql = self._sql["session_wait"]
                 params = {"key": key, "wait": wait, "wait_ms": str(ms)}
@@ -600,11 +600,15 @@ class AsyncServerSQLBackend(AsyncBackend):
             await self._give(conn)
         return None
 
-    #: The database can record a session lock in the statement that waits for it.
-    _can_record_in_wait = False
+    def _records_in_wait(self, conn: Conn) -> bool:
+        """True when one round trip on ``conn`` can wait for a session lock and record it."""
+        return False
 
-    async def _wait_and_record_sql(self, conn: Conn, params: dict[str, Any], ms: int) -> str:
-        """One statement text that waits for the lock (up to ``ms``) and records it."""
+    async def _wait_and_record_sql(
+        self, conn: Conn, params: dict[str, Any], wait: float
+    ) -> tuple[str, dict[str, Any]]:
+        """A query (and its parameters) that waits for the lock up to ``wait`` seconds,
+        then records it; its last statement's result is the record's."""
         raise NotImplementedError
 
     def _got_wait(self, result: Result) -> bool:

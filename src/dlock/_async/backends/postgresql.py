@@ -362,9 +362,12 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             f" EXECUTE {TAKE}({values})"
         )
 
-    _can_record_in_wait = True
+    def _records_in_wait(self, conn: Conn) -> bool:
+        return True
 
-    async def _wait_and_record_sql(self, conn: Conn, params: dict[str, Any], ms: int) -> str:
+    async def _wait_and_record_sql(
+        self, conn: Conn, params: dict[str, Any], wait: float
+    ) -> tuple[str, dict[str, Any]]:
         """Wait for the advisory lock, then record it (fence, holder, lease, session),
         as one simple-protocol round trip: the record runs inside the server the moment
         the lock is granted. Only integers are interpolated, and literals quoted by the
@@ -373,11 +376,12 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             await self._run(conn, self._prepare_record, {})
             conn.prepared.add(RECORD)
         values = _literals(conn.raw, RECORD_PARAMETERS, params)
+        ms = max(1, math.ceil(wait * 1000))
         return (
             f"SELECT pg_advisory_lock({int(params['key'])})"
             f" FROM (SELECT set_config('lock_timeout', '{ms}', true)) AS s;"
             f" EXECUTE {RECORD}({values})"
-        )
+        ), {}
 
     async def _session_force_release(self, name: str) -> bool:
         result = await self._call("session_force_release", {"name": encode_name(name)})

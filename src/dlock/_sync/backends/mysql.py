@@ -94,7 +94,10 @@ class MySQLBackend(ServerSQLBackend):
             "connect_timeout": s.connect_timeout,
             "autocommit": True,
             # UPDATE reports matched rows, so an extend that changes nothing still counts.
-            "client_flag": CLIENT.FOUND_ROWS,
+            # Several statements in one query let a session-mode waiter record the lock
+            # inside the server the moment its wait ends (values are still escaped by
+            # the driver).
+            "client_flag": CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS,
             "ssl": self._ssl,
             "cursorclass": _QuietCursor,
         }
@@ -130,8 +133,12 @@ class MySQLBackend(ServerSQLBackend):
         # The cursor class is given here too, for connections brought with ``client=``.
         with raw.cursor(_QuietCursor) as cursor:
             cursor.execute(sql, params or None)
-            rows = cursor.fetchall()
-            return Result(list(rows or ()), cursor.rowcount, cursor.lastrowid or 0)
+            while True:
+                rows = cursor.fetchall()
+                result = Result(list(rows or ()), cursor.rowcount, cursor.lastrowid or 0)
+                # Several statements: the last one's result is the answer.
+                if not cursor.nextset():
+                    return result
 
     def _driver_close(self, raw: Any) -> None:
         raw.close()
@@ -191,6 +198,15 @@ class MySQLBackend(ServerSQLBackend):
 
     def _got_wait(self, result: Result) -> bool:
         return bool(result.rows) and result.rows[0][0] == 1
+
+    def _records_in_wait(self, conn: Conn) -> bool:
+        # A client= connection may have been opened without multi-statements.
+        return bool(getattr(conn.raw, "client_flag", 0) & CLIENT.MULTI_STATEMENTS)
+
+    def _wait_and_record_sql(
+        self, conn: Conn, params: dict[str, Any], wait: float
+    ) -> tuple[str, dict[str, Any]]:
+        return self._sql["session_wait_and_record"], {**params, "wait": wait}
 
     def _session_acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool

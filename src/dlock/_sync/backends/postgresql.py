@@ -363,9 +363,12 @@ class PostgreSQLBackend(ServerSQLBackend):
             f" EXECUTE {TAKE}({values})"
         )
 
-    _can_record_in_wait = True
+    def _records_in_wait(self, conn: Conn) -> bool:
+        return True
 
-    def _wait_and_record_sql(self, conn: Conn, params: dict[str, Any], ms: int) -> str:
+    def _wait_and_record_sql(
+        self, conn: Conn, params: dict[str, Any], wait: float
+    ) -> tuple[str, dict[str, Any]]:
         """Wait for the advisory lock, then record it (fence, holder, lease, session),
         as one simple-protocol round trip: the record runs inside the server the moment
         the lock is granted. Only integers are interpolated, and literals quoted by the
@@ -374,11 +377,12 @@ class PostgreSQLBackend(ServerSQLBackend):
             self._run(conn, self._prepare_record, {})
             conn.prepared.add(RECORD)
         values = _literals(conn.raw, RECORD_PARAMETERS, params)
+        ms = max(1, math.ceil(wait * 1000))
         return (
             f"SELECT pg_advisory_lock({int(params['key'])})"
             f" FROM (SELECT set_config('lock_timeout', '{ms}', true)) AS s;"
             f" EXECUTE {RECORD}({values})"
-        )
+        ), {}
 
     def _session_force_release(self, name: str) -> bool:
         result = self._call("session_force_release", {"name": encode_name(name)})
