@@ -45,10 +45,12 @@ class Waiter:
 
 
 class Backend(ABC):
-    #: True when a waiter holds a place in a queue on the server (ZooKeeper). The core
-    #: then makes even the first attempt of a wait inside :meth:`waiter`, so the place
-    #: taken by that attempt is kept rather than given up and taken again at the back.
-    queues_waiters: ClassVar[bool] = False
+    #: True when a waiter holds a place in a queue on the server (ZooKeeper), or its
+    #: waits cannot miss a release (SQL session mode: the wait is the database's lock).
+    #: The core then makes even the first attempt of a wait inside :meth:`waiter`, so
+    #: the place taken by that attempt is kept rather than given up and taken again at
+    #: the back, and no attempt is made twice before the first wait.
+    queues_waiters: bool = False
 
     @classmethod
     @abstractmethod

@@ -89,6 +89,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._sql = statements
         self._schema = schema
         self._session_mode = settings.mode == "session"
+        # A session-mode wait is the database's own lock: it cannot miss a release, so
+        # a blocking acquire needs no attempt before entering the waiter.
+        self.queues_waiters = self._session_mode
         self._idle: list[Conn] = []
         self._schema_ready = not settings.create_table
         self._held: dict[str, Held] = {}

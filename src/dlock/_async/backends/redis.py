@@ -249,7 +249,7 @@ class AsyncRedisBackend(AsyncBackend):
 
     #: A blocking acquire's first attempt already joins the queue (if the lock is busy),
     #: saving a waiter the second attempt it would otherwise make after subscribing.
-    queues_waiters: ClassVar[bool] = True
+    queues_waiters = True
 
     def __init__(
         self,

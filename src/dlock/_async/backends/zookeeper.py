@@ -242,7 +242,7 @@ class AsyncZooKeeperWaiter(AsyncWaiter):
 
 
 class AsyncZooKeeperBackend(AsyncBackend):
-    queues_waiters: ClassVar[bool] = True
+    queues_waiters = True
 
     def __init__(
         self,

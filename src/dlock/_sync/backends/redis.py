@@ -248,7 +248,7 @@ class RedisBackend(Backend):
 
     #: A blocking acquire's first attempt already joins the queue (if the lock is busy),
     #: saving a waiter the second attempt it would otherwise make after subscribing.
-    queues_waiters: ClassVar[bool] = True
+    queues_waiters = True
 
     def __init__(
         self,

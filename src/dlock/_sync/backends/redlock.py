@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -30,7 +30,7 @@ MASTER_TIMEOUT = 0.5
 
 class RedlockBackend(Backend):
     #: As for one server: a blocking acquire's first attempt joins every master's queue.
-    queues_waiters: ClassVar[bool] = True
+    queues_waiters = True
 
     def __init__(self, masters: Sequence[RedisBackend]) -> None:
         if len(masters) < 3 or len(masters) % 2 == 0:

@@ -243,7 +243,7 @@ class ZooKeeperWaiter(Waiter):
 
 
 class ZooKeeperBackend(Backend):
-    queues_waiters: ClassVar[bool] = True
+    queues_waiters = True
 
     def __init__(
         self,
