@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,9 @@ class AsyncLock:
         self._count = 0
         self._lost = False
         self._lost_reason = ""
+        #: Held while a loss is declared (see _declare_lost). Reentrant, so that on_lost
+        #: may itself release the lock or leave its block.
+        self._loss_lock = threading.RLock()
         #: Bumped on every fresh acquisition, so a renewal answer for an earlier one is ignored.
         self._generation = 0
         #: Local upper bound of the lease: measured from *before* the request was sent.
@@ -223,7 +227,8 @@ class AsyncLock:
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason or 'lease ran out'}")
+            self._declare_lost("the lease ran out before it could be extended")
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         started = self._client._clock()
         if not await self._client._backend.extend(self.name, self._token, seconds):
             self._declare_lost("the lease had expired or been taken over before extend")
@@ -233,22 +238,32 @@ class AsyncLock:
     def _lease(self) -> Lease:
         return Lease(self.name, self._token, self.ttl)
 
-    def _declare_lost(self, reason: str) -> None:
-        """Record the loss once and tell the holder: flag, callback, and task cancel."""
-        if self._lost:
-            return
-        self._lost = True
-        self._lost_reason = reason
-        self._client._renewer.discard(self)
-        logger.warning("dlock: lost lock %r: %s", self.name, reason)
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self)
-            except Exception:
-                logger.exception("dlock: on_lost callback for %r failed", self.name)
-        if self.cancel_on_lost and self._body_task is not None:
-            self._cancelled_by_us = True
-            cancel_task(self._body_task, f"dlock: lost lock {self.name!r}")
+    def _declare_lost(self, reason: str) -> bool:
+        """Record the loss once and tell the holder: flag, callback, and task cancel.
+        True if this call declared it, False if it was declared already.
+
+        The flag goes up first, so that ``owned()`` turns false as early as possible.
+        Every path that raises :class:`LockLost` comes through here, and a declaration
+        holds ``_loss_lock`` until ``on_lost`` has run: with threads, the renewer may be
+        declaring while the holder leaves its block, and the holder must not see
+        LockLost before its callback was told.
+        """
+        with self._loss_lock:
+            if self._lost:
+                return False
+            self._lost = True
+            self._lost_reason = reason
+            self._client._renewer.discard(self)
+            logger.warning("dlock: lost lock %r: %s", self.name, reason)
+            if self.on_lost is not None:
+                try:
+                    self.on_lost(self)
+                except Exception:
+                    logger.exception("dlock: on_lost callback for %r failed", self.name)
+            if self.cancel_on_lost and self._body_task is not None:
+                self._cancelled_by_us = True
+                cancel_task(self._body_task, f"dlock: lost lock {self.name!r}")
+            return True
 
     def _forget(self) -> None:
         self._count = 0
@@ -259,8 +274,7 @@ class AsyncLock:
         clock before the backend or renewer said so is declared lost now and freed if
         it is somehow still ours."""
         self._forget()
-        if not self._lost:
-            self._declare_lost("the lease ran out before it could be renewed")
+        if self._declare_lost("the lease ran out before it could be renewed"):
             await self._release_quietly()
         return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
 
