@@ -947,12 +947,16 @@ class AsyncZooKeeperBackend(AsyncBackend):
         stripes = [
             self._stripes[i] for i in sorted({hash((x.name, x.token)) % STRIPES for x in leases})
         ]
-        for stripe in stripes:
-            await stripe.acquire()
+        taken: list[Mutex] = []
         try:
+            # Each stripe counts as taken only once acquired: a renewal cancelled (timed
+            # out) while waiting for the next one must still give back those it holds.
+            for stripe in stripes:
+                await stripe.acquire()
+                taken.append(stripe)
             answers = await self._extend_locked(zk, leases)
         finally:
-            for stripe in reversed(stripes):
+            for stripe in reversed(taken):
                 stripe.release()
         if any(answers):
             self._heard(started)
