@@ -703,17 +703,22 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 prefix, data, ephemeral=True, sequence=True, include_data=True
             )
             listing = zk.get_children_async(parent)
+            no_root = False
             if made is not None:
                 try:
                     await self._call(made)
                 except NodeExistsError:
                     pass
                 except NoNodeError:
-                    await run_blocking(zk.ensure_path, self._root or "/")  # first use of this root
-                    continue
+                    no_root = True
+            # Always read the create's own answer, whatever the lock node's said: another
+            # client may make the root and the lock node between our two requests, and a
+            # node created then but not taken as ours would head the queue for good.
             try:
                 path, stat = await self._call(created)
             except NoNodeError:
+                if no_root:
+                    await run_blocking(zk.ensure_path, self._root or "/")  # first use of this root
                 known = False  # deleted once empty (by the server, or pruned): make it again
                 continue
             if len(self._parents) >= MAX_KNOWN_PARENTS:
@@ -725,12 +730,19 @@ class AsyncZooKeeperBackend(AsyncBackend):
     async def _find_own(
         self, zk: KazooClient, parent: str, token: str
     ) -> tuple[str, ZnodeStat] | None:
+        """Our node whose create's reply was lost, if the create went through.
+
+        The reply may have been lost with the connection, and the server we are on
+        now may not have applied that create yet: catch up first. A node of ours we
+        gave up (waiting for the reaper) carries our token too, but is not this one.
+        """
+        await self._catch_up(zk)
         try:
             children = await self._call(zk.get_children_async(parent))
         except NoNodeError:
             return None
         for child in children:
-            if child.startswith(f"{token}-"):
+            if child.startswith(f"{token}-") and f"{parent}/{child}" not in self._orphans:
                 stat = await self._call(zk.exists_async(f"{parent}/{child}"))
                 if stat is not None:
                     return f"{parent}/{child}", stat
