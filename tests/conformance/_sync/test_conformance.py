@@ -10,6 +10,7 @@ import asyncio
 import math
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import pytest
 import dlock
 from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
 from dlock._types import Lease
+from tests.conformance._sync.worker import STUCK_AFTER
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
 FACE = "_sync"
@@ -465,9 +467,26 @@ def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) 
         start_worker(FACE, "sections", url, name, str(per_process), str(out), str(counter))
         for out in outputs
     ]
+    patience = time.monotonic() + STUCK_AFTER - 30
     try:
         for worker in workers:
-            assert run_blocking(worker.wait, 300) == 0
+            try:
+                code = run_blocking(worker.wait, max(0.1, patience - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                # Stuck: note what the backend shows while the workers still live, and
+                # have them report their state; at STUCK_AFTER they print their stacks
+                # (all captured) and exit.
+                with dlock.connect(url) as admin:
+                    seen = admin.inspect(name)
+                for stuck in workers:
+                    if stuck.poll() is None:
+                        stuck.send_signal(signal.SIGUSR1)
+                codes = [run_blocking(w.wait, 60) for w in workers]
+                pytest.fail(
+                    f"workers {[w.pid for w in workers]} stuck (exit codes {codes}); "
+                    f"the lock as the backend showed it: {seen}"
+                )
+            assert code == 0
     finally:
         for worker in workers:
             finish(worker)

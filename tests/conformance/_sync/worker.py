@@ -15,19 +15,62 @@ worker.py wait URL NAME TIMEOUT
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import dlock
-from dlock._sync._primitives import run_blocking
+from dlock._sync._primitives import IS_ASYNC, run_blocking
 from tests.conformance.helpers import run_main
+
+#: A sections worker normally finishes in seconds; one still running after this long is
+#: stuck, and prints every thread's stack (to the test's captured output) as it exits.
+STUCK_AFTER = 150.0
+
+
+def awaiting(coro: Any) -> list[str]:
+    """Where a suspended coroutine waits, outermost first (a task's own stack shows only
+    its outermost frame)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            lines.append(f"  {code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
+
+
+def report_state(client: dlock.Client) -> None:
+    """On SIGUSR1, sent by a test that finds its workers stuck: this client's backend
+    state (its queue nodes, waiters, session) and, under asyncio, every task's stack."""
+    lines = [f"== worker {os.getpid()}: backend state"]
+    # Each value shortened: CI keeps only part of a failure's output, and every
+    # worker's state must fit in it.
+    lines += [f"  {key} = {value!r:.600}" for key, value in sorted(vars(client._backend).items())]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    if IS_ASYNC:
+        for task in asyncio.all_tasks():
+            print(f"== task {task.get_name()}, awaiting:", file=sys.stderr)
+            print("\n".join(awaiting(task.get_coro())), file=sys.stderr, flush=True)
+    else:
+        faulthandler.dump_traceback(all_threads=True)
 
 
 def sections(url: str, name: str, count: int, records: Path, counter: Path) -> None:
+    faulthandler.dump_traceback_later(STUCK_AFTER, exit=True)
     log = []
     with dlock.connect(url, label="sections") as client:
+        if IS_ASYNC:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, report_state, client)
+        else:
+            signal.signal(signal.SIGUSR1, lambda *_: report_state(client))
         lock = client.lock(name, ttl=10)
         for _ in range(count):
             with lock:

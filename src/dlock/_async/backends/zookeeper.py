@@ -213,6 +213,12 @@ class _Ahead:
         self.watching_data = False
         self.watching_delete = False
 
+    def __repr__(self) -> str:
+        flags = [
+            f for f in ("held", "deleted", "watching_data", "watching_delete") if getattr(self, f)
+        ]
+        return f"<_Ahead {self.path!r} {' '.join(flags) or '-'}>"
+
     def on_event(self, event: WatchedEvent) -> None:
         if event.type == EventType.CHANGED:
             # Nothing to do until the node goes: no need to wake the waiter for this.
