@@ -18,7 +18,7 @@ from kazoo.client import KazooClient
 
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
-from dlock._types import Acquired, Holder
+from dlock._types import Acquired, Busy, Holder
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -469,6 +469,30 @@ def test_a_create_whose_reply_was_lost_is_found_again(
         assert isinstance(result, Acquired)
         assert result.fencing_token == zk.exists(path).czxid
         assert zk.get_children(parent) == [path.rsplit("/", 1)[1]], "no second node"
+        assert backend.release(name, token) == 0
+
+
+def test_a_lost_reply_never_adopts_a_node_given_up(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """A lock object keeps its owner token, so a node of ours given up earlier (waiting
+    for the reaper) carries the same token as a later create whose reply was lost. It
+    is not that create's node: holding it would mean holding a lease the reaper is
+    about to delete."""
+    name = f"lost-reply-given-up-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url()) as client:
+        backend: Any = client._backend
+        token = "e" * 32
+        assert backend.inspect(name) is None
+        zk = backend._zk
+        parent = backend._parent(name)
+        given_up = zk.create(
+            f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True
+        )
+        backend._orphans.add(given_up)  # as a given-up lease leaves it, before the reaper runs
+        backend._pending.add((name, token))  # a later create's reply was lost
+        assert isinstance(backend.acquire(name, token, 5.0, Holder.current(), False), Busy)
+        backend._start_reaper(orphans=True)
+        wait_until(lambda: zk.exists(given_up) is None, 3)
+        assert isinstance(backend.acquire(name, token, 5.0, Holder.current(), False), Acquired)
         assert backend.release(name, token) == 0
 
 
