@@ -262,9 +262,9 @@ def mariadb_raw_async(
         aiomysql.connect(
             host="127.0.0.1",
             port=server.port,
-            user="dlock",
-            password="secret",
-            db="dlock",
+            user=server.user,
+            password=server.password,
+            db=server.database,
             autocommit=True,
         )
     )
@@ -282,10 +282,9 @@ def mariadb_raw_async(
 
     async def lock_unlock() -> None:
         async with conn.cursor() as cursor:
+            # aiomysql's default cursor reads the whole result in execute, as PyMySQL's.
             await cursor.execute(MY_TRY_LOCK, (key,))
-            await cursor.fetchall()
             await cursor.execute(MY_UNLOCK, (key,))
-            await cursor.fetchall()
 
     return {
         RAW_LEASE_ASYNC: lambda: loop.run_until_complete(insert_delete()),
