@@ -654,21 +654,25 @@ def test_lock_nodes_deleted_under_busy_clients(zookeeper_server: ZooKeeperEnsemb
         zk.close()
 
 
-def race_for_a_lock(url: str, clients: int) -> list[bool]:
+def race_for_a_lock(url: str, clients: int) -> list[bool | str]:
     """Clients, fresh and connected to ``url``, all try to acquire one lock at once;
     whether each got it within 15 s (it is held briefly, so all should: the bound only
-    leaves room for making sessions on a loaded machine)."""
+    leaves room for making sessions on a loaded machine), or the error it met."""
     connected = [dlock.connect(url) for _ in range(clients)]
     start = threading.Barrier(clients)
-    acquired: list[bool] = []
+    acquired: list[bool | str] = []
 
     def work(client: dlock.Client) -> None:
         lock = client.lock("first", ttl=10)
         start.wait()
-        took = lock.acquire(timeout=15)
-        acquired.append(took)
-        if took:
-            lock.release()
+        try:
+            took = lock.acquire(timeout=15)
+            if took:
+                lock.release()
+        except dlock.LockError as exc:
+            acquired.append(repr(exc))
+        else:
+            acquired.append(took)
 
     threads = [threading.Thread(target=work, args=(client,)) for client in connected]
     try:
