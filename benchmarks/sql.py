@@ -8,7 +8,9 @@ Per database, in one run with private servers (tests/servers/sql.py):
 
 * lease mode against the bare INSERT + DELETE of a hand-written lock table;
 * session mode against the bare lock + unlock functions (pg_try_advisory_lock /
-  pg_advisory_unlock, GET_LOCK / RELEASE_LOCK), same driver as dlock;
+  pg_advisory_unlock, GET_LOCK / RELEASE_LOCK), same driver as dlock; and the same
+  with a SEQUENCE drawn in the lock's statement, the least that a fencing counter in
+  the database can cost;
 * each asyncio face also against the same bare operations through dlock's asyncio
   driver (psycopg's AsyncConnection, aiomysql), driven by the same event loop;
 * tooz's driver for the same database, the peer a user would otherwise pick;
@@ -56,6 +58,9 @@ from tests.servers.sql import SQLServer, start_mariadb, start_postgresql
 
 RAW_LEASE = "raw INSERT + DELETE"
 RAW_SESSION = "raw lock + unlock"
+#: The bare lock functions with the cheapest counter the database keeps drawn in the
+#: same statement: the floor of any session mode whose fencing tokens come from it.
+RAW_COUNTER = "raw lock + sequence, unlock"
 RAW_LEASE_ASYNC = "raw INSERT + DELETE asyncio"
 RAW_SESSION_ASYNC = "raw lock + unlock asyncio"
 RAW_BLOCKING = "raw blocking lock"
@@ -67,6 +72,8 @@ RAW_INSERT = "INSERT INTO raw_locks (name, owner, expires) VALUES (%s, %s, %s)"
 RAW_DELETE = "DELETE FROM raw_locks WHERE name = %s AND owner = %s"
 PG_TRY_LOCK, PG_UNLOCK = "SELECT pg_try_advisory_lock(%s)", "SELECT pg_advisory_unlock(%s)"
 MY_TRY_LOCK, MY_UNLOCK = "SELECT GET_LOCK(%s, 0)", "SELECT RELEASE_LOCK(%s)"
+PG_TRY_LOCK_COUNTER = "SELECT pg_try_advisory_lock(%s), nextval('raw_fence')"
+MY_TRY_LOCK_COUNTER = "SELECT GET_LOCK(%s, 0), NEXTVAL(raw_fence)"
 #: Operations of one kind in a row when measuring latency.
 BLOCK = 20
 
@@ -190,6 +197,7 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
         "CREATE TABLE IF NOT EXISTS raw_locks (name bytea PRIMARY KEY, owner text, "
         "expires double precision)"
     )
+    conn.execute("CREATE SEQUENCE IF NOT EXISTS raw_fence")
     owner = secrets.token_hex(16)
     key = advisory_key("raw", "uncontended")
 
@@ -202,6 +210,10 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
 
     def lock_unlock() -> None:
         conn.execute(PG_TRY_LOCK, (key,))
+        conn.execute(PG_UNLOCK, (key,))
+
+    def lock_counter_unlock() -> None:
+        conn.execute(PG_TRY_LOCK_COUNTER, (key,))
         conn.execute(PG_UNLOCK, (key,))
 
     lease, session = (
@@ -225,6 +237,7 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
     return {
         RAW_LEASE: insert_delete,
         RAW_SESSION: lock_unlock,
+        RAW_COUNTER: lock_counter_unlock,
         LEASE_SQL: lease_sql,
         SESSION_SQL: session_sql,
     }
@@ -312,6 +325,7 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
         "CREATE TABLE IF NOT EXISTS raw_locks (name varbinary(1020) PRIMARY KEY, "
         "owner varbinary(64), expires double)"
     )
+    cursor.execute("CREATE SEQUENCE IF NOT EXISTS raw_fence")
     owner = secrets.token_hex(16)
     key = named_lock_key("raw", "uncontended")
 
@@ -324,6 +338,10 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
 
     def lock_unlock() -> None:
         cursor.execute(MY_TRY_LOCK, (key,))
+        cursor.execute(MY_UNLOCK, (key,))
+
+    def lock_counter_unlock() -> None:
+        cursor.execute(MY_TRY_LOCK_COUNTER, (key,))
         cursor.execute(MY_UNLOCK, (key,))
 
     lease, session = mysql_statements("dlock_locks"), mysql_statements("dlock_session_locks")
@@ -345,6 +363,7 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
     return {
         RAW_LEASE: insert_delete,
         RAW_SESSION: lock_unlock,
+        RAW_COUNTER: lock_counter_unlock,
         LEASE_SQL: lease_sql,
         SESSION_SQL: session_sql,
     }
@@ -430,6 +449,7 @@ def run(
                         RAW_LEASE_ASYNC: raw_async[RAW_LEASE_ASYNC],
                         "dlock lease asyncio": lease_async,
                         RAW_SESSION: raw[RAW_SESSION],
+                        RAW_COUNTER: raw[RAW_COUNTER],
                         SESSION_SQL: raw[SESSION_SQL],
                         "dlock session sync": session_sync,
                         RAW_SESSION_ASYNC: raw_async[RAW_SESSION_ASYNC],
@@ -475,6 +495,7 @@ def run(
         (RAW_LEASE_ASYNC, latencies[RAW_LEASE_ASYNC], None),
         ("dlock lease asyncio", latencies["dlock lease asyncio"], None),
         (RAW_SESSION, latencies[RAW_SESSION], None),
+        (RAW_COUNTER, latencies[RAW_COUNTER], None),
         (SESSION_SQL, latencies[SESSION_SQL], None),
         ("dlock session sync", latencies["dlock session sync"], contention["dlock session"]),
         (RAW_SESSION_ASYNC, latencies[RAW_SESSION_ASYNC], None),
@@ -524,6 +545,10 @@ def print_targets(latencies: dict[str, Latency], contention: dict[str, Contentio
     print(f"    {LEASE_SQL} vs {RAW_LEASE}: {lat(LEASE_SQL, RAW_LEASE)}")
     print(f"    dlock lease sync vs {LEASE_SQL}: {lat('dlock lease sync', LEASE_SQL)}")
     print(f"    {SESSION_SQL} vs {RAW_SESSION}: {lat(SESSION_SQL, RAW_SESSION)}")
+    print(
+        f"    the floor of a fencing counter in the database, {RAW_COUNTER} vs "
+        f"{RAW_SESSION}: {lat(RAW_COUNTER, RAW_SESSION)}"
+    )
     print(f"    dlock session sync vs {SESSION_SQL}: {lat('dlock session sync', SESSION_SQL)}")
     print(f"  lease throughput vs tooz: {thr('dlock lease')} (>= 3x)")
     print(f"  session throughput vs tooz: {thr('dlock session')} (>= 3x)")

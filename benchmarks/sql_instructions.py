@@ -8,7 +8,9 @@ worth knowing; instruction counts do not. This runs PostgreSQL single-user
 feeds it prepared statements, and reports server instructions per acquire + release
 pair: the raw INSERT + DELETE of ``benchmarks.sql``, two bare UPDATEs of a row (the
 floor for a lock table whose rows stay), and dlock's own lease statements; then the
-bare advisory lock + unlock and dlock's session statements. dlock's are taken from
+bare advisory lock + unlock, the same with a sequence drawn (the floor for a fencing
+counter kept in the database) or a transaction id taken (what any write to a table
+adds: an xid and a commit record) and dlock's session statements. dlock's are taken from
 ``dlock._sql`` as the backend sends them. Each figure is the difference between a run
 of ``N + 100`` pairs and one of 100, so start-up and the first executions cancel out.
 
@@ -97,6 +99,14 @@ def variants() -> dict[str, tuple[str, str]]:
         "dlock lease (acquire_once + release)": (dlock_sql["acquire_once"], dlock_sql["release"]),
         "dlock reentrant lease (acquire + release)": (dlock_sql["acquire"], dlock_sql["release"]),
         "raw advisory lock + unlock": ("SELECT pg_try_advisory_lock(%(key)s)", unlock),
+        "raw advisory lock + nextval, unlock": (
+            "SELECT pg_try_advisory_lock(%(key)s), nextval('raw_fence')",
+            unlock,
+        ),
+        "raw advisory lock + a transaction id, unlock": (
+            "SELECT pg_try_advisory_lock(%(key)s), pg_current_xact_id()",
+            unlock,
+        ),
         "dlock session (session_acquire + unlock)": (session_sql["session_acquire"], unlock),
     }
 
@@ -116,6 +126,7 @@ def script(acquire: str, release: str, pairs: int) -> str:
     }
     lines = [
         "CREATE TABLE raw_locks (name bytea PRIMARY KEY, owner text, expires double precision)",
+        "CREATE SEQUENCE raw_fence",
         POSTGRESQL.schema(TABLE),
         POSTGRESQL.schema(SESSION_TABLE, session=True),
     ]
