@@ -539,6 +539,89 @@ def test_queued_waiters_take_the_lease_in_turn(postgresql_server: SQLServer, nam
         assert not _turnstile_held(postgresql_server, name)
 
 
+def test_a_release_unheard_while_queueing_is_found_at_once(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """The waiter in front LISTENs in the same transaction as its take, and LISTEN takes
+    effect at commit: a release committed after the take found the lease busy, but
+    before that commit, notifies nobody. The waiter's next attempt, on its connection
+    now listening, must find the lease free at once, not wait for a notification.
+
+    A statement trigger holds the waiter's transaction open right after its take (the
+    only UPDATE sent in the same query as a LISTEN) until the release has committed.
+    """
+    url = postgresql_server.url()
+    table = f"unheard_{uuid.uuid4().hex[:12]}"
+    trap = advisory_key("test", table)
+    run = admin(postgresql_server)
+    with dlock.connect(url, table=table) as holder_client:
+        holder = holder_client.lock(name, ttl=30)
+        # The plain path: no turnstile kept, so the release notifies the name's channel
+        # instead of handing the lease over inside the server.
+        assert holder.acquire(timeout=0)
+        token = holder.fencing_token
+        assert token is not None
+        run(
+            f"""CREATE FUNCTION {table}_trap() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF current_query() LIKE '%LISTEN%' THEN
+                    PERFORM pg_advisory_lock({trap});
+                    PERFORM pg_advisory_unlock({trap});
+                END IF;
+                RETURN NULL;
+            END $$""",
+            (),
+        )
+        run(
+            f"CREATE TRIGGER trap AFTER UPDATE ON {table} "
+            f"FOR EACH STATEMENT EXECUTE FUNCTION {table}_trap()",
+            (),
+        )
+        jailer = postgresql_server.connect()
+        jailer.execute("SELECT pg_advisory_lock(%s)", (trap,))
+        # Without the next attempt the waiter would sleep until this fallback, then its
+        # timeout: far beyond the bound below.
+        patient = dlock.Backoff(notify_fallback=60)
+        with dlock.connect(url, table=table, backoff=patient) as waiter_client:
+            waiter = waiter_client.lock(name, ttl=30)
+            outcome: list[tuple[bool, float]] = []
+
+            def wait_for_it() -> None:
+                acquired = waiter.acquire(timeout=30)
+                outcome.append((acquired, time.monotonic()))
+
+            thread = threading.Thread(target=wait_for_it)
+            thread.start()
+            try:
+                deadline = time.monotonic() + 10
+                while not _waiting_on(postgresql_server, trap):
+                    assert time.monotonic() < deadline, "the waiter's take never ran"
+                    time.sleep(0.01)
+                holder.release()  # commits and notifies while the waiter cannot hear it
+            finally:
+                jailer.execute("SELECT pg_advisory_unlock(%s)", (trap,))
+                freed = time.monotonic()
+                thread.join(timeout=40)
+                jailer.close()
+            assert outcome, "the waiter never returned"
+            acquired, at = outcome[0]
+            assert acquired, "the waiter gave up on a free lease"
+            assert at - freed < 5, f"the waiter took {at - freed:.1f} s to find the lease free"
+            assert waiter.fencing_token == token + 1
+            waiter.release()
+
+
+def _waiting_on(server: SQLServer, key: int) -> bool:
+    """Some session waits for the advisory lock ``key``."""
+    rows = admin(server)(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND objsubid = 1 AND classid::bigint = (%s >> 32) & 4294967295"
+        " AND objid::bigint = %s & 4294967295",
+        (key, key),
+    )
+    return bool(rows[0][0])
+
+
 def test_lease_lost_through_the_turnstile_leaves_it(
     postgresql_server: SQLServer, name: str
 ) -> None:
