@@ -190,6 +190,32 @@ def tooz_op(url: str, cleanup: list[Callable[[], None]]) -> Callable[[], None]:
     return op
 
 
+def _bare_operations(
+    execute: Callable[[str, tuple[Any, ...]], object],
+    key: Any,
+    try_lock: str,
+    try_lock_counter: str,
+    unlock: str,
+) -> dict[str, Callable[[], None]]:
+    """The raw minimal operations through one sync driver's ``execute``: the same calls
+    on either database, only the lock functions' SQL differs."""
+    owner = secrets.token_hex(16)
+
+    def insert_delete() -> None:
+        execute(RAW_INSERT, (b"bench", owner, 1.0))
+        execute(RAW_DELETE, (b"bench", owner))
+
+    def lock_unlock() -> None:
+        execute(try_lock, (key,))
+        execute(unlock, (key,))
+
+    def lock_counter_unlock() -> None:
+        execute(try_lock_counter, (key,))
+        execute(unlock, (key,))
+
+    return {RAW_LEASE: insert_delete, RAW_SESSION: lock_unlock, RAW_COUNTER: lock_counter_unlock}
+
+
 def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[str, Any]:
     conn = psycopg.connect(server.url(), autocommit=True)
     cleanup.append(conn.close)
@@ -198,23 +224,8 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
         "expires double precision)"
     )
     conn.execute("CREATE SEQUENCE IF NOT EXISTS raw_fence")
-    owner = secrets.token_hex(16)
     key = advisory_key("raw", "uncontended")
-
-    def insert_delete() -> None:
-        conn.execute(
-            RAW_INSERT,
-            (b"bench", owner, 1.0),
-        )
-        conn.execute(RAW_DELETE, (b"bench", owner))
-
-    def lock_unlock() -> None:
-        conn.execute(PG_TRY_LOCK, (key,))
-        conn.execute(PG_UNLOCK, (key,))
-
-    def lock_counter_unlock() -> None:
-        conn.execute(PG_TRY_LOCK_COUNTER, (key,))
-        conn.execute(PG_UNLOCK, (key,))
+    bare = _bare_operations(conn.execute, key, PG_TRY_LOCK, PG_TRY_LOCK_COUNTER, PG_UNLOCK)
 
     lease, session = (
         postgresql_statements("dlock_locks"),
@@ -235,9 +246,7 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
         conn.execute(session["session_unlock"], session_params).fetchall()
 
     return {
-        RAW_LEASE: insert_delete,
-        RAW_SESSION: lock_unlock,
-        RAW_COUNTER: lock_counter_unlock,
+        **bare,
         LEASE_SQL: lease_sql,
         SESSION_SQL: session_sql,
     }
@@ -326,23 +335,8 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
         "owner varbinary(64), expires double)"
     )
     cursor.execute("CREATE SEQUENCE IF NOT EXISTS raw_fence")
-    owner = secrets.token_hex(16)
     key = named_lock_key("raw", "uncontended")
-
-    def insert_delete() -> None:
-        cursor.execute(
-            RAW_INSERT,
-            (b"bench", owner, 1.0),
-        )
-        cursor.execute(RAW_DELETE, (b"bench", owner))
-
-    def lock_unlock() -> None:
-        cursor.execute(MY_TRY_LOCK, (key,))
-        cursor.execute(MY_UNLOCK, (key,))
-
-    def lock_counter_unlock() -> None:
-        cursor.execute(MY_TRY_LOCK_COUNTER, (key,))
-        cursor.execute(MY_UNLOCK, (key,))
+    bare = _bare_operations(cursor.execute, key, MY_TRY_LOCK, MY_TRY_LOCK_COUNTER, MY_UNLOCK)
 
     lease, session = mysql_statements("dlock_locks"), mysql_statements("dlock_session_locks")
     lease_params = _direct_params("dlock_locks")
@@ -361,9 +355,7 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
         cursor.fetchall()
 
     return {
-        RAW_LEASE: insert_delete,
-        RAW_SESSION: lock_unlock,
-        RAW_COUNTER: lock_counter_unlock,
+        **bare,
         LEASE_SQL: lease_sql,
         SESSION_SQL: session_sql,
     }
