@@ -6,6 +6,7 @@ face is generated from the same code and covered by the conformance suite).
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 from pymysql.constants import CLIENT
 
 import dlock
+import dlock.aio
 from dlock._sql import MYSQL, advisory_key
 from dlock._types import Holder
 from tests.servers.sql import SQLServer, start_postgresql
@@ -789,3 +791,84 @@ def test_only_the_last_release_skips_the_disk_flush(name: str, reentries: int) -
     # flushed; the WAL writer may flush an unflushed last release now and then.
     expected = rounds * (1 + 2 * reentries)
     assert expected <= flushes <= expected + rounds // 2
+
+
+#: Client options for the hung-server tests, and how long a failing call may take with
+#: them: the call (timeout), then the best-effort release of an acquire cut off in
+#: flight (it may have committed) on a new connection (connect_timeout; libpq waits at
+#: least 2 s), plus the slack of a loaded machine. A wait without a bound runs into the
+#: test's own limit instead.
+HUNG_OPTIONS: dict[str, Any] = {"timeout": 1.0, "connect_timeout": 1.0}
+HUNG_LIMIT = 6.0
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_hung_server_is_a_timely_error(server: SQLServer, name: str, mode: str) -> None:
+    """A server that stops answering while its host still acknowledges the packets
+    (here: every server process paused) never trips TCP's timeouts; each call must fail
+    within the operation timeout, not wait for ever."""
+    url = server.url("mode=session" if mode == "session" else "")
+    with dlock.connect(url, **HUNG_OPTIONS) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        lock.release()
+        outcome: list[BaseException | bool] = []
+
+        def acquire() -> None:
+            try:
+                outcome.append(lock.acquire(timeout=0))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        server.process.pause()
+        try:
+            started = time.monotonic()
+            thread = threading.Thread(target=acquire, daemon=True)
+            thread.start()
+            thread.join(HUNG_LIMIT)
+            elapsed, answered = time.monotonic() - started, list(outcome)
+        finally:
+            server.process.resume()
+        thread.join(30)
+    assert answered, f"acquire still waiting after {elapsed:.1f} s"
+    assert isinstance(answered[0], dlock.BackendUnavailable), answered[0]
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_holder_is_told_its_lease_ran_out_while_the_server_hangs(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """Renewals that cannot get an answer must not block the renewal watchdog: by the
+    end of the TTL it tells the holder (``on_lost``) that its lease is gone."""
+    url = server.url("mode=session" if mode == "session" else "")
+    told = threading.Event()
+    with dlock.connect(url, **HUNG_OPTIONS) as client:
+        lock = client.lock(name, ttl=2, on_lost=lambda _: told.set())
+        assert lock.acquire(timeout=0)
+        server.process.pause()
+        try:
+            assert told.wait(2 + HUNG_LIMIT), "the holder was never told its lease ran out"
+        finally:
+            server.process.resume()
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+async def test_a_hung_server_is_a_timely_error_in_the_asyncio_face(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """The asyncio face bounds its calls itself; a cancelled query must not then wait
+    on the hung server once more (psycopg cancels it there first)."""
+    url = server.url("mode=session" if mode == "session" else "")
+    async with dlock.aio.connect(url, **HUNG_OPTIONS) as client:
+        lock = client.lock(name, ttl=30)
+        assert await lock.acquire(timeout=0)
+        await lock.release()
+        server.process.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable):
+                await asyncio.wait_for(lock.acquire(timeout=0), HUNG_LIMIT * 3)
+            elapsed = time.monotonic() - started
+        finally:
+            server.process.resume()
+    assert elapsed < HUNG_LIMIT

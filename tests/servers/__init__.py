@@ -6,6 +6,7 @@ Nothing here talks to a server that happens to run on the machine already.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -99,10 +100,28 @@ class ServerProcess:
             os.kill(self.process.pid, signum)
 
     def pause(self) -> None:
-        self.signal(signal.SIGSTOP)
+        """Stop the server and its children (PostgreSQL serves each connection from a
+        child in a process group of its own), and wait until they are stopped: the
+        server then answers nothing while its host's kernel still acknowledges."""
+        family = self._family()
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not all(_stopped(pid) for pid in family):
+            assert time.monotonic() < deadline, f"{self.name} did not stop"
+            time.sleep(0.005)
 
     def resume(self) -> None:
-        self.signal(signal.SIGCONT)
+        for pid in self._family():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def _family(self) -> list[int]:
+        if self.process is None or self.process.poll() is not None:
+            return []
+        parent = self.process.pid
+        return [parent, *(pid for pid in _pids() if _parent(pid) == parent)]
 
     def kill(self) -> None:
         if self.process is None:
@@ -139,3 +158,26 @@ def require_binary(name: str, package: str) -> str:
     if path is None:
         raise RuntimeError(f"{name} not found: run ./scripts/test, which installs {package}")
     return path
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _parent(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else 0
+
+
+def _stopped(pid: int) -> bool:
+    fields = _stat(pid)
+    return not fields or fields[0] in ("T", "t", "Z", "X")

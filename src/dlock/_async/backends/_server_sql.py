@@ -32,6 +32,10 @@ from ..backend import AsyncBackend, AsyncWaiter
 
 #: Idle connections kept per backend; more are closed when given back.
 POOL_SIZE = 16
+#: The asyncio face bounds each statement this long after the driver's own bound, so
+#: that a driver which has one ends its wait itself (a cancelled psycopg query is first
+#: cancelled on the server, which a hung server makes last 10 s more).
+BACKSTOP = 0.5
 #: Names known to have a row; more than this many and the set starts over.
 KNOWN_NAMES = 10_000
 
@@ -123,7 +127,11 @@ class AsyncServerSQLBackend(AsyncBackend):
         """Give a borrowed connection its own autocommit setting back."""
 
     @abstractmethod
-    async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
+    async def _driver_execute(
+        self, raw: Any, sql: str, params: dict[str, Any], timeout: float
+    ) -> Result:
+        """Run ``sql``; a driver that can bound its own wait for the answer does so by
+        ``timeout`` seconds (the sync face has no other bound)."""
 
     @abstractmethod
     async def _driver_close(self, raw: Any) -> None: ...
@@ -342,9 +350,10 @@ class AsyncServerSQLBackend(AsyncBackend):
         return type(error)(f"{prefix}: {what + ': ' if what else ''}{error}")
 
     async def _run(self, conn: Conn, sql: str, params: dict[str, Any], wait: float = 0) -> Result:
+        bound = self._settings.timeout + wait
         try:
             return await call_with_timeout(
-                self._driver_execute(conn.raw, sql, params), self._settings.timeout + wait
+                self._driver_execute(conn.raw, sql, params, bound), bound + BACKSTOP
             )
         except Exception as exc:
             raise self._wrap(exc) from exc

@@ -11,14 +11,16 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
 from psycopg import sql as psql
+from psycopg.abc import PQGen
 
 from ..._errors import BackendError, BackendUnavailable
 from ..._sql import (
@@ -40,6 +42,40 @@ TAKE_PARAMETERS = (("name", "bytea"), ("owner", "text"), ("ttl", "float8"), ("ho
 #: Session mode's record of a lock obtained by waiting, prepared likewise.
 RECORD = "dlock_record"
 RECORD_PARAMETERS = (*TAKE_PARAMETERS, ("key", "int8"))
+
+
+RV = TypeVar("RV")
+
+
+class AsyncBoundedConnection(psycopg.AsyncConnection[Any]):
+    """psycopg's connection, with every wait for the server bounded by ``call_timeout``.
+
+    psycopg waits for an answer without limit, and a server that stops answering while
+    its host still acknowledges the packets (paused, hung on a stalled disk) never
+    trips TCP's own timeouts: a statement would wait forever, and a renewal with it,
+    so its holder would never be told that the lease ran out. Past the bound the wait
+    raises TimeoutError and dlock drops the connection. (Cancelling the task instead,
+    as ``asyncio.timeout`` does, makes psycopg first ask the hung server to cancel the
+    query: 10 s more.)
+    """
+
+    #: Seconds the statement about to run may wait for the server: set by dlock.
+    call_timeout: float | None = None
+
+    async def wait(
+        self, gen: PQGen[RV], interval: float | None = None, timeout: float | None = None
+    ) -> RV:
+        # A wait psycopg bounds itself (notifies) is left alone.
+        bound = self.call_timeout if timeout is None else timeout
+        deadline = time.monotonic() + (bound or 0.0)
+        try:
+            if interval is None:
+                return await super().wait(gen, timeout=bound)
+            return await super().wait(gen, interval, bound)
+        except psycopg.OperationalError as exc:
+            if timeout is None and bound is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer within {bound:.3f} s") from exc
+            raise
 
 
 def _prepare(name: str, parameters: tuple[tuple[str, str], ...], sql: str) -> str:
@@ -105,7 +141,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             "tcp_user_timeout": int(s.timeout * 1000),
             **s.extra,
         }
-        return await psycopg.AsyncConnection.connect(autocommit=True, **params)
+        return await AsyncBoundedConnection.connect(autocommit=True, **params)
 
     def _driver_is_connection(self, value: Any) -> bool:
         return isinstance(value, psycopg.AsyncConnection)
@@ -118,7 +154,11 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     async def _driver_restore(self, raw: Any, autocommit: bool) -> None:
         await raw.set_autocommit(autocommit)
 
-    async def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
+    async def _driver_execute(
+        self, raw: Any, sql: str, params: dict[str, Any], timeout: float
+    ) -> Result:
+        if isinstance(raw, AsyncBoundedConnection):
+            raw.call_timeout = timeout
         # Without parameters psycopg uses the simple protocol (several statements allowed,
         # the last one's result is the answer).
         cursor = await raw.execute(sql, params or None)

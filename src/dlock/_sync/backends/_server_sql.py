@@ -33,6 +33,10 @@ from ..backend import Backend, Waiter
 
 #: Idle connections kept per backend; more are closed when given back.
 POOL_SIZE = 16
+#: The sync face bounds each statement this long after the driver's own bound, so
+#: that a driver which has one ends its wait itself (a cancelled psycopg query is first
+#: cancelled on the server, which a hung server makes last 10 s more).
+BACKSTOP = 0.5
 #: Names known to have a row; more than this many and the set starts over.
 KNOWN_NAMES = 10_000
 
@@ -124,7 +128,9 @@ class ServerSQLBackend(Backend):
         """Give a borrowed connection its own autocommit setting back."""
 
     @abstractmethod
-    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result: ...
+    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any], timeout: float) -> Result:
+        """Run ``sql``; a driver that can bound its own wait for the answer does so by
+        ``timeout`` seconds (the sync face has no other bound)."""
 
     @abstractmethod
     def _driver_close(self, raw: Any) -> None: ...
@@ -343,9 +349,10 @@ class ServerSQLBackend(Backend):
         return type(error)(f"{prefix}: {what + ': ' if what else ''}{error}")
 
     def _run(self, conn: Conn, sql: str, params: dict[str, Any], wait: float = 0) -> Result:
+        bound = self._settings.timeout + wait
         try:
             return call_with_timeout(
-                self._driver_execute(conn.raw, sql, params), self._settings.timeout + wait
+                self._driver_execute(conn.raw, sql, params, bound), bound + BACKSTOP
             )
         except Exception as exc:
             raise self._wrap(exc) from exc

@@ -129,7 +129,9 @@ class MySQLBackend(ServerSQLBackend):
     def _driver_restore(self, raw: Any, autocommit: bool) -> None:
         raw.autocommit(autocommit)
 
-    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
+    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any], timeout: float) -> Result:
+        # PyMySQL's read timeout (the operation timeout, fixed per connection) bounds the
+        # sync face; waits inside the server are kept shorter than it (_session_wait).
         # The cursor class is given here too, for connections brought with ``client=``.
         with raw.cursor(_QuietCursor) as cursor:
             cursor.execute(sql, params or None)

@@ -12,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
 from psycopg import sql as psql
+from psycopg.abc import PQGen
 
 from ..._errors import BackendError, BackendUnavailable
 from ..._sql import (
@@ -41,6 +43,40 @@ TAKE_PARAMETERS = (("name", "bytea"), ("owner", "text"), ("ttl", "float8"), ("ho
 #: Session mode's record of a lock obtained by waiting, prepared likewise.
 RECORD = "dlock_record"
 RECORD_PARAMETERS = (*TAKE_PARAMETERS, ("key", "int8"))
+
+
+RV = TypeVar("RV")
+
+
+class BoundedConnection(psycopg.Connection[Any]):
+    """psycopg's connection, with every wait for the server bounded by ``call_timeout``.
+
+    psycopg waits for an answer without limit, and a server that stops answering while
+    its host still acknowledges the packets (paused, hung on a stalled disk) never
+    trips TCP's own timeouts: a statement would wait forever, and a renewal with it,
+    so its holder would never be told that the lease ran out. Past the bound the wait
+    raises TimeoutError and dlock drops the connection. (Cancelling the task instead,
+    as ``asyncio.timeout`` does, makes psycopg first ask the hung server to cancel the
+    query: 10 s more.)
+    """
+
+    #: Seconds the statement about to run may wait for the server: set by dlock.
+    call_timeout: float | None = None
+
+    def wait(
+        self, gen: PQGen[RV], interval: float | None = None, timeout: float | None = None
+    ) -> RV:
+        # A wait psycopg bounds itself (notifies) is left alone.
+        bound = self.call_timeout if timeout is None else timeout
+        deadline = time.monotonic() + (bound or 0.0)
+        try:
+            if interval is None:
+                return super().wait(gen, timeout=bound)
+            return super().wait(gen, interval, bound)
+        except psycopg.OperationalError as exc:
+            if timeout is None and bound is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer within {bound:.3f} s") from exc
+            raise
 
 
 def _prepare(name: str, parameters: tuple[tuple[str, str], ...], sql: str) -> str:
@@ -106,7 +142,7 @@ class PostgreSQLBackend(ServerSQLBackend):
             "tcp_user_timeout": int(s.timeout * 1000),
             **s.extra,
         }
-        return psycopg.Connection.connect(autocommit=True, **params)
+        return BoundedConnection.connect(autocommit=True, **params)
 
     def _driver_is_connection(self, value: Any) -> bool:
         return isinstance(value, psycopg.Connection)
@@ -119,7 +155,9 @@ class PostgreSQLBackend(ServerSQLBackend):
     def _driver_restore(self, raw: Any, autocommit: bool) -> None:
         raw.set_autocommit(autocommit)
 
-    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any]) -> Result:
+    def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any], timeout: float) -> Result:
+        if isinstance(raw, BoundedConnection):
+            raw.call_timeout = timeout
         # Without parameters psycopg uses the simple protocol (several statements allowed,
         # the last one's result is the answer).
         cursor = raw.execute(sql, params or None)
