@@ -32,9 +32,10 @@ from ..backend import AsyncBackend, AsyncWaiter
 
 #: Idle connections kept per backend; more are closed when given back.
 POOL_SIZE = 16
-#: The asyncio face bounds each statement this long after the driver's own bound, so
-#: that a driver which has one ends its wait itself (a cancelled psycopg query is first
-#: cancelled on the server, which a hung server makes last 10 s more).
+#: Where ``call_with_timeout`` bounds a statement (under asyncio), it does so this long
+#: after the driver's own bound, so that a driver which has one ends its wait itself (a
+#: cancelled psycopg query is first cancelled on the server, which a hung server makes
+#: last 10 s more).
 BACKSTOP = 0.5
 #: Names known to have a row; more than this many and the set starts over.
 KNOWN_NAMES = 10_000
