@@ -492,15 +492,20 @@ def test_turnstile_timeouts_keep_the_waiters_connection(
         lock.release()
 
 
-def _turnstile_held(server: SQLServer, name: str) -> bool:
-    key = advisory_key("dlock_locks:turnstile", name)
+def _advisory_lock_sessions(server: SQLServer, key: int, granted: bool) -> int:
+    """How many sessions hold (``granted``) or wait for the advisory lock ``key``."""
     rows = admin(server)(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted = %s"
         " AND objsubid = 1 AND classid::bigint = (%s >> 32) & 4294967295"
         " AND objid::bigint = %s & 4294967295",
-        (key, key),
+        (granted, key, key),
     )
-    return bool(rows[0][0])
+    return int(rows[0][0])
+
+
+def _turnstile_held(server: SQLServer, name: str) -> bool:
+    key = advisory_key("dlock_locks:turnstile", name)
+    return _advisory_lock_sessions(server, key, granted=True) > 0
 
 
 def _take_through_the_turnstile(url: str, name: str, waiter: dlock.Lock) -> None:
@@ -596,7 +601,7 @@ def test_a_release_unheard_while_queueing_is_found_at_once(
             thread.start()
             try:
                 deadline = time.monotonic() + 10
-                while not _waiting_on(postgresql_server, trap):
+                while not _advisory_lock_sessions(postgresql_server, trap, granted=False):
                     assert time.monotonic() < deadline, "the waiter's take never ran"
                     time.sleep(0.01)
                 holder.release()  # commits and notifies while the waiter cannot hear it
@@ -611,17 +616,6 @@ def test_a_release_unheard_while_queueing_is_found_at_once(
             assert at - freed < 5, f"the waiter took {at - freed:.1f} s to find the lease free"
             assert waiter.fencing_token == token + 1
             waiter.release()
-
-
-def _waiting_on(server: SQLServer, key: int) -> bool:
-    """Some session waits for the advisory lock ``key``."""
-    rows = admin(server)(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        " AND objsubid = 1 AND classid::bigint = (%s >> 32) & 4294967295"
-        " AND objid::bigint = %s & 4294967295",
-        (key, key),
-    )
-    return bool(rows[0][0])
 
 
 def test_lease_lost_through_the_turnstile_leaves_it(
