@@ -839,6 +839,9 @@ def test_holder_is_told_its_lease_ran_out_while_the_server_hangs(
     with dlock.connect(url, **HUNG_OPTIONS) as client:
         lock = client.lock(name, ttl=2, on_lost=lambda _: told.set())
         assert lock.acquire(timeout=0)
+        # A pooled connection for the renewal (session mode's lock keeps its own): one
+        # made after the pause would fail to connect, in time, whatever the bound.
+        assert client.inspect(name) is not None
         server.process.pause()
         try:
             assert told.wait(2 + HUNG_LIMIT), "the holder was never told its lease ran out"
