@@ -339,7 +339,10 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
     bare = _bare_operations(cursor.execute, key, MY_TRY_LOCK, MY_TRY_LOCK_COUNTER, MY_UNLOCK)
 
     lease, session = mysql_statements("dlock_locks"), mysql_statements("dlock_session_locks")
-    lease_params = _direct_params("dlock_locks")
+    lease_params = {
+        **_direct_params("dlock_locks"),
+        "turnstile": named_lock_key("dlock_locks:turnstile", "direct"),
+    }
     session_params = {
         **_direct_params("dlock_session_locks"),
         "key": named_lock_key("dlock_session_locks", "direct"),

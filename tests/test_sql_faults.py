@@ -21,7 +21,7 @@ from pymysql.constants import CLIENT
 
 import dlock
 import dlock.aio
-from dlock._sql import MYSQL, advisory_key
+from dlock._sql import MYSQL, advisory_key, named_lock_key
 from dlock._types import Holder
 from tests.servers.sql import SQLServer, start_postgresql
 
@@ -460,12 +460,10 @@ def test_session_wait_timeout_does_not_stay_on_pooled_connections(
             assert conn.raw.execute("SHOW lock_timeout").fetchone()[0] == "0"
 
 
-def test_turnstile_timeouts_keep_the_waiters_connection(
-    postgresql_server: SQLServer, name: str
-) -> None:
+def test_turnstile_timeouts_keep_the_waiters_connection(server: SQLServer, name: str) -> None:
     """A waiter behind the one in front times out in the server again and again: each
     is an ordinary end of a wait, not a dead connection to replace."""
-    url = postgresql_server.url()
+    url = server.url()
     with (
         dlock.connect(url) as holder,
         dlock.connect(url) as front,
@@ -504,8 +502,14 @@ def _advisory_lock_sessions(server: SQLServer, key: int, granted: bool) -> int:
 
 
 def _turnstile_held(server: SQLServer, name: str) -> bool:
-    key = advisory_key("dlock_locks:turnstile", name)
-    return _advisory_lock_sessions(server, key, granted=True) > 0
+    """Whether a lease waiter (or a lease taken in front of the queue) holds the turnstile."""
+    if server.scheme == "postgresql":
+        key = advisory_key("dlock_locks:turnstile", name)
+        return _advisory_lock_sessions(server, key, granted=True) > 0
+    rows = admin(server)(
+        "SELECT IS_USED_LOCK(%s)", (named_lock_key("dlock_locks:turnstile", name),)
+    )
+    return rows[0][0] is not None
 
 
 def _take_through_the_turnstile(url: str, name: str, waiter: dlock.Lock) -> None:
@@ -521,14 +525,14 @@ def _take_through_the_turnstile(url: str, name: str, waiter: dlock.Lock) -> None
     assert waiter.owned()
 
 
-def test_queued_waiters_take_the_lease_in_turn(postgresql_server: SQLServer, name: str) -> None:
+def test_queued_waiters_take_the_lease_in_turn(server: SQLServer, name: str) -> None:
     """A lease taken in front of the turnstile keeps it; its release hands the lease to
     the next waiter inside the server, and the turnstile is left when the queue ends."""
-    url = postgresql_server.url()
+    url = server.url()
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=30)
         _take_through_the_turnstile(url, name, lock)
-        assert _turnstile_held(postgresql_server, name), "the lease keeps the turnstile"
+        assert _turnstile_held(server, name), "the lease keeps the turnstile"
         token = lock.fencing_token
         successor = second.lock(name, ttl=30)
         thread = threading.Thread(target=lambda: successor.acquire(timeout=10))
@@ -543,7 +547,7 @@ def test_queued_waiters_take_the_lease_in_turn(postgresql_server: SQLServer, nam
         assert info is not None and info.fencing_token == successor.fencing_token
         assert info.holder == Holder.current() and info.count == 1
         successor.release()
-        assert not _turnstile_held(postgresql_server, name)
+        assert not _turnstile_held(server, name)
 
 
 def test_a_release_unheard_while_queueing_is_found_at_once(
@@ -618,52 +622,101 @@ def test_a_release_unheard_while_queueing_is_found_at_once(
             waiter.release()
 
 
-def test_lease_lost_through_the_turnstile_leaves_it(
-    postgresql_server: SQLServer, name: str
-) -> None:
+def test_lease_lost_through_the_turnstile_leaves_it(server: SQLServer, name: str) -> None:
     """A lease that ends without a release (here force-released) must not keep the
     turnstile: the renewal that finds it gone leaves it, or waiters would only poll."""
-    url = postgresql_server.url()
+    url = server.url()
     with dlock.connect(url) as client, dlock.connect(url) as operator:
         lock = client.lock(name, ttl=1.5)
         _take_through_the_turnstile(url, name, lock)
-        assert _turnstile_held(postgresql_server, name)
+        assert _turnstile_held(server, name)
         assert operator.force_release(name)
         deadline = time.monotonic() + 3
         while not lock.lost and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lock.lost
-        assert not _turnstile_held(postgresql_server, name)
+        assert not _turnstile_held(server, name)
 
 
-def test_lease_taken_through_the_turnstile_survives_a_restart(
-    postgresql_server: SQLServer, name: str
-) -> None:
+def test_lease_taken_through_the_turnstile_survives_a_restart(server: SQLServer, name: str) -> None:
     """The connection keeping the turnstile dies with the server; the lease does not, and
     its release goes through a new connection."""
-    url = postgresql_server.url()
+    url = server.url()
     with dlock.connect(url) as client:
         lock = client.lock(name, ttl=30)
         _take_through_the_turnstile(url, name, lock)
-        postgresql_server.restart()
+        server.restart()
         lock.extend()
         lock.release()
         assert client.lock(name, ttl=5).acquire(timeout=0)
 
 
 def test_fresh_acquire_leaves_a_turnstile_kept_by_a_lost_lease(
-    postgresql_server: SQLServer, name: str
+    server: SQLServer, name: str
 ) -> None:
     """Without renewal nobody notices the lease running out; the next acquisition by the
     same lock object (which never released it) must not leave the turnstile held."""
-    url = postgresql_server.url()
+    url = server.url()
     with dlock.connect(url) as client:
         lock = client.lock(name, ttl=1, auto_renew=False)
         _take_through_the_turnstile(url, name, lock)
         time.sleep(1.2)
         assert lock.acquire(timeout=1)  # the lease ran out: taken again at once
-        assert not _turnstile_held(postgresql_server, name)
+        assert not _turnstile_held(server, name)
         lock.release()
+
+
+def test_a_lease_run_out_while_keeping_the_turnstile_is_passed_on(
+    server: SQLServer, name: str
+) -> None:
+    """A holder that took the lease in front of the queue keeps the turnstile until its
+    release. If it goes quiet instead (paused; here, no renewal) and its lease runs out,
+    others must still take the lease, one after another, at once: not be kept out (on
+    MariaDB/MySQL a turnstile held means "someone is queued") behind a quiet holder."""
+    url = server.url()
+    with dlock.connect(url) as quiet_client, dlock.connect(url) as others:
+        quiet = quiet_client.lock(name, ttl=1, auto_renew=False)
+        _take_through_the_turnstile(url, name, quiet)
+        token = quiet.fencing_token
+        assert token is not None
+        time.sleep(1.2)
+        for turn in (1, 2):
+            lock = others.lock(name, ttl=30)
+            assert lock.acquire(timeout=0), f"turn {turn}: kept out by a quiet holder"
+            assert lock.fencing_token == token + turn
+            lock.release()
+        assert _turnstile_held(server, name), "the quiet holder never noticed"
+
+
+def test_newcomers_do_not_pass_the_waiter_in_front(mariadb_server: SQLServer, name: str) -> None:
+    """MySQL cannot notify a release, so the lease waiter in front of the queue polls a
+    lease whose holder did not queue, backing off. A release between its polls is still
+    its to take: a newcomer that finds the lease free while someone is queued is refused
+    (without that, the newcomer would win nearly every time, and a waiter could starve)."""
+    url = mariadb_server.url()
+    with (
+        dlock.connect(url) as holder_client,
+        dlock.connect(url) as waiter_client,
+        dlock.connect(url) as newcomer_client,
+    ):
+        holder = holder_client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)  # the plain path: no turnstile kept
+        token = holder.fencing_token
+        assert token is not None
+        waiter = waiter_client.lock(name, ttl=30)
+        thread = threading.Thread(target=lambda: waiter.acquire(timeout=10))
+        thread.start()
+        deadline = time.monotonic() + 5
+        while not _turnstile_held(mariadb_server, name):
+            assert time.monotonic() < deadline, "the waiter never got in front"
+            time.sleep(0.01)
+        time.sleep(0.5)  # its polls back off to their longest
+        holder.release()
+        newcomer = newcomer_client.lock(name, ttl=30)
+        assert not newcomer.acquire(timeout=0), "a newcomer passed the waiter in front"
+        thread.join()
+        assert waiter.owned() and waiter.fencing_token == token + 1
+        waiter.release()
 
 
 def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, name: str) -> None:

@@ -430,6 +430,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
         + f""" RETURNING count, CASE WHEN count = 0 THEN
                 CASE WHEN pg_advisory_xact_lock(%(turnstile)s) IS NULL THEN NULL
                      ELSE pg_advisory_unlock(%(turnstile)s) END END, {unflushed}""",
+        "leave_turnstile": "UNLISTEN *; SELECT pg_advisory_unlock_all()",
         "extend": d.extend(table) + " RETURNING 1",
         "extend_many": _pg_extend_many(table),
         "inspect": d.inspect(table),
@@ -523,6 +524,19 @@ def mysql_statements(table: str) -> dict[str, str]:
     live = d.live()
     held = "IS_USED_LOCK(lock_key) = session"
     columns = f"name, fence, count, expires - {now}, holder"
+    # Lease waiters queue on a GET_LOCK turnstile (the backend's ``_lease_waiter``). A
+    # lease free while someone is queued goes to the waiter in front, which polls: a
+    # newcomer must not pass it. A lease taken in front keeps the turnstile until its
+    # last release, and the row's ``session`` names that keeper meanwhile (0 otherwise).
+    # If its lease runs out first (paused, quiet), anyone may take over, or the queue
+    # would be stuck behind it. One IS_USED_LOCK per statement: each costs ~5 µs.
+    turnstile = "IS_USED_LOCK(%(turnstile)s)"
+    may_take = f"IFNULL({turnstile}, 0) IN (0, session)"
+    acquire_front = f"""
+            UPDATE {table} SET fence = LAST_INSERT_ID(fence + 1), count = 1,
+                session = CONNECTION_ID(),
+                holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
+            WHERE name = %(name)s AND NOT {live} AND {turnstile} = CONNECTION_ID()"""
     session_upsert = f"""
             INSERT INTO {table} (name, owner, fence, count, expires, holder, session, lock_key)
             SELECT %(name)s, %(owner)s, LAST_INSERT_ID({d.clock_us}), 1, {now} + %(ttl)s,
@@ -542,7 +556,8 @@ def mysql_statements(table: str) -> dict[str, str]:
                            LAST_INSERT_ID(fence), LAST_INSERT_ID(fence + 1)),
                 count = IF({live} AND owner = %(owner)s, count + 1, 1),
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
-            WHERE name = %(name)s AND (NOT {live} OR (owner = %(owner)s AND %(reentrant)s))""",
+            WHERE name = %(name)s
+                AND ((NOT {live} AND {may_take}) OR (owner = %(owner)s AND %(reentrant)s))""",
         # Inserted: the insert id is 1. Already there: the update clause, evaluated after
         # VALUES, resets it to 0 and changes nothing (INSERT IGNORE would warn instead).
         "create_row": f"""
@@ -553,7 +568,14 @@ def mysql_statements(table: str) -> dict[str, str]:
         "acquire_once": f"""
             UPDATE {table} SET fence = LAST_INSERT_ID(fence + 1), count = 1,
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
-            WHERE name = %(name)s AND NOT {live}""",
+            WHERE name = %(name)s AND NOT {live} AND {may_take}""",
+        # The waiter in front of the queue, on the connection that holds the turnstile.
+        "acquire_front": acquire_front,
+        # A waiter queues on the turnstile and, the moment it is its own, takes a free
+        # lease inside the server (multi-statements; values escaped by the driver). The
+        # answer: in front of the queue, lease taken, its fence.
+        "turnstile_take": f"""SELECT GET_LOCK(%(turnstile)s, %(wait)s); {acquire_front};
+            SELECT COALESCE({turnstile} = CONNECTION_ID(), 0), ROW_COUNT(), LAST_INSERT_ID()""",
         "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
         # The last release ends the lease (expires = 0) but leaves owner and holder: an
         # update that keeps the row's size is done in place by InnoDB (~5% faster).
@@ -561,6 +583,17 @@ def mysql_statements(table: str) -> dict[str, str]:
             UPDATE {table} SET
                 count = LAST_INSERT_ID(count - 1), expires = IF(count > 0, expires, 0)
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}""",
+        # A lease taken in front of the turnstile is released on the connection keeping
+        # it; the last release (or one that finds the lease gone) leaves it, so the next
+        # waiter, blocked on it in the server, takes the lease there. Answer: the count
+        # left, NULL when the lease was not ours.
+        "release_gate": f"""
+            UPDATE {table} SET count = LAST_INSERT_ID(count - 1),
+                expires = IF(count > 0, expires, 0), session = IF(count > 0, session, 0)
+            WHERE name = %(name)s AND owner = %(owner)s AND expires > {now};
+            SELECT IF(ROW_COUNT() > 0, LAST_INSERT_ID(), NULL),
+                IF(ROW_COUNT() > 0 AND LAST_INSERT_ID() > 0, NULL, RELEASE_LOCK(%(turnstile)s))""",
+        "leave_turnstile": "SELECT RELEASE_ALL_LOCKS()",
         "extend": d.extend(table),
         # Batches: {pairs} is "(%(n0)s, %(o0)s), (%(n1)s, %(o1)s), ..." built by the caller.
         "extend_many": f"""

@@ -20,6 +20,7 @@ import aiomysql.cursors
 import pymysql
 from pymysql.constants import CLIENT
 
+from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
     MYSQL,
@@ -30,8 +31,8 @@ from ..._sql import (
     parse_server_url,
 )
 from ..._types import Acquired, Busy, Holder, Lease
-from .._primitives import IS_ASYNC
-from ._server_sql import AsyncServerSQLBackend, Conn, Result
+from .._primitives import IS_ASYNC, sleep
+from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter
 
 PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
 #: Server error codes that deserve their own message.
@@ -39,6 +40,9 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
+#: How the lease waiter in front of the queue polls a lease whose holder did not queue
+#: (MySQL cannot notify): capped exponential backoff with jitter.
+FRONT_BACKOFF = Backoff()
 
 
 def _table_full(exc: BackendError) -> bool:
@@ -207,6 +211,8 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         # A client= connection may have been opened without multi-statements.
         return bool(getattr(conn.raw, "client_flag", 0) & CLIENT.MULTI_STATEMENTS)
 
+    _queues_on = _records_in_wait
+
     async def _wait_and_record_sql(
         self, conn: Conn, params: dict[str, Any], wait: float
     ) -> tuple[str, dict[str, Any]]:
@@ -248,14 +254,42 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
     async def _lease_acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
-        params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
-        result = await self._call("acquire" if reentrant else "acquire_once", params)
+        params = self._params(
+            name,
+            token,
+            ttl=ttl,
+            holder=holder.to_json(),
+            reentrant=reentrant,
+            turnstile=self._turnstile_key(name),
+        )
+        statement = "acquire" if reentrant else "acquire_once"
+        waiter = self._front.get(token)
+        if waiter is None:
+            if not reentrant:
+                # A fresh acquisition: a gate left by an earlier one (lost, never
+                # released) only blocks the queue.
+                await self._drop_gate(token)
+            result = await self._call(statement, params)
+        else:
+            waiter.params = params
+            if waiter.fresh:
+                # The core's attempt on entering the waiter would only repeat the one
+                # just made: the take in front of the turnstile comes next.
+                waiter.fresh = False
+                return Busy()
+            if waiter.in_front:
+                # On the connection holding the turnstile: a free lease is kept for it.
+                result = await self._run(waiter.conn, self._sql["acquire_front"], params)
+            else:
+                result = await self._call(statement, params)
         if result.rowcount > 0:
             count = 1
             if reentrant:
                 # The OK packet carries one number (the fence); re-entry needs the count.
                 rows = (await self._call("count", params)).rows
                 count = int(rows[0][0]) if rows else 1
+            if waiter is not None and waiter.in_front:
+                waiter.granted = True  # the turnstile stays with the lease
             return Acquired(result.insert_id, count)
         if params["name"] in self._known:
             return Busy()
@@ -268,9 +302,23 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         result = await self._call("acquire", params)
         return Acquired(result.insert_id, 1) if result.rowcount > 0 else Busy()
 
-    async def _lease_release(self, name: str, token: str) -> int | None:
+    async def _plain_release(self, name: str, token: str) -> int | None:
         result = await self._call("release", self._params(name, token))
         return result.insert_id if result.rowcount > 0 else None
+
+    def _turnstile_key(self, name: str) -> Any:
+        return named_lock_key(self._table + ":turnstile", name)
+
+    async def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
+        return self._sql["turnstile_take"], {**waiter.params, "wait": wait}
+
+    def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
+        in_front, taken, fence = result.rows[0]
+        return bool(in_front), Acquired(int(fence), 1) if taken and taken > 0 else None
+
+    async def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
+        # No notification comes: poll, while the turnstile keeps newcomers out.
+        await sleep(min(timeout, FRONT_BACKOFF.delay(waiter.waits_in_front, None, False)))
 
     async def _lease_force_release(self, name: str) -> bool:
         return (await self._call("force_release", {"name": encode_name(name)})).rowcount > 0

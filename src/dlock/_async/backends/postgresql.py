@@ -8,13 +8,10 @@ released instead of polling.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -33,8 +30,7 @@ from ..._sql import (
     postgresql_statements,
 )
 from ..._types import Acquired, Busy, Holder, Lease
-from ..backend import AsyncWaiter
-from ._server_sql import AsyncServerSQLBackend, Conn, Result
+from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter
 
 #: The turnstile take, prepared once per waiting connection (see ``turnstile_take``).
 TAKE = "dlock_take"
@@ -112,14 +108,6 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             postgresql_statements(settings.table),
             POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
         )
-        #: Connections that wait on the turnstile and LISTEN, apart from the statement pool.
-        self._listeners: list[Conn] = []
-        #: Waiters by owner token: the one in front of the turnstile acquires on its own
-        #: connection.
-        self._front: dict[str, _TurnstileWaiter] = {}
-        #: Leases taken in front of the turnstile, by owner token: the turnstile stays
-        #: held on their connection until they end.
-        self._gates: dict[str, _Gate] = {}
         self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
 
@@ -271,64 +259,10 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
         return Busy()
 
-    async def _lease_release(self, name: str, token: str) -> int | None:
-        gate = self._gates.pop(token, None)
-        if gate is not None and self._driver_idle_dead(gate.conn.raw):
-            # Its session is gone (a restart), and the turnstile with it; or it only has
-            # notifications to read. The lease itself lives on in the table.
-            await self._drop(gate.conn)
-            gate = None
-        if gate is None:
-            params = self._params(name, token, channel=notify_channel(self._table, name))
-            result = await self._call("release", params)
-            return int(result.rows[0][0]) if result.rows else None
-        # On the connection holding the turnstile: the last release leaves it, and the
-        # waiter blocked on it takes the lease inside the server.
-        params = self._params(name, token, turnstile=gate.key)
-        try:
-            result = await self._run(gate.conn, self._sql["release_gate"], params)
-        except BaseException:
-            await self._drop(gate.conn)  # closing frees the turnstile
-            raise
-        if not result.rows:
-            # Not ours any more (expired, taken over): leave the turnstile all the same.
-            await self._leave_turnstile(gate.conn)
-            return None
-        count = int(result.rows[0][0])
-        if count:
-            self._gates[token] = gate
-        else:
-            await self._keep_for_waiting(gate.conn)
-        return count
-
-    async def _leave_turnstile(self, conn: Conn) -> None:
-        """Unlisten and leave the turnstile in one round trip; the connection goes back
-        to the waiters' pool (or, broken, is closed, which leaves it too)."""
-        try:
-            await self._run(conn, "UNLISTEN *; SELECT pg_advisory_unlock_all()", {})
-        except BaseException:
-            await self._drop(conn)
-            raise
-        await self._keep_for_waiting(conn)
-
-    async def _keep_for_waiting(self, conn: Conn) -> None:
-        """Keep a waiting connection for the next wait. One borrowed from the
-        application's pool goes back instead (closed: it carries dlock's LISTEN and
-        PREPARE): dlock keeps none of the application's connections idle."""
-        if conn.loan is not None:
-            await self._drop(conn)
-        else:
-            self._listeners.append(conn)
-
-    async def _drop_gate(self, token: str) -> None:
-        gate = self._gates.pop(token, None)
-        if gate is not None:
-            await self._drop(gate.conn)
-
-    async def _lease_lost(self, token: str) -> None:
-        # The lease ended without a release (expired, taken over, force-released): the
-        # turnstile it kept must not hold the queue up.
-        await self._drop_gate(token)
+    async def _plain_release(self, name: str, token: str) -> int | None:
+        params = self._params(name, token, channel=notify_channel(self._table, name))
+        result = await self._call("release", params)
+        return int(result.rows[0][0]) if result.rows else None
 
     async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         params = {
@@ -344,48 +278,32 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         params = {"name": encode_name(name), "channel": notify_channel(self._table, name)}
         return bool((await self._call("force_release", params)).rows)
 
-    @asynccontextmanager
-    async def _lease_waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
-        """Waiters queue on an advisory lock (the turnstile) inside the server.
+    def _turnstile_key(self, name: str) -> Any:
+        return advisory_key(self._table + ":turnstile", name)
 
-        The waiter that gets the turnstile takes the lease in the same round trip if it
-        is free, and keeps the turnstile for as long as it holds the lease; its release
-        leaves the turnstile, so the next waiter takes the lease inside the server, as
-        the database's own blocking lock hands over. If the lease is busy (its holder
-        did not queue), the waiter in front LISTENs and the holder's release notifies.
-        Were every waiter to listen, each release would wake them all to race for the
-        lease; through the turnstile the server wakes one, in arrival order.
-        """
+    async def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
+        if TAKE not in waiter.conn.prepared:
+            await self._run(waiter.conn, self._prepare_take, {})
+            waiter.conn.prepared.add(TAKE)
+        channel = notify_channel(self._table, waiter.name)
+        ms = max(1, math.ceil(wait * 1000))
+        return self._take_sql(waiter.conn.raw, waiter.key, channel, waiter.params, ms), {}
+
+    def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
+        # A lock timeout raised; an answer means the turnstile is ours.
+        if not result.rows:
+            return True, None
+        return True, Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
+
+    async def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
+        channel = notify_channel(self._table, waiter.name)
         try:
-            conn = self._listeners.pop()
-        except IndexError:
-            conn = await self._connect()
-        waiter = _TurnstileWaiter(
-            self,
-            conn,
-            notify_channel(self._table, name),
-            advisory_key(self._table + ":turnstile", name),
-        )
-        self._front[token] = waiter
-        try:
-            yield waiter
-        except BaseException:
-            await self._drop(waiter.conn)  # frees the turnstile
-            if waiter.cut_off:
-                # A take cut off in flight may have committed: give it back.
-                with contextlib.suppress(Exception):
-                    await self._lease_release(name, token)
-            raise
-        finally:
-            self._front.pop(token, None)
-        if waiter.granted:
-            self._gates[token] = _Gate(waiter.conn, waiter.key)
-        elif waiter.in_front:
-            # One simple-protocol round trip; the next waiter moves to the front.
-            await self._leave_turnstile(waiter.conn)
-        else:
-            # The waiter may have replaced a connection that died while idle (restart).
-            await self._keep_for_waiting(waiter.conn)
+            async for notify in waiter.conn.raw.notifies(timeout=timeout):
+                # Earlier waiters' channels may still have sent something: not ours.
+                if notify.channel == channel:
+                    break
+        except psycopg.Error as exc:
+            raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
 
     def _take_sql(self, conn: Any, key: int, channel: str, params: dict[str, Any], ms: int) -> str:
         """Listen, queue on the turnstile and take the lease, as one simple-protocol
@@ -426,93 +344,6 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     async def _session_force_release(self, name: str) -> bool:
         result = await self._call("session_force_release", {"name": encode_name(name)})
         return any(row[0] for row in result.rows)
-
-    async def aclose(self) -> None:
-        conns = [*self._listeners, *(gate.conn for gate in self._gates.values())]
-        self._listeners, self._gates = [], {}
-        for conn in conns:
-            await self._drop(conn)
-        await super().aclose()
-
-
-@dataclass
-class _Gate:
-    """A lease taken in front of the turnstile, and the connection that keeps it."""
-
-    conn: Conn
-    key: int
-
-
-class _TurnstileWaiter(AsyncWaiter):
-    notifies = True
-
-    def __init__(self, backend: AsyncPostgreSQLBackend, conn: Conn, channel: str, key: int):
-        self._backend = backend
-        self.conn = conn
-        self._channel = channel
-        self.key = key
-        self.in_front = False
-        #: No attempt made inside this waiter yet.
-        self.fresh = True
-        #: The lease was taken in front of the turnstile, which stays with it.
-        self.granted = False
-        #: A take failed in flight: it may have committed.
-        self.cut_off = False
-        #: The latest attempt's parameters (owner, ttl, holder), for the take.
-        self.params: dict[str, Any] = {}
-
-    async def wait(self, timeout: float) -> Acquired | None:
-        if not self.in_front:
-            return await self._queue(timeout)
-        try:
-            async for notify in self.conn.raw.notifies(timeout=timeout):
-                # Earlier waiters' channels may still have sent something: not ours.
-                if notify.channel == self._channel:
-                    break
-        except psycopg.Error as exc:
-            raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
-        return None
-
-    async def _queue(self, timeout: float) -> Acquired | None:
-        backend = self._backend
-        if TAKE not in self.conn.prepared:
-            await backend._run(self.conn, backend._prepare_take, {})
-            self.conn.prepared.add(TAKE)
-        # A lease taken here counts (on the client) from before this wait: the wait is
-        # bounded by a third of the TTL, so most of the lease is left.
-        wait = min(timeout, float(self.params["ttl"]) / 3)
-        ms = max(1, math.ceil(wait * 1000))
-        sql = backend._take_sql(self.conn.raw, self.key, self._channel, self.params, ms)
-        try:
-            result = await backend._run(self.conn, sql, {}, wait=wait)
-        except BackendError as exc:
-            # LockNotAvailable is an OperationalError, so it arrives as unavailable:
-            # the turnstile's own timeout, checked first, keeps the connection.
-            if backend._is_lock_timeout(exc.__cause__ or exc):
-                return None
-            self.cut_off = True
-            if not isinstance(exc, BackendUnavailable):
-                raise
-            # The connection died (server restart): start over on a new one; the core
-            # simply tries again.
-            await backend._drop(self.conn)
-            self.conn = await backend._connect()
-            with contextlib.suppress(Exception):
-                params = {**self.params, "channel": self._channel}
-                await backend._call("release", params)
-            self.cut_off = False
-            return None
-        except BaseException:
-            self.cut_off = True
-            raise
-        self.in_front = True
-        if not result.rows:
-            # Busy, or the name has no row yet: the core's next attempt asks again on
-            # this connection, now listening, and learns which (and makes the row).
-            return None
-        backend._remember(self.params["name"])
-        self.granted = True
-        return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
 
 
 BACKEND = AsyncPostgreSQLBackend

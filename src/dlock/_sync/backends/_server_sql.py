@@ -5,7 +5,9 @@ Each database module supplies the driver calls and its dialect's statements
 (``dlock._sql``); the lease rules, the session-lock bookkeeping and the waiting live
 here once.
 
-Lease mode keeps leases in a table, decided by the server's clock. Session mode takes the
+Lease mode keeps leases in a table, decided by the server's clock; its waiters queue on
+the database's own lock (a turnstile), so a release hands the lease over inside the
+server. Session mode takes the
 database's own lock (``GET_LOCK``, advisory locks) on a connection dedicated to it, and
 pairs it with a lease row renewed like lease mode's (in batches, on any connection). A
 crashed holder's connection closes and frees the lock at once; a holder that stops
@@ -107,6 +109,14 @@ class ServerSQLBackend(Backend):
         self._waiting: dict[str, _SessionWaiter] = {}
         #: Lease mode: names whose row exists, so a busy answer needs no second query.
         self._known: set[bytes] = set()
+        #: Lease mode: connections that queue on turnstiles, apart from the statement pool.
+        self._queueing: list[Conn] = []
+        #: Lease waiters by owner token: the one in front of the turnstile acquires on its
+        #: own connection.
+        self._front: dict[str, TurnstileWaiter] = {}
+        #: Leases taken in front of the turnstile, by owner token: the turnstile stays
+        #: held on their connection until they end.
+        self._gates: dict[str, Gate] = {}
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -378,9 +388,11 @@ class ServerSQLBackend(Backend):
 
     def close(self) -> None:
         self._closed = True
-        conns = [*self._idle]
+        conns = [*self._idle, *self._queueing, *(gate.conn for gate in self._gates.values())]
         conns += [held.conn for held in (*self._held.values(), *self._parked.values())]
         self._idle.clear()
+        self._queueing.clear()
+        self._gates.clear()
         self._held.clear()
         self._parked.clear()
         for conn in conns:
@@ -414,7 +426,8 @@ class ServerSQLBackend(Backend):
         return self._lease_release(name, token)
 
     @abstractmethod
-    def _lease_release(self, name: str, token: str) -> int | None: ...
+    def _plain_release(self, name: str, token: str) -> int | None:
+        """Release a lease not taken through the turnstile, on a pooled connection."""
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
         if self._session_mode:
@@ -424,9 +437,6 @@ class ServerSQLBackend(Backend):
             return True
         self._lease_lost(token)
         return False
-
-    def _lease_lost(self, token: str) -> None:
-        """A lease found gone by a renewal: drop what was kept for it."""
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
         if len(leases) == 1:
@@ -651,11 +661,6 @@ class ServerSQLBackend(Backend):
             self._waiting.pop(token, None)
             self._unpark(token)
 
-    @contextmanager
-    def _lease_waiter(self, name: str, token: str) -> Iterator[Waiter]:
-        """Lease mode waits by backing off with jitter unless the database can notify."""
-        yield Waiter()
-
     def force_release(self, name: str) -> bool:
         if not self._session_mode:
             return self._lease_force_release(name)
@@ -667,6 +672,171 @@ class ServerSQLBackend(Backend):
     @abstractmethod
     def _session_force_release(self, name: str) -> bool:
         """End the holder's database session: only it can free the database's lock."""
+
+    # -- lease mode: the turnstile ---------------------------------------------------
+
+    @abstractmethod
+    def _turnstile_key(self, name: str) -> Any:
+        """The database lock that lease waiters of ``name`` queue on."""
+
+    def _queues_on(self, conn: Conn) -> bool:
+        """True when waiters can queue on ``conn`` (one round trip must hold the wait and
+        the take); else they back off with jitter."""
+        return True
+
+    @abstractmethod
+    def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
+        """The query that waits up to ``wait`` seconds for the turnstile, then takes the
+        lease inside the server if it is free."""
+
+    @abstractmethod
+    def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
+        """From the queue query's answer: in front of the queue, and the lease if taken."""
+
+    @abstractmethod
+    def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
+        """In front of the queue with the lease busy: wait (up to ``timeout``) for its
+        release, the one hand-over the turnstile does not make."""
+
+    @contextmanager
+    def _lease_waiter(self, name: str, token: str) -> Iterator[Waiter]:
+        """Waiters queue on the database's own lock (the turnstile) inside the server.
+
+        The waiter that gets the turnstile takes the lease in the same round trip if it
+        is free, and keeps the turnstile for as long as it holds the lease; its release
+        leaves the turnstile, so the next waiter takes the lease inside the server, as
+        the database's own blocking lock hands over. If the lease is busy (its holder
+        did not queue), the waiter in front waits for the release (``_wait_in_front``).
+        Were every waiter to race for each release, the fastest would win it; through
+        the turnstile the server serves them one by one, in arrival order.
+        """
+        try:
+            conn = self._queueing.pop()
+        except IndexError:
+            conn = self._connect()
+        if not self._queues_on(conn):
+            self._give(conn)
+            yield Waiter()
+            return
+        waiter = TurnstileWaiter(self, conn, name, token, self._turnstile_key(name))
+        self._front[token] = waiter
+        try:
+            yield waiter
+        except BaseException:
+            self._drop(waiter.conn)  # frees the turnstile
+            if waiter.cut_off:
+                # A take cut off in flight may have committed: give it back.
+                with contextlib.suppress(Exception):
+                    self._lease_release(name, token)
+            raise
+        finally:
+            self._front.pop(token, None)
+        if waiter.granted:
+            self._gates[token] = Gate(waiter.conn, waiter.key)
+        elif waiter.in_front:
+            # One round trip; the next waiter moves to the front.
+            self._leave_turnstile(waiter.conn)
+        else:
+            # The waiter may have replaced a connection that died while idle (restart).
+            self._keep_for_waiting(waiter.conn)
+
+    def _queue(self, waiter: TurnstileWaiter, timeout: float) -> Acquired | None:
+        """Wait in the queue; in front, take the lease if it is free."""
+        # A lease taken here counts (on the client) from before this wait: the wait is
+        # bounded by a third of the TTL, so most of the lease is left; and by half the
+        # operation timeout, which alone bounds a sync MySQL connection's answers.
+        ttl = float(waiter.params["ttl"])
+        wait = max(0.001, min(timeout, ttl / 3, self._settings.timeout / 2))
+        sql, params = self._queue_sql(waiter, wait)
+        try:
+            result = self._run(waiter.conn, sql, params, wait=wait)
+        except BackendError as exc:
+            # PostgreSQL's lock timeout is an OperationalError, so it arrives as
+            # unavailable: checked first, it keeps the connection.
+            if self._is_lock_timeout(exc.__cause__ or exc):
+                return None
+            waiter.cut_off = True
+            if not isinstance(exc, BackendUnavailable):
+                raise
+            # The connection died (server restart): start over on a new one; the core
+            # simply tries again.
+            self._drop(waiter.conn)
+            waiter.conn = self._connect()
+            with contextlib.suppress(Exception):
+                self._plain_release(waiter.name, waiter.token)
+            waiter.cut_off = False
+            return None
+        except BaseException:
+            waiter.cut_off = True
+            raise
+        in_front, granted = self._queued(result)
+        if not in_front:
+            return None  # the wait timed out
+        waiter.in_front = True
+        if granted is None:
+            # Busy, or the name has no row yet: the core's next attempt, on this
+            # connection, learns which (and makes the row).
+            return None
+        self._remember(waiter.params["name"])
+        waiter.granted = True
+        return granted
+
+    def _lease_release(self, name: str, token: str) -> int | None:
+        gate = self._gates.pop(token, None)
+        if gate is not None and self._driver_idle_dead(gate.conn.raw):
+            # Its session is gone (a restart), and the turnstile with it; or it has
+            # something unasked for to read. The lease itself lives on in the table.
+            self._drop(gate.conn)
+            gate = None
+        if gate is None:
+            return self._plain_release(name, token)
+        # On the connection holding the turnstile: the last release leaves it, and the
+        # waiter blocked on it takes the lease inside the server.
+        params = self._params(name, token, turnstile=gate.key)
+        try:
+            result = self._run(gate.conn, self._sql["release_gate"], params)
+        except BaseException:
+            self._drop(gate.conn)  # closing frees the turnstile
+            raise
+        count = result.rows[0][0] if result.rows else None
+        if count is None:
+            # Not ours any more (expired, taken over): leave the turnstile all the same.
+            self._leave_turnstile(gate.conn)
+            return None
+        if count:
+            self._gates[token] = gate
+        else:
+            self._keep_for_waiting(gate.conn)
+        return int(count)
+
+    def _leave_turnstile(self, conn: Conn) -> None:
+        """Leave the turnstile (on PostgreSQL, unlisten too) in one round trip; the
+        connection is kept for waiting (or, broken, closed, which leaves it too)."""
+        try:
+            self._run(conn, self._sql["leave_turnstile"], {})
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._keep_for_waiting(conn)
+
+    def _keep_for_waiting(self, conn: Conn) -> None:
+        """Keep a waiting connection for the next wait. One borrowed from the
+        application's pool goes back instead (closed: it carries dlock's state, such as
+        a LISTEN or a PREPARE): dlock keeps none of the application's connections idle."""
+        if conn.loan is not None:
+            self._drop(conn)
+        else:
+            self._queueing.append(conn)
+
+    def _drop_gate(self, token: str) -> None:
+        gate = self._gates.pop(token, None)
+        if gate is not None:
+            self._drop(gate.conn)
+
+    def _lease_lost(self, token: str) -> None:
+        """The lease ended without a release (expired, taken over, force-released): the
+        turnstile it kept must not hold the queue up."""
+        self._drop_gate(token)
 
     # Last: below this point ``list`` names the method, not the builtin.
     def list(self, prefix: str) -> list[LockInfo]:
@@ -688,3 +858,43 @@ class _SessionWaiter(Waiter):
 
     def wait(self, timeout: float) -> Acquired | None:
         return self._backend._session_wait(self, timeout)
+
+
+@dataclass
+class Gate:
+    """A lease taken in front of the turnstile, and the connection that keeps it."""
+
+    conn: Conn
+    key: Any
+
+
+class TurnstileWaiter(Waiter):
+    #: A queued wait ends the moment the turnstile is handed over.
+    notifies = True
+
+    def __init__(
+        self, backend: ServerSQLBackend, conn: Conn, name: str, token: str, key: Any
+    ) -> None:
+        self._backend = backend
+        self.conn = conn
+        self.name = name
+        self.token = token
+        self.key = key
+        self.in_front = False
+        #: No attempt made inside this waiter yet.
+        self.fresh = True
+        #: The lease was taken in front of the turnstile, which stays with it.
+        self.granted = False
+        #: A take failed in flight: it may have committed.
+        self.cut_off = False
+        #: Waits made in front of the queue (MySQL backs off over them).
+        self.waits_in_front = 0
+        #: The latest attempt's parameters (owner, ttl, holder), for the take.
+        self.params: dict[str, Any] = {}
+
+    def wait(self, timeout: float) -> Acquired | None:
+        if not self.in_front:
+            return self._backend._queue(self, timeout)
+        self._backend._wait_in_front(self, timeout)
+        self.waits_in_front += 1
+        return None
