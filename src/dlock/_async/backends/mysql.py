@@ -263,19 +263,11 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             turnstile=self._turnstile_key(name),
         )
         statement = "acquire" if reentrant else "acquire_once"
-        waiter = self._front.get(token)
+        waiter = await self._lease_waiter_of(token, reentrant, params)
         if waiter is None:
-            if not reentrant:
-                # A fresh acquisition: a gate left by an earlier one (lost, never
-                # released) only blocks the queue.
-                await self._drop_gate(token)
             result = await self._call(statement, params)
         else:
-            waiter.params = params
-            if waiter.fresh:
-                # The core's attempt on entering the waiter would only repeat the one
-                # just made: the take in front of the turnstile comes next.
-                waiter.fresh = False
+            if waiter.first_attempt():
                 return Busy()
             if waiter.in_front:
                 # On the connection holding the turnstile: a free lease is kept for it.

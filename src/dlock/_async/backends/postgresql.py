@@ -205,12 +205,8 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     ) -> Acquired | Busy:
         params = self._params(name, token, ttl=ttl, holder=holder.to_json(), reentrant=reentrant)
         statement = "acquire" if reentrant else "acquire_once"
-        waiter = self._front.get(token)
+        waiter = await self._lease_waiter_of(token, reentrant, params)
         if waiter is None:
-            if not reentrant:
-                # A fresh acquisition: a gate left by an earlier one (lost, never
-                # released) only blocks the queue.
-                await self._drop_gate(token)
             # Not waiting (yet): one plain statement, the uncontended path.
             result = await self._call(statement, params)
             if result.rows:
@@ -219,16 +215,12 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
                 # Busy. When the lease ends matters only to a waiter, whose attempts ask.
                 return Busy()
             return await self._first_use(params)
-        waiter.params = params
+        if waiter.first_attempt():
+            # The attempt after the take, on its connection once LISTEN is in force,
+            # cannot miss a release.
+            return Busy()
         if waiter.in_front:
             result = await self._run(waiter.conn, self._sql[statement + "_waiting"], params)
-        elif waiter.fresh:
-            # The core's attempt on entering the waiter would only repeat the one just
-            # made: the take in front of the turnstile comes next, and the attempt
-            # after it, on its connection once LISTEN is in force, cannot miss a
-            # release.
-            waiter.fresh = False
-            return Busy()
         else:
             result = await self._call(statement + "_waiting", params)
         if not result.rows:

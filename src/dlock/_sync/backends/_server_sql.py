@@ -740,6 +740,20 @@ class ServerSQLBackend(Backend):
             # The waiter may have replaced a connection that died while idle (restart).
             self._keep_for_waiting(waiter.conn)
 
+    def _lease_waiter_of(
+        self, token: str, reentrant: bool, params: dict[str, Any]
+    ) -> TurnstileWaiter | None:
+        """The turnstile waiter an acquire is made in, told the attempt's parameters (for
+        its take). Outside one, a fresh acquisition first drops a gate left by an earlier
+        one (lost, never released): it only blocks the queue."""
+        waiter = self._front.get(token)
+        if waiter is None:
+            if not reentrant:
+                self._drop_gate(token)
+            return None
+        waiter.params = params
+        return waiter
+
     def _queue(self, waiter: TurnstileWaiter, timeout: float) -> Acquired | None:
         """Wait in the queue; in front, take the lease if it is free."""
         # A lease taken here counts (on the client) from before this wait: the wait is
@@ -891,6 +905,12 @@ class TurnstileWaiter(Waiter):
         self.waits_in_front = 0
         #: The latest attempt's parameters (owner, ttl, holder), for the take.
         self.params: dict[str, Any] = {}
+
+    def first_attempt(self) -> bool:
+        """True once, for the core's attempt on entering the waiter: it would only repeat
+        the attempt just made, and the take in front of the turnstile comes next."""
+        fresh, self.fresh = self.fresh, False
+        return fresh
 
     def wait(self, timeout: float) -> Acquired | None:
         if not self.in_front:
