@@ -688,22 +688,33 @@ def test_a_lease_run_out_while_keeping_the_turnstile_is_passed_on(
         assert _turnstile_held(server, name), "the quiet holder never noticed"
 
 
-def test_newcomers_do_not_pass_the_waiter_in_front(mariadb_server: SQLServer, name: str) -> None:
+@pytest.mark.parametrize("kept_before", [False, True], ids=["first-wait", "kept-before"])
+def test_newcomers_do_not_pass_the_waiter_in_front(
+    mariadb_server: SQLServer, name: str, kept_before: bool
+) -> None:
     """MySQL cannot notify a release, so the lease waiter in front of the queue polls a
     lease whose holder did not queue, backing off. A release between its polls is still
     its to take: a newcomer that finds the lease free while someone is queued is refused
-    (without that, the newcomer would win nearly every time, and a waiter could starve)."""
+    (without that, the newcomer would win nearly every time, and a waiter could starve).
+
+    ``kept-before``: the waiter's connection once kept the turnstile for a lease of its
+    own; its release must have cleared it as the name's keeper (whose turnstile lets
+    anyone in), or the same connection, queueing again, would let newcomers pass it.
+    """
     url = mariadb_server.url()
     with (
         dlock.connect(url) as holder_client,
         dlock.connect(url) as waiter_client,
         dlock.connect(url) as newcomer_client,
     ):
+        waiter = waiter_client.lock(name, ttl=30)
+        if kept_before:
+            _take_through_the_turnstile(url, name, waiter)
+            waiter.release()
         holder = holder_client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)  # the plain path: no turnstile kept
         token = holder.fencing_token
         assert token is not None
-        waiter = waiter_client.lock(name, ttl=30)
         thread = threading.Thread(target=lambda: waiter.acquire(timeout=10))
         thread.start()
         deadline = time.monotonic() + 5
