@@ -155,6 +155,15 @@ async def join(task: asyncio.Task[None] | None, timeout: float) -> None:
     await asyncio.wait([task], timeout=timeout)
 
 
+async def wait_done(task: asyncio.Task[None]) -> None:
+    """Wait for ``task`` to end, without cancelling it (nor it with the caller)."""
+    await asyncio.wait([task])
+
+
+def running(task: asyncio.Task[None]) -> bool:
+    return not task.done()
+
+
 def current_task() -> asyncio.Task[Any] | None:
     return asyncio.current_task()
 

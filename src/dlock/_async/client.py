@@ -12,6 +12,7 @@ from .._errors import InvalidArgument
 from .._registry import default_url, load_backend
 from .._types import Holder, LockInfo
 from .._validation import check_name, check_timeout, check_ttl
+from ._primitives import running, wait_done
 from .backend import AsyncBackend
 from .lock import AsyncLock
 from .renewal import AsyncRenewer
@@ -52,6 +53,8 @@ class AsyncClient:
         self._clock = clock
         self._renewer = AsyncRenewer(backend, clock)
         backend.watch_leases(self._renewer.renew_now)
+        #: Give-backs of acquire attempts cut off in flight, running in the background.
+        self._give_backs: list[Any] = []
 
     def lock(
         self,
@@ -98,8 +101,15 @@ class AsyncClient:
         """
         return await self._backend.force_release(check_name(name))
 
+    def _keep_give_back(self, give_back: Any) -> None:
+        """Closing the client waits for the give-backs still running (the sync face's
+        run in daemon threads, which the end of the process would cut short)."""
+        self._give_backs = [x for x in self._give_backs if running(x)] + [give_back]
+
     async def aclose(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend."""
+        for give_back in self._give_backs:
+            await wait_done(give_back)
         held = self._renewer.held()
         await self._renewer.aclose()
         for lock in held:

@@ -19,7 +19,7 @@ from .._errors import (
 )
 from .._types import Acquired, Busy, Lease
 from .._validation import check_timeout, check_ttl
-from ._primitives import Cancelled, cancel_task, current_task, uncancel
+from ._primitives import Cancelled, cancel_task, current_task, spawn, uncancel, wait_done
 
 if TYPE_CHECKING:
     from .client import AsyncClient
@@ -77,6 +77,8 @@ class AsyncLock:
         self._attempt_sent = 0.0
         self._body_task: Any = None
         self._cancelled_by_us = False
+        #: The give-back of an attempt cut off in flight, while it runs (see _attempt).
+        self._give_back: Any = None
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self._count else "free"
@@ -113,6 +115,10 @@ class AsyncLock:
             raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
         clock = self._client._clock
         deadline = None if wait is None else clock() + wait
+        if self._give_back is not None:
+            # It releases under our owner token: it must not release what we take now.
+            await wait_done(self._give_back)
+            self._give_back = None
         backend = self._client._backend
         # A re-entry never waits (busy means lost), so it never takes a place in a queue.
         if wait == 0 or not backend.queues_waiters or self._count:
@@ -173,10 +179,13 @@ class AsyncLock:
             # Cancelled, interrupted or cut off mid-flight: the server may have granted the
             # lease anyway. Give it back (owner-checked, so harmless) rather than leave an
             # orphan until its TTL. Never after a re-entry: that would free the outer hold.
+            # In the background: a server that did not answer the attempt (hung, gone) may
+            # not answer the release either, and the caller's error is due now.
             if not reentry and (
                 isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError)
             ):
-                await self._release_quietly()
+                self._give_back = spawn(self._release_quietly, name="dlock-give-back")
+                self._client._keep_give_back(self._give_back)
             raise
         if isinstance(result, Busy):
             if reentry:

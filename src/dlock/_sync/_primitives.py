@@ -74,6 +74,14 @@ def join(thread: threading.Thread | None, timeout: float) -> None:
         thread.join(timeout)
 
 
+def wait_done(thread: threading.Thread) -> None:
+    thread.join()
+
+
+def running(thread: threading.Thread) -> bool:
+    return thread.is_alive()
+
+
 def current_task() -> Any:
     return None
 

@@ -13,6 +13,7 @@ from .._errors import InvalidArgument
 from .._registry import default_url, load_backend
 from .._types import Holder, LockInfo
 from .._validation import check_name, check_timeout, check_ttl
+from ._primitives import running, wait_done
 from .backend import Backend
 from .lock import Lock
 from .renewal import Renewer
@@ -53,6 +54,8 @@ class Client:
         self._clock = clock
         self._renewer = Renewer(backend, clock)
         backend.watch_leases(self._renewer.renew_now)
+        #: Give-backs of acquire attempts cut off in flight, running in the background.
+        self._give_backs: list[Any] = []
 
     def lock(
         self,
@@ -99,8 +102,15 @@ class Client:
         """
         return self._backend.force_release(check_name(name))
 
+    def _keep_give_back(self, give_back: Any) -> None:
+        """Closing the client waits for the give-backs still running (the sync face's
+        run in daemon threads, which the end of the process would cut short)."""
+        self._give_backs = [x for x in self._give_backs if running(x)] + [give_back]
+
     def close(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend."""
+        for give_back in self._give_backs:
+            wait_done(give_back)
         held = self._renewer.held()
         self._renewer.close()
         for lock in held:
