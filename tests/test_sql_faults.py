@@ -939,3 +939,60 @@ async def test_a_hung_server_is_a_timely_error_in_the_asyncio_face(
         finally:
             server.process.resume()
     assert elapsed < HUNG_ACQUIRE_LIMIT
+
+
+def test_the_next_acquire_waits_for_the_give_back_of_a_cut_off_one(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """An attempt cut off in flight is given back in the background, under the lock
+    object's owner token. The same object's next acquisition must wait for that give-back:
+    landing later, it would release the new lease, which the object goes on holding."""
+    server = mariadb_server
+    with dlock.connect(server.url("timeout=1")) as client, dlock.connect(server.url()) as other:
+        lock = client.lock(name, ttl=30, auto_renew=False)
+        assert lock.acquire(timeout=0)  # creates the row
+        lock.release()
+        backend: Any = client._backend
+        connect = backend._connect
+        opened = threading.Event()
+
+        def held_up_connect() -> object:
+            assert opened.wait(10)
+            return connect()
+
+        blocker = server.connect(autocommit=False)
+        try:
+            blocker.cursor().execute(
+                "SELECT fence FROM dlock_locks WHERE name = %s FOR UPDATE", (name.encode(),)
+            )
+            # The give-back's new connection waits until `opened`.
+            backend._connect = held_up_connect
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.acquire(timeout=0)  # waits for the row lock: cut off after 1 s
+            backend._connect = connect
+            # The cut-off UPDATE still waits in the server: stop it, so it never commits.
+            run = admin(server)
+            waiting = run(
+                "SELECT id FROM information_schema.processlist "
+                "WHERE info LIKE %s AND id <> CONNECTION_ID()",
+                ("%UPDATE dlock_locks%",),
+            )
+            assert waiting, "the cut-off statement should still wait for the row"
+            for (thread_id,) in waiting:
+                run(f"KILL QUERY {int(thread_id)}", ())
+        finally:
+            blocker.rollback()
+            blocker.close()
+        outcome: list[bool] = []
+        thread = threading.Thread(target=lambda: outcome.append(lock.acquire(timeout=5)))
+        thread.start()
+        time.sleep(0.5)
+        waited = not outcome
+        opened.set()
+        thread.join(10)
+        assert outcome == [True]
+        info = other.inspect(name)
+        assert info is not None, "the late give-back released the new lease"
+        assert info.fencing_token == lock.fencing_token
+        assert waited, "the acquire did not wait for the give-back"
+        lock.release()
