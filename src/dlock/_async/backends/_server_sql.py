@@ -6,12 +6,11 @@ here once.
 
 Lease mode keeps leases in a table, decided by the server's clock; its waiters queue on
 the database's own lock (a turnstile), so a release hands the lease over inside the
-server. Session mode takes the
-database's own lock (``GET_LOCK``, advisory locks) on a connection dedicated to it, and
-pairs it with a lease row renewed like lease mode's (in batches, on any connection). A
-crashed holder's connection closes and frees the lock at once; a holder that stops
-renewing (paused, partitioned) is evicted by the next acquirer once its lease has run
-out by the server's clock, by ending its database session.
+server. Session mode takes the database's own lock (``GET_LOCK``, advisory locks) on a
+connection dedicated to it, and pairs it with a lease row renewed like lease mode's (in
+batches, on any connection). A crashed holder's connection closes and frees the lock at
+once; a holder that stops renewing (paused, partitioned) is evicted by the next acquirer
+once its lease has run out by the server's clock, by ending its database session.
 """
 
 from __future__ import annotations
