@@ -43,8 +43,12 @@ class Pool:
         else:
             driver = "psycopg" if server.scheme == "postgresql" else "pymysql"
             url = server.url().replace(f"{server.scheme}://", f"{server.scheme}+{driver}://")
+            # SQLAlchemy opens MySQL connections without multi-statements, with which
+            # dlock's waiters queue in the server; "sqlalchemy-multi" brings them.
+            flags = CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS
+            connect_args = {"client_flag": flags} if kind == "sqlalchemy-multi" else {}
             self.engine = sqlalchemy.create_engine(
-                url, pool_size=2, max_overflow=0, pool_timeout=EMPTY
+                url, pool_size=2, max_overflow=0, pool_timeout=EMPTY, connect_args=connect_args
             )
             self.client = self.engine.raw_connection
             self.exhausted = sqlalchemy.exc.TimeoutError
@@ -76,6 +80,7 @@ def autocommit(conn: Any) -> bool:
         ("postgresql", "psycopg_pool"),
         ("postgresql", "sqlalchemy"),
         ("mariadb", "sqlalchemy"),
+        ("mariadb", "sqlalchemy-multi"),
     ],
     ids=lambda p: "-".join(p),
 )
@@ -157,9 +162,10 @@ def test_session_waiter_through_the_pool(pool: Pool, name: str) -> None:
 
 
 def test_lease_waiter_gives_its_connection_back(pool: Pool, name: str) -> None:
-    """A lease waiter's connection (PostgreSQL: LISTEN and the queue) is out of the pool
-    while it waits and, taken in front of the queue, while the lease is held; after
-    the release dlock keeps none of the pool's connections for later waits."""
+    """A lease waiter's connection (its place in the queue; PostgreSQL: LISTEN) is out of
+    the pool while it waits and, taken in front of the queue, while the lease is held;
+    after the release dlock keeps none of the pool's connections for later waits. (Plain
+    SQLAlchemy MySQL connections cannot queue: their waiters back off.)"""
     with dlock.connect(pool.server.url()) as other:
         held = other.lock(name, ttl=30)
         assert held.acquire(timeout=0)
