@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 from .._types import Acquired, Busy, Holder, Lease, LockInfo
 from ._primitives import sleep
@@ -28,8 +28,9 @@ from ._primitives import sleep
 class AsyncWaiter:
     """Waits for "the lock may be free now". This default only sleeps."""
 
-    #: True when ``wait`` returns early because the backend signalled a release.
-    notifies: ClassVar[bool] = False
+    #: True when ``wait`` returns early because the backend signalled a release; read
+    #: before every wait, so a waiter may change it (MySQL's, once in front of its queue).
+    notifies: bool = False
 
     async def wait(self, timeout: float) -> Acquired | None:
         """Return when the lock may be free, or after ``timeout`` seconds.

@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 from .._types import Acquired, Busy, Holder, Lease, LockInfo
 from ._primitives import sleep
@@ -29,8 +29,9 @@ from ._primitives import sleep
 class Waiter:
     """Waits for "the lock may be free now". This default only sleeps."""
 
-    #: True when ``wait`` returns early because the backend signalled a release.
-    notifies: ClassVar[bool] = False
+    #: True when ``wait`` returns early because the backend signalled a release; read
+    #: before every wait, so a waiter may change it (MySQL's, once in front of its queue).
+    notifies: bool = False
 
     def wait(self, timeout: float) -> Acquired | None:
         """Return when the lock may be free, or after ``timeout`` seconds.

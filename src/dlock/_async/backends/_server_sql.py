@@ -695,6 +695,10 @@ class AsyncServerSQLBackend(AsyncBackend):
     def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
         """From the queue query's answer: in front of the queue, and the lease if taken."""
 
+    #: Whether the waiter in front hears a release of a lease whose holder did not queue
+    #: (PostgreSQL: NOTIFY); if not, it polls, with the client's backoff.
+    notifies_in_front: bool = True
+
     @abstractmethod
     async def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
         """In front of the queue with the lease busy: wait (up to ``timeout``) for its
@@ -789,6 +793,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         if not in_front:
             return None  # the wait timed out
         waiter.in_front = True
+        waiter.notifies = self.notifies_in_front
         if granted is None:
             # Busy, or the name has no row yet: the core's next attempt, on this
             # connection, learns which (and makes the row).
@@ -903,8 +908,6 @@ class TurnstileWaiter(AsyncWaiter):
         self.granted = False
         #: A take failed in flight: it may have committed.
         self.cut_off = False
-        #: Waits made in front of the queue (MySQL backs off over them).
-        self.waits_in_front = 0
         #: The latest attempt's parameters (owner, ttl, holder), for the take.
         self.params: dict[str, Any] = {}
 
@@ -918,5 +921,4 @@ class TurnstileWaiter(AsyncWaiter):
         if not self.in_front:
             return await self._backend._queue(self, timeout)
         await self._backend._wait_in_front(self, timeout)
-        self.waits_in_front += 1
         return None

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis_client
@@ -144,7 +144,7 @@ class _Waiting:
 class _PubSubWaiter(AsyncWaiter):
     """Returns early when a release wakes this waiter, with the lease if it was handed over."""
 
-    notifies: ClassVar[bool] = True
+    notifies = True
 
     def __init__(self, backend: AsyncRedisBackend, pubsub: Any, channel: bytes, token: str) -> None:
         self._backend = backend

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kazoo.client import KazooClient
@@ -234,7 +234,7 @@ class _Ahead:
 class AsyncZooKeeperWaiter(AsyncWaiter):
     """Woken by the watches on the node ahead (or by a new session)."""
 
-    notifies: ClassVar[bool] = True
+    notifies = True
 
     def __init__(self) -> None:
         self._event = WakeupEvent()

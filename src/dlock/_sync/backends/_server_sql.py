@@ -692,6 +692,10 @@ class ServerSQLBackend(Backend):
     def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
         """From the queue query's answer: in front of the queue, and the lease if taken."""
 
+    #: Whether the waiter in front hears a release of a lease whose holder did not queue
+    #: (PostgreSQL: NOTIFY); if not, it polls, with the client's backoff.
+    notifies_in_front: bool = True
+
     @abstractmethod
     def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
         """In front of the queue with the lease busy: wait (up to ``timeout``) for its
@@ -786,6 +790,7 @@ class ServerSQLBackend(Backend):
         if not in_front:
             return None  # the wait timed out
         waiter.in_front = True
+        waiter.notifies = self.notifies_in_front
         if granted is None:
             # Busy, or the name has no row yet: the core's next attempt, on this
             # connection, learns which (and makes the row).
@@ -900,8 +905,6 @@ class TurnstileWaiter(Waiter):
         self.granted = False
         #: A take failed in flight: it may have committed.
         self.cut_off = False
-        #: Waits made in front of the queue (MySQL backs off over them).
-        self.waits_in_front = 0
         #: The latest attempt's parameters (owner, ttl, holder), for the take.
         self.params: dict[str, Any] = {}
 
@@ -915,5 +918,4 @@ class TurnstileWaiter(Waiter):
         if not self.in_front:
             return self._backend._queue(self, timeout)
         self._backend._wait_in_front(self, timeout)
-        self.waits_in_front += 1
         return None

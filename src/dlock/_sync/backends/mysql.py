@@ -20,7 +20,6 @@ import pymysql
 import pymysql.cursors
 from pymysql.constants import CLIENT
 
-from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
     MYSQL,
@@ -40,9 +39,6 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
-#: How the lease waiter in front of the queue polls a lease whose holder did not queue
-#: (MySQL cannot notify): capped exponential backoff with jitter.
-FRONT_BACKOFF = Backoff()
 
 
 def _table_full(exc: BackendError) -> bool:
@@ -306,9 +302,12 @@ class MySQLBackend(ServerSQLBackend):
         in_front, taken, fence = result.rows[0]
         return bool(in_front), Acquired(int(fence), 1) if taken and taken > 0 else None
 
+    #: MySQL cannot notify: the waiter in front polls, while the turnstile keeps
+    #: newcomers out.
+    notifies_in_front = False
+
     def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
-        # No notification comes: poll, while the turnstile keeps newcomers out.
-        sleep(min(timeout, FRONT_BACKOFF.delay(waiter.waits_in_front, None, False)))
+        sleep(timeout)  # the client's backoff, jittered
 
     def _lease_force_release(self, name: str) -> bool:
         return (self._call("force_release", {"name": encode_name(name)})).rowcount > 0

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis as redis_client
@@ -145,7 +145,7 @@ class _Waiting:
 class _PubSubWaiter(Waiter):
     """Returns early when a release wakes this waiter, with the lease if it was handed over."""
 
-    notifies: ClassVar[bool] = True
+    notifies = True
 
     def __init__(self, backend: RedisBackend, pubsub: Any, channel: bytes, token: str) -> None:
         self._backend = backend

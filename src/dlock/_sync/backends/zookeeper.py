@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kazoo.client import KazooClient
@@ -235,7 +235,7 @@ class _Ahead:
 class ZooKeeperWaiter(Waiter):
     """Woken by the watches on the node ahead (or by a new session)."""
 
-    notifies: ClassVar[bool] = True
+    notifies = True
 
     def __init__(self) -> None:
         self._event = WakeupEvent()
