@@ -730,6 +730,63 @@ def test_newcomers_do_not_pass_the_waiter_in_front(
         waiter.release()
 
 
+def _questions(server: SQLServer) -> int:
+    """Statements the server has been sent so far, by every session."""
+    return int(admin(server)("SHOW GLOBAL STATUS LIKE 'Questions'", ())[0][1])
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+@pytest.mark.parametrize("ttl", [1.2, 6.0], ids=["ttl-too-short-to-wait", "waits-in-server"])
+def test_whole_second_lock_waits_neither_spin_nor_overrun(
+    mariadb_server: SQLServer, name: str, mode: str, ttl: float
+) -> None:
+    """MySQL 8 reads ``GET_LOCK``'s timeout as whole seconds; MariaDB takes fractions.
+    Here the waiters' backend is told what it detects on MySQL 8, so it sends MariaDB
+    only whole-second waits, which MariaDB makes as MySQL 8 would. A waiter must not
+    outlast its own timeout; where the server cannot wait for it (a TTL too short for a
+    one-second wait, or under a second left) it backs off rather than asking again at
+    once; and it still takes the lock soon after a release. Two waiters, so that in
+    lease mode one waits in front of the queue and one in it."""
+    url = mariadb_server.url(f"mode={mode}")
+    with dlock.connect(url) as holder_client, dlock.connect(url) as waiter_client:
+        backend: Any = waiter_client._backend
+        backend._wait_grain = 1.0
+        holder = holder_client.lock(name, ttl=ttl)
+        assert holder.acquire(timeout=0)
+        start = time.monotonic()
+        assert not waiter_client.lock(name, ttl=ttl).acquire(timeout=0.5)
+        assert 0.5 <= time.monotonic() - start < 0.8, "a wait outlasted its timeout"
+        # Under a second to go: not one sleep to the deadline, but backing off.
+        threading.Timer(0.3, holder.release).start()
+        start = time.monotonic()
+        early = waiter_client.lock(name, ttl=ttl)
+        assert early.acquire(timeout=0.9)
+        assert time.monotonic() - start < 0.6, "a release went unnoticed until the deadline"
+        early.release()
+        assert holder.acquire(timeout=0)
+        taken: list[float] = []
+
+        def wait_and_release() -> None:
+            lock = waiter_client.lock(name, ttl=ttl)
+            if lock.acquire(timeout=10):
+                taken.append(time.monotonic())
+                lock.release()
+
+        before = _questions(mariadb_server)
+        threads = [threading.Thread(target=wait_and_release) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)
+        released = time.monotonic()
+        holder.release()
+        for thread in threads:
+            thread.join()
+        asked = _questions(mariadb_server) - before
+        assert len(taken) == 2
+        assert max(taken) - released < 0.5, "the waiters were slow to take the lock"
+        assert asked < 300, f"{asked} statements sent in 1.5 s of waiting"
+
+
 def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, name: str) -> None:
     """The server ended the holders' sessions (their locks with them) while their rows
     still look live: a batched renewal must report them lost, as a single one does."""

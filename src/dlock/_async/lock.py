@@ -136,13 +136,19 @@ class AsyncLock:
                 remaining = None if deadline is None else deadline - clock()
                 if remaining is not None and remaining <= 0:
                     return False
-                delay = self._client._backoff.delay(attempt, busy.retry_after, waiter.notifies)
-                if remaining is not None:
-                    delay = min(delay, remaining)
+                delay = self._delay(attempt, busy.retry_after, waiter.notifies, remaining)
+                if waiter.notifies and delay < waiter.shortest_wait:
+                    delay = self._delay(attempt, busy.retry_after, False, remaining)
                 handed = await waiter.wait(delay)
                 if handed is not None and await self._take_handed(handed):
                     return True
                 attempt += 1
+
+    def _delay(
+        self, attempt: int, retry_after: float | None, notifies: bool, remaining: float | None
+    ) -> float:
+        delay = self._client._backoff.delay(attempt, retry_after, notifies)
+        return delay if remaining is None else min(delay, remaining)
 
     async def _take_handed(self, handed: Acquired) -> bool:
         """Hold a lease granted to us while we waited (handed over by its last holder).

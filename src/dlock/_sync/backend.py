@@ -32,6 +32,9 @@ class Waiter:
     #: True when ``wait`` returns early because the backend signalled a release; read
     #: before every wait, so a waiter may change it (MySQL's, once in front of its queue).
     notifies: bool = False
+    #: The shortest wait in which a notifying waiter hears a release (MySQL 8 waits in
+    #: the server only whole seconds): shorter waits back off as if it could not.
+    shortest_wait: float = 0.0
 
     def wait(self, timeout: float) -> Acquired | None:
         """Return when the lock may be free, or after ``timeout`` seconds.

@@ -28,7 +28,7 @@ from typing import Any
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import call_with_timeout
+from .._primitives import call_with_timeout, sleep
 from ..backend import AsyncBackend, AsyncWaiter
 
 #: Idle connections kept per backend; more are closed when given back.
@@ -88,6 +88,10 @@ class Held:
 
 class AsyncServerSQLBackend(AsyncBackend):
     """The shared part; subclasses implement the ``_driver_*`` methods and lease SQL."""
+
+    #: The server's blocking lock waits whole multiples of this many seconds (MySQL 8's
+    #: ``GET_LOCK``); None or 0: any wait.
+    _wait_grain: float | None = None
 
     def __init__(self, settings: ServerSettings, statements: dict[str, str], schema: str):
         self._settings = settings
@@ -486,6 +490,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             waiter = self._waiting.get(token)
             if waiter is not None:
                 waiter.params = params
+                self._fit_waiter(waiter, ttl)
             left = await self._session_time_left(name, result)
             if left is not None and left <= 0:
                 await self._session_evict(name)
@@ -570,6 +575,19 @@ class AsyncServerSQLBackend(AsyncBackend):
                     await self._lease_lost(lease.token)
         return results
 
+    def _lock_wait(self, wait: float) -> float:
+        """The longest wait up to ``wait`` that the server's blocking lock makes; 0: it
+        cannot wait that briefly."""
+        grain = self._wait_grain
+        return math.floor(wait / grain) * grain if grain else wait
+
+    def _fit_waiter(self, waiter: AsyncWaiter, ttl: float) -> None:
+        """Tell a waiter for a lease of ``ttl`` whether it can wait inside the server at
+        all (its waits there are bounded by a third of the TTL and half the operation
+        timeout) and how briefly; where it cannot, it backs off with jitter."""
+        waiter.notifies = self._lock_wait(min(ttl / 3, self._settings.timeout / 2)) > 0
+        waiter.shortest_wait = self._wait_grain or 0.0
+
     async def _session_wait(self, waiter: _SessionWaiter, timeout: float) -> Acquired | None:
         """Block inside the server until the lock is ours or ``timeout`` passes.
 
@@ -590,6 +608,12 @@ class AsyncServerSQLBackend(AsyncBackend):
             # A grant counts (on the client) from before this wait: most of its lease
             # is left when the wait is bounded by a third of the TTL.
             wait = max(0.001, min(wait, float(record["ttl"]) / 3))
+        wait = self._lock_wait(wait)
+        if wait == 0:
+            # Too brief a wait for the server: the core's next attempt tries the lock.
+            await self._give(conn)
+            await sleep(timeout)
+            return None
         key = self._session_key(name)
         ms = max(1, math.ceil(wait * 1000))
         try:
@@ -758,6 +782,8 @@ class AsyncServerSQLBackend(AsyncBackend):
                 await self._drop_gate(token)
             return None
         waiter.params = params
+        if not waiter.in_front:
+            self._fit_waiter(waiter, float(params["ttl"]))
         return waiter
 
     async def _queue(self, waiter: TurnstileWaiter, timeout: float) -> Acquired | None:
@@ -766,7 +792,10 @@ class AsyncServerSQLBackend(AsyncBackend):
         # bounded by a third of the TTL, so most of the lease is left; and by half the
         # operation timeout, which alone bounds a sync MySQL connection's answers.
         ttl = float(waiter.params["ttl"])
-        wait = max(0.001, min(timeout, ttl / 3, self._settings.timeout / 2))
+        wait = self._lock_wait(max(0.001, min(timeout, ttl / 3, self._settings.timeout / 2)))
+        if wait == 0:
+            # Too brief a wait for the server: back off here, then only try the turnstile.
+            await sleep(timeout)
         sql, params = await self._queue_sql(waiter, wait)
         try:
             result = await self._run(waiter.conn, sql, params, wait=wait)

@@ -110,7 +110,16 @@ class MySQLBackend(ServerSQLBackend):
                 write_timeout=s.timeout,
                 ssl_disabled=self._ssl is None,
             )
-        return pymysql.connect(**kwargs)
+        raw = pymysql.connect(**kwargs)
+        self._note_server(raw)
+        return raw
+
+    def _note_server(self, raw: Any) -> None:
+        """MySQL 8 reads ``GET_LOCK``'s timeout as whole seconds (its source takes the
+        argument as an integer, rounded); MariaDB takes fractions. Waits are cut to
+        what the server makes, so none outlasts its bound."""
+        if self._wait_grain is None:
+            self._wait_grain = 0.0 if "MariaDB" in raw.get_server_info() else 1.0
 
     def _driver_is_connection(self, value: Any) -> bool:
         return isinstance(value, pymysql.Connection)
@@ -122,6 +131,7 @@ class MySQLBackend(ServerSQLBackend):
                 "(pymysql.constants.CLIENT): without it a renewal that changes nothing "
                 "counts as lost"
             )
+        self._note_server(raw)
         before = bool(raw.get_autocommit())
         raw.autocommit(True)
         return before
