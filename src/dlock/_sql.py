@@ -92,6 +92,23 @@ class ServerSettings:
     client: Any = None
 
 
+def check_client_key(key_file: str | None, password: str | None, password_option: str) -> None:
+    """Refuse an encrypted client key given without its passphrase: OpenSSL would ask
+    for it on the terminal, holding up the acquire (or failing obscurely without one)."""
+    if not key_file or password:
+        return
+    try:
+        with open(key_file, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return  # missing or unreadable: the driver says so
+    # PEM marks both forms: "BEGIN ENCRYPTED PRIVATE KEY" and "Proc-Type: 4,ENCRYPTED".
+    if b"ENCRYPTED" in head:
+        raise ConfigurationError(
+            f"the client key {key_file} is encrypted: give its passphrase as {password_option}"
+        )
+
+
 def parse_server_url(
     url: str, options: dict[str, Any], passthrough: frozenset[str]
 ) -> ServerSettings:

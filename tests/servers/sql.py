@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.servers import ServerProcess, free_port, port_open, private_dir, require_binary
+from tests.servers.tls import Certificates
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 #: Session mode holds one connection per held lock; the conformance suite holds 200.
@@ -83,11 +84,12 @@ def _pg_ready(port: int) -> bool:
     return result.returncode == 0
 
 
-def start_postgresql(durable: bool = False) -> SQLServer:
+def start_postgresql(durable: bool = False, tls: Certificates | None = None) -> SQLServer:
     """initdb into a fresh directory owned by ``postgres``, then run ``postgres`` directly.
 
     Commits are not flushed to disk unless ``durable`` (the database's default, which
     the benchmarks can ask for): the tests need no durability and run faster without.
+    With ``tls``, TCP clients must use TLS and show a certificate signed by its CA.
     """
     if not (PG_BIN / "initdb").exists():
         raise RuntimeError("PostgreSQL 15 not found: run ./scripts/test, which installs postgresql")
@@ -126,6 +128,8 @@ def start_postgresql(durable: bool = False) -> SQLServer:
         "-c",
         f"max_connections={MAX_CONNECTIONS}",
     ]
+    if tls is not None:
+        command += _postgresql_tls(data, tls)
     if not durable:
         for setting in ("fsync=off", "synchronous_commit=off", "full_page_writes=off"):
             command += ["-c", setting]
@@ -143,10 +147,31 @@ def start_postgresql(durable: bool = False) -> SQLServer:
     return SQLServer(process, port, "postgresql", "postgres", "", "postgres")
 
 
-def start_mariadb(durable: bool = False) -> SQLServer:
+def _postgresql_tls(data: Path, tls: Certificates) -> list[str]:
+    """Server options for TLS; TCP connections without it, or without a client
+    certificate signed by the CA, are refused (pg_hba.conf)."""
+    for source, target in (
+        (tls.server_cert, "server.crt"),
+        (tls.server_key, "server.key"),
+        (tls.ca, "ca.crt"),
+    ):
+        shutil.copy(source, data / target)
+        shutil.chown(data / target, "postgres")
+        (data / target).chmod(0o600)
+    (data / "pg_hba.conf").write_text(
+        "local all all trust\nhostssl all all 127.0.0.1/32 trust clientcert=verify-ca\n"
+    )
+    return [
+        *("-c", "ssl=on", "-c", f"ssl_cert_file={data / 'server.crt'}"),
+        *("-c", f"ssl_key_file={data / 'server.key'}", "-c", f"ssl_ca_file={data / 'ca.crt'}"),
+    ]
+
+
+def start_mariadb(durable: bool = False, tls: Certificates | None = None) -> SQLServer:
     """mariadb-install-db into a fresh directory, then run ``mariadbd`` on a free port.
 
-    ``durable``: flush the redo log on every commit (the default of InnoDB).
+    ``durable``: flush the redo log on every commit (the default of InnoDB). With
+    ``tls``, the ``dlock`` user must connect with TLS and a certificate signed by its CA.
     """
     install = require_binary("mariadb-install-db", "mariadb-server")
     mariadbd = require_binary("mariadbd", "mariadb-server")
@@ -179,6 +204,11 @@ def start_mariadb(durable: bool = False) -> SQLServer:
         f"--max-connections={MAX_CONNECTIONS}",
         f"--innodb-flush-log-at-trx-commit={1 if durable else 2}",
     ]
+    require = ""
+    if tls is not None:
+        command += [f"--ssl-cert={tls.server_cert}", f"--ssl-key={tls.server_key}"]
+        command += [f"--ssl-ca={tls.ca}"]
+        require = " REQUIRE X509"
     process = ServerProcess("mariadb", command, lambda: port_open(port), workdir=root)
     process.start()
     # The root account has no password yet; create the database and a password user.
@@ -188,7 +218,8 @@ def start_mariadb(durable: bool = False) -> SQLServer:
             f"--socket={root}/sock",
             "-uroot",
             "-e",
-            "CREATE DATABASE dlock; CREATE USER 'dlock'@'%' IDENTIFIED BY 'secret';"
+            "CREATE DATABASE dlock;"
+            f" CREATE USER 'dlock'@'%' IDENTIFIED BY 'secret'{require};"
             " GRANT ALL ON *.* TO 'dlock'@'%' WITH GRANT OPTION;",
         ],
         check=True,

@@ -24,6 +24,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
     MYSQL,
     ServerSettings,
+    check_client_key,
     encode_name,
     mysql_statements,
     named_lock_key,
@@ -33,7 +34,9 @@ from ..._types import Acquired, Busy, Holder, Lease
 from .._primitives import IS_ASYNC, sleep
 from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter
 
-PASSTHROUGH = frozenset({"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_identity", "charset"})
+PASSTHROUGH = frozenset(
+    {"ssl", "ssl_ca", "ssl_cert", "ssl_key", "ssl_key_password", "ssl_verify_identity", "charset"}
+)
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
@@ -54,7 +57,16 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     context = ssl.create_default_context(cafile=extra.get("ssl_ca"))
     context.check_hostname = extra.get("ssl_verify_identity", "true").lower() in ("1", "true")
     if "ssl_cert" in extra:
-        context.load_cert_chain(extra["ssl_cert"], extra.get("ssl_key"))
+        key, password = extra.get("ssl_key"), extra.get("ssl_key_password")
+        check_client_key(key, password, "ssl_key_password")
+        try:
+            # A password, even empty, keeps OpenSSL from asking on the terminal.
+            context.load_cert_chain(extra["ssl_cert"], key, password=password or "")
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(
+                f"TLS options: cannot load ssl_cert {extra['ssl_cert']!r} with ssl_key "
+                f"{key!r} (a wrong ssl_key_password?): {exc}"
+            ) from exc
     return context
 
 

@@ -24,6 +24,7 @@ from ..._sql import (
     POSTGRESQL,
     ServerSettings,
     advisory_key,
+    check_client_key,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -107,6 +108,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             settings,
             postgresql_statements(settings.table),
             POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
+        )
+        check_client_key(
+            settings.extra.get("sslkey"), settings.extra.get("sslpassword"), "sslpassword"
         )
         self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])

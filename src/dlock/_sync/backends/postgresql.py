@@ -25,6 +25,7 @@ from ..._sql import (
     POSTGRESQL,
     ServerSettings,
     advisory_key,
+    check_client_key,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -108,6 +109,9 @@ class PostgreSQLBackend(ServerSQLBackend):
             settings,
             postgresql_statements(settings.table),
             POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
+        )
+        check_client_key(
+            settings.extra.get("sslkey"), settings.extra.get("sslpassword"), "sslpassword"
         )
         self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])

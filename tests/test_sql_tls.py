@@ -1,0 +1,112 @@
+"""TLS to MariaDB and PostgreSQL: the URL's TLS options, against servers that accept only
+TLS connections with a client certificate signed by their CA (tests/servers/sql.py).
+
+Each refusal must be a clear error, quickly, and never a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+import dlock
+import dlock.aio
+from tests.servers import private_dir
+from tests.servers.sql import SQLServer, start_mariadb, start_postgresql
+from tests.servers.tls import CLIENT_KEY_PASSWORD, Certificates, make_certificates
+
+
+@dataclass
+class TLSServer:
+    server: SQLServer
+    certificates: Certificates
+
+    def url(self, mode: str, ca: str = "", client_cert: bool = True, key: str = "") -> str:
+        """A URL that verifies the server against ``ca`` (default: the right CA) and,
+        if ``client_cert``, shows the client certificate with ``key`` (default: the
+        plain key)."""
+        c = self.certificates
+        ca = ca or str(c.ca)
+        key = key or str(c.client_key)
+        if self.server.scheme == "postgresql":
+            options = [f"sslmode=verify-full&sslrootcert={ca}"]
+            if client_cert:
+                options.append(f"sslcert={c.client_cert}&sslkey={key}")
+        else:
+            options = [f"ssl_ca={ca}&ssl_verify_identity=true"]
+            if client_cert:
+                options.append(f"ssl_cert={c.client_cert}&ssl_key={key}")
+        return self.server.url("&".join([*options, f"mode={mode}"]))
+
+
+@pytest.fixture(scope="module", params=["mariadb", "postgresql"])
+def tls_server(request: pytest.FixtureRequest) -> Iterator[TLSServer]:
+    workdir = private_dir("sql-tls")
+    certificates = make_certificates(workdir)
+    start = start_mariadb if request.param == "mariadb" else start_postgresql
+    server = start(tls=certificates)
+    yield TLSServer(server, certificates)
+    server.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(params=["lease", "session"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _name() -> str:
+    return f"tls-{uuid.uuid4().hex}"
+
+
+def test_locks_over_verified_tls_in_both_faces(tls_server: TLSServer, mode: str) -> None:
+    """The server refuses any connection without TLS and a client certificate signed by
+    its CA, so a lock taken at all was taken over such a connection."""
+    url = tls_server.url(mode)
+    name = _name()
+    with dlock.connect(url) as client, client.lock(name, ttl=5) as lock:
+        assert lock.fencing_token is not None
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == lock.fencing_token
+
+    async def in_asyncio() -> int | None:
+        async with dlock.aio.connect(url) as client, client.lock(name, ttl=5) as lock:
+            return lock.fencing_token
+
+    assert asyncio.run(in_asyncio()) is not None
+
+
+def test_encrypted_client_key_with_its_passphrase(tls_server: TLSServer, mode: str) -> None:
+    c = tls_server.certificates
+    password = "sslpassword" if tls_server.server.scheme == "postgresql" else "ssl_key_password"
+    url = tls_server.url(mode, key=str(c.client_key_encrypted))
+    with (
+        dlock.connect(f"{url}&{password}={CLIENT_KEY_PASSWORD}") as client,
+        client.lock(_name(), ttl=5) as lock,
+    ):
+        assert lock.fencing_token is not None
+    # Without it OpenSSL would ask on the terminal: refused before any connection.
+    with pytest.raises(dlock.ConfigurationError, match=f"encrypted.*{password}"):
+        dlock.connect(url)
+
+
+def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: str) -> None:
+    c = tls_server.certificates
+    plain = "&sslmode=disable" if tls_server.server.scheme == "postgresql" else ""
+    wrong = {
+        "server certificate from another CA": tls_server.url(mode, ca=str(c.other_ca)),
+        "no client certificate": tls_server.url(mode, client_cert=False),
+        "no TLS at all": tls_server.server.url(f"mode={mode}{plain}"),
+    }
+    for why, url in wrong.items():
+        start = time.monotonic()
+        with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as refused:
+            client.lock(_name(), ttl=5).acquire(timeout=5)
+        assert time.monotonic() - start < 3, why
+        assert str(refused.value), why
