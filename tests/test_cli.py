@@ -1,13 +1,16 @@
-"""The real ``dlock`` command, run in subprocesses against the embedded SQLite backend."""
+"""The real ``dlock`` command, run in subprocesses against the embedded SQLite backend
+(status, list and force release: against every backend)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -117,7 +120,10 @@ def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
         assert client.inspect(name) is None
 
 
-def test_status_list_and_force_release(db: str, name: str) -> None:
+def test_status_list_and_force_release(url: str, name: str) -> None:
+    """On every backend (``url``: the conformance fixture's), and in both SQL modes:
+    force release in session mode ends the holder's database session."""
+    db = url
     assert dlock_cmd(db, "status", name).returncode == 1
     with dlock.connect(db, label="cli-test") as client:
         lock = client.lock(name, ttl=30)
@@ -146,6 +152,25 @@ def test_init_prints_or_creates_the_schema(tmp_path: Path) -> None:
     assert not (tmp_path / "fresh").exists(), "--print changes nothing"
     assert dlock_cmd(db, "init").returncode == 0
     assert (tmp_path / "fresh" / "locks.sqlite3").exists()
+
+
+@pytest.mark.parametrize("server", ["mariadb_server", "postgresql_server"])
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_init_prints_or_creates_a_sql_schema(
+    request: pytest.FixtureRequest, server: str, mode: str, name: str
+) -> None:
+    """For teams that manage migrations: ``create_table=false``, and the schema printed
+    or created by ``dlock init``."""
+    table = f"cli_init_{uuid.uuid4().hex[:8]}"
+    db = request.getfixturevalue(server).url(f"mode={mode}&table={table}&create_table=false")
+    printed = dlock_cmd(db, "init", "--print")
+    assert printed.returncode == 0, printed.stderr
+    assert re.search(rf"CREATE (UNLOGGED )?TABLE IF NOT EXISTS {table} ", printed.stdout)
+    with dlock.connect(db) as client, pytest.raises(dlock.BackendError):
+        client.lock(name, ttl=5).acquire(timeout=0)  # no table: --print created nothing
+    assert dlock_cmd(db, "init").returncode == 0
+    with dlock.connect(db) as client, client.lock(name, ttl=5) as lock:
+        assert lock.fencing_token is not None
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["status"], ["list"], ["release"], ["init"]])

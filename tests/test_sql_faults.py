@@ -228,18 +228,6 @@ def test_unknown_option_is_refused(server: SQLServer) -> None:
         dlock.connect(server.url("mode=advisory"))
 
 
-def test_schema_is_printable_and_init_creates_it(server: SQLServer) -> None:
-    table = f"init_{uuid.uuid4().hex[:8]}"
-    with dlock.connect(server.url(), table=table, create_table=False) as client:
-        backend: Any = client._backend
-        (ddl,) = backend.schema_sql()
-        assert ddl.startswith(f"CREATE TABLE IF NOT EXISTS {table} ")
-        with pytest.raises(dlock.BackendError):
-            client.lock("x", ttl=5).acquire(timeout=0)  # no table yet, and not created
-        backend.init()
-        assert client.lock("x", ttl=5).acquire(timeout=0)
-
-
 @pytest.fixture
 def limited_url(server: SQLServer) -> Iterator[str]:
     """A role that may use but not create tables."""
