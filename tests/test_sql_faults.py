@@ -299,6 +299,38 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer) -> None:
         assert time.monotonic() - start < 5
 
 
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_connects_through_a_unix_socket(server: SQLServer, name: str, mode: str) -> None:
+    """A server on the same machine, through its socket: libpq's ``host=`` (the
+    socket's directory), PyMySQL's ``unix_socket=`` (its path). The URL's host is one
+    nobody serves, so only the socket can answer; in both faces."""
+    root = server.process.workdir
+    if server.scheme == "postgresql":
+        socket, option = str(root), "host"
+    else:
+        socket, option = str(root / "sock"), "unix_socket"
+    url = server.url(f"mode={mode}&connect_timeout=2&{option}={socket}")
+    url = url.replace("@127.0.0.1:", "@192.0.2.1:")  # TEST-NET-1: never answers
+    with dlock.connect(url) as client, client.lock(name, ttl=5) as lock:
+        assert lock.fencing_token is not None
+
+    async def in_asyncio() -> int | None:
+        async with dlock.aio.connect(url) as client, client.lock(name, ttl=5) as lock:
+            return lock.fencing_token
+
+    assert asyncio.run(in_asyncio()) is not None
+    # A socket nobody serves is named in the error. (Tried in the asyncio face: the
+    # threaded PyMySQL leaves the socket of a failed connect to the garbage collector.)
+    nobody = f"{root}/nobody" if server.scheme == "postgresql" else f"{root}/nobody.sock"
+
+    async def refused() -> None:
+        async with dlock.aio.connect(url.replace(socket, nobody)) as client:
+            await client.lock(name, ttl=5).acquire(timeout=0)
+
+    with pytest.raises(dlock.BackendUnavailable, match=f"^{nobody}: "):
+        asyncio.run(refused())
+
+
 def test_client_option_takes_a_connection_factory(server: SQLServer, name: str) -> None:
     """``client=`` brings the application's own connections (TLS, auth, proxies)."""
     made: list[object] = []

@@ -90,6 +90,13 @@ class ServerSettings:
     extra: dict[str, str]
     #: A callable returning a new connection, instead of connecting from the URL.
     client: Any = None
+    #: A Unix socket instead of TCP (MySQL: its path; PostgreSQL: its directory).
+    socket: str | None = None
+
+    @property
+    def address(self) -> str:
+        """Where the server is, for error messages."""
+        return self.socket or f"{self.host}:{self.port or 'default'}"
 
 
 def check_client_key(key_file: str | None, password: str | None, password_option: str) -> None:
@@ -110,16 +117,17 @@ def check_client_key(key_file: str | None, password: str | None, password_option
 
 
 def parse_server_url(
-    url: str, options: dict[str, Any], passthrough: frozenset[str]
+    url: str, options: dict[str, Any], passthrough: frozenset[str], socket_option: str
 ) -> ServerSettings:
     """Split ``scheme://user:pass@host:port/db?opt=..`` plus ``connect()`` keywords.
 
-    ``passthrough`` names the driver options (mostly TLS) handed to the driver as given.
+    ``passthrough`` names the driver options (mostly TLS) handed to the driver as given;
+    ``socket_option``, the driver's own name for a Unix socket to connect through.
     """
     parts = urlsplit(url)
     settings: dict[str, Any] = dict(parse_qsl(parts.query))
     settings.update(options)
-    known = {"mode", "table", "connect_timeout", "timeout", "create_table", "client"}
+    known = {"mode", "table", "connect_timeout", "timeout", "create_table", "client", socket_option}
     unknown = set(settings) - known - passthrough
     if unknown:
         raise ConfigurationError(
@@ -147,6 +155,7 @@ def parse_server_url(
         create_table=flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
         client=_client_factory(settings.get("client")),
+        socket=str(settings[socket_option]) if settings.get(socket_option) else None,
     )
 
 

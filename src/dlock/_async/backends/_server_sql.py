@@ -355,7 +355,7 @@ class AsyncServerSQLBackend(AsyncBackend):
     def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
         if isinstance(exc, BackendError):
             return exc
-        prefix = f"{self._settings.host}:{self._settings.port or 'default'}"
+        prefix = self._settings.address
         if isinstance(exc, TimeoutError):
             return BackendUnavailable(f"{prefix}: no answer within {self._settings.timeout} s")
         error = self._driver_error(exc)

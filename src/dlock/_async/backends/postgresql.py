@@ -117,12 +117,13 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncPostgreSQLBackend:
-        return cls(parse_server_url(url, options, PASSTHROUGH))
+        # libpq's spelling: ``?host=/run/postgresql``, a directory holding the socket.
+        return cls(parse_server_url(url, options, PASSTHROUGH, socket_option="host"))
 
     async def _driver_connect(self) -> Any:
         s = self._settings
         params: dict[str, Any] = {
-            "host": s.host,
+            "host": s.socket or s.host,
             "port": s.port,
             "user": s.user,
             "password": s.password,

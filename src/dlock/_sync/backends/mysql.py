@@ -93,7 +93,8 @@ class MySQLBackend(ServerSQLBackend):
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> MySQLBackend:
-        return cls(parse_server_url(url, options, PASSTHROUGH))
+        # PyMySQL's spelling: ``?unix_socket=/run/mysqld/mysqld.sock``.
+        return cls(parse_server_url(url, options, PASSTHROUGH, socket_option="unix_socket"))
 
     def _driver_connect(self) -> Any:
         s = self._settings
@@ -112,6 +113,7 @@ class MySQLBackend(ServerSQLBackend):
             "client_flag": CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS,
             "ssl": self._ssl,
             "cursorclass": _QuietCursor,
+            "unix_socket": s.socket,
         }
         if IS_ASYNC:
             kwargs["db"] = s.database
