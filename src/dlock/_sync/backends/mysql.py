@@ -12,6 +12,7 @@ MariaDB is tested here, as MySQL 8 is not packaged by Debian.
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from ..._sql import (
     parse_server_url,
 )
 from ..._types import Acquired, Busy, Holder, Lease
-from .._primitives import IS_ASYNC, sleep
+from .._primitives import IS_ASYNC, call_with_timeout, sleep
 from ._server_sql import Conn, Result, ServerSQLBackend, TurnstileWaiter
 
 PASSTHROUGH = frozenset(
@@ -167,7 +168,13 @@ class MySQLBackend(ServerSQLBackend):
                     return result
 
     def _driver_close(self, raw: Any) -> None:
+        writer = getattr(raw, "_writer", None) if IS_ASYNC else None
         raw.close()
+        if writer is not None:
+            # Over TLS the event loop still has to close the socket after the TLS
+            # goodbye; a loop that ended first (asyncio.run) would leave it open.
+            with contextlib.suppress(Exception):
+                call_with_timeout(writer.wait_closed(), min(1.0, self._settings.timeout))
 
     def _driver_idle_dead(self, raw: Any) -> bool:
         if IS_ASYNC:
