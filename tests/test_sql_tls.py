@@ -96,6 +96,15 @@ def test_encrypted_client_key_with_its_passphrase(tls_server: TLSServer, mode: s
     # Without it OpenSSL would ask on the terminal: refused before any connection.
     with pytest.raises(dlock.ConfigurationError, match=f"encrypted.*{password}"):
         dlock.connect(url)
+    # A wrong one: MySQL's TLS context is built by dlock, at connect(); libpq loads
+    # the key when it connects.
+    wrong = f"{url}&{password}=not-{CLIENT_KEY_PASSWORD}"
+    if tls_server.server.scheme == "postgresql":
+        with dlock.connect(wrong) as client, pytest.raises(dlock.BackendError, match="key"):
+            client.lock(_name(), ttl=5).acquire(timeout=0)
+    else:
+        with pytest.raises(dlock.ConfigurationError, match="cannot load ssl_cert"):
+            dlock.connect(wrong)
 
 
 def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: str) -> None:
