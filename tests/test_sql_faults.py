@@ -775,13 +775,13 @@ def test_whole_second_lock_waits_neither_spin_nor_overrun(
         assert holder.acquire(timeout=0)
         start = time.monotonic()
         assert not waiter_client.lock(name, ttl=ttl).acquire(timeout=0.5)
-        assert 0.5 <= time.monotonic() - start < 0.8, "a wait outlasted its timeout"
+        assert 0.5 <= time.monotonic() - start < 0.95, "a wait outlasted its timeout"
         # Under a second to go: not one sleep to the deadline, but backing off.
         threading.Timer(0.3, holder.release).start()
         start = time.monotonic()
         early = waiter_client.lock(name, ttl=ttl)
         assert early.acquire(timeout=0.9)
-        assert time.monotonic() - start < 0.6, "a release went unnoticed until the deadline"
+        assert time.monotonic() - start < 0.8, "a release went unnoticed until the deadline"
         early.release()
         assert holder.acquire(timeout=0)
         taken: list[float] = []
