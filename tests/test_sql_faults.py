@@ -215,10 +215,43 @@ def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: s
     admin(mariadb_server)(f"DROP TABLE {table}", ())
 
 
-@pytest.mark.parametrize("table", ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", ""])
+@pytest.mark.parametrize(
+    "table",
+    ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", "", "a.b.c", "a.", ".b", "a.b;c", "a .b"],
+)
 def test_malicious_table_names_are_refused(server: SQLServer, table: str) -> None:
     with pytest.raises(dlock.ConfigurationError, match="table"):
         dlock.connect(server.url(), table=table)
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_lock_table_in_a_schema_of_its_own(server: SQLServer, name: str, mode: str) -> None:
+    """``table=schema.table`` (MySQL: ``database.table``) puts the table there."""
+    run = admin(server)
+    schema = f"locks_{uuid.uuid4().hex[:8]}"
+    kind = "SCHEMA" if server.scheme == "postgresql" else "DATABASE"
+    run(f"CREATE {kind} {schema}", ())
+    try:
+        url = server.url(f"mode={mode}&table={schema}.my_locks")
+        with dlock.connect(url) as client, dlock.connect(url) as other:
+            lock = client.lock(name, ttl=5)
+            assert lock.acquire(timeout=0)
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == lock.fencing_token
+            assert [x.name for x in client.list(name)] == [name]
+            waiter = other.lock(name, ttl=5)
+            threading.Timer(0.2, lock.release).start()
+            assert waiter.acquire(timeout=5), "a waiter did not get it on release"
+            assert waiter.fencing_token is not None and lock.fencing_token is not None
+            assert waiter.fencing_token > lock.fencing_token
+            waiter.release()
+        query = (
+            "SELECT count(*) FROM information_schema.tables"
+            " WHERE table_schema = %s AND table_name = 'my_locks'"
+        )
+        assert run(query, (schema,))[0][0] == 1
+    finally:
+        run(f"DROP {kind} {schema}" + (" CASCADE" if kind == "SCHEMA" else ""), ())
 
 
 def test_unknown_option_is_refused(server: SQLServer) -> None:

@@ -34,6 +34,18 @@ def check_identifier(value: object, what: str) -> str:
     return value
 
 
+def check_table(value: object) -> str:
+    """A server's lock table: a plain identifier, or one qualified by its schema
+    (PostgreSQL) or database (MySQL), ``locks.dlock_locks``; each part checked."""
+    if not isinstance(value, str) or value.count(".") > 1:
+        raise ConfigurationError(
+            f"table must be a plain SQL identifier or schema.table, not {value!r}"
+        )
+    for part in value.split("."):
+        check_identifier(part, "table")
+    return value
+
+
 def encode_name(name: str) -> bytes:
     """Names are stored as their UTF-8 bytes: PostgreSQL text cannot hold NUL, and byte
     order is code point order, so listing sorts exactly as Python sorts str."""
@@ -149,7 +161,7 @@ def parse_server_url(
         password=unquote(parts.password) if parts.password is not None else None,
         database=database,
         mode=mode,
-        table=check_identifier(settings.get("table", DEFAULT_TABLES[mode]), "table"),
+        table=check_table(settings.get("table", DEFAULT_TABLES[mode])),
         connect_timeout=seconds(settings.get("connect_timeout", 5), "connect_timeout"),
         timeout=seconds(settings.get("timeout", 10), "timeout"),
         create_table=flag(settings.get("create_table", True), "create_table"),
@@ -218,7 +230,7 @@ class Dialect:
     session_holder_type: str = "VARCHAR(1024)"
 
     def schema(self, table: str, session: bool = False) -> str:
-        check_identifier(table, "table")
+        check_table(table)
         columns = [
             f"name {self.name_type} PRIMARY KEY",
             f"owner {self.owner_type}",
