@@ -318,18 +318,44 @@ def test_read_only_server_is_a_clear_error(server: SQLServer, name: str) -> None
         run(f"DROP USER '{user}'", ())
 
 
-def test_wrong_credentials_are_a_clear_error(server: SQLServer) -> None:
-    if server.scheme == "postgresql":
-        url = server.url().replace("/postgres", "/no_such_database")
-        match = "no_such_database"
+@pytest.mark.parametrize("wrong", ["database", "user"])
+def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> None:
+    """A server that answers and refuses is misconfigured, not unavailable: a
+    ``BackendError`` that names the reason, never a ``BackendUnavailable`` that a caller
+    may retry forever. (The test PostgreSQL trusts any password, so an unknown role.)"""
+    user, password, database = server.user, server.password, server.database
+    if wrong == "database":
+        database = match = "no_such_database"
+    elif server.scheme == "postgresql":
+        user = match = "no_such_role"
     else:
-        url = server.url().replace(":secret@", ":wrong@")
-        match = "access denied"
+        password, match = "wrong", "access denied"
+    url = f"{server.scheme}://{user}:{password}@127.0.0.1:{server.port}/{database}"
     with dlock.connect(url) as client:
         start = time.monotonic()
-        with pytest.raises(dlock.BackendError, match=match):
+        with pytest.raises(dlock.BackendError, match=match) as raised:
             client.lock("x", ttl=5).acquire(timeout=5)
         assert time.monotonic() - start < 5
+    assert not isinstance(raised.value, dlock.BackendUnavailable), raised.value
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_missing_lock_table_is_a_clear_error(server: SQLServer, name: str, mode: str) -> None:
+    """``create_table=false`` and no table: every operation says which table is missing
+    and how to make it, instead of a bare SQL error; and the same client works once
+    ``dlock init`` has made it."""
+    table = f"missing_{uuid.uuid4().hex[:8]}"
+    url = server.url(f"mode={mode}&table={table}&create_table=false")
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=5)
+        for operation in (lambda: lock.acquire(timeout=0), lambda: client.inspect(name)):
+            with pytest.raises(dlock.BackendError, match=rf"lock table '{table}'.*dlock init"):
+                operation()
+        with dlock.connect(url) as admin:
+            backend: Any = admin._backend
+            backend.init()  # what `dlock init` runs
+        assert lock.acquire(timeout=0)
+        lock.release()
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])

@@ -308,6 +308,15 @@ class AsyncServerSQLBackend(AsyncBackend):
                 ) from exc
         self._schema_ready = True
 
+    def _missing_table(self, reason: str) -> BackendError:
+        """The lock table is not there (``create_table=false``, or dropped since): say
+        how to make it. Never re-created behind the holders' backs: a new table would
+        start the fencing counters again from 1."""
+        return BackendError(
+            f"the lock table {self._table!r} does not exist ({reason}); create it with "
+            "`dlock init` (or connect with create_table=true)"
+        )
+
     async def _take(self) -> Conn:
         """A pooled connection that is not known dead, else a new one.
 

@@ -87,6 +87,19 @@ def _literals(conn: Any, parameters: tuple[tuple[str, str], ...], values: dict[s
     return ", ".join(psql.Literal(values[p]).as_string(conn) for p, _ in parameters)
 
 
+#: libpq's words for a server that answered and refused this client (credentials,
+#: database, TLS settings). Trying again will not help, so these are not
+#: BackendUnavailable, which a caller may retry; libpq gives no SQLSTATE for them.
+REFUSALS = (
+    "password authentication failed",
+    "does not exist",  # the role or the database
+    "no pg_hba.conf entry",
+    "permission denied",
+    "certificate",
+    "SSL was required",
+    "does not support SSL",
+)
+
 #: libpq options passed through from the URL or ``connect()``: TLS and the like.
 PASSTHROUGH = frozenset(
     {
@@ -173,8 +186,13 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             return BackendError(f"the server is a read-only replica: {exc}")
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
             return BackendError(f"missing privilege: {exc}")
+        if isinstance(exc, psycopg.errors.UndefinedTable):
+            return self._missing_table(str(exc).splitlines()[0])
         if isinstance(exc, psycopg.OperationalError):
-            return BackendUnavailable(str(exc).strip())
+            text = str(exc).strip()
+            if any(reason in text for reason in REFUSALS):
+                return BackendError(f"refused: {text}")
+            return BackendUnavailable(text)
         if isinstance(exc, psycopg.Error):
             return BackendError(str(exc).strip())
         return None

@@ -43,6 +43,8 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
+#: ER_NO_SUCH_TABLE.
+NO_SUCH_TABLE = 1146
 
 
 def _table_full(exc: BackendError) -> bool:
@@ -193,6 +195,8 @@ class MySQLBackend(ServerSQLBackend):
             return BackendError(f"access denied: {text}")
         if code in READ_ONLY:
             return BackendError(f"the server is read-only (a replica?): {text}")
+        if code == NO_SUCH_TABLE:
+            return self._missing_table(text)
         if code >= 2000 or isinstance(exc, pymysql.err.InterfaceError):
             return BackendUnavailable(f"({code}) {text}")
         return BackendError(f"({code}) {text}")
