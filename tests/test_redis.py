@@ -275,8 +275,13 @@ def test_wrong_password_is_a_quick_clear_error(own_server: RedisServer) -> None:
         (f"redis://:wrong@{own_server.address}", r"(?i)auth|password"),
         (f"redis://{own_server.address}", r"(?i)auth"),
     ]:
-        with dlock.connect(url) as client, pytest.raises(dlock.BackendError, match=message):
+        with (
+            dlock.connect(url) as client,
+            pytest.raises(dlock.BackendError, match=message) as caught,
+        ):
             client.lock(unique()).acquire(timeout=5)
+        # Refused, not unavailable: a caller retrying ConnectionError would loop.
+        assert not isinstance(caught.value, dlock.BackendUnavailable), caught.value
     assert time.monotonic() - start < 2
     with dlock.connect(f"redis://:s3cret@{own_server.address}") as client:
         assert client.lock(unique()).acquire(timeout=1)
@@ -484,12 +489,14 @@ def test_tls(tls_server: TLSRedis) -> None:
     with dlock.connect(tls_server.url) as client, client.lock(unique(), ttl=5) as lock:
         assert lock.fencing_token is not None
     start = time.monotonic()
-    for wrong in (
-        tls_server.url.split("?")[0],  # no CA: the self-signed chain is refused
-        f"redis://{tls_server.server.address}",  # plain text to a TLS port
+    for wrong, refused in (
+        (tls_server.url.split("?")[0], True),  # no CA: the self-signed chain is refused
+        (f"redis://{tls_server.server.address}", False),  # plain text to a TLS port
     ):
-        with dlock.connect(wrong) as client, pytest.raises(dlock.BackendError):
+        with dlock.connect(wrong) as client, pytest.raises(dlock.BackendError) as caught:
             client.lock(unique()).acquire(timeout=5)
+        # A refused certificate is misconfigured; a closed connection may be a restart.
+        assert isinstance(caught.value, dlock.BackendUnavailable) is not refused, caught.value
     assert time.monotonic() - start < 3
     with pytest.raises(dlock.ConfigurationError, match="rediss"):
         dlock.connect(tls_server.url.replace("rediss://", "redis://"))

@@ -111,8 +111,8 @@ def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: 
     c = tls_server.certificates
     pg = tls_server.server.scheme == "postgresql"
     plain = "&sslmode=disable" if pg else ""
-    # Each refusal says which server, and why (MariaDB refuses a REQUIRE X509 user
-    # without a certificate as it refuses a wrong password).
+    # Each refusal says which server, and why, as a plain BackendError (MariaDB refuses
+    # a REQUIRE X509 user without a certificate as it refuses a wrong password).
     wrong = [
         ("certificate verify failed", tls_server.url(mode, ca=str(c.other_ca))),
         (
@@ -132,3 +132,5 @@ def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: 
         assert time.monotonic() - start < 3, why
         assert str(refused.value).startswith(address), refused.value
         assert why in str(refused.value), refused.value
+        # Misconfigured, not unavailable: a caller retrying ConnectionError would loop.
+        assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value

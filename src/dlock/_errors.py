@@ -38,7 +38,11 @@ class BackendError(LockError):
 
 
 class BackendUnavailable(BackendError, ConnectionError):
-    """The backend could not be reached in time."""
+    """The backend could not be reached in time: worth retrying.
+
+    A server that answers and refuses (credentials, database, certificate) is a plain
+    :class:`BackendError` instead: retrying would not mend it.
+    """
 
 
 class ConfigurationError(LockError, ValueError):

@@ -31,6 +31,7 @@ from ..._sql import (
     named_lock_key,
     parse_server_url,
 )
+from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease
 from .._primitives import IS_ASYNC, call_with_timeout, sleep
 from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter
@@ -195,6 +196,8 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         text = exc.args[1] if len(exc.args) > 1 else str(exc)
         if code in ACCESS_DENIED:
             return BackendError(f"access denied: {text}")
+        if certificate_refused(exc):
+            return BackendError(f"refused: ({code}) {text}")
         if code in READ_ONLY:
             return BackendError(f"the server is read-only (a replica?): {text}")
         if code == NO_SUCH_TABLE:

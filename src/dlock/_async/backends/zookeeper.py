@@ -50,6 +50,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, seconds
+from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import Mutex, WakeupEvent, join, run_blocking, shielded, spawn, wait_result
 from ..backend import AsyncBackend, AsyncWaiter
@@ -429,11 +430,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 raise self._no_session(refused)
             live.wait(min(POLL, remaining))
 
-    def _no_session(self, refused: bool) -> BackendUnavailable:
+    def _no_session(self, refused: bool) -> BackendError:
         where = f"cannot connect to ZooKeeper {self._hosts!r}"
         diagnosis = self._diagnosis
         if refused:
-            return BackendUnavailable(f"{where}: TLS certificate refused: {diagnosis}")
+            # Every server was reached and refused the certificate: misconfigured, not
+            # unavailable (which a caller may retry).
+            return BackendError(f"{where}: TLS certificate refused: {diagnosis}")
         message = f"{where}: no session in {self._connect_timeout:g} s"
         if diagnosis is not None and diagnosis.errors:
             message += f": {diagnosis}"
@@ -1249,7 +1252,7 @@ class _Diagnosis:
         if server is None:
             return
         self.errors[server] = error
-        if _certificate_refused(error):
+        if certificate_refused(error):
             self.refused.add(server)
 
     def refused_everywhere(self) -> bool:
@@ -1269,20 +1272,6 @@ class _Diagnosis:
 def _cause(error: BaseException) -> BaseException | None:
     """The socket or TLS error kazoo wrapped (in ``ConnectionDropped``), if any."""
     return error.__context__
-
-
-def _certificate_refused(error: BaseException) -> bool:
-    """A TLS handshake failed over a certificate: ours refused the server's (wrong CA,
-    name or date), or the server refused ours (missing, unknown CA, ...)."""
-    cause = _cause(error) or error
-    if isinstance(cause, ssl.SSLCertVerificationError):
-        return True
-    reason = getattr(cause, "reason", None)
-    return (
-        isinstance(cause, ssl.SSLError)
-        and isinstance(reason, str)
-        and ("CERTIFICATE" in reason or reason.endswith("UNKNOWN_CA"))
-    )
 
 
 class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]

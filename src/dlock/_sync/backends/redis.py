@@ -29,13 +29,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import redis as redis_client
 from redis.backoff import NoBackoff
 from redis.exceptions import (
-    ConnectionError as RedisConnectionError,
-)
-from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
     NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
 )
 from redis.exceptions import (
     TimeoutError as RedisTimeoutError,
@@ -45,6 +47,7 @@ from redis.retry import Retry
 from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import seconds
+from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import sleep
 from ..backend import Backend, Waiter
@@ -91,7 +94,11 @@ def _bytes(value: Any) -> bytes:
 
 
 def wrap(exc: Exception, where: str) -> BackendError:
-    """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable."""
+    """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable; a
+    server that refuses this client (password, ACL, certificate) is a plain BackendError,
+    which retrying will not mend, though redis-py calls it a ConnectionError."""
+    if isinstance(exc, (AuthenticationError, AuthorizationError)) or certificate_refused(exc):
+        return BackendError(f"Redis {where}: refused: {type(exc).__name__}: {exc}")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
         isinstance(exc, RedisClusterException) and "connect" in str(exc)
     ):
