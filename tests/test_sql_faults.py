@@ -318,16 +318,31 @@ def test_read_only_server_is_a_clear_error(server: SQLServer, name: str) -> None
         run(f"DROP USER '{user}'", ())
 
 
-@pytest.mark.parametrize("wrong", ["database", "user"])
+def _password_role(server: SQLServer) -> str:
+    """A PostgreSQL role that must give its password (``right``): the test server
+    trusts everyone else, so a wrong password is otherwise never refused."""
+    role = f"pw_{uuid.uuid4().hex[:8]}"
+    hba = server.process.workdir / "data" / "pg_hba.conf"
+    hba.write_text(f"host all {role} 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+    with server.connect() as conn:
+        conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN PASSWORD 'right'")
+        conn.execute("SELECT pg_reload_conf()")
+    return role
+
+
+@pytest.mark.parametrize("wrong", ["database", "user", "password"])
 def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> None:
     """A server that answers and refuses is misconfigured, not unavailable: a
     ``BackendError`` that names the reason, never a ``BackendUnavailable`` that a caller
-    may retry forever. (The test PostgreSQL trusts any password, so an unknown role.)"""
+    may retry forever."""
+    pg = server.scheme == "postgresql"
     user, password, database = server.user, server.password, server.database
     if wrong == "database":
         database = match = "no_such_database"
-    elif server.scheme == "postgresql":
-        user = match = "no_such_role"
+    elif wrong == "user":
+        user, match = "no_such_user", "no_such_user"
+    elif pg:
+        user, password, match = _password_role(server), "wrong", "password authentication failed"
     else:
         password, match = "wrong", "access denied"
     url = f"{server.scheme}://{user}:{password}@127.0.0.1:{server.port}/{database}"
@@ -337,6 +352,9 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> N
             client.lock("x", ttl=5).acquire(timeout=5)
         assert time.monotonic() - start < 5
     assert not isinstance(raised.value, dlock.BackendUnavailable), raised.value
+    if pg and wrong == "password":  # and the right one is let in: the refusal was real
+        with dlock.connect(url.replace(":wrong@", ":right@")) as client:
+            assert client.lock("x", ttl=5).acquire(timeout=0)
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])

@@ -628,9 +628,8 @@ def mysql_statements(table: str) -> dict[str, str]:
         # The last release leaves the turnstile inside its UPDATE, before its commit: the
         # next waiter's take then waits for the row lock, which InnoDB frees at commit,
         # before the commit's flush to disk. So the take runs while the release is being
-        # flushed, not after it (durable servers: hand-off 1.36 -> 1.08 ms, throughput
-        # +22%). A grant is flushed after the release it follows: the redo log is one
-        # sequence.
+        # flushed, not after it (docs/sql.md has the numbers). A grant is flushed after
+        # the release it follows: the redo log is one sequence.
         "release_gate": f"""
             UPDATE {table} SET count = LAST_INSERT_ID(count - 1),
                 expires = IF(count > 0, expires, 0),
