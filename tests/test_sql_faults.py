@@ -357,6 +357,34 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> N
             assert client.lock("x", ttl=5).acquire(timeout=0)
 
 
+def test_tls_asked_of_a_server_without_it_is_refused(server: SQLServer, name: str) -> None:
+    """TLS asked for and not offered is a refusal, never a lock over plain text: libpq's
+    ``sslmode=require`` refuses by itself; PyMySQL and aiomysql would go on unencrypted
+    (as they would if someone in between stripped the server's offer). Both faces."""
+    pg = server.scheme == "postgresql"
+    url = server.url("sslmode=require" if pg else "ssl=true")
+    why = "SSL was required" if pg else "TLS was asked for"
+
+    def refused(error: BaseException) -> None:
+        assert isinstance(error, dlock.BackendError), error
+        assert not isinstance(error, dlock.BackendUnavailable), error
+        assert why in str(error), error
+
+    with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as caught:
+        client.lock(name, ttl=5).acquire(timeout=0)
+    refused(caught.value)
+
+    async def in_asyncio() -> None:
+        async with dlock.aio.connect(url) as client:
+            await client.lock(name, ttl=5).acquire(timeout=0)
+
+    with pytest.raises(dlock.BackendError) as caught:
+        asyncio.run(in_asyncio())
+    refused(caught.value)
+    with dlock.connect(server.url()) as client:
+        assert client.inspect(name) is None
+
+
 @pytest.mark.parametrize("mode", ["lease", "session"])
 def test_a_missing_lock_table_is_a_clear_error(server: SQLServer, name: str, mode: str) -> None:
     """``create_table=false`` and no table: every operation says which table is missing

@@ -129,6 +129,14 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
                 ssl_disabled=self._ssl is None,
             )
         raw = await aiomysql.connect(**kwargs)
+        if self._ssl is not None and not raw.server_capabilities & CLIENT.SSL:
+            # The driver goes on in plain text when the server does not offer TLS (or
+            # when someone in between strips the offer); libpq's sslmode=require does not.
+            await self._driver_close(raw)
+            raise BackendError(
+                f"{self._settings.address}: refused: TLS was asked for, but the server "
+                "does not offer it; not locking over an unencrypted connection"
+            )
         self._note_server(raw)
         return raw
 
