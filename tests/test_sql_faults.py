@@ -24,6 +24,7 @@ import dlock.aio
 from dlock._sql import MYSQL, advisory_key, named_lock_key
 from dlock._types import Holder
 from tests.servers.sql import SQLServer, start_postgresql
+from tests.servers.tls import Certificates, make_certificates
 
 
 @pytest.fixture(params=["mariadb", "postgresql"])
@@ -35,6 +36,11 @@ def server(request: pytest.FixtureRequest) -> SQLServer:
 @pytest.fixture
 def name() -> str:
     return f"fault-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("certificates"))
 
 
 def admin(server: SQLServer) -> Callable[[str, tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -357,13 +363,25 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> N
             assert client.lock("x", ttl=5).acquire(timeout=0)
 
 
-def test_tls_asked_of_a_server_without_it_is_refused(server: SQLServer, name: str) -> None:
+def test_tls_asked_of_a_server_without_it_is_refused(
+    server: SQLServer, name: str, certificates: Certificates
+) -> None:
     """TLS asked for and not offered is a refusal, never a lock over plain text: libpq's
     ``sslmode=require`` refuses by itself; PyMySQL and aiomysql would go on unencrypted
     (as they would if someone in between stripped the server's offer). Both faces."""
     pg = server.scheme == "postgresql"
-    url = server.url("sslmode=require" if pg else "ssl=true")
     why = "SSL was required" if pg else "TLS was asked for"
+    for url in (
+        server.url("sslmode=require" if pg else "ssl=true"),
+        # A CA named, TLS not asked for in so many words (libpq: sslmode=prefer).
+        server.url(f"sslrootcert={certificates.ca}" if pg else f"ssl_ca={certificates.ca}"),
+    ):
+        _refused_in_both_faces(url, name, why)
+    with dlock.connect(server.url()) as client:
+        assert client.inspect(name) is None
+
+
+def _refused_in_both_faces(url: str, name: str, why: str) -> None:
 
     def refused(error: BaseException) -> None:
         assert isinstance(error, dlock.BackendError), error
@@ -381,8 +399,6 @@ def test_tls_asked_of_a_server_without_it_is_refused(server: SQLServer, name: st
     with pytest.raises(dlock.BackendError) as caught:
         asyncio.run(in_asyncio())
     refused(caught.value)
-    with dlock.connect(server.url()) as client:
-        assert client.inspect(name) is None
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])

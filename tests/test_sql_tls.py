@@ -134,3 +134,25 @@ def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: 
         assert why in str(refused.value), refused.value
         # Misconfigured, not unavailable: a caller retrying ConnectionError would loop.
         assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value
+
+
+def test_a_postgresql_ca_without_sslmode_means_verified_tls(tls_server: TLSServer) -> None:
+    """Given ``sslrootcert`` and no ``sslmode``, dlock asks for ``verify-full`` (libpq's
+    own default, ``prefer``, falls back to plain text: the fallback is tested against a
+    server without TLS in ``test_tls_asked_of_a_server_without_it_is_refused``). Here:
+    the stricter default still lets a right setup in, host name included, and keeps a
+    server from another CA out."""
+    if tls_server.server.scheme != "postgresql":
+        pytest.skip("MySQL's TLS options always verify (ssl_verify_identity defaults on)")
+    c = tls_server.certificates
+    files = f"sslcert={c.client_cert}&sslkey={c.client_key}"
+    with (
+        dlock.connect(tls_server.server.url(f"sslrootcert={c.ca}&{files}")) as client,
+        client.lock(_name(), ttl=5) as lock,
+    ):
+        assert lock.fencing_token is not None
+    with (
+        dlock.connect(tls_server.server.url(f"sslrootcert={c.other_ca}&{files}")) as client,
+        pytest.raises(dlock.BackendError, match="certificate verify failed"),
+    ):
+        client.lock(_name(), ttl=5).acquire(timeout=5)

@@ -100,6 +100,17 @@ REFUSALS = (
     "does not support SSL",
 )
 
+
+def _sslmode_default(extra: dict[str, str]) -> dict[str, str]:
+    """Without ``sslmode`` libpq means "prefer": no check of the server's certificate,
+    and plain text from a server that offers no TLS. Whoever names a CA or a client
+    certificate means TLS: dlock then asks for it, verified against the CA and the host
+    name when a CA is given, as its MySQL backend does. An explicit sslmode wins."""
+    if "sslmode" in extra or not {"sslrootcert", "sslcert", "sslkey"} & extra.keys():
+        return {}
+    return {"sslmode": "verify-full" if "sslrootcert" in extra else "require"}
+
+
 #: libpq options passed through from the URL or ``connect()``: TLS and the like.
 PASSTHROUGH = frozenset(
     {
@@ -145,6 +156,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             "connect_timeout": max(2, math.ceil(s.connect_timeout)),
             # The kernel gives up on a peer that stops acknowledging (a dead server).
             "tcp_user_timeout": int(s.timeout * 1000),
+            **_sslmode_default(s.extra),
             **s.extra,
         }
         return await AsyncBoundedConnection.connect(autocommit=True, **params)
