@@ -111,6 +111,12 @@ def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: 
     c = tls_server.certificates
     pg = tls_server.server.scheme == "postgresql"
     plain = "&sslmode=disable" if pg else ""
+    ours, theirs = str(c.other_ca), str(c.other_ca.with_suffix(".key"))
+    stranger = tls_server.server.url(
+        f"mode={mode}&sslrootcert={c.ca}&sslcert={ours}&sslkey={theirs}"
+        if pg
+        else f"mode={mode}&ssl_ca={c.ca}&ssl_cert={ours}&ssl_key={theirs}"
+    )
     # Each refusal says which server, and why, as a plain BackendError (MariaDB refuses
     # a REQUIRE X509 user without a certificate as it refuses a wrong password).
     wrong = [
@@ -123,6 +129,8 @@ def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: 
             "no pg_hba.conf entry" if pg else "access denied",
             tls_server.server.url(f"mode={mode}{plain}"),
         ),
+        # A client certificate from a CA the server does not trust (self-signed).
+        ("unknown ca", stranger),
     ]
     address = f"127.0.0.1:{tls_server.server.port}: "
     for why, url in wrong:

@@ -97,6 +97,7 @@ REFUSALS = (
     "no pg_hba.conf entry",
     "permission denied",
     "certificate",
+    "alert unknown ca",  # the server does not trust our certificate's issuer
     "SSL was required",
     "does not support SSL",
 )
