@@ -336,7 +336,22 @@ def _password_role(server: SQLServer) -> str:
     return role
 
 
-@pytest.mark.parametrize("wrong", ["database", "user", "password"])
+def _unprivileged_login(server: SQLServer) -> tuple[str, str, str]:
+    """A user, password and database such that the user may log in to the server but
+    not to that database: PostgreSQL's CONNECT revoked, MySQL's grants missing."""
+    user = f"np_{uuid.uuid4().hex[:8]}"
+    if server.scheme == "postgresql":
+        database = f"noconnect_{uuid.uuid4().hex[:8]}"
+        with server.connect() as conn:
+            conn.execute(f"CREATE DATABASE {database}")
+            conn.execute(f"REVOKE CONNECT ON DATABASE {database} FROM PUBLIC")
+            conn.execute(f"CREATE ROLE {user} LOGIN")
+        return user, "", database
+    admin(server)(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'", ())
+    return user, "pw", server.database
+
+
+@pytest.mark.parametrize("wrong", ["database", "user", "password", "privilege"])
 def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> None:
     """A server that answers and refuses is misconfigured, not unavailable: a
     ``BackendError`` that names the reason, never a ``BackendUnavailable`` that a caller
@@ -347,6 +362,9 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> N
         database = match = "no_such_database"
     elif wrong == "user":
         user, match = "no_such_user", "no_such_user"
+    elif wrong == "privilege":
+        user, password, database = _unprivileged_login(server)
+        match = "permission denied" if pg else "access denied"
     elif pg:
         user, password, match = _password_role(server), "wrong", "password authentication failed"
     else:
