@@ -946,6 +946,43 @@ def test_whole_second_lock_waits_neither_spin_nor_overrun(
         assert asked < 300, f"{asked} statements sent in 1.5 s of waiting"
 
 
+@pytest.fixture
+def idle_timeout_url(server: SQLServer) -> Iterator[str]:
+    """A login whose idle connections the server ends after one second (PostgreSQL's
+    ``idle_session_timeout`` for a role of its own; MySQL's global ``wait_timeout``,
+    which it has no per-user form of, put back afterwards)."""
+    if server.scheme == "postgresql":
+        role = f"idle_{uuid.uuid4().hex[:8]}"
+        with server.connect() as conn:
+            conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
+            conn.execute(f"ALTER ROLE {role} SET idle_session_timeout = '1s'")
+        yield f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
+        return
+    run = admin(server)
+    (before,) = run("SELECT @@GLOBAL.wait_timeout", ())[0]
+    run("SET GLOBAL wait_timeout = 1", ())
+    try:
+        yield server.url()
+    finally:
+        run(f"SET GLOBAL wait_timeout = {int(before)}", ())
+
+
+def test_session_lock_outlasts_the_servers_idle_timeout(idle_timeout_url: str, name: str) -> None:
+    """A session lock lives as long as its holder (and its lease), not as long as its
+    connection may sit idle: the server's idle timeout (set by a DBA to reap leaked
+    connections) must not end the holding session and free the lock under a live
+    holder, who would only learn at its next renewal."""
+    url = idle_timeout_url + ("&" if "?" in idle_timeout_url else "?") + "mode=session"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        time.sleep(2.5)
+        assert second.lock(name, ttl=30).acquire(timeout=0) is False, "the lock was freed"
+        lock.extend()
+        lock.release()
+        assert second.lock(name, ttl=30).acquire(timeout=0)
+
+
 def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, name: str) -> None:
     """The server ended the holders' sessions (their locks with them) while their rows
     still look live: a batched renewal must report them lost, as a single one does."""

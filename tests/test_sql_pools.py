@@ -140,6 +140,41 @@ def test_session_lock_keeps_its_connection_out_of_the_pool(pool: Pool, name: str
         lock.release()
 
 
+def _idle_timeout(pool: Pool, conn: Any) -> str:
+    """The session's own idle timeout, as the server reports it."""
+    pg = pool.server.scheme == "postgresql"
+    cursor = conn.cursor()
+    cursor.execute("SHOW idle_session_timeout" if pg else "SELECT @@SESSION.wait_timeout")
+    value = str(cursor.fetchall()[0][0])
+    if not autocommit(conn):
+        conn.rollback()
+    return value
+
+
+def test_session_lock_gives_back_the_connections_own_idle_timeout(pool: Pool, name: str) -> None:
+    """A session lock turns the server's idle timeout off on the connection that holds
+    it (so the server does not end it under a live holder), then gives the connection
+    back with the application's own setting."""
+    pg = pool.server.scheme == "postgresql"
+    own = "1234s" if pg else "1234"
+    with pool.borrow() as first, pool.borrow() as second:
+        for conn in (first, second):
+            conn.cursor().execute(
+                f"SET idle_session_timeout = '{own}'" if pg else f"SET SESSION wait_timeout = {own}"
+            )
+            if not autocommit(conn):
+                conn.commit()
+    with dlock.connect(url(pool, "mode=session"), client=pool.client) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        backend: Any = client._backend
+        (held,) = backend._held.values()
+        assert _idle_timeout(pool, held.conn.raw) == ("0" if pg else "31536000")
+        lock.release()
+    with pool.borrow(timeout=EMPTY) as first, pool.borrow(timeout=EMPTY) as second:
+        assert _idle_timeout(pool, first) == _idle_timeout(pool, second) == own
+
+
 def test_session_waiter_through_the_pool(pool: Pool, name: str) -> None:
     """A session-mode wait on a connection of the application's pool, which on MariaDB
     was opened without multi-statements: the lock obtained is recorded by the next

@@ -512,6 +512,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
             SELECT pg_advisory_lock(%(key)s)
             FROM (SELECT set_config('lock_timeout', %(wait_ms)s, true)) AS s""",
         "session_unlock": "SELECT pg_advisory_unlock(%(key)s)",
+        # PostgreSQL 14 added the setting (and the timeout); before, there is nothing to
+        # do, and the setting reads as NULL.
+        "session_keep": """
+            SELECT set_config('idle_session_timeout', '0', false)
+            WHERE current_setting('idle_session_timeout', true) IS NOT NULL""",
+        "idle_timeout": "SELECT current_setting('idle_session_timeout', true)",
+        "idle_timeout_restore": "SELECT set_config('idle_session_timeout', %(value)s, false)",
         "session_count": f"""
             UPDATE {table} SET count = count + %(delta)s
             WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
@@ -661,6 +668,10 @@ def mysql_statements(table: str) -> dict[str, str]:
             SELECT expires - {now} FROM {table} WHERE name = %(name)s AND {held}""",
         "session_wait": "SELECT GET_LOCK(%(key)s, %(wait)s)",
         "session_unlock": "SELECT RELEASE_LOCK(%(key)s)",
+        # The largest value MySQL and MariaDB accept: a year.
+        "session_keep": "SET SESSION wait_timeout = 31536000",
+        "idle_timeout": "SELECT @@SESSION.wait_timeout",
+        "idle_timeout_restore": "SET SESSION wait_timeout = %(value)s",
         "session_count": f"""
             UPDATE {table} SET count = LAST_INSERT_ID(count + %(delta)s)
             WHERE name = %(name)s AND owner = %(owner)s""",

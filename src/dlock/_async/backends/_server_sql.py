@@ -58,6 +58,10 @@ class Conn:
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
     uses: int = 0
+    #: The server's idle timeout is off for this session (it has held a session lock).
+    kept: bool = False
+    #: A borrowed session's own idle timeout, put back before it is returned.
+    idle_timeout: Any = None
     #: The backend's own prepared statements (SQL PREPARE) on this session.
     prepared: set[str] = field(default_factory=set)
     #: Borrowed from the application's pool (``client=``), else ours to close.
@@ -337,7 +341,8 @@ class AsyncServerSQLBackend(AsyncBackend):
             # Borrowed: back to the application's pool at once, not kept idle here;
             # closed if it carries statements we prepared, which a later borrower of
             # it would find in the way.
-            await self._give_back(conn.raw, conn.loan, keep=not conn.prepared)
+            keep = not conn.prepared and await self._restore_idle_timeout(conn)
+            await self._give_back(conn.raw, conn.loan, keep=keep)
             return
         if len(self._idle) < POOL_SIZE and not self._closed:
             self._idle.append(conn)
@@ -491,6 +496,8 @@ class AsyncServerSQLBackend(AsyncBackend):
                 result = await self._run(conn, self._sql["session_record"], params)
             granted = self._session_fence(result)
             self._check_session(conn, granted)
+            if granted is not None:
+                await self._keep_session(conn)
         except BaseException as exc:
             await self._abandon_session(conn, key, exc)
             raise
@@ -512,6 +519,34 @@ class AsyncServerSQLBackend(AsyncBackend):
         """A session acquire failed: whatever happened, closing the session frees any
         lock it may have taken (once the server has noticed the close)."""
         await self._drop(conn)
+
+    async def _keep_session(self, conn: Conn) -> None:
+        """Turn the server's idle timeout off, once, for a session that holds a lock
+        (MySQL's ``wait_timeout``, PostgreSQL's ``idle_session_timeout``). A DBA sets it
+        to reap leaked connections; a holder's connection sits idle on purpose, and
+        ending it would free the lock under a live holder, who learns only at its next
+        renewal. A holder that stops renewing is still ended, by eviction once its lease
+        has run out."""
+        if conn.kept:
+            return
+        if conn.loan is not None:
+            # The application's connection goes back to its pool as it came.
+            result = await self._run(conn, self._sql["idle_timeout"], {})
+            conn.idle_timeout = result.rows[0][0]
+        await self._run(conn, self._sql["session_keep"], {})
+        conn.kept = True
+
+    async def _restore_idle_timeout(self, conn: Conn) -> bool:
+        """Put a borrowed session's idle timeout back; False if that failed."""
+        if conn.kept and conn.idle_timeout is not None:
+            try:
+                await self._run(
+                    conn, self._sql["idle_timeout_restore"], {"value": conn.idle_timeout}
+                )
+            except BackendError:
+                return False
+            conn.kept, conn.idle_timeout = False, None
+        return True
 
     @staticmethod
     def _check_session(conn: Conn, granted: tuple[int, int | None] | None) -> None:
@@ -634,6 +669,8 @@ class AsyncServerSQLBackend(AsyncBackend):
             result = await self._run(conn, sql, params, wait=wait)
             granted = None if record is None else self._session_fence(result)
             self._check_session(conn, granted)
+            if granted is not None:
+                await self._keep_session(conn)
         except BackendError as exc:
             if self._is_lock_timeout(exc.__cause__ or exc):
                 await self._give(conn)
