@@ -649,6 +649,93 @@ def test_turnstile_timeouts_keep_the_waiters_connection(server: SQLServer, name:
         lock.release()
 
 
+@pytest.fixture
+def statement_timeout_url(server: SQLServer) -> Iterator[str]:
+    """A login whose statements the server ends after 300 ms (PostgreSQL's
+    ``statement_timeout`` for a role of its own; MariaDB's global
+    ``max_statement_time``, put back afterwards)."""
+    if server.scheme == "postgresql":
+        role = f"st_{uuid.uuid4().hex[:8]}"
+        with server.connect() as conn:
+            conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
+            conn.execute(f"ALTER ROLE {role} SET statement_timeout = '300ms'")
+        yield f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
+        return
+    run = admin(server)
+    run("SET GLOBAL max_statement_time = 0.3", ())
+    try:
+        yield server.url()
+    finally:
+        run("SET GLOBAL max_statement_time = 0", ())
+
+
+def _statement_timeout(conn: Any) -> str:
+    cursor = conn.cursor()
+    if isinstance(conn, psycopg.Connection):
+        cursor.execute("SHOW statement_timeout")
+    else:
+        cursor.execute("SELECT @@SESSION.max_statement_time")
+    return str(cursor.fetchall()[0][0])
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_waits_outlast_the_servers_statement_timeout(
+    statement_timeout_url: str, name: str, mode: str
+) -> None:
+    """A server's statement timeout (a common guard against runaway queries) shorter
+    than a wait must not cut the wait short: PostgreSQL's cancels it (each cut cost a
+    new connection), MariaDB's ends ``GET_LOCK`` as if it had timed out; either way the
+    waiter asked again and again and lost its place in the queue. Two waiters (in lease
+    mode, the one in front waits for a notification, the other in the server): the
+    second waits it out in one wait on one connection, takes the lock after the first,
+    and leaves the login's setting as it was."""
+    url = statement_timeout_url + ("&" if "?" in statement_timeout_url else "?") + f"mode={mode}"
+    with (
+        dlock.connect(url) as holder,
+        dlock.connect(url) as first,
+        dlock.connect(url) as waiter,
+    ):
+        lock = holder.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+
+        def wait_first() -> None:
+            ahead = first.lock(name, ttl=30)
+            if ahead.acquire(timeout=5):
+                ahead.release()
+
+        ahead = threading.Thread(target=wait_first)
+        ahead.start()
+        time.sleep(0.3)
+        assert waiter.inspect(name) is not None  # pools a statement connection
+        backend: Any = waiter._backend
+        connects: list[object] = []
+        statements: list[str] = []
+        connect, run = backend._connect, backend._run
+
+        def counting_connect() -> object:
+            connects.append(None)
+            return connect()
+
+        def counting_run(conn: Any, sql: str, params: Any, wait: float = 0) -> object:
+            statements.append(sql)
+            return run(conn, sql, params, wait)
+
+        backend._connect, backend._run = counting_connect, counting_run
+        threading.Timer(1.5, lock.release).start()
+        start = time.monotonic()
+        successor = waiter.lock(name, ttl=30)
+        assert successor.acquire(timeout=5)
+        assert 1.5 <= time.monotonic() - start < 2.5
+        assert len(connects) <= 1, "only a lease waiter's listening connection is new"
+        waits = [sql for sql in statements if "%(wait)s" in sql or "pg_advisory_lock(" in sql]
+        assert len(waits) == 1, f"{len(waits)} waits in the server"
+        successor.release()
+        ahead.join()
+        expected = "300ms" if isinstance(backend._idle[0].raw, psycopg.Connection) else "0.3"
+        for conn in backend._idle:
+            assert _statement_timeout(conn.raw) == expected
+
+
 def _advisory_lock_sessions(server: SQLServer, key: int, granted: bool) -> int:
     """How many sessions hold (``granted``) or wait for the advisory lock ``key``."""
     rows = admin(server)(

@@ -82,6 +82,19 @@ def _prepare(name: str, parameters: tuple[tuple[str, str], ...], sql: str) -> st
     return f"PREPARE {name} ({', '.join(kind for _, kind in parameters)}) AS {body}"
 
 
+def _lock_waiting(key: int, ms: int) -> str:
+    """Wait up to ``ms`` milliseconds for advisory lock ``key``, in a query's implicit
+    transaction. The server's ``statement_timeout`` (a role's default, say) would cut
+    the wait short, and it is fixed when a statement starts: so a statement before the
+    wait turns it off for the transaction (PostgreSQL 13+ times each statement of a
+    query on its own), and ``lock_timeout`` bounds the wait instead."""
+    return (
+        "SELECT set_config('statement_timeout', '0', true),"
+        f" set_config('lock_timeout', '{int(ms)}', true);"
+        f" SELECT pg_advisory_lock({int(key)})"
+    )
+
+
 def _literals(conn: Any, parameters: tuple[tuple[str, str], ...], values: dict[str, Any]) -> str:
     """Values as SQL literals, quoted by the driver, for EXECUTE in a simple query."""
     return ", ".join(psql.Literal(values[p]).as_string(conn) for p, _ in parameters)
@@ -342,11 +355,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         (a hex identifier) are interpolated; the values are literals quoted by the
         driver, for the prepared ``turnstile_take``."""
         values = _literals(conn, TAKE_PARAMETERS, params)
-        return (
-            f"UNLISTEN *; LISTEN {channel}; SELECT pg_advisory_lock({int(key)})"
-            f" FROM (SELECT set_config('lock_timeout', '{ms}', true)) AS s;"
-            f" EXECUTE {TAKE}({values})"
-        )
+        return f"UNLISTEN *; LISTEN {channel}; {_lock_waiting(key, ms)}; EXECUTE {TAKE}({values})"
 
     def _records_in_wait(self, conn: Conn) -> bool:
         return True
@@ -363,11 +372,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             conn.prepared.add(RECORD)
         values = _literals(conn.raw, RECORD_PARAMETERS, params)
         ms = max(1, math.ceil(wait * 1000))
-        return (
-            f"SELECT pg_advisory_lock({int(params['key'])})"
-            f" FROM (SELECT set_config('lock_timeout', '{ms}', true)) AS s;"
-            f" EXECUTE {RECORD}({values})"
-        ), {}
+        return f"{_lock_waiting(params['key'], ms)}; EXECUTE {RECORD}({values})", {}
 
     async def _session_force_release(self, name: str) -> bool:
         result = await self._call("session_force_release", {"name": encode_name(name)})

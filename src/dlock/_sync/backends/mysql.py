@@ -44,6 +44,8 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
+#: The statements that wait in the server: each begins with its ``SELECT GET_LOCK``.
+WAITS = ("turnstile_take", "session_wait", "session_wait_and_record")
 #: ER_NO_SUCH_TABLE.
 NO_SUCH_TABLE = 1146
 
@@ -143,9 +145,24 @@ class MySQLBackend(ServerSQLBackend):
     def _note_server(self, raw: Any) -> None:
         """MySQL 8 reads ``GET_LOCK``'s timeout as whole seconds (its source takes the
         argument as an integer, rounded); MariaDB takes fractions. Waits are cut to
-        what the server makes, so none outlasts its bound."""
-        if self._wait_grain is None:
-            self._wait_grain = 0.0 if "MariaDB" in raw.get_server_info() else 1.0
+        what the server makes, so none outlasts its bound.
+
+        MariaDB's ``max_statement_time`` (a DBA's guard against runaway queries) ends a
+        ``GET_LOCK`` wait early, as if it had timed out: the waiter would ask again and
+        again and lose its place in the queue. Its waits turn it off for themselves
+        (``SET STATEMENT``, MariaDB's own syntax); the wait's timeout bounds them."""
+        if self._wait_grain is not None:
+            return
+        mariadb = "MariaDB" in raw.get_server_info()
+        self._wait_grain = 0.0 if mariadb else 1.0
+        if mariadb:
+            self._sql = {
+                **self._sql,
+                **{
+                    key: f"SET STATEMENT max_statement_time = 0 FOR {self._sql[key]}"
+                    for key in WAITS
+                },
+            }
 
     def _driver_is_connection(self, value: Any) -> bool:
         return isinstance(value, pymysql.Connection)
