@@ -736,6 +736,74 @@ def test_waits_outlast_the_servers_statement_timeout(
             assert _statement_timeout(conn.raw) == expected
 
 
+def _strict_role(server: SQLServer) -> str:
+    """A PostgreSQL role whose transactions default to REPEATABLE READ."""
+    role = f"rr_{uuid.uuid4().hex[:8]}"
+    with server.connect() as conn:
+        conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
+        conn.execute(f"ALTER ROLE {role} SET default_transaction_isolation = 'repeatable read'")
+    return f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
+
+
+def _row_locked_then_freed(
+    server: SQLServer, table: str, name: str, acquire: Callable[[], Any]
+) -> Any:
+    """Run ``acquire`` while another transaction holds the name's (free) row locked
+    after changing it, committed half a second in: the acquire's UPDATE waits for it."""
+    with server.connect(autocommit=False) as conn:
+        conn.execute(f"UPDATE {table} SET count = 0 WHERE name = %s", (name.encode(),))
+        threading.Timer(0.5, conn.commit).start()
+        return acquire()
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_stricter_default_isolation_does_not_fail_acquires(
+    postgresql_server: SQLServer, name: str, mode: str
+) -> None:
+    """Under REPEATABLE READ (a database's or role's default) an UPDATE that waited
+    for a concurrent one fails with a serialization error instead of re-checking the
+    row: contended acquires failed as ``BackendUnavailable``. dlock's connections run
+    its statements in READ COMMITTED whatever the default."""
+    table = "dlock_locks" if mode == "lease" else "dlock_session_locks"
+    with dlock.connect(f"{_strict_role(postgresql_server)}?mode={mode}") as client:
+        first = client.lock(name, ttl=5)
+        assert first.acquire(timeout=0)
+        before = first.fencing_token
+        first.release()  # the row is there, free
+        lock = client.lock(name, ttl=5)
+        assert _row_locked_then_freed(
+            postgresql_server, table, name, lambda: lock.acquire(timeout=0)
+        )
+        assert before is not None and lock.fencing_token is not None
+        assert lock.fencing_token > before
+        lock.release()
+
+
+def test_a_borrowed_connection_too_strict_for_dlock_is_a_clear_error(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A connection from the application's pool keeps the application's settings: under
+    REPEATABLE READ the same wait is a ``BackendError`` that says what to change, not a
+    ``BackendUnavailable`` to retry."""
+    import psycopg_pool
+
+    with (
+        psycopg_pool.ConnectionPool(
+            _strict_role(postgresql_server), min_size=1, max_size=2
+        ) as pool,
+        dlock.connect("postgresql://", client=pool.connection) as client,
+    ):
+        first = client.lock(name, ttl=5)
+        assert first.acquire(timeout=0)
+        first.release()
+        lock = client.lock(name, ttl=5)
+        with pytest.raises(dlock.BackendError, match="READ COMMITTED") as raised:
+            _row_locked_then_freed(
+                postgresql_server, "dlock_locks", name, lambda: lock.acquire(timeout=0)
+            )
+        assert not isinstance(raised.value, dlock.BackendUnavailable)
+
+
 def _advisory_lock_sessions(server: SQLServer, key: int, granted: bool) -> int:
     """How many sessions hold (``granted``) or wait for the advisory lock ``key``."""
     rows = admin(server)(

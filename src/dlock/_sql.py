@@ -432,6 +432,12 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND NOT EXISTS (SELECT FROM a)"""
 
     return {
+        # Every statement relies on READ COMMITTED: an UPDATE that waited for a
+        # concurrent one re-checks its WHERE on the row as that one left it. Under a
+        # database's or role's stricter default (REPEATABLE READ, SERIALIZABLE) it
+        # would fail instead ("could not serialize access"), and contended acquires
+        # with it.
+        "setup": "SET default_transaction_isolation = 'read committed'",
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,

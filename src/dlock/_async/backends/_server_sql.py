@@ -232,7 +232,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         ``engine.raw_connection``)."""
         factory = self._settings.client
         if factory is None:
-            return await self._driver_connect(), None
+            return await self._own(await self._driver_connect()), None
         for _ in range(POOL_SIZE):
             raw, loan = await self._borrow(factory)
             try:
@@ -242,7 +242,7 @@ class AsyncServerSQLBackend(AsyncBackend):
                     await self._give_back(raw, loan, keep=False)
                 raise
             if loan is None:
-                return raw, None
+                return await self._own(raw), None
             loan.autocommit = autocommit
             # The application's pool may lend a connection that died while idle, and a
             # statement that fails in flight is never sent again: weed it out first.
@@ -250,6 +250,20 @@ class AsyncServerSQLBackend(AsyncBackend):
                 return raw, loan
             await self._give_back(raw, loan, keep=False)
         raise BackendUnavailable("the client= pool lent only dead connections")
+
+    async def _own(self, raw: Any) -> Any:
+        """Give a connection of ours the session settings dlock's statements need (the
+        ``setup`` statement, where the dialect has one). A borrowed connection keeps the
+        application's."""
+        setup = self._sql.get("setup")
+        if setup is not None:
+            try:
+                await self._driver_execute(raw, setup, {}, self._settings.timeout)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._driver_close(raw)
+                raise
+        return raw
 
     async def _borrow(self, factory: Any) -> tuple[Any, Loan | None]:
         made = factory()

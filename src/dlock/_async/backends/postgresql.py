@@ -214,6 +214,13 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             return BackendError(f"missing privilege: {exc}")
         if isinstance(exc, psycopg.errors.UndefinedTable):
             return self._missing_table(str(exc).splitlines()[0])
+        if isinstance(exc, psycopg.errors.SerializationFailure):
+            # Only on a connection borrowed with client=: dlock's own are READ COMMITTED.
+            return BackendError(
+                f"{str(exc).strip()}: dlock needs READ COMMITTED, and this connection's "
+                "default_transaction_isolation is stricter; set it to 'read committed' "
+                "on the connections given with client="
+            )
         if isinstance(exc, psycopg.OperationalError):
             text = str(exc).strip()
             if any(reason in text for reason in REFUSALS):

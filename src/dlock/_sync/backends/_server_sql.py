@@ -231,7 +231,7 @@ class ServerSQLBackend(Backend):
         ``engine.raw_connection``)."""
         factory = self._settings.client
         if factory is None:
-            return self._driver_connect(), None
+            return self._own(self._driver_connect()), None
         for _ in range(POOL_SIZE):
             raw, loan = self._borrow(factory)
             try:
@@ -241,7 +241,7 @@ class ServerSQLBackend(Backend):
                     self._give_back(raw, loan, keep=False)
                 raise
             if loan is None:
-                return raw, None
+                return self._own(raw), None
             loan.autocommit = autocommit
             # The application's pool may lend a connection that died while idle, and a
             # statement that fails in flight is never sent again: weed it out first.
@@ -249,6 +249,20 @@ class ServerSQLBackend(Backend):
                 return raw, loan
             self._give_back(raw, loan, keep=False)
         raise BackendUnavailable("the client= pool lent only dead connections")
+
+    def _own(self, raw: Any) -> Any:
+        """Give a connection of ours the session settings dlock's statements need (the
+        ``setup`` statement, where the dialect has one). A borrowed connection keeps the
+        application's."""
+        setup = self._sql.get("setup")
+        if setup is not None:
+            try:
+                self._driver_execute(raw, setup, {}, self._settings.timeout)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._driver_close(raw)
+                raise
+        return raw
 
     def _borrow(self, factory: Any) -> tuple[Any, Loan | None]:
         made = factory()
