@@ -221,6 +221,69 @@ def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: s
     admin(mariadb_server)(f"DROP TABLE {table}", ())
 
 
+@pytest.fixture
+def no_backslash_escapes(mariadb_server: SQLServer) -> Iterator[SQLServer]:
+    """MariaDB with ``NO_BACKSLASH_ESCAPES`` (and ANSI quoting) in its global
+    ``sql_mode``, put back afterwards: a backslash in a string literal is then an
+    ordinary character."""
+    run = admin(mariadb_server)
+    (before,) = run("SELECT @@GLOBAL.sql_mode", ())[0]
+    run("SET GLOBAL sql_mode = 'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'", ())
+    try:
+        yield mariadb_server
+    finally:
+        run("SET GLOBAL sql_mode = %s", (before,))
+
+
+#: Names whose quoting a server's sql_mode changes, and two that try to escape their
+#: literal: one's OR would match every row, the other runs a statement of its own.
+AWKWARD = ["it's", "a\\'b", "ends\\", "semi;colon -- x", "100%", "nul\x00byte", "ünï ☃", '"dq"']
+ESCAPE_ATTEMPTS = ["x\\' OR TRUE -- ", "x\\'; CREATE TABLE injected (x INT); -- "]
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_names_match_exactly_in_every_sql_mode(
+    no_backslash_escapes: SQLServer, name: str, mode: str
+) -> None:
+    """Lock names are stored and matched exactly, in both faces, whatever the server's
+    ``sql_mode``; a name written to break out of its literal is only a name, and the
+    lock it would have matched along with it stays its holder's. (The asyncio face
+    quoted names with backslashes, which ``NO_BACKSLASH_ESCAPES`` reads as plain
+    characters: a syntax error at best, SQL run from a lock name at worst.)"""
+    url = no_backslash_escapes.url(f"mode={mode}")
+    names = [f"{name}{suffix}" for suffix in [*AWKWARD, *ESCAPE_ATTEMPTS]]
+
+    def check(info: dlock.LockInfo | None, lock_name: str, token: int | None) -> None:
+        assert info is not None and info.name == lock_name and info.fencing_token == token
+
+    async def in_asyncio(victim: dlock.Lock) -> None:
+        async with dlock.aio.connect(url) as client:
+            for lock_name in names:
+                lock = client.lock(lock_name, ttl=30)
+                assert await lock.acquire(timeout=0), lock_name
+                check(await client.inspect(lock_name), lock_name, lock.fencing_token)
+                assert lock_name in {info.name for info in await client.list(name)}
+                await lock.release()
+                assert await client.inspect(lock_name) is None
+            check(await client.inspect(victim.name), victim.name, victim.fencing_token)
+
+    with dlock.connect(url) as holder, dlock.connect(url) as client:
+        victim = holder.lock(f"{name}-victim", ttl=30)
+        assert victim.acquire(timeout=0)
+        for lock_name in names:
+            lock = client.lock(lock_name, ttl=30)
+            assert lock.acquire(timeout=0), lock_name
+            check(client.inspect(lock_name), lock_name, lock.fencing_token)
+            assert lock_name in {info.name for info in client.list(name)}
+            lock.release()
+            assert client.inspect(lock_name) is None
+        check(client.inspect(victim.name), victim.name, victim.fencing_token)
+        asyncio.run(in_asyncio(victim))
+        victim.extend()
+        victim.release()
+    assert admin(no_backslash_escapes)("SHOW TABLES LIKE 'injected'", ()) == []
+
+
 @pytest.mark.parametrize(
     "table",
     ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", "", "a.b.c", "a.", ".b", "a.b;c", "a .b"],

@@ -79,10 +79,28 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
 class _QuietCursor(pymysql.cursors.Cursor):  # type: ignore[misc]
     """The asyncio driver turns server notes into Python warnings with an extra SHOW
     WARNINGS round trip (``CREATE TABLE IF NOT EXISTS`` on an existing table); dlock
-    needs neither. (The threaded driver does neither already.)"""
+    needs neither. (The threaded driver does neither already.)
+
+    Bytes (lock names) are sent as hex literals, ``X'…'``, which mean the same in
+    every ``sql_mode``. The asyncio driver quotes bytes with backslash escapes even on
+    a server whose ``sql_mode`` has ``NO_BACKSLASH_ESCAPES``, where a backslash is an
+    ordinary character: a name with a quote in it would end the literal early and let
+    the rest of the name run as SQL. (The threaded driver minds the mode; both faces
+    send the same literals all the same.)"""
 
     def _show_warnings(self, conn: Any) -> None:
         return None
+
+    def _escape_args(self, args: Any, conn: Any) -> Any:
+        if isinstance(args, dict):
+            return {key: _literal(value, conn) for key, value in args.items()}
+        return tuple(_literal(value, conn) for value in args)
+
+
+def _literal(value: Any, conn: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return f"X'{value.hex()}'"
+    return str(conn.escape(value))
 
 
 class MySQLBackend(ServerSQLBackend):
