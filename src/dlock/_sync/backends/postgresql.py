@@ -208,7 +208,10 @@ class PostgreSQLBackend(ServerSQLBackend):
 
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
-            return BackendError(f"the server is a read-only replica: {exc}")
+            return BackendError(
+                "the server is read-only (a replica, or default_transaction_read_only is "
+                f"on for this database or role): {exc}"
+            )
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
             return BackendError(f"missing privilege: {exc}")
         if isinstance(exc, psycopg.errors.UndefinedTable):
