@@ -145,6 +145,25 @@ def test_status_list_and_force_release(url: str, name: str) -> None:
             lock.release()
 
 
+def test_names_and_labels_cannot_drive_the_terminal(db: str, name: str) -> None:
+    """Names, hosts and labels come from other clients: printed raw, an escape sequence
+    in one would rewrite the operator's screen and a newline would fake a row. They are
+    shown as string literals instead; ``--json`` keeps them exact."""
+    evil = f"{name}\x1b[2J\nfake-row  1  host  1"
+    with dlock.connect(db, label="job\r\x1b]0;owned\x07") as client, client.lock(evil, ttl=30):
+        listed = dlock_cmd(db, "list")
+        status = dlock_cmd(db, "status", evil)
+        conflict = dlock_cmd(db, "run", "-n", evil, "--", "true")
+        exact = json.loads(dlock_cmd(db, "list", "--json").stdout)
+    for result in (listed, status, conflict):
+        output = result.stdout + result.stderr
+        assert "\x1b" not in output and "\r" not in output and "\x07" not in output, output
+        assert repr("job\r\x1b]0;owned\x07") in output
+    assert len(listed.stdout.splitlines()) == 2, "a header and one row"
+    assert repr(evil) in listed.stdout and repr(evil) in status.stdout
+    assert [info["name"] for info in exact] == [evil]
+
+
 def test_init_prints_or_creates_the_schema(tmp_path: Path) -> None:
     db = f"sqlite://{tmp_path}/fresh/locks.sqlite3"
     printed = dlock_cmd(db, "init", "--print")

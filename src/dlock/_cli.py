@@ -254,13 +254,21 @@ class forwarding_signals:
             signal.signal(signum, handler)
 
 
+def shown(text: str) -> str:
+    """Text that other clients wrote (names, hosts, labels), fit for a terminal: with
+    a control or other unprintable character it is shown as a Python string literal,
+    so it cannot move the cursor, rewrite the screen or fake a row (``--json`` gives
+    it exactly)."""
+    return text if text.isprintable() else repr(text)
+
+
 def describe(client: Client, name: str) -> str:
     info = client.inspect(name)
     if info is None:
         return ""
     holder = info.holder
-    label = f" ({holder.label})" if holder.label else ""
-    return f": {holder.host} pid {holder.pid}{label}, fencing token {info.fencing_token}"
+    label = f" ({shown(holder.label)})" if holder.label else ""
+    return f": {shown(holder.host)} pid {holder.pid}{label}, fencing token {info.fencing_token}"
 
 
 def as_dict(info: LockInfo) -> dict[str, Any]:
@@ -272,11 +280,12 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_dict(info) if info else None, indent=2))
     elif info is None:
-        print(f"{args.name}: free")
+        print(f"{shown(args.name)}: free")
     else:
         print_table([info])
         for position, waiter in enumerate(info.waiters, 1):
-            print(f"  waiting #{position}: {waiter.host} pid {waiter.pid} {waiter.label or ''}")
+            label = shown(waiter.label or "")
+            print(f"  waiting #{position}: {shown(waiter.host)} pid {waiter.pid} {label}")
     return 0 if info else 1
 
 
@@ -291,9 +300,9 @@ def cmd_list(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_release(client: Client, args: argparse.Namespace) -> int:
     if client.force_release(args.name):
-        print(f"{args.name}: released")
+        print(f"{shown(args.name)}: released")
         return 0
-    print(f"{args.name}: was not held")
+    print(f"{shown(args.name)}: was not held")
     return 1
 
 
@@ -319,11 +328,11 @@ def print_table(infos: list[LockInfo]) -> None:
         expires = "-" if info.expires_in is None else f"{info.expires_in:.1f}s"
         rows.append(
             (
-                info.name,
+                shown(info.name),
                 str(info.fencing_token),
-                info.holder.host,
+                shown(info.holder.host),
                 str(info.holder.pid),
-                info.holder.label or "",
+                shown(info.holder.label or ""),
                 expires,
                 str(info.count),
             )
