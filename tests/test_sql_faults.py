@@ -1188,20 +1188,34 @@ def idle_timeout_url(server: SQLServer) -> Iterator[str]:
         run(f"SET GLOBAL wait_timeout = {int(before)}", ())
 
 
-def test_session_lock_outlasts_the_servers_idle_timeout(idle_timeout_url: str, name: str) -> None:
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_the_servers_idle_timeout_ends_neither_a_lock_nor_a_wait(
+    idle_timeout_url: str, name: str, mode: str
+) -> None:
     """A session lock lives as long as its holder (and its lease), not as long as its
     connection may sit idle: the server's idle timeout (set by a DBA to reap leaked
     connections) must not end the holding session and free the lock under a live
-    holder, who would only learn at its next renewal."""
-    url = idle_timeout_url + ("&" if "?" in idle_timeout_url else "?") + "mode=session"
+    holder, who would only learn at its next renewal. Nor may it end a wait: the lease
+    waiter in front of the queue sits idle until the release's notification."""
+    url = idle_timeout_url + ("&" if "?" in idle_timeout_url else "?") + f"mode={mode}"
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=30)
         assert lock.acquire(timeout=0)
-        time.sleep(2.5)
+        if mode == "session":
+            time.sleep(2.5)
         assert second.lock(name, ttl=30).acquire(timeout=0) is False, "the lock was freed"
         lock.extend()
-        lock.release()
-        assert second.lock(name, ttl=30).acquire(timeout=0)
+        release = threading.Timer(2.5, lock.release)
+        release.start()
+        try:
+            start = time.monotonic()
+            successor = second.lock(name, ttl=30)
+            assert successor.acquire(timeout=5)
+            assert 2.5 <= time.monotonic() - start < 4
+            successor.release()
+        finally:
+            release.cancel()  # a failed wait leaves the holder's release to the exit
+            release.join()
 
 
 def test_batched_session_renewal_notices_a_killed_session(server: SQLServer, name: str) -> None:

@@ -520,7 +520,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "session_unlock": "SELECT pg_advisory_unlock(%(key)s)",
         # PostgreSQL 14 added the setting (and the timeout); before, there is nothing to
         # do, and the setting reads as NULL.
-        "session_keep": """
+        "no_idle_timeout": """
             SELECT set_config('idle_session_timeout', '0', false)
             WHERE current_setting('idle_session_timeout', true) IS NOT NULL""",
         "idle_timeout": "SELECT current_setting('idle_session_timeout', true)",
@@ -675,7 +675,7 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_wait": "SELECT GET_LOCK(%(key)s, %(wait)s)",
         "session_unlock": "SELECT RELEASE_LOCK(%(key)s)",
         # The largest value MySQL and MariaDB accept: a year.
-        "session_keep": "SET SESSION wait_timeout = 31536000",
+        "no_idle_timeout": "SET SESSION wait_timeout = 31536000",
         "idle_timeout": "SELECT @@SESSION.wait_timeout",
         "idle_timeout_restore": "SET SESSION wait_timeout = %(value)s",
         "session_count": f"""

@@ -58,8 +58,8 @@ class Conn:
     session_id: int | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
     uses: int = 0
-    #: The server's idle timeout is off for this session (it has held a session lock).
-    kept: bool = False
+    #: The server's idle timeout is off for this session (it held a lock or waited).
+    no_idle_timeout: bool = False
     #: A borrowed session's own idle timeout, put back before it is returned.
     idle_timeout: Any = None
     #: The backend's own prepared statements (SQL PREPARE) on this session.
@@ -511,7 +511,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             granted = self._session_fence(result)
             self._check_session(conn, granted)
             if granted is not None:
-                await self._keep_session(conn)
+                await self._exempt_from_idle_timeout(conn)
         except BaseException as exc:
             await self._abandon_session(conn, key, exc)
             raise
@@ -534,32 +534,33 @@ class AsyncServerSQLBackend(AsyncBackend):
         lock it may have taken (once the server has noticed the close)."""
         await self._drop(conn)
 
-    async def _keep_session(self, conn: Conn) -> None:
-        """Turn the server's idle timeout off, once, for a session that holds a lock
-        (MySQL's ``wait_timeout``, PostgreSQL's ``idle_session_timeout``). A DBA sets it
-        to reap leaked connections; a holder's connection sits idle on purpose, and
-        ending it would free the lock under a live holder, who learns only at its next
-        renewal. A holder that stops renewing is still ended, by eviction once its lease
-        has run out."""
-        if conn.kept:
+    async def _exempt_from_idle_timeout(self, conn: Conn) -> None:
+        """Turn the server's idle timeout off, once, for a session that holds a lock or
+        waits (MySQL's ``wait_timeout``, PostgreSQL's ``idle_session_timeout``). A DBA
+        sets it to reap leaked connections; a session lock's connection sits idle on
+        purpose, and ending it would free the lock under a live holder, who learns only
+        at its next renewal; a lease waiter in front of the queue sits idle until a
+        notification. A holder that stops renewing is still ended, by eviction once its
+        lease has run out."""
+        if conn.no_idle_timeout:
             return
         if conn.loan is not None:
             # The application's connection goes back to its pool as it came.
             result = await self._run(conn, self._sql["idle_timeout"], {})
             conn.idle_timeout = result.rows[0][0]
-        await self._run(conn, self._sql["session_keep"], {})
-        conn.kept = True
+        await self._run(conn, self._sql["no_idle_timeout"], {})
+        conn.no_idle_timeout = True
 
     async def _restore_idle_timeout(self, conn: Conn) -> bool:
         """Put a borrowed session's idle timeout back; False if that failed."""
-        if conn.kept and conn.idle_timeout is not None:
+        if conn.no_idle_timeout and conn.idle_timeout is not None:
             try:
                 await self._run(
                     conn, self._sql["idle_timeout_restore"], {"value": conn.idle_timeout}
                 )
             except BackendError:
                 return False
-            conn.kept, conn.idle_timeout = False, None
+            conn.no_idle_timeout, conn.idle_timeout = False, None
         return True
 
     @staticmethod
@@ -684,7 +685,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             granted = None if record is None else self._session_fence(result)
             self._check_session(conn, granted)
             if granted is not None:
-                await self._keep_session(conn)
+                await self._exempt_from_idle_timeout(conn)
         except BackendError as exc:
             if self._is_lock_timeout(exc.__cause__ or exc):
                 await self._give(conn)
@@ -858,6 +859,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             await sleep(timeout)
         sql, params = await self._queue_sql(waiter, wait)
         try:
+            await self._exempt_from_idle_timeout(waiter.conn)
             result = await self._run(waiter.conn, sql, params, wait=wait)
         except BackendError as exc:
             # PostgreSQL's lock timeout is an OperationalError, so it arrives as
