@@ -436,8 +436,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # concurrent one re-checks its WHERE on the row as that one left it. Under a
         # database's or role's stricter default (REPEATABLE READ, SERIALIZABLE) it
         # would fail instead ("could not serialize access"), and contended acquires
-        # with it.
-        "setup": "SET default_transaction_isolation = 'read committed'",
+        # with it. The server's id of the session tells whether a pooler stands between.
+        "setup": """
+            SELECT pg_backend_pid() FROM (SELECT
+                set_config('default_transaction_isolation', 'read committed', false)) AS s""",
+        "backend_pid": "SELECT pg_backend_pid()",
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
         "acquire_once": acquire_once + returning,

@@ -228,6 +228,41 @@ def start_mariadb(durable: bool = False, tls: Certificates | None = None) -> SQL
     return SQLServer(process, port, "mysql", "dlock", "secret", "dlock")
 
 
+def start_pgbouncer(upstream: SQLServer, pool_mode: str = "transaction") -> SQLServer:
+    """PgBouncer (from the Debian package) in front of ``upstream``, trusting its user,
+    with two server sessions per database, so that clients share them."""
+    binary = require_binary("pgbouncer", "pgbouncer")
+    root = private_dir("pgbouncer")
+    root.chmod(0o755)
+    port = free_port()
+    users = root / "users.txt"
+    users.write_text(f'"{upstream.user}" ""\n')
+    config = root / "pgbouncer.ini"
+    config.write_text(
+        f"""[databases]
+{upstream.database} = host=127.0.0.1 port={upstream.port} dbname={upstream.database}
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {users}
+pool_mode = {pool_mode}
+default_pool_size = 2
+"""
+    )
+    for path in (root, users, config):
+        shutil.chown(path, "postgres")
+    # PgBouncer refuses to run as root.
+    process = ServerProcess(
+        "pgbouncer", [binary, str(config)], lambda: port_open(port), workdir=root, user="postgres"
+    )
+    process.start()
+    return SQLServer(
+        process, port, "postgresql", upstream.user, upstream.password, upstream.database
+    )
+
+
 @pytest.fixture(scope="session")
 def postgresql_server() -> Iterator[SQLServer]:
     server = start_postgresql()

@@ -62,6 +62,9 @@ class Conn:
     no_idle_timeout: bool = False
     #: A borrowed session's own idle timeout, put back before it is returned.
     idle_timeout: Any = None
+    #: A connection pooler (PgBouncer and the like) stands between us and the server,
+    #: which may run consecutive statements in different sessions; None: not known yet.
+    behind_proxy: bool | None = None
     #: The backend's own prepared statements (SQL PREPARE) on this session.
     prepared: set[str] = field(default_factory=set)
     #: Borrowed from the application's pool (``client=``), else ours to close.
@@ -139,6 +142,10 @@ class AsyncServerSQLBackend(AsyncBackend):
     async def _driver_adopt(self, raw: Any) -> bool:
         """Make a connection from ``client=`` fit for dlock (autocommit), or refuse it
         with ConfigurationError; return its autocommit setting before."""
+
+    async def _driver_setup(self, conn: Conn) -> None:
+        """Give a new connection of ours the session settings dlock's statements need.
+        A borrowed connection keeps the application's."""
 
     @abstractmethod
     async def _driver_restore(self, raw: Any, autocommit: bool) -> None:
@@ -218,6 +225,17 @@ class AsyncServerSQLBackend(AsyncBackend):
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw, loan=loan)
         try:
+            if loan is None:
+                await self._driver_setup(conn)
+            if self._session_mode and conn.behind_proxy:
+                raise ConfigurationError(
+                    "session mode is refused through a connection pooler (PgBouncer, "
+                    "Odyssey, RDS Proxy and the like: the server's id of the session is "
+                    "not the one given at connect). Pooling by transaction would run the "
+                    "lock's statements in different server sessions and leave the lock on "
+                    "a session that other clients then use. Connect session mode to the "
+                    "database directly, or use lease mode, which works through poolers"
+                )
             if not self._schema_ready:
                 await self._ensure_schema(conn)
         except BaseException:
@@ -232,7 +250,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         ``engine.raw_connection``)."""
         factory = self._settings.client
         if factory is None:
-            return await self._own(await self._driver_connect()), None
+            return await self._driver_connect(), None
         for _ in range(POOL_SIZE):
             raw, loan = await self._borrow(factory)
             try:
@@ -242,7 +260,7 @@ class AsyncServerSQLBackend(AsyncBackend):
                     await self._give_back(raw, loan, keep=False)
                 raise
             if loan is None:
-                return await self._own(raw), None
+                return raw, None
             loan.autocommit = autocommit
             # The application's pool may lend a connection that died while idle, and a
             # statement that fails in flight is never sent again: weed it out first.
@@ -250,20 +268,6 @@ class AsyncServerSQLBackend(AsyncBackend):
                 return raw, loan
             await self._give_back(raw, loan, keep=False)
         raise BackendUnavailable("the client= pool lent only dead connections")
-
-    async def _own(self, raw: Any) -> Any:
-        """Give a connection of ours the session settings dlock's statements need (the
-        ``setup`` statement, where the dialect has one). A borrowed connection keeps the
-        application's."""
-        setup = self._sql.get("setup")
-        if setup is not None:
-            try:
-                await self._driver_execute(raw, setup, {}, self._settings.timeout)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self._driver_close(raw)
-                raise
-        return raw
 
     async def _borrow(self, factory: Any) -> tuple[Any, Loan | None]:
         made = factory()
@@ -771,6 +775,13 @@ class AsyncServerSQLBackend(AsyncBackend):
         the take); else they back off with jitter."""
         return True
 
+    async def _behind_proxy(self, conn: Conn) -> bool:
+        """True when a connection pooler may run the statements of ``conn`` in different
+        server sessions: a queue's session state (its place on the turnstile, a LISTEN)
+        would be left on a session that other clients then use, so waiters back off
+        with jitter instead."""
+        return False
+
     @abstractmethod
     async def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
         """The query that waits up to ``wait`` seconds for the turnstile, then takes the
@@ -805,7 +816,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             conn = self._queueing.pop()
         except IndexError:
             conn = await self._connect()
-        if not self._queues_on(conn):
+        if not self._queues_on(conn) or await self._behind_proxy(conn):
             await self._give(conn)
             yield AsyncWaiter()
             return

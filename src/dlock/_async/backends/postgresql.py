@@ -178,6 +178,27 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     def _driver_is_connection(self, value: Any) -> bool:
         return isinstance(value, psycopg.AsyncConnection)
 
+    async def _driver_setup(self, conn: Conn) -> None:
+        result = await self._run(conn, self._sql["setup"], {})
+        self._note_proxy(conn, int(result.rows[0][0]))
+        if conn.behind_proxy:
+            # psycopg prepares a statement on the server after its fifth run; behind a
+            # transaction-pooling proxy the next run may reach a session that has it
+            # already, or lacks it. (A borrowed connection is the application's to set.)
+            conn.raw.prepare_threshold = None
+
+    async def _behind_proxy(self, conn: Conn) -> bool:
+        if conn.behind_proxy is None:
+            result = await self._run(conn, self._sql["backend_pid"], {})
+            self._note_proxy(conn, int(result.rows[0][0]))
+        return bool(conn.behind_proxy)
+
+    @staticmethod
+    def _note_proxy(conn: Conn, pid: int) -> None:
+        """A pooler hands the client a session id of its own at connect, not the
+        server's: the two differ only when something stands between."""
+        conn.behind_proxy = pid != conn.raw.info.backend_pid
+
     async def _driver_adopt(self, raw: Any) -> bool:
         before = bool(raw.autocommit)
         await raw.set_autocommit(True)
