@@ -7,6 +7,7 @@ face is generated from the same code and covered by the conformance suite).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import threading
 import time
@@ -56,6 +57,32 @@ def admin(server: SQLServer) -> Callable[[str, tuple[Any, ...]], list[tuple[Any,
             conn.close()
 
     return run
+
+
+@contextlib.contextmanager
+def _login_where(
+    server: SQLServer, postgresql: tuple[str, str], mysql: tuple[str, str] | None = None
+) -> Iterator[str]:
+    """A URL of a login under a setting a DBA might make, as (name, SQL value): on
+    PostgreSQL for a role of its own; on MySQL, which has no per-user form, for the
+    whole server, put back afterwards."""
+    if server.scheme == "postgresql":
+        role = f"dba_{uuid.uuid4().hex[:8]}"
+        setting, value = postgresql
+        with server.connect() as conn:
+            conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
+            conn.execute(f"ALTER ROLE {role} SET {setting} = {value}")
+        yield f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
+        return
+    assert mysql is not None, "a PostgreSQL setting only"
+    run = admin(server)
+    setting, value = mysql
+    (before,) = run(f"SELECT @@GLOBAL.{setting}", ())[0]
+    run(f"SET GLOBAL {setting} = {value}", ())
+    try:
+        yield server.url()
+    finally:
+        run(f"SET GLOBAL {setting} = %s", (before,))
 
 
 def kill_other_sessions(server: SQLServer) -> None:
@@ -717,22 +744,11 @@ def test_turnstile_timeouts_keep_the_waiters_connection(server: SQLServer, name:
 
 @pytest.fixture
 def statement_timeout_url(server: SQLServer) -> Iterator[str]:
-    """A login whose statements the server ends after 300 ms (PostgreSQL's
-    ``statement_timeout`` for a role of its own; MariaDB's global
-    ``max_statement_time``, put back afterwards)."""
-    if server.scheme == "postgresql":
-        role = f"st_{uuid.uuid4().hex[:8]}"
-        with server.connect() as conn:
-            conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
-            conn.execute(f"ALTER ROLE {role} SET statement_timeout = '300ms'")
-        yield f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
-        return
-    run = admin(server)
-    run("SET GLOBAL max_statement_time = 0.3", ())
-    try:
-        yield server.url()
-    finally:
-        run("SET GLOBAL max_statement_time = 0", ())
+    """A login whose statements the server ends after 300 ms."""
+    with _login_where(
+        server, ("statement_timeout", "'300ms'"), ("max_statement_time", "0.3")
+    ) as url:
+        yield url
 
 
 def _statement_timeout(conn: Any) -> str:
@@ -802,13 +818,9 @@ def test_waits_outlast_the_servers_statement_timeout(
             assert _statement_timeout(conn.raw) == expected
 
 
-def _strict_role(server: SQLServer) -> str:
-    """A PostgreSQL role whose transactions default to REPEATABLE READ."""
-    role = f"rr_{uuid.uuid4().hex[:8]}"
-    with server.connect() as conn:
-        conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
-        conn.execute(f"ALTER ROLE {role} SET default_transaction_isolation = 'repeatable read'")
-    return f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
+def _strict_role(server: SQLServer) -> contextlib.AbstractContextManager[str]:
+    """A PostgreSQL login whose transactions default to REPEATABLE READ."""
+    return _login_where(server, ("default_transaction_isolation", "'repeatable read'"))
 
 
 def _row_locked_then_freed(
@@ -831,7 +843,10 @@ def test_a_stricter_default_isolation_does_not_fail_acquires(
     row: contended acquires failed as ``BackendUnavailable``. dlock's connections run
     its statements in READ COMMITTED whatever the default."""
     table = "dlock_locks" if mode == "lease" else "dlock_session_locks"
-    with dlock.connect(f"{_strict_role(postgresql_server)}?mode={mode}") as client:
+    with (
+        _strict_role(postgresql_server) as url,
+        dlock.connect(f"{url}?mode={mode}") as client,
+    ):
         first = client.lock(name, ttl=5)
         assert first.acquire(timeout=0)
         before = first.fencing_token
@@ -854,9 +869,8 @@ def test_a_borrowed_connection_too_strict_for_dlock_is_a_clear_error(
     import psycopg_pool
 
     with (
-        psycopg_pool.ConnectionPool(
-            _strict_role(postgresql_server), min_size=1, max_size=2
-        ) as pool,
+        _strict_role(postgresql_server) as url,
+        psycopg_pool.ConnectionPool(url, min_size=1, max_size=2) as pool,
         dlock.connect("postgresql://", client=pool.connection) as client,
     ):
         first = client.lock(name, ttl=5)
@@ -1169,23 +1183,9 @@ def test_whole_second_lock_waits_neither_spin_nor_overrun(
 
 @pytest.fixture
 def idle_timeout_url(server: SQLServer) -> Iterator[str]:
-    """A login whose idle connections the server ends after one second (PostgreSQL's
-    ``idle_session_timeout`` for a role of its own; MySQL's global ``wait_timeout``,
-    which it has no per-user form of, put back afterwards)."""
-    if server.scheme == "postgresql":
-        role = f"idle_{uuid.uuid4().hex[:8]}"
-        with server.connect() as conn:
-            conn.execute(f"CREATE ROLE {role} SUPERUSER LOGIN")
-            conn.execute(f"ALTER ROLE {role} SET idle_session_timeout = '1s'")
-        yield f"postgresql://{role}@127.0.0.1:{server.port}/{server.database}"
-        return
-    run = admin(server)
-    (before,) = run("SELECT @@GLOBAL.wait_timeout", ())[0]
-    run("SET GLOBAL wait_timeout = 1", ())
-    try:
-        yield server.url()
-    finally:
-        run(f"SET GLOBAL wait_timeout = {int(before)}", ())
+    """A login whose idle connections the server ends after one second."""
+    with _login_where(server, ("idle_session_timeout", "'1s'"), ("wait_timeout", "1")) as url:
+        yield url
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])
