@@ -131,3 +131,46 @@ def test_session_mode_is_refused_through_a_pooler(
         assert client.lock(name, ttl=10).acquire(timeout=0)
     with dlock.connect(postgresql_server.url("mode=session")) as client:
         assert client.lock(f"{name}-direct", ttl=10).acquire(timeout=0)
+
+
+def test_the_applications_pool_through_the_pooler(
+    pooler: SQLServer, postgresql_server: SQLServer, name: str
+) -> None:
+    """``client=`` with the application's psycopg_pool in front of the pooler (its
+    automatic prepares off, as the pooler needs for the application's own statements).
+    A borrowed connection is asked once whether a pooler stands between: session mode
+    is refused before it takes anything, and lease waiters back off instead of queueing
+    in pooled server sessions."""
+    import psycopg_pool
+
+    with psycopg_pool.ConnectionPool(
+        pooler.url(), min_size=2, max_size=4, kwargs={"prepare_threshold": None}
+    ) as pool:
+        with (
+            dlock.connect("postgresql://?mode=session", client=pool.connection) as client,
+            pytest.raises(dlock.ConfigurationError, match="pooler"),
+        ):
+            client.lock(name, ttl=10).acquire(timeout=0)
+        assert _advisory_locks(postgresql_server) == []
+        tokens: list[int] = []
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                with dlock.connect("postgresql://", client=pool.connection) as client:
+                    for _ in range(10):
+                        with client.lock(name, ttl=10, timeout=20) as lock:
+                            assert lock.fencing_token is not None
+                            tokens.append(lock.fencing_token)
+                            time.sleep(0.002)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert len(set(tokens)) == 20
+        assert _advisory_locks(postgresql_server) == [], "a lock was left on a server session"

@@ -227,7 +227,10 @@ class AsyncServerSQLBackend(AsyncBackend):
         try:
             if loan is None:
                 await self._driver_setup(conn)
-            if self._session_mode and conn.behind_proxy:
+            # Ours are known from their setup; a borrowed one is asked (once).
+            if self._session_mode and (
+                conn.behind_proxy if loan is None else await self._behind_proxy(conn)
+            ):
                 raise ConfigurationError(
                     "session mode is refused through a connection pooler (PgBouncer, "
                     "Odyssey, RDS Proxy and the like: the server's id of the session is "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -152,6 +153,11 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         )
         self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
+        #: Whether a pooler stands in front, by driver connection (a borrowed one comes
+        #: back again and again).
+        self._behind_proxy_by_connection: weakref.WeakKeyDictionary[Any, bool] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncPostgreSQLBackend:
@@ -189,15 +195,20 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     async def _behind_proxy(self, conn: Conn) -> bool:
         if conn.behind_proxy is None:
-            result = await self._run(conn, self._sql["backend_pid"], {})
-            self._note_proxy(conn, int(result.rows[0][0]))
+            # Borrowed: asked once per connection of the application's pool.
+            known = self._behind_proxy_by_connection.get(conn.raw)
+            if known is None:
+                result = await self._run(conn, self._sql["backend_pid"], {})
+                self._note_proxy(conn, int(result.rows[0][0]))
+            else:
+                conn.behind_proxy = known
         return bool(conn.behind_proxy)
 
-    @staticmethod
-    def _note_proxy(conn: Conn, pid: int) -> None:
+    def _note_proxy(self, conn: Conn, pid: int) -> None:
         """A pooler hands the client a session id of its own at connect, not the
         server's: the two differ only when something stands between."""
         conn.behind_proxy = pid != conn.raw.info.backend_pid
+        self._behind_proxy_by_connection[conn.raw] = conn.behind_proxy
 
     async def _driver_adopt(self, raw: Any) -> bool:
         before = bool(raw.autocommit)
