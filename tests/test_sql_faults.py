@@ -712,6 +712,34 @@ def test_session_wait_timeout_does_not_stay_on_pooled_connections(
             assert conn.raw.execute("SHOW lock_timeout").fetchone()[0] == "0"
 
 
+def _count_connects(client: Any) -> list[object]:
+    """From now on, one entry per connection the client's backend makes."""
+    backend = client._backend
+    connects: list[object] = []
+    connect = backend._connect
+
+    def counting_connect() -> object:
+        connects.append(None)
+        return connect()
+
+    backend._connect = counting_connect
+    return connects
+
+
+def _record_statements(client: Any) -> list[str]:
+    """From now on, every statement the client's backend runs."""
+    backend = client._backend
+    statements: list[str] = []
+    run = backend._run
+
+    def recording_run(conn: Any, sql: str, params: Any, wait: float = 0) -> object:
+        statements.append(sql)
+        return run(conn, sql, params, wait)
+
+    backend._run = recording_run
+    return statements
+
+
 def test_turnstile_timeouts_keep_the_waiters_connection(server: SQLServer, name: str) -> None:
     """A waiter behind the one in front times out in the server again and again: each
     is an ordinary end of a wait, not a dead connection to replace."""
@@ -727,15 +755,7 @@ def test_turnstile_timeouts_keep_the_waiters_connection(server: SQLServer, name:
         in_front.start()
         time.sleep(0.3)
         assert behind.inspect(name) is not None  # pools a statement connection
-        backend: Any = behind._backend
-        connects: list[object] = []
-        connect = backend._connect
-
-        def counting_connect() -> object:
-            connects.append(None)
-            return connect()
-
-        backend._connect = counting_connect
+        connects = _count_connects(behind)
         assert behind.lock(name, ttl=30).acquire(timeout=3) is False
         assert len(connects) <= 1, "only the listening connection is new"
         in_front.join()
@@ -790,19 +810,8 @@ def test_waits_outlast_the_servers_statement_timeout(
         time.sleep(0.3)
         assert waiter.inspect(name) is not None  # pools a statement connection
         backend: Any = waiter._backend
-        connects: list[object] = []
-        statements: list[str] = []
-        connect, run = backend._connect, backend._run
-
-        def counting_connect() -> object:
-            connects.append(None)
-            return connect()
-
-        def counting_run(conn: Any, sql: str, params: Any, wait: float = 0) -> object:
-            statements.append(sql)
-            return run(conn, sql, params, wait)
-
-        backend._connect, backend._run = counting_connect, counting_run
+        connects = _count_connects(waiter)
+        statements = _record_statements(waiter)
         threading.Timer(1.5, lock.release).start()
         start = time.monotonic()
         successor = waiter.lock(name, ttl=30)
@@ -1277,15 +1286,7 @@ def test_session_wait_times_out_on_time_and_keeps_its_connection(
         held = first.lock(name, ttl=30)
         assert held.acquire(timeout=0)
         assert second.inspect(name) is not None  # pools a connection
-        backend: Any = second._backend
-        connects: list[object] = []
-        connect = backend._connect
-
-        def counting_connect() -> object:
-            connects.append(None)
-            return connect()
-
-        backend._connect = counting_connect
+        connects = _count_connects(second)
         start = time.monotonic()
         assert second.lock(name, ttl=30).acquire(timeout=1.0) is False
         assert 0.9 <= time.monotonic() - start < 2.0
