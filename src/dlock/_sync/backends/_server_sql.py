@@ -540,17 +540,18 @@ class ServerSQLBackend(Backend):
         lock it may have taken (once the server has noticed the close)."""
         self._drop(conn)
 
-    def _exempt_from_idle_timeout(self, conn: Conn) -> None:
+    def _exempt_from_idle_timeout(self, conn: Conn, returned_open: bool = True) -> None:
         """Turn the server's idle timeout off, once, for a session that holds a lock or
         waits (MySQL's ``wait_timeout``, PostgreSQL's ``idle_session_timeout``). A DBA
         sets it to reap leaked connections; a session lock's connection sits idle on
         purpose, and ending it would free the lock under a live holder, who learns only
         at its next renewal; a lease waiter in front of the queue sits idle until a
         notification. A holder that stops renewing is still ended, by eviction once its
-        lease has run out."""
+        lease has run out. ``returned_open`` false: a borrowed connection that goes
+        back closed (a waiter's) has no setting of its own to put back."""
         if conn.no_idle_timeout:
             return
-        if conn.loan is not None:
+        if conn.loan is not None and returned_open:
             # The application's connection goes back to its pool as it came.
             result = self._run(conn, self._sql["idle_timeout"], {})
             conn.idle_timeout = result.rows[0][0]
@@ -868,7 +869,8 @@ class ServerSQLBackend(Backend):
             sleep(timeout)
         sql, params = self._queue_sql(waiter, wait)
         try:
-            self._exempt_from_idle_timeout(waiter.conn)
+            # A waiter's borrowed connection goes back closed (_keep_for_waiting).
+            self._exempt_from_idle_timeout(waiter.conn, returned_open=False)
             result = self._run(waiter.conn, sql, params, wait=wait)
         except BackendError as exc:
             # PostgreSQL's lock timeout is an OperationalError, so it arrives as
