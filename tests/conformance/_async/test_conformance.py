@@ -175,6 +175,26 @@ async def test_blocked_waiter_is_woken_by_the_release(url: str, name: str) -> No
             finish(waiter)
 
 
+async def test_blocked_waiter_is_woken_by_a_force_release(url: str, name: str) -> None:
+    """``dlock release NAME`` is a new client's first operation: its force release must
+    wake the waiters as a release does, not leave them to the holder's 30 s lease."""
+    async with dlock.aio.connect(url) as client:
+        holder = client.lock(name, ttl=30, auto_renew=False)
+        assert await holder.acquire(timeout=0)
+        waiter = start_worker(FACE, "wait", url, name, "10")
+        try:
+            assert read_line(waiter) == "waiting"
+            await sleep(0.5)
+            released = time.monotonic()
+            async with dlock.aio.connect(url) as operator:
+                assert await operator.force_release(name) is True
+            answer = read_line(waiter)
+            assert answer.startswith("acquired"), answer
+            assert 0 < float(answer.split()[1]) - released < 1.0
+        finally:
+            finish(waiter)
+
+
 async def test_reentrancy(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=5, reentrant=True)

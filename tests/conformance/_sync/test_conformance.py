@@ -174,6 +174,26 @@ def test_blocked_waiter_is_woken_by_the_release(url: str, name: str) -> None:
             finish(waiter)
 
 
+def test_blocked_waiter_is_woken_by_a_force_release(url: str, name: str) -> None:
+    """``dlock release NAME`` is a new client's first operation: its force release must
+    wake the waiters as a release does, not leave them to the holder's 30 s lease."""
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30, auto_renew=False)
+        assert holder.acquire(timeout=0)
+        waiter = start_worker(FACE, "wait", url, name, "10")
+        try:
+            assert read_line(waiter) == "waiting"
+            sleep(0.5)
+            released = time.monotonic()
+            with dlock.connect(url) as operator:
+                assert operator.force_release(name) is True
+            answer = read_line(waiter)
+            assert answer.startswith("acquired"), answer
+            assert 0 < float(answer.split()[1]) - released < 1.0
+        finally:
+            finish(waiter)
+
+
 def test_reentrancy(url: str, name: str) -> None:
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=5, reentrant=True)
