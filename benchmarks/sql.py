@@ -227,15 +227,11 @@ def postgresql_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict
     key = advisory_key("raw", "uncontended")
     bare = _bare_operations(conn.execute, key, PG_TRY_LOCK, PG_TRY_LOCK_COUNTER, PG_UNLOCK)
 
-    lease, session = (
-        postgresql_statements("dlock_locks"),
-        postgresql_statements("dlock_session_locks"),
-    )
-    lease_params, session_params = (
-        _direct_params("dlock_locks"),
-        _direct_params("dlock_session_locks"),
-    )
-    release_params = {**lease_params, "channel": notify_channel("dlock_locks", "direct")}
+    # dlock's statements name the tables in full, as its backend does.
+    lease_table, session_table = "public.dlock_locks", "public.dlock_session_locks"
+    lease, session = postgresql_statements(lease_table), postgresql_statements(session_table)
+    lease_params, session_params = _direct_params(lease_table), _direct_params(session_table)
+    release_params = {**lease_params, "channel": notify_channel(lease_table, "direct")}
 
     def lease_sql() -> None:
         assert conn.execute(lease["acquire_once"], lease_params).fetchall()
@@ -338,14 +334,16 @@ def mariadb_raw(server: SQLServer, cleanup: list[Callable[[], None]]) -> dict[st
     key = named_lock_key("raw", "uncontended")
     bare = _bare_operations(cursor.execute, key, MY_TRY_LOCK, MY_TRY_LOCK_COUNTER, MY_UNLOCK)
 
-    lease, session = mysql_statements("dlock_locks"), mysql_statements("dlock_session_locks")
+    # dlock's statements name the tables in full, as its backend does.
+    lease_table, session_table = "dlock.dlock_locks", "dlock.dlock_session_locks"
+    lease, session = mysql_statements(lease_table), mysql_statements(session_table)
     lease_params = {
-        **_direct_params("dlock_locks"),
-        "turnstile": named_lock_key("dlock_locks:turnstile", "direct"),
+        **_direct_params(lease_table),
+        "turnstile": named_lock_key(lease_table + ":turnstile", "direct"),
     }
     session_params = {
-        **_direct_params("dlock_session_locks"),
-        "key": named_lock_key("dlock_session_locks", "direct"),
+        **_direct_params(session_table),
+        "key": named_lock_key(session_table, "direct"),
     }
 
     def lease_sql() -> None:

@@ -40,8 +40,9 @@ from dlock._sql import (
 from dlock._types import Holder
 from tests.servers.sql import PG_BIN
 
-TABLE = DEFAULT_TABLES["lease"]
-SESSION_TABLE = DEFAULT_TABLES["session"]
+# Named as dlock's PostgreSQL backend names its default tables.
+TABLE = "public." + DEFAULT_TABLES["lease"]
+SESSION_TABLE = "public." + DEFAULT_TABLES["session"]
 NAME = "bench"
 TYPES = {
     "name": "bytea",

@@ -350,6 +350,183 @@ def test_lock_table_in_a_schema_of_its_own(server: SQLServer, name: str, mode: s
         run(f"DROP {kind} {schema}" + (" CASCADE" if kind == "SCHEMA" else ""), ())
 
 
+@contextlib.contextmanager
+def _namespaces(server: SQLServer, count: int) -> Iterator[list[str]]:
+    """New PostgreSQL schemas (MySQL: databases), dropped afterwards."""
+    run = admin(server)
+    kind = "SCHEMA" if server.scheme == "postgresql" else "DATABASE"
+    names = [f"ns_{uuid.uuid4().hex[:8]}" for _ in range(count)]
+    for namespace in names:
+        run(f"CREATE {kind} {namespace}", ())
+    try:
+        yield names
+    finally:
+        for namespace in names:
+            run(f"DROP {kind} {namespace}" + (" CASCADE" if kind == "SCHEMA" else ""), ())
+
+
+def _connection_in(server: SQLServer, namespace: str) -> Any:
+    """The application's connection, looking up unqualified tables in ``namespace``
+    first: a search_path of a tenant's schema (PostgreSQL), a current database (MySQL)."""
+    if server.scheme == "postgresql":
+        conn = psycopg.connect(server.url(), autocommit=True)
+        conn.execute(f"SET search_path = {namespace}, public")
+        return conn
+    flags = CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS
+    return pymysql.connect(
+        host="127.0.0.1",
+        port=server.port,
+        user=server.user,
+        password=server.password,
+        database=namespace,
+        ssl_disabled=True,
+        client_flag=flags,
+    )
+
+
+def _tables_named(server: SQLServer, table: str) -> list[str]:
+    """The schemas (MySQL: databases) that hold a table of this name."""
+    rows = admin(server)(
+        "SELECT table_schema FROM information_schema.tables WHERE table_name = %s", (table,)
+    )
+    return sorted(str(row[0]) for row in rows)
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_one_client_keeps_one_table_whatever_its_connections_look_in(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """An application's connections may look up tables in different places (a tenant's
+    search_path, a ``USE`` of another database). An unqualified table is the one the
+    client's first connection finds, for every later connection too: a lock held
+    through one connection is busy through the next, and its fencing tokens go on."""
+    table = f"locks_{uuid.uuid4().hex[:8]}"
+    with _namespaces(server, 2) as namespaces:
+        lent = iter(namespaces * 10)
+
+        def factory() -> Any:
+            return _connection_in(server, next(lent))
+
+        with dlock.connect(f"{server.scheme}://", client=factory, mode=mode, table=table) as client:
+            first = client.lock(name, ttl=10)
+            assert first.acquire(timeout=0)
+            # A session lock keeps its connection, a lease waiter queues on one of its
+            # own: either way the second lock works through the next namespace.
+            second = client.lock(name, ttl=10)
+            released_at: list[float] = []
+
+            def release_first() -> None:
+                released_at.append(time.monotonic())
+                first.release()
+
+            timer = threading.Timer(0.5, release_first)
+            timer.start()
+            try:
+                assert second.acquire(timeout=10)
+            finally:
+                timer.cancel()
+            acquired_at = time.monotonic()
+            assert released_at and acquired_at >= released_at[0], "two holders at once"
+            assert first.fencing_token is not None and second.fencing_token is not None
+            assert second.fencing_token > first.fencing_token
+            second.release()
+        assert _tables_named(server, table) == [namespaces[0]]
+
+
+@pytest.mark.parametrize("table", [None, "shared_locks"])
+def test_a_new_table_does_not_hide_one_further_along_the_search_path(
+    postgresql_server: SQLServer, name: str, table: str | None
+) -> None:
+    """PostgreSQL creates an unqualified table in the first schema of the search_path,
+    even when one of that name is further along it. A role whose search_path starts
+    with a schema of its own (PostgreSQL 15 suggests one per user, ``"$user", public``)
+    must use the table that `dlock init` made in public, not make a private one and
+    hold the same lock as everybody else."""
+    server = postgresql_server
+    options: dict[str, Any] = {} if table is None else {"table": table}
+    lookup = "dlock_locks" if table is None else table
+    with _namespaces(server, 1) as (tenant,), contextlib.ExitStack() as stack:
+        shared = stack.enter_context(dlock.connect(server.url(), **options))
+        url = stack.enter_context(_login_where(server, ("search_path", f"{tenant}, public")))
+        tenants = stack.enter_context(dlock.connect(url, **options))
+        held = shared.lock(name, ttl=10)
+        assert held.acquire(timeout=0)
+        assert not tenants.lock(name, ttl=10).acquire(timeout=0), "two holders at once"
+        held.release()
+        later = tenants.lock(name, ttl=10)
+        assert later.acquire(timeout=0)
+        assert later.fencing_token is not None and held.fencing_token is not None
+        assert later.fencing_token > held.fencing_token
+        later.release()
+        assert _tables_named(server, lookup) == ["public"]
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_one_table_named_two_ways_is_one_set_of_locks(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """``table=t`` and ``table=<schema>.t`` are the same table, so the same locks: in
+    session mode too, where the database's own lock is keyed by the table's name."""
+    table = f"locks_{uuid.uuid4().hex[:8]}"
+    home = "public" if server.scheme == "postgresql" else server.database
+    plain = server.url(f"mode={mode}&table={table}")
+    qualified = server.url(f"mode={mode}&table={home}.{table}")
+    with dlock.connect(plain) as one, dlock.connect(qualified) as other:
+        held = one.lock(name, ttl=10)
+        assert held.acquire(timeout=0)
+        assert not other.lock(name, ttl=10).acquire(timeout=0), "two holders at once"
+        held.release()
+        later = other.lock(name, ttl=10)
+        assert later.acquire(timeout=0)
+        assert later.fencing_token is not None and held.fencing_token is not None
+        assert later.fencing_token > held.fencing_token
+        later.release()
+
+
+def test_an_unqualified_table_with_nowhere_to_be_is_a_clear_error(
+    server: SQLServer, name: str
+) -> None:
+    """No schema of the search_path exists (PostgreSQL), no database in the URL (MySQL):
+    the error says to name the table in full, before any lock is tried."""
+    table = f"locks_{uuid.uuid4().hex[:8]}"
+    with contextlib.ExitStack() as stack:
+        if server.scheme == "postgresql":
+            url = stack.enter_context(_login_where(server, ("search_path", "nowhere")))
+        else:
+            url = server.url().rsplit("/", 1)[0] + "/"
+        client = stack.enter_context(dlock.connect(url, table=table))
+        with pytest.raises(dlock.ConfigurationError, match=rf"table=<\w+>\.{table}"):
+            client.lock(name, ttl=5).acquire(timeout=0)
+
+
+def test_a_new_clients_force_release_wakes_waiters_on_an_unqualified_table(
+    server: SQLServer, name: str
+) -> None:
+    """A force release is often a new client's first operation (``dlock release``): it
+    wakes the waiters on the channel made from the table's full name, as found by that
+    first connection, not from the name as configured."""
+    url = server.url(f"table=locks_{uuid.uuid4().hex[:8]}")
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30, auto_renew=False)
+        assert holder.acquire(timeout=0)
+        waiter = client.lock(name, ttl=30)
+        woken: list[float] = []
+
+        def wait() -> None:
+            if waiter.acquire(timeout=10):
+                woken.append(time.monotonic())
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.5)
+        released = time.monotonic()
+        with dlock.connect(url) as operator:
+            assert operator.force_release(name)
+        thread.join()
+        assert woken and woken[0] - released < 1.0, "the waiter was not woken"
+        waiter.release()
+
+
 def test_unknown_option_is_refused(server: SQLServer) -> None:
     with pytest.raises(dlock.ConfigurationError, match="unknown"):
         dlock.connect(server.url("colour=blue"))
@@ -522,7 +699,8 @@ def test_a_missing_lock_table_is_a_clear_error(server: SQLServer, name: str, mod
     with dlock.connect(url) as client:
         lock = client.lock(name, ttl=5)
         for operation in (lambda: lock.acquire(timeout=0), lambda: client.inspect(name)):
-            with pytest.raises(dlock.BackendError, match=rf"lock table '{table}'.*dlock init"):
+            # Named in full: in the schema (MySQL: database) the connection looked in.
+            with pytest.raises(dlock.BackendError, match=rf"lock table '\w+\.{table}'.*dlock init"):
                 operation()
         with dlock.connect(url) as admin:
             backend: Any = admin._backend
@@ -904,14 +1082,19 @@ def _advisory_lock_sessions(server: SQLServer, key: int, granted: bool) -> int:
     return int(rows[0][0])
 
 
+def _default_table(server: SQLServer) -> str:
+    """The default lease table as dlock names it, and makes its lock keys from."""
+    home = "public" if server.scheme == "postgresql" else server.database
+    return f"{home}.dlock_locks"
+
+
 def _turnstile_held(server: SQLServer, name: str) -> bool:
     """Whether a lease waiter (or a lease taken in front of the queue) holds the turnstile."""
+    turnstile = _default_table(server) + ":turnstile"
     if server.scheme == "postgresql":
-        key = advisory_key("dlock_locks:turnstile", name)
+        key = advisory_key(turnstile, name)
         return _advisory_lock_sessions(server, key, granted=True) > 0
-    rows = admin(server)(
-        "SELECT IS_USED_LOCK(%s)", (named_lock_key("dlock_locks:turnstile", name),)
-    )
+    rows = admin(server)("SELECT IS_USED_LOCK(%s)", (named_lock_key(turnstile, name),))
     return rows[0][0] is not None
 
 
@@ -1464,7 +1647,7 @@ def test_the_next_acquire_waits_for_the_give_back_of_a_cut_off_one(
             waiting = run(
                 "SELECT id FROM information_schema.processlist "
                 "WHERE info LIKE %s AND id <> CONNECTION_ID()",
-                ("%UPDATE dlock_locks%",),
+                (f"%UPDATE {_default_table(server)}%",),
             )
             assert waiting, "the cut-off statement should still wait for the row"
             for (thread_id,) in waiting:

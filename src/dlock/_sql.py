@@ -46,6 +46,23 @@ def check_table(value: object) -> str:
     return value
 
 
+def quote_mysql_identifier(value: str) -> str:
+    """A name the server gave (a database's) as MySQL reads it: plain, or in backticks."""
+    return value if _IDENTIFIER.fullmatch(value) else "`" + value.replace("`", "``") + "`"
+
+
+#: PostgreSQL: an unqualified table as its schema and name, quoted where they need it.
+#: The table the search_path finds if there is one, else where ``CREATE TABLE`` would
+#: make it (the first schema of the search_path that exists; NULL if none does).
+POSTGRESQL_FIND_TABLE = """
+    SELECT coalesce(
+        (SELECT format('%%I.%%I', n.nspname, c.relname)
+         FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+         WHERE c.oid = pg_catalog.to_regclass(%(table)s)),
+        (SELECT format('%%I.%%I', s, lower(%(table)s))
+         FROM pg_catalog.current_schema() AS s WHERE s IS NOT NULL))"""
+
+
 def encode_name(name: str) -> bytes:
     """Names are stored as their UTF-8 bytes: PostgreSQL text cannot hold NUL, and byte
     order is code point order, so listing sorts exactly as Python sorts str."""
@@ -129,12 +146,17 @@ def check_client_key(key_file: str | None, password: str | None, password_option
 
 
 def parse_server_url(
-    url: str, options: dict[str, Any], passthrough: frozenset[str], socket_option: str
+    url: str,
+    options: dict[str, Any],
+    passthrough: frozenset[str],
+    socket_option: str,
+    default_schema: str | None = None,
 ) -> ServerSettings:
     """Split ``scheme://user:pass@host:port/db?opt=..`` plus ``connect()`` keywords.
 
     ``passthrough`` names the driver options (mostly TLS) handed to the driver as given;
-    ``socket_option``, the driver's own name for a Unix socket to connect through.
+    ``socket_option``, the driver's own name for a Unix socket to connect through;
+    ``default_schema``, where the default table lives.
     """
     parts = urlsplit(url)
     settings: dict[str, Any] = dict(parse_qsl(parts.query))
@@ -154,6 +176,9 @@ def parse_server_url(
     except ValueError:
         raise ConfigurationError(f"{url!r} has an invalid port") from None
     database = unquote(parts.path.lstrip("/")) or None
+    default_table = DEFAULT_TABLES[mode]
+    if default_schema is not None:
+        default_table = f"{default_schema}.{default_table}"
     return ServerSettings(
         host=parts.hostname or "localhost",
         port=port,
@@ -161,7 +186,7 @@ def parse_server_url(
         password=unquote(parts.password) if parts.password is not None else None,
         database=database,
         mode=mode,
-        table=check_table(settings.get("table", DEFAULT_TABLES[mode])),
+        table=check_table(settings.get("table", default_table)),
         connect_timeout=seconds(settings.get("connect_timeout", 5), "connect_timeout"),
         timeout=seconds(settings.get("timeout", 10), "timeout"),
         create_table=flag(settings.get("create_table", True), "create_table"),
@@ -203,7 +228,9 @@ class Dialect:
     fencing counter survives release. Expiry compares ``expires`` with ``now``: the
     *server's* clock in epoch seconds for MariaDB/MySQL and PostgreSQL, so clients with
     skewed clocks agree; for SQLite, which has no server, the host's boot clock.
-    Statements are written with ``%(name)s`` parameters and converted for SQLite.
+    Statements are written with ``%(name)s`` parameters and converted for SQLite. The
+    ``table`` they are given is interpolated: one :func:`check_table` allowed, or the
+    schema the server named for it, quoted (``_pin_table`` in the server backends).
     """
 
     name: str
@@ -230,7 +257,6 @@ class Dialect:
     session_holder_type: str = "VARCHAR(1024)"
 
     def schema(self, table: str, session: bool = False) -> str:
-        check_table(table)
         columns = [
             f"name {self.name_type} PRIMARY KEY",
             f"owner {self.owner_type}",

@@ -30,6 +30,7 @@ from ..._sql import (
     mysql_statements,
     named_lock_key,
     parse_server_url,
+    quote_mysql_identifier,
 )
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease
@@ -105,11 +106,7 @@ def _literal(value: Any, conn: Any) -> str:
 
 class AsyncMySQLBackend(AsyncServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
-        super().__init__(
-            settings,
-            mysql_statements(settings.table),
-            MYSQL.schema(settings.table, session=settings.mode == "session"),
-        )
+        super().__init__(settings)
         try:
             self._ssl = _ssl_context(settings.extra)
         except (OSError, ValueError) as exc:
@@ -119,6 +116,25 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncMySQLBackend:
         # PyMySQL's spelling: ``?unix_socket=/run/mysqld/mysqld.sock``.
         return cls(parse_server_url(url, options, PASSTHROUGH, socket_option="unix_socket"))
+
+    #: Told by the first connection (``_note_server``).
+    _mariadb = False
+
+    def _statements(self, table: str) -> tuple[dict[str, str], str]:
+        statements = mysql_statements(table)
+        if self._mariadb:
+            for key in WAITS:
+                statements[key] = f"SET STATEMENT max_statement_time = 0 FOR {statements[key]}"
+        return statements, MYSQL.schema(table, session=self._session_mode)
+
+    async def _driver_find_table(self, conn: Conn, table: str) -> str:
+        database = (await self._run(conn, "SELECT DATABASE()", {})).rows[0][0]
+        if database is None:
+            raise ConfigurationError(
+                f"no database to keep the lock table {table!r} in: name one in the URL "
+                f"(mysql://host/<database>) or in the table, table=<database>.{table}"
+            )
+        return f"{quote_mysql_identifier(str(database))}.{table}"
 
     async def _driver_connect(self) -> Any:
         s = self._settings
@@ -171,16 +187,9 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         (``SET STATEMENT``, MariaDB's own syntax); the wait's timeout bounds them."""
         if self._wait_grain is not None:
             return
-        mariadb = "MariaDB" in raw.get_server_info()
-        self._wait_grain = 0.0 if mariadb else 1.0
-        if mariadb:
-            self._sql = {
-                **self._sql,
-                **{
-                    key: f"SET STATEMENT max_statement_time = 0 FOR {self._sql[key]}"
-                    for key in WAITS
-                },
-            }
+        self._mariadb = "MariaDB" in raw.get_server_info()
+        self._wait_grain = 0.0 if self._mariadb else 1.0
+        self._use_table(self._table)
 
     def _driver_is_connection(self, value: Any) -> bool:
         return isinstance(value, aiomysql.Connection)

@@ -101,12 +101,13 @@ class ServerSQLBackend(Backend):
     #: ``GET_LOCK``); None or 0: any wait.
     _wait_grain: float | None = None
 
-    def __init__(self, settings: ServerSettings, statements: dict[str, str], schema: str):
+    def __init__(self, settings: ServerSettings):
         self._settings = settings
-        self._table = settings.table
-        self._sql = statements
-        self._schema = schema
         self._session_mode = settings.mode == "session"
+        self._use_table(settings.table)
+        #: Whether ``_table`` names its schema (MySQL: database). An unqualified table is
+        #: named in full once the client's first connection has found it (``_pin_table``).
+        self._table_pinned = "." in settings.table
         # A session-mode wait is the database's own lock: it cannot miss a release, so
         # a blocking acquire needs no attempt before entering the waiter.
         self.queues_waiters = self._session_mode
@@ -130,6 +131,15 @@ class ServerSQLBackend(Backend):
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
+
+    @abstractmethod
+    def _statements(self, table: str) -> tuple[dict[str, str], str]:
+        """This database's statements and schema DDL for ``table``."""
+
+    @abstractmethod
+    def _driver_find_table(self, conn: Conn, table: str) -> str:
+        """The unqualified ``table`` named in full, as ``conn`` finds it (or would
+        create it), or ConfigurationError if it has nowhere to be."""
 
     @abstractmethod
     def _driver_connect(self) -> Any:
@@ -238,12 +248,39 @@ class ServerSQLBackend(Backend):
                     "a session that other clients then use. Connect session mode to the "
                     "database directly, or use lease mode, which works through poolers"
                 )
+            if not self._table_pinned:
+                self._pin_table(conn)
             if not self._schema_ready:
                 self._ensure_schema(conn)
         except BaseException:
             self._drop(conn)
             raise
         return conn
+
+    def _use_table(self, table: str) -> None:
+        self._table = table
+        self._sql, self._schema = self._statements(table)
+
+    def _pin_table_first(self) -> None:
+        """Before an operation makes lock keys (turnstile, channel) from the table's
+        name: the client's first connection pins the table, and stays pooled."""
+        if not self._table_pinned:
+            self._give(self._take())
+
+    def _pin_table(self, conn: Conn) -> None:
+        """Name an unqualified table in full, as the client's first connection finds it.
+
+        Where an unqualified table is depends on the connection (PostgreSQL's
+        search_path, MySQL's current database), and the application's connections may
+        differ (a tenant's search_path, a ``USE``). One client must mean one table in
+        every statement and every lock key, or two holders could each take a name in a
+        table of their own. It also keeps ``CREATE TABLE`` from making a new table in
+        front of one further along the search_path.
+        """
+        table = self._driver_find_table(conn, self._table)
+        if not self._table_pinned:  # a concurrent first connection may have been faster
+            self._table_pinned = True
+            self._use_table(table)
 
     def _open(self) -> tuple[Any, Loan | None]:
         """A connection from the URL, or from ``client=``: a function returning a
@@ -449,6 +486,7 @@ class ServerSQLBackend(Backend):
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        self._pin_table_first()
         if self._session_mode:
             return self._session_acquire(name, token, ttl, holder, reentrant)
         return self._lease_acquire(name, token, ttl, holder, reentrant)
@@ -752,6 +790,7 @@ class ServerSQLBackend(Backend):
             self._unpark(token)
 
     def force_release(self, name: str) -> bool:
+        self._pin_table_first()
         if not self._session_mode:
             return self._lease_force_release(name)
         return self._session_force_release(name)

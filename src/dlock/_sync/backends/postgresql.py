@@ -9,6 +9,7 @@ released instead of polling.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -21,9 +22,10 @@ import psycopg.errors
 from psycopg import sql as psql
 from psycopg.abc import PQGen
 
-from ..._errors import BackendError, BackendUnavailable
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
     POSTGRESQL,
+    POSTGRESQL_FIND_TABLE,
     ServerSettings,
     advisory_key,
     check_client_key,
@@ -144,16 +146,14 @@ PASSTHROUGH = frozenset(
 
 class PostgreSQLBackend(ServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
-        super().__init__(
-            settings,
-            postgresql_statements(settings.table),
-            POSTGRESQL.schema(settings.table, session=settings.mode == "session"),
-        )
+        if "." in settings.table:
+            # As PostgreSQL reads it (unquoted names fold to lower case): one spelling
+            # for the lock keys, which are made from it.
+            settings = dataclasses.replace(settings, table=settings.table.lower())
+        super().__init__(settings)
         check_client_key(
             settings.extra.get("sslkey"), settings.extra.get("sslpassword"), "sslpassword"
         )
-        self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
-        self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
         #: Whether a pooler stands in front, by driver connection (a borrowed one comes
         #: back again and again).
         self._behind_proxy_by_connection: weakref.WeakKeyDictionary[Any, bool] = (
@@ -163,7 +163,32 @@ class PostgreSQLBackend(ServerSQLBackend):
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> PostgreSQLBackend:
         # libpq's spelling: ``?host=/run/postgresql``, a directory holding the socket.
-        return cls(parse_server_url(url, options, PASSTHROUGH, socket_option="host"))
+        # The default table is in public, whatever each role's search_path says: roles
+        # with a schema of their own would otherwise each make their own table.
+        settings = parse_server_url(
+            url, options, PASSTHROUGH, socket_option="host", default_schema="public"
+        )
+        return cls(settings)
+
+    def _statements(self, table: str) -> tuple[dict[str, str], str]:
+        return (
+            postgresql_statements(table),
+            POSTGRESQL.schema(table, session=self._session_mode),
+        )
+
+    def _use_table(self, table: str) -> None:
+        super()._use_table(table)
+        self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
+        self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
+
+    def _driver_find_table(self, conn: Conn, table: str) -> str:
+        found = (self._run(conn, POSTGRESQL_FIND_TABLE, {"table": table})).rows[0][0]
+        if found is None:
+            raise ConfigurationError(
+                f"no schema to keep the lock table {table!r} in: none of the search_path "
+                f"exists; name one, table=<schema>.{table}"
+            )
+        return str(found)
 
     def _driver_connect(self) -> Any:
         s = self._settings
