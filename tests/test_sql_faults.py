@@ -1444,6 +1444,40 @@ def test_client_option_refuses_a_mysql_connection_without_found_rows(
     assert made and not made[0].open, "the refused connection is closed"
 
 
+def test_a_connection_lent_inside_a_transaction_is_refused(server: SQLServer, name: str) -> None:
+    """dlock's statements commit on their own. A connection in the middle of the
+    application's transaction is refused before dlock sends or sets anything: on MySQL
+    turning autocommit on would commit the application's unfinished work."""
+    table = f"work_{uuid.uuid4().hex[:8]}"
+    run = admin(server)
+    run(f"CREATE TABLE {table} (x INTEGER)", ())
+    conn: Any
+    if server.scheme == "postgresql":
+        conn = psycopg.connect(server.url())
+    else:
+        conn = pymysql.connect(
+            host="127.0.0.1",
+            port=server.port,
+            user=server.user,
+            password=server.password,
+            database=server.database,
+            ssl_disabled=True,
+            client_flag=CLIENT.FOUND_ROWS,
+        )
+    try:
+        conn.cursor().execute(f"INSERT INTO {table} VALUES (1)")  # not committed
+        with (
+            dlock.connect(f"{server.scheme}://", client=lambda: conn) as client,
+            pytest.raises(dlock.ConfigurationError, match="transaction"),
+        ):
+            client.lock(name, ttl=5).acquire(timeout=0)
+        assert run(f"SELECT count(*) FROM {table}", ())[0][0] == 0, "committed by dlock"
+    finally:
+        with contextlib.suppress(pymysql.err.Error):  # the refused one is closed already
+            conn.close()
+        run(f"DROP TABLE {table}", ())
+
+
 def test_session_mode_refuses_a_transaction_pooling_proxy(
     postgresql_server: SQLServer, name: str
 ) -> None:

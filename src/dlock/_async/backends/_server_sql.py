@@ -151,7 +151,8 @@ class AsyncServerSQLBackend(AsyncBackend):
     @abstractmethod
     async def _driver_adopt(self, raw: Any) -> bool:
         """Make a connection from ``client=`` fit for dlock (autocommit), or refuse it
-        with ConfigurationError; return its autocommit setting before."""
+        with ConfigurationError; return its autocommit setting before. One inside a
+        transaction is refused (``_refuse_open_transaction``)."""
 
     async def _driver_setup(self, conn: Conn) -> None:
         """Give a new connection of ours the session settings dlock's statements need.
@@ -261,6 +262,17 @@ class AsyncServerSQLBackend(AsyncBackend):
     def _use_table(self, table: str) -> None:
         self._table = table
         self._sql, self._schema = self._statements(table)
+
+    @staticmethod
+    def _refuse_open_transaction(status: str) -> None:
+        """dlock's statements commit on their own: adopting a connection in the middle of
+        the application's transaction would commit its unfinished work with them (MySQL
+        commits when autocommit is turned on) or fail (PostgreSQL)."""
+        raise ConfigurationError(
+            f"client= gave a connection inside a transaction ({status}): dlock commits its "
+            "own statements, and would commit the application's work with them; lend a "
+            "connection that is not in a transaction"
+        )
 
     async def _pin_table_first(self) -> None:
         """Before an operation makes lock keys (turnstile, channel) from the table's

@@ -19,7 +19,7 @@ from typing import Any
 import aiomysql
 import aiomysql.cursors
 import pymysql
-from pymysql.constants import CLIENT
+from pymysql.constants import CLIENT, SERVER_STATUS
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
@@ -201,6 +201,8 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
                 "(pymysql.constants.CLIENT): without it a renewal that changes nothing "
                 "counts as lost"
             )
+        if raw.server_status & SERVER_STATUS.SERVER_STATUS_IN_TRANS:
+            self._refuse_open_transaction("the server reports one open")
         self._note_server(raw)
         before = bool(raw.get_autocommit())
         await raw.autocommit(True)

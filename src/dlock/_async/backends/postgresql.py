@@ -236,6 +236,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         self._behind_proxy_by_connection[conn.raw] = conn.behind_proxy
 
     async def _driver_adopt(self, raw: Any) -> bool:
+        status = raw.info.transaction_status
+        if status != psycopg.pq.TransactionStatus.IDLE:
+            self._refuse_open_transaction(f"status {status.name}")
         before = bool(raw.autocommit)
         await raw.set_autocommit(True)
         return before

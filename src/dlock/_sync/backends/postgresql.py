@@ -237,6 +237,9 @@ class PostgreSQLBackend(ServerSQLBackend):
         self._behind_proxy_by_connection[conn.raw] = conn.behind_proxy
 
     def _driver_adopt(self, raw: Any) -> bool:
+        status = raw.info.transaction_status
+        if status != psycopg.pq.TransactionStatus.IDLE:
+            self._refuse_open_transaction(f"status {status.name}")
         before = bool(raw.autocommit)
         raw.set_autocommit(True)
         return before
