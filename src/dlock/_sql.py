@@ -236,8 +236,8 @@ class Dialect:
     name: str
     #: The clock, evaluated once per statement.
     now: str
-    #: The server's clock in whole microseconds since the epoch: the floor of session
-    #: mode's fencing counter (see :func:`session_fence`).
+    #: The server's clock in whole microseconds since the epoch: the floor of the
+    #: fencing counters (see :func:`next_fence`); empty for SQLite, which has none.
     clock_us: str
     name_type: str
     owner_type: str
@@ -275,16 +275,18 @@ class Dialect:
         )
         return f"CREATE {kind} IF NOT EXISTS {table} ({', '.join(columns)}){options}"
 
-    def session_fence(self, previous: str) -> str:
-        """Session mode's next fencing token: one more than ``previous``, and never below
-        the server's clock in microseconds.
+    def next_fence(self, previous: str) -> str:
+        """A server's next fencing token: one more than ``previous``, and never below
+        the server's clock in microseconds (a new row starts at the clock).
 
-        The session table is not crash-safe (UNLOGGED, MEMORY): a crash, a restart or a
-        failover may lose its rows and with them the counter. Tokens handed out so far
-        are at most the clock at their time (a name is taken at most once per
-        microsecond), so after such a loss the clock alone keeps them increasing, unless
-        the server's clock went back by more than the outage lasted. While the row lives,
-        the ``+ 1`` keeps them increasing whatever the clock does.
+        The table can fall behind tokens already handed out. Session mode's is not
+        crash-safe (UNLOGGED, MEMORY): a crash or a restart empties it. The lease table
+        can lose its latest grants in a failover to an asynchronous replica, or in a
+        restore from a backup, while a holder cut off by it still writes with its token.
+        Tokens handed out so far are at most the clock at their time (a name is taken at
+        most once per microsecond), so after such a loss the clock alone keeps them
+        increasing, unless the server's clock went back by more than the outage lasted.
+        While the row lives, the ``+ 1`` keeps them increasing whatever the clock does.
         """
         return f"GREATEST({previous} + 1, {self.clock_us})"
 
@@ -429,13 +431,13 @@ def postgresql_statements(table: str) -> dict[str, str]:
     # acquirer re-checks the WHERE on the row it waited for, so one of them wins.
     acquire = f"""
             UPDATE {table} SET
-                fence = CASE WHEN {reenter} THEN fence ELSE fence + 1 END,
+                fence = CASE WHEN {reenter} THEN fence ELSE {d.next_fence("fence")} END,
                 count = CASE WHEN {reenter} THEN count + 1 ELSE 1 END,
                 owner = %(owner)s, expires = {now} + %(ttl)s, holder = %(holder)s
             WHERE name = %(name)s AND (NOT {live} OR {reenter})
             """
     acquire_once = f"""
-            UPDATE {table} SET fence = fence + 1, count = 1,
+            UPDATE {table} SET fence = {d.next_fence("fence")}, count = 1,
                 owner = %(owner)s, expires = {now} + %(ttl)s, holder = %(holder)s
             WHERE name = %(name)s AND NOT {live}
             """
@@ -487,7 +489,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s""",
         "create_row": f"""
             INSERT INTO {table} (name, owner, fence, count, expires, holder)
-            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s)
+            VALUES (%(name)s, %(owner)s, {d.clock_us}, 1, {now} + %(ttl)s, %(holder)s)
             ON CONFLICT (name) DO NOTHING
             RETURNING fence, count""",
         # The last release wakes waiters on the name's channel, in the same statement.
@@ -519,7 +521,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "session_acquire": f"""
             WITH l AS (SELECT pg_try_advisory_lock(%(key)s) AS ok),
             bump AS (
-                UPDATE {table} SET fence = {d.session_fence("fence")}, owner = %(owner)s,
+                UPDATE {table} SET fence = {d.next_fence("fence")}, owner = %(owner)s,
                     count = 1, expires = {now} + %(ttl)s, holder = %(holder)s,
                     session = pg_backend_pid(), lock_key = %(key)s
                 FROM l WHERE l.ok AND name = %(name)s
@@ -537,7 +539,7 @@ def postgresql_statements(table: str) -> dict[str, str]:
             VALUES (%(name)s, %(owner)s, {d.clock_us}, 1, {now} + %(ttl)s, %(holder)s,
                     pg_backend_pid(), %(key)s)
             ON CONFLICT (name) DO UPDATE SET
-                fence = {d.session_fence("x.fence")}, owner = excluded.owner, count = 1,
+                fence = {d.next_fence("x.fence")}, owner = excluded.owner, count = 1,
                 expires = excluded.expires, holder = excluded.holder,
                 session = excluded.session, lock_key = excluded.lock_key
             RETURNING fence, session""",
@@ -613,7 +615,7 @@ def mysql_statements(table: str) -> dict[str, str]:
     turnstile = "IS_USED_LOCK(%(turnstile)s)"
     may_take = f"IFNULL({turnstile}, 0) IN (0, session)"
     acquire_front = f"""
-            UPDATE {table} SET fence = LAST_INSERT_ID(fence + 1), count = 1,
+            UPDATE {table} SET fence = LAST_INSERT_ID({d.next_fence("fence")}), count = 1,
                 session = CONNECTION_ID(),
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s AND NOT {live} AND {turnstile} = CONNECTION_ID()"""
@@ -623,7 +625,7 @@ def mysql_statements(table: str) -> dict[str, str]:
                    %(holder)s, CONNECTION_ID(), %(key)s
             FROM DUAL WHERE {{condition}}
             ON DUPLICATE KEY UPDATE
-                fence = LAST_INSERT_ID({d.session_fence("fence")}), owner = %(owner)s, count = 1,
+                fence = LAST_INSERT_ID({d.next_fence("fence")}), owner = %(owner)s, count = 1,
                 expires = {now} + %(ttl)s, holder = %(holder)s,
                 session = CONNECTION_ID(), lock_key = %(key)s"""
     return {
@@ -633,20 +635,22 @@ def mysql_statements(table: str) -> dict[str, str]:
         "acquire": f"""
             UPDATE {table} SET
                 fence = IF({live} AND owner = %(owner)s,
-                           LAST_INSERT_ID(fence), LAST_INSERT_ID(fence + 1)),
+                           LAST_INSERT_ID(fence), LAST_INSERT_ID({d.next_fence("fence")})),
                 count = IF({live} AND owner = %(owner)s, count + 1, 1),
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s
                 AND ((NOT {live} AND {may_take}) OR (owner = %(owner)s AND %(reentrant)s))""",
-        # Inserted: the insert id is 1. Already there: the update clause, evaluated after
-        # VALUES, resets it to 0 and changes nothing (INSERT IGNORE would warn instead).
+        # Inserted: the insert id is the new fence. Already there: the update clause,
+        # evaluated after VALUES, resets it to 0 and changes nothing (INSERT IGNORE would
+        # warn instead).
         "create_row": f"""
             INSERT INTO {table} (name, owner, fence, count, expires, holder)
-            VALUES (%(name)s, %(owner)s, LAST_INSERT_ID(1), 1, {now} + %(ttl)s, %(holder)s)
+            VALUES (%(name)s, %(owner)s, LAST_INSERT_ID({d.clock_us}), 1, {now} + %(ttl)s,
+                    %(holder)s)
             ON DUPLICATE KEY UPDATE fence = fence + LAST_INSERT_ID(0)""",
         # The usual, non-reentrant acquire: shorter to send, parse and evaluate.
         "acquire_once": f"""
-            UPDATE {table} SET fence = LAST_INSERT_ID(fence + 1), count = 1,
+            UPDATE {table} SET fence = LAST_INSERT_ID({d.next_fence("fence")}), count = 1,
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s AND NOT {live} AND {may_take}""",
         # The waiter in front of the queue, on the connection that holds the turnstile.

@@ -383,8 +383,8 @@ class ServerSQLBackend(Backend):
 
     def _missing_table(self, reason: str) -> BackendError:
         """The lock table is not there (``create_table=false``, or dropped since): say
-        how to make it. Never re-created behind the holders' backs: a new table would
-        start the fencing counters again from 1."""
+        how to make it. Never re-created behind the holders' backs: a table that
+        vanished was dropped on purpose, or this is not the database it was made in."""
         return BackendError(
             f"the lock table {self._table!r} does not exist ({reason}); create it with "
             "`dlock init` (or connect with create_table=true)"

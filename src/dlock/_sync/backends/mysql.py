@@ -374,8 +374,8 @@ class MySQLBackend(ServerSQLBackend):
         # First use of this name here: create its row, already held by us if it is new.
         created = self._call("create_row", params)
         self._remember(params["name"])
-        if created.insert_id == 1:
-            return Acquired(1, 1)
+        if created.insert_id:
+            return Acquired(created.insert_id, 1)
         # Someone else's row appeared (or was there): one more try for a free one.
         result = self._call("acquire", params)
         return Acquired(result.insert_id, 1) if result.rowcount > 0 else Busy()
