@@ -221,6 +221,20 @@ def test_lease_fencing_survives_a_table_behind_its_tokens(
     assert len(known) == 4 and known == sorted(set(known)), f"fencing tokens went back: {tokens}"
 
 
+def test_a_name_whose_row_a_failover_lost_can_be_taken_again(server: SQLServer, name: str) -> None:
+    """A failover to a replica that never saw a name's row (or a restore from an older
+    backup) ends every connection. A client that knew the name to have a row must not
+    go on answering "busy" for it with no row there: a try-lock would never run again."""
+    with dlock.connect(server.url()) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+        admin(server)("DELETE FROM dlock_locks WHERE name = %s", (name.encode(),))
+        kill_other_sessions(server)
+        assert lock.acquire(timeout=0), "busy, for a name with no row"
+        lock.release()
+
+
 def test_mysql_clock_ignores_daylight_saving(mariadb_server: SQLServer) -> None:
     """The server clock that leases expire by is the epoch whatever the time zone: with
     UNIX_TIMESTAMP(NOW(6)), 02:30 CEST on the autumn change day read as 02:30 CET, an

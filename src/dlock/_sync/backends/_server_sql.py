@@ -317,6 +317,7 @@ class ServerSQLBackend(Backend):
             # statement that fails in flight is never sent again: weed it out first.
             if not self._driver_idle_dead(raw):
                 return raw, loan
+            self._connection_died()
             self._give_back(raw, loan, keep=False)
         raise BackendUnavailable("the client= pool lent only dead connections")
 
@@ -400,8 +401,16 @@ class ServerSQLBackend(Backend):
             conn = self._idle.pop()
             if not self._driver_idle_dead(conn.raw):
                 return conn
+            self._connection_died()
             self._drop(conn)
         return self._connect()
+
+    def _connection_died(self) -> None:
+        """The server may have restarted, or failed over to a replica, or been restored
+        from a backup: a name's row seen before may be gone. Names known to have one are
+        asked about again (on their next busy answer), or a try-lock of a name whose row
+        was lost would be told "busy" for as long as this client lives."""
+        self._known.clear()
 
     def _give(self, conn: Conn) -> None:
         """Back to the pool; beyond its size (after a burst) closed at once."""
@@ -453,7 +462,10 @@ class ServerSQLBackend(Backend):
                 self._driver_execute(conn.raw, sql, params, bound), bound + BACKSTOP
             )
         except Exception as exc:
-            raise self._wrap(exc) from exc
+            error = self._wrap(exc)
+            if isinstance(error, BackendUnavailable):
+                self._connection_died()
+            raise error from exc
 
     def _call(self, key: str, params: dict[str, Any], sql: str | None = None) -> Result:
         """One statement on a pooled connection, sent once.
