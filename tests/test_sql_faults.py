@@ -1065,16 +1065,27 @@ def _row_locked_then_freed(
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])
-def test_a_stricter_default_isolation_does_not_fail_acquires(
-    postgresql_server: SQLServer, name: str, mode: str
+@pytest.mark.parametrize(
+    "setting",
+    [("default_transaction_isolation", "'repeatable read'"), ("lock_timeout", "'20ms'")],
+    ids=["repeatable-read", "lock-timeout"],
+)
+def test_a_roles_defaults_do_not_fail_contended_acquires(
+    postgresql_server: SQLServer, name: str, mode: str, setting: tuple[str, str]
 ) -> None:
-    """Under REPEATABLE READ (a database's or role's default) an UPDATE that waited
-    for a concurrent one fails with a serialization error instead of re-checking the
-    row: contended acquires failed as ``BackendUnavailable``. dlock's connections run
-    its statements in READ COMMITTED whatever the default."""
+    """A database's or role's defaults that an acquire waiting for a row must survive:
+
+    - under REPEATABLE READ an UPDATE that waited for a concurrent one fails with a
+      serialization error instead of re-checking the row; dlock's connections run its
+      statements in READ COMMITTED whatever the default;
+    - a short ``lock_timeout`` (a guard against lock queues) cancels the wait; dlock's
+      statements hold a row for microseconds, and their waits are bounded by dlock's
+      own ``timeout``, so its connections turn it off.
+
+    Either way contended acquires failed as ``BackendUnavailable``."""
     table = "dlock_locks" if mode == "lease" else "dlock_session_locks"
     with (
-        _strict_role(postgresql_server) as url,
+        _login_where(postgresql_server, setting) as url,
         dlock.connect(f"{url}?mode={mode}") as client,
     ):
         first = client.lock(name, ttl=5)

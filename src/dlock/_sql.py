@@ -464,10 +464,14 @@ def postgresql_statements(table: str) -> dict[str, str]:
         # concurrent one re-checks its WHERE on the row as that one left it. Under a
         # database's or role's stricter default (REPEATABLE READ, SERIALIZABLE) it
         # would fail instead ("could not serialize access"), and contended acquires
-        # with it. The server's id of the session tells whether a pooler stands between.
+        # with it. A short lock_timeout (a DBA's guard against lock queues) would cancel
+        # such a wait: dlock's statements hold a row for microseconds, and their waits
+        # are bounded by its own timeout (its turnstile waits set their own). The
+        # server's id of the session tells whether a pooler stands between.
         "setup": """
             SELECT pg_backend_pid() FROM (SELECT
-                set_config('default_transaction_isolation', 'read committed', false)) AS s""",
+                set_config('default_transaction_isolation', 'read committed', false),
+                set_config('lock_timeout', '0', false)) AS s""",
         "backend_pid": "SELECT pg_backend_pid()",
         "acquire": acquire + returning,
         # The usual, non-reentrant acquire: shorter to evaluate.
