@@ -235,6 +235,33 @@ def test_a_name_whose_row_a_failover_lost_can_be_taken_again(server: SQLServer, 
         lock.release()
 
 
+def test_session_force_release_ends_the_holder_not_the_next_one(
+    server: SQLServer, name: str
+) -> None:
+    """A force release ends the holder's session, and the waiter queued in the server
+    takes the lock at that moment. The release must not end the waiter's session too,
+    nor miss the holder it ended (PostgreSQL re-checked its condition, ending sessions,
+    on the row the waiter had just written). Raced a few times over."""
+    url = server.url("mode=session")
+    with dlock.connect(url) as holders, dlock.connect(url) as waiters:
+        for turn in range(8):
+            lock_name = f"{name}-{turn}"
+            holder = holders.lock(lock_name, ttl=30, auto_renew=False)
+            assert holder.acquire(timeout=0)
+            waiter = waiters.lock(lock_name, ttl=30, auto_renew=False)
+            thread = threading.Thread(target=waiter.acquire, kwargs={"timeout": 10})
+            thread.start()
+            time.sleep(0.2)  # queued in the server
+            with dlock.connect(url) as operator:
+                assert operator.force_release(lock_name), f"turn {turn}: holder not ended"
+            thread.join()
+            assert waiter.owned()
+            waiter.extend()  # its session and its row are intact
+            info = waiters.inspect(lock_name)
+            assert info is not None and info.fencing_token == waiter.fencing_token
+            waiter.release()
+
+
 def test_mysql_clock_ignores_daylight_saving(mariadb_server: SQLServer) -> None:
     """The server clock that leases expire by is the epoch whatever the time zone: with
     UNIX_TIMESTAMP(NOW(6)), 02:30 CEST on the autumn change day read as 02:30 CET, an

@@ -416,13 +416,17 @@ def postgresql_statements(table: str) -> dict[str, str]:
     """PostgreSQL: every operation is one statement, one round trip."""
     d = POSTGRESQL
     now = d.now
+
     # Session mode: a row is held while its session still holds the advisory lock (the
     # 64-bit key is split by PostgreSQL into classid, the high half, and objid, the low).
-    held = f"""EXISTS (SELECT 1 FROM pg_locks l
+    def held_by(row: str) -> str:
+        return f"""EXISTS (SELECT 1 FROM pg_locks l
                 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                  AND l.pid = {table}.session
-                  AND l.classid::bigint = ({table}.lock_key >> 32) & 4294967295
-                  AND l.objid::bigint = {table}.lock_key & 4294967295)"""
+                  AND l.pid = {row}.session
+                  AND l.classid::bigint = ({row}.lock_key >> 32) & 4294967295
+                  AND l.objid::bigint = {row}.lock_key & 4294967295)"""
+
+    held = held_by(table)
     columns = f"name, fence, count, expires - {now}, holder"
     live = d.live()
     reenter = f"({live} AND owner = %(owner)s AND %(reentrant)s)"
@@ -580,10 +584,22 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
         # Only its own session can free an advisory lock; the row is cleared as well.
+        # The row is locked first (FOR UPDATE), and only then is the holder's session
+        # ended (``ended`` reads the locked row). Ending it inside the UPDATE's own
+        # condition let the waiter, granted at that moment, write the row before the
+        # UPDATE did: READ COMMITTED then checked the condition again on the waiter's
+        # row, and ended the waiter's session too (or, not seeing its lock yet, cleared
+        # nothing and answered "was not held"). Locked, the waiter's record waits for
+        # this statement's commit and is written after it.
         "session_force_release": f"""
+            WITH target AS (
+                SELECT session, lock_key FROM {table} WHERE name = %(name)s FOR UPDATE),
+            ended AS (
+                SELECT CASE WHEN {held_by("target")}
+                            THEN pg_terminate_backend(target.session::int) ELSE false END AS ok
+                FROM target)
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            WHERE name = %(name)s
-              AND CASE WHEN {held} THEN pg_terminate_backend(session::int) ELSE false END
+            FROM ended WHERE name = %(name)s AND ended.ok
             RETURNING 1""",
     }
 
