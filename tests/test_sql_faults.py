@@ -165,31 +165,38 @@ def test_database_restart_while_a_lease_is_held(server: SQLServer, name: str) ->
         successor.release()
 
 
+def _tokens_of_turns(url: str, name: str, turns: int) -> list[int | None]:
+    """The fencing tokens of ``turns`` acquisitions of ``name`` in a row, by one client."""
+    tokens: list[int | None] = []
+    with dlock.connect(url) as client:
+        for _ in range(turns):
+            lock = client.lock(name, ttl=5)
+            assert lock.acquire(timeout=0)
+            tokens.append(lock.fencing_token)
+            lock.release()
+    return tokens
+
+
+def _assert_increasing(tokens: list[int | None]) -> None:
+    known = [token for token in tokens if token is not None]
+    assert len(known) == len(tokens), f"acquired without a token: {tokens}"
+    assert known == sorted(set(known)), f"fencing tokens went back: {tokens}"
+
+
 def test_session_fencing_survives_a_crash_that_empties_the_table(
     server: SQLServer, name: str
 ) -> None:
     """Session mode keeps its counters in a table that a crash empties (UNLOGGED,
     MEMORY); tokens must still increase, from the server's clock."""
-    with dlock.connect(server.url("mode=session")) as client:
-        lock = client.lock(name, ttl=5)
-        tokens: list[int | None] = []
-        for _ in range(3):
-            assert lock.acquire(timeout=0)
-            tokens.append(lock.fencing_token)
-            lock.release()
+    url = server.url("mode=session")
+    tokens = _tokens_of_turns(url, name, 3)
     if server.scheme == "postgresql":
         # The test server commits asynchronously: make the table itself durable first.
         admin(server)("CHECKPOINT", ())
     server.crash_restart()
     rows = admin(server)("SELECT fence FROM dlock_session_locks WHERE name = %s", (name.encode(),))
     assert rows == [], "the crash emptied the table (else this test proves nothing)"
-    with dlock.connect(server.url("mode=session")) as client:
-        lock = client.lock(name, ttl=5)
-        assert lock.acquire(timeout=0)
-        tokens.append(lock.fencing_token)
-        lock.release()
-    known = [token for token in tokens if token is not None]
-    assert len(known) == 4 and known == sorted(set(known)), f"fencing tokens went back: {tokens}"
+    _assert_increasing(tokens + _tokens_of_turns(url, name, 1))
 
 
 @pytest.mark.parametrize("loss", ["grants rolled back", "row lost"])
@@ -200,25 +207,14 @@ def test_lease_fencing_survives_a_table_behind_its_tokens(
     restore from a backup, leaves the lease table behind tokens already handed out. A
     holder cut off by it may still write with its token: the next holder's must be
     larger, or the fencing check downstream lets the old holder's writes in."""
-    tokens: list[int | None] = []
-    with dlock.connect(server.url()) as client:
-        for _ in range(3):
-            lock = client.lock(name, ttl=5)
-            assert lock.acquire(timeout=0)
-            tokens.append(lock.fencing_token)
-            lock.release()
+    tokens = _tokens_of_turns(server.url(), name, 3)
     run = admin(server)
     if loss == "row lost":
         run("DELETE FROM dlock_locks WHERE name = %s", (name.encode(),))
     else:
         run("UPDATE dlock_locks SET fence = %s WHERE name = %s", (tokens[0], name.encode()))
-    with dlock.connect(server.url()) as client:  # as the application, reconnected
-        lock = client.lock(name, ttl=5)
-        assert lock.acquire(timeout=0)
-        tokens.append(lock.fencing_token)
-        lock.release()
-    known = [token for token in tokens if token is not None]
-    assert len(known) == 4 and known == sorted(set(known)), f"fencing tokens went back: {tokens}"
+    # A new client, as the application's after the failover.
+    _assert_increasing(tokens + _tokens_of_turns(server.url(), name, 1))
 
 
 def test_a_name_whose_row_a_failover_lost_can_be_taken_again(server: SQLServer, name: str) -> None:
@@ -439,18 +435,11 @@ def _connection_in(server: SQLServer, namespace: str) -> Any:
     """The application's connection, looking up unqualified tables in ``namespace``
     first: a search_path of a tenant's schema (PostgreSQL), a current database (MySQL)."""
     if server.scheme == "postgresql":
-        conn = psycopg.connect(server.url(), autocommit=True)
+        conn = server.connect()
         conn.execute(f"SET search_path = {namespace}, public")
         return conn
-    flags = CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS
-    return pymysql.connect(
-        host="127.0.0.1",
-        port=server.port,
-        user=server.user,
-        password=server.password,
-        database=namespace,
-        ssl_disabled=True,
-        client_flag=flags,
+    return server.connect(
+        database=namespace, client_flag=CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS
     )
 
 
@@ -460,6 +449,20 @@ def _tables_named(server: SQLServer, table: str) -> list[str]:
         "SELECT table_schema FROM information_schema.tables WHERE table_name = %s", (table,)
     )
     return sorted(str(row[0]) for row in rows)
+
+
+def _one_lock_through_both(one: dlock.Client, other: dlock.Client, name: str) -> None:
+    """Held through ``one``, ``name`` is busy through ``other``; released, ``other``
+    takes it with a larger fencing token: the two clients share one lock table."""
+    held = one.lock(name, ttl=10)
+    assert held.acquire(timeout=0)
+    assert not other.lock(name, ttl=10).acquire(timeout=0), "two holders at once"
+    held.release()
+    later = other.lock(name, ttl=10)
+    assert later.acquire(timeout=0)
+    assert later.fencing_token is not None and held.fencing_token is not None
+    assert later.fencing_token > held.fencing_token
+    later.release()
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])
@@ -519,15 +522,7 @@ def test_a_new_table_does_not_hide_one_further_along_the_search_path(
         shared = stack.enter_context(dlock.connect(server.url(), **options))
         url = stack.enter_context(_login_where(server, ("search_path", f"{tenant}, public")))
         tenants = stack.enter_context(dlock.connect(url, **options))
-        held = shared.lock(name, ttl=10)
-        assert held.acquire(timeout=0)
-        assert not tenants.lock(name, ttl=10).acquire(timeout=0), "two holders at once"
-        held.release()
-        later = tenants.lock(name, ttl=10)
-        assert later.acquire(timeout=0)
-        assert later.fencing_token is not None and held.fencing_token is not None
-        assert later.fencing_token > held.fencing_token
-        later.release()
+        _one_lock_through_both(shared, tenants, name)
         assert _tables_named(server, lookup) == ["public"]
 
 
@@ -542,15 +537,7 @@ def test_one_table_named_two_ways_is_one_set_of_locks(
     plain = server.url(f"mode={mode}&table={table}")
     qualified = server.url(f"mode={mode}&table={home}.{table}")
     with dlock.connect(plain) as one, dlock.connect(qualified) as other:
-        held = one.lock(name, ttl=10)
-        assert held.acquire(timeout=0)
-        assert not other.lock(name, ttl=10).acquire(timeout=0), "two holders at once"
-        held.release()
-        later = other.lock(name, ttl=10)
-        assert later.acquire(timeout=0)
-        assert later.fencing_token is not None and held.fencing_token is not None
-        assert later.fencing_token > held.fencing_token
-        later.release()
+        _one_lock_through_both(one, other, name)
 
 
 def test_an_unqualified_table_with_nowhere_to_be_is_a_clear_error(
@@ -1534,19 +1521,8 @@ def test_a_connection_lent_inside_a_transaction_is_refused(server: SQLServer, na
     table = f"work_{uuid.uuid4().hex[:8]}"
     run = admin(server)
     run(f"CREATE TABLE {table} (x INTEGER)", ())
-    conn: Any
-    if server.scheme == "postgresql":
-        conn = psycopg.connect(server.url())
-    else:
-        conn = pymysql.connect(
-            host="127.0.0.1",
-            port=server.port,
-            user=server.user,
-            password=server.password,
-            database=server.database,
-            ssl_disabled=True,
-            client_flag=CLIENT.FOUND_ROWS,
-        )
+    flags = {} if server.scheme == "postgresql" else {"client_flag": CLIENT.FOUND_ROWS}
+    conn = server.connect(autocommit=False, **flags)
     try:
         conn.cursor().execute(f"INSERT INTO {table} VALUES (1)")  # not committed
         with (

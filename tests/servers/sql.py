@@ -37,23 +37,25 @@ class SQLServer:
         url = f"{self.scheme}://{self.user}:{self.password}@127.0.0.1:{self.port}/{self.database}"
         return f"{url}?{query}" if query else url
 
-    def connect(self, autocommit: bool = True) -> Any:
-        """A plain driver connection (sync), independent of dlock."""
+    def connect(self, autocommit: bool = True, **options: Any) -> Any:
+        """A plain driver connection (sync), independent of dlock; ``options`` go to the
+        driver (PyMySQL's ``client_flag``, another ``database``)."""
         if self.scheme == "postgresql":
             import psycopg
 
-            return psycopg.connect(self.url(), autocommit=autocommit)
+            return psycopg.connect(self.url(), autocommit=autocommit, **options)
         import pymysql
 
-        return pymysql.connect(
-            host="127.0.0.1",
-            port=self.port,
-            user=self.user,
-            password=self.password,
-            database=self.database,
-            autocommit=autocommit,
-            ssl_disabled=True,
-        )
+        settings: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "database": self.database,
+            "autocommit": autocommit,
+            "ssl_disabled": True,
+        }
+        return pymysql.connect(**(settings | options))
 
     def stop(self) -> None:
         """Stop the server and remove its temporary directory."""
