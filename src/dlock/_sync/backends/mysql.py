@@ -13,6 +13,7 @@ MariaDB is tested here, as MySQL 8 is not packaged by Debian.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +107,11 @@ def _literal(value: Any, conn: Any) -> str:
 
 class MySQLBackend(ServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
+        if settings.client is None and settings.database and "." not in settings.table:
+            # dlock's own connections use the URL's database and never another: the
+            # table is named in full without asking the first one (``_pin_table``).
+            table = f"{quote_mysql_identifier(settings.database)}.{settings.table}"
+            settings = dataclasses.replace(settings, table=table)
         super().__init__(settings)
         try:
             self._ssl = _ssl_context(settings.extra)
