@@ -86,25 +86,28 @@ def _login_where(
 
 
 def kill_other_sessions(server: SQLServer) -> None:
-    """Cut every client connection but the administrator's, from the server side."""
+    """Cut every client connection but the administrator's, from the server side, and
+    wait until they have ended."""
     run = admin(server)
     if server.scheme == "postgresql":
-        run(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'",
-            (),
+        query = (
+            "SELECT pid FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'"
         )
-        return
-    query = (
-        "SELECT id FROM information_schema.processlist "
-        "WHERE id <> CONNECTION_ID() AND command <> 'Daemon' AND user = 'dlock'"
-    )
-    killed = {int(thread) for (thread,) in run(query, ())}
-    for thread in killed:
-        run(f"KILL CONNECTION {thread}", ())
-    # KILL only flags the session: it ends (and frees its GET_LOCK locks) moments later.
+        kill = "SELECT pg_terminate_backend({})"
+    else:
+        query = (
+            "SELECT id FROM information_schema.processlist "
+            "WHERE id <> CONNECTION_ID() AND command <> 'Daemon' AND user = 'dlock'"
+        )
+        kill = "KILL CONNECTION {}"
+    killed = {int(session) for (session,) in run(query, ())}
+    for session in killed:
+        run(kill.format(session), ())
+    # Both only signal the session: it ends (tells its client, frees its locks) moments
+    # later. A statement sent meanwhile fails in flight, and dlock never sends one twice.
     deadline = time.monotonic() + 5
-    while killed & {int(thread) for (thread,) in run(query, ())}:
+    while killed & {int(session) for (session,) in run(query, ())}:
         assert time.monotonic() < deadline, "killed sessions did not end"
         time.sleep(0.01)
 
