@@ -22,7 +22,7 @@ from pymysql.constants import CLIENT
 
 import dlock
 import dlock.aio
-from dlock._sql import MYSQL, advisory_key, named_lock_key
+from dlock._sql import DEFAULT_TABLES, MYSQL, advisory_key, named_lock_key
 from dlock._types import Holder
 from tests.servers.sql import SQLServer, start_postgresql
 from tests.servers.tls import Certificates, make_certificates
@@ -541,6 +541,32 @@ def test_one_table_named_two_ways_is_one_set_of_locks(
     qualified = server.url(f"mode={mode}&table={home}.{table}")
     with dlock.connect(plain) as one, dlock.connect(qualified) as other:
         _one_lock_through_both(one, other, name)
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_database_whose_name_needs_quoting_holds_the_table(
+    mariadb_server: SQLServer, name: str, mode: str
+) -> None:
+    """The database dlock names the table in comes from the URL or the server, not from
+    ``table=``'s checked identifiers: one named ``locks-<hex>`` is quoted, whether
+    named without asking (the URL) or asked for (``client=``)."""
+    server = mariadb_server
+    database = f"locks-{uuid.uuid4().hex[:8]}"
+    run = admin(server)
+    run(f"CREATE DATABASE `{database}`", ())
+    try:
+        from_url = server.url(f"mode={mode}").replace(f"/{server.database}?", f"/{database}?")
+        with (
+            dlock.connect(from_url) as own,
+            dlock.connect(
+                f"mysql://?mode={mode}",
+                client=lambda: server.connect(database=database, client_flag=CLIENT.FOUND_ROWS),
+            ) as lent,
+        ):
+            _one_lock_through_both(own, lent, name)
+        assert _tables_named(server, DEFAULT_TABLES[mode]).count(database) == 1
+    finally:
+        run(f"DROP DATABASE `{database}`", ())
 
 
 def test_an_unqualified_table_with_nowhere_to_be_is_a_clear_error(
