@@ -193,7 +193,9 @@ def test_init_prints_or_creates_a_sql_schema(
         assert lock.fencing_token is not None
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["status"], ["list"], ["release"], ["init"]])
+@pytest.mark.parametrize(
+    "command", [[], ["run"], ["status"], ["list"], ["release"], ["init"], ["prune"]]
+)
 def test_help(command: list[str]) -> None:
     result = subprocess.run([DLOCK, *command, "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage: dlock" in result.stdout

@@ -24,6 +24,7 @@ from ._errors import BackendError, LockError, LockLost
 from ._sync.client import DEFAULT_TTL, Client, connect
 from ._sync.lock import Lock
 from ._types import LockInfo
+from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE
 
 #: Exit statuses of our own (the child's status passes through ``run`` unchanged).
 EXIT_CONFLICT = 1  # flock's default; -E changes it
@@ -145,6 +146,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     init.add_argument("--print", action="store_true", help="print the SQL, change nothing")
     init.set_defaults(handler=cmd_init)
+
+    prune = commands.add_parser(
+        "prune",
+        parents=[common],
+        help="delete the rows of names idle for long (MySQL, PostgreSQL)",
+        description=(
+            "Delete the lock table's rows of names nobody has held for SECONDS (by the "
+            "server's clock). Every name used keeps a row (its fencing counter), so "
+            "per-entity names grow the table; run this from a scheduler. Names made again "
+            "later still get larger fencing tokens."
+        ),
+    )
+    prune.add_argument(
+        "--older-than",
+        type=float,
+        default=DEFAULT_PRUNE_AGE,
+        metavar="SECONDS",
+        help=f"idle for at least this long, >= {SHORTEST_PRUNE_AGE:g} (%(default)s)",
+    )
+    prune.set_defaults(handler=cmd_prune)
     return parser
 
 
@@ -319,6 +340,12 @@ def cmd_init(client: Client, args: argparse.Namespace) -> int:
         return 0
     init()
     print("dlock init: lock table ready")
+    return 0
+
+
+def cmd_prune(client: Client, args: argparse.Namespace) -> int:
+    removed = client.prune(args.older_than)
+    print(f"dlock prune: {removed} idle names removed")
     return 0
 
 

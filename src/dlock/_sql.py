@@ -326,6 +326,12 @@ class Dialect:
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             WHERE name = %(name)s AND {self.live()}"""
 
+    def idle_for(self, age: str, age_us: str) -> str:
+        """A row nobody has held for ``age`` seconds: its lease ended that long ago (a
+        MySQL release stores minus its moment), and its last grant is older still, so a
+        row made again for the name starts above every token it handed out."""
+        return f"ABS(expires) < {self.now} - {age} AND fence < {self.clock_us} - {age_us}"
+
 
 POSTGRESQL = Dialect(
     name="postgresql",
@@ -583,6 +589,10 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND {d.live()} AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
+        "prune": f"DELETE FROM {table} WHERE {d.idle_for('%(age)s', '%(age_us)s')}",
+        # A session lock outlives its lease while its session lives (paused holder).
+        "session_prune": f"""
+            DELETE FROM {table} WHERE {d.idle_for("%(age)s", "%(age_us)s")} AND NOT {held}""",
         # Only its own session can free an advisory lock; the row is cleared as well.
         # The row is locked first (FOR UPDATE), and only then is the holder's session
         # ended (``ended`` reads the locked row). Ending it inside the UPDATE's own
@@ -660,14 +670,14 @@ def mysql_statements(table: str) -> dict[str, str]:
                 holder = %(holder)s, expires = {now} + %(ttl)s, owner = %(owner)s
             WHERE name = %(name)s
                 AND ((NOT {live} AND {may_take}) OR (owner = %(owner)s AND %(reentrant)s))""",
-        # Inserted: the insert id is the new fence. Already there: the update clause,
-        # evaluated after VALUES, resets it to 0 and changes nothing (INSERT IGNORE would
-        # warn instead).
+        # Inserted: the insert id is the new fence (the clock: far above 1). Already
+        # there: the update clause, evaluated after VALUES, sets it to 1 if the row's
+        # lease is held, else to 0, and changes nothing (INSERT IGNORE would warn).
         "create_row": f"""
             INSERT INTO {table} (name, owner, fence, count, expires, holder)
             VALUES (%(name)s, %(owner)s, LAST_INSERT_ID({d.clock_us}), 1, {now} + %(ttl)s,
                     %(holder)s)
-            ON DUPLICATE KEY UPDATE fence = fence + LAST_INSERT_ID(0)""",
+            ON DUPLICATE KEY UPDATE fence = fence + 0 * LAST_INSERT_ID({live})""",
         # The usual, non-reentrant acquire: shorter to send, parse and evaluate.
         "acquire_once": f"""
             UPDATE {table} SET fence = LAST_INSERT_ID({d.next_fence("fence")}), count = 1,
@@ -681,11 +691,13 @@ def mysql_statements(table: str) -> dict[str, str]:
         "turnstile_take": f"""SELECT GET_LOCK(%(turnstile)s, %(wait)s); {acquire_front};
             SELECT COALESCE({turnstile} = CONNECTION_ID(), 0), ROW_COUNT(), LAST_INSERT_ID()""",
         "count": f"SELECT count FROM {table} WHERE name = %(name)s AND owner = %(owner)s",
-        # The last release ends the lease (expires = 0) but leaves owner and holder: an
-        # update that keeps the row's size is done in place by InnoDB (~5% faster).
+        # The last release ends the lease but leaves owner and holder: an update that
+        # keeps the row's size is done in place by InnoDB (~5% faster). ``expires``
+        # becomes minus the moment of release: never live again, whatever the clock
+        # does, and ``prune`` still knows when the name was last used.
         "release": f"""
             UPDATE {table} SET
-                count = LAST_INSERT_ID(count - 1), expires = IF(count > 0, expires, 0)
+                count = LAST_INSERT_ID(count - 1), expires = IF(count > 0, expires, -{now})
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}""",
         # A lease taken in front of the turnstile is released on the connection keeping
         # it; the last release (or one that finds the lease gone) leaves it, so the next
@@ -698,7 +710,7 @@ def mysql_statements(table: str) -> dict[str, str]:
         # the release it follows: the redo log is one sequence.
         "release_gate": f"""
             UPDATE {table} SET count = LAST_INSERT_ID(count - 1),
-                expires = IF(count > 0, expires, 0),
+                expires = IF(count > 0, expires, -{now}),
                 session = IF(count > 0, session, IF(RELEASE_LOCK(%(turnstile)s), 0, 0))
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now};
             SELECT IF(ROW_COUNT() > 0, LAST_INSERT_ID(), NULL),
@@ -757,8 +769,12 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
         # The MEMORY table is full: rows of names nobody holds go. Their counters are
         # below the clock, which keeps their next tokens increasing without them.
-        "session_prune": f"""
+        "session_make_room": f"""
             DELETE FROM {table} WHERE fence < {d.clock_us} AND IS_USED_LOCK(lock_key) IS NULL""",
+        "prune": f"DELETE FROM {table} WHERE {d.idle_for('%(age)s', '%(age_us)s')}",
+        "session_prune": f"""
+            DELETE FROM {table} WHERE {d.idle_for("%(age)s", "%(age_us)s")}
+                AND IS_USED_LOCK(lock_key) IS NULL""",
         "session_clear": f"""
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             WHERE name = %(name)s AND session = %(session)s""",

@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 from typing import Final
 
-from ._errors import InvalidName, InvalidTimeout, InvalidTTL
+from ._errors import InvalidArgument, InvalidName, InvalidTimeout, InvalidTTL
 
 #: Longest lock name, in Unicode code points. Every backend stores names of this length.
 MAX_NAME_LENGTH: Final = 255
+#: ``prune``'s shortest idle time, and its default, in seconds. Backends may skip asking
+#: whether a name they saw held less than this long ago still has its state.
+SHORTEST_PRUNE_AGE: Final = 600.0
+DEFAULT_PRUNE_AGE: Final = 86_400.0
 
 
 def check_name(name: object) -> str:
@@ -55,3 +59,17 @@ def check_timeout(timeout: object) -> float | None:
     if math.isnan(seconds) or seconds < 0:
         raise InvalidTimeout(f"timeout must be None or >= 0 seconds, not {timeout!r}")
     return None if math.isinf(seconds) else seconds
+
+
+def check_prune_age(older_than: object) -> float:
+    seconds = _number(older_than)
+    if seconds is None:
+        raise InvalidArgument(
+            f"older_than must be a number of seconds, not {type(older_than).__name__}"
+        )
+    if not math.isfinite(seconds) or seconds < SHORTEST_PRUNE_AGE:
+        raise InvalidArgument(
+            f"older_than must be a finite number of seconds >= {SHORTEST_PRUNE_AGE:g},"
+            f" not {older_than!r}"
+        )
+    return seconds

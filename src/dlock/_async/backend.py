@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from .._errors import BackendError
 from .._types import Acquired, Busy, Holder, Lease, LockInfo
 from ._primitives import sleep
 
@@ -111,6 +112,12 @@ class AsyncBackend(ABC):
     @abstractmethod
     async def force_release(self, name: str) -> bool:
         """Free ``name`` whoever holds it; True if it was held."""
+
+    async def prune(self, older_than: float) -> int:
+        """Delete what names nobody has held for ``older_than`` seconds left behind (a
+        SQL table's rows); return how many went. Later grants of such a name must still
+        get larger fencing tokens. Only backends that keep such state implement it."""
+        raise BackendError(f"{type(self).__name__.removeprefix('Async')} cannot prune")
 
     async def aclose(self) -> None:
         """Release connections. Held leases are left to expire."""

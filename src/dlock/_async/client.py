@@ -11,7 +11,7 @@ from .._backoff import Backoff
 from .._errors import InvalidArgument
 from .._registry import default_url, load_backend
 from .._types import Holder, LockInfo
-from .._validation import check_name, check_timeout, check_ttl
+from .._validation import DEFAULT_PRUNE_AGE, check_name, check_prune_age, check_timeout, check_ttl
 from ._primitives import running, wait_done
 from .backend import AsyncBackend
 from .lock import AsyncLock
@@ -100,6 +100,14 @@ class AsyncClient:
         The evicted holder finds out at its next renewal, release or extend.
         """
         return await self._backend.force_release(check_name(name))
+
+    async def prune(self, older_than: float = DEFAULT_PRUNE_AGE) -> int:
+        """Forget names nobody has held for ``older_than`` seconds (default a day, at
+        least ten minutes); return how many. A maintenance job for SQL lock tables,
+        where every name used keeps a row: per-entity names would grow it without end.
+        Held locks are never touched, and a name used again gets larger fencing tokens.
+        Other backends raise :class:`dlock.BackendError`."""
+        return await self._backend.prune(check_prune_age(older_than))
 
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's

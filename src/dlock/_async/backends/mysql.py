@@ -50,6 +50,9 @@ READ_ONLY = {1290, 1792, 1836}
 WAITS = ("turnstile_take", "session_wait", "session_wait_and_record")
 #: ER_NO_SUCH_TABLE.
 NO_SUCH_TABLE = 1146
+#: ``create_row``'s insert id for a name whose row exists and is held (a new row's is
+#: its fence, the clock in microseconds; a free row's is 0).
+HELD_ROW = 1
 
 
 def _table_full(exc: BackendError) -> bool:
@@ -325,7 +328,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         except BackendError as exc:
             if not _table_full(exc):
                 raise
-        await self._call("session_prune", {})
+        await self._call("session_make_room", {})
         return await super()._session_acquire(name, token, ttl, holder, reentrant)
 
     async def _abandon_session(self, conn: Conn, key: Any, exc: BaseException) -> None:
@@ -376,17 +379,25 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
                 count = int(rows[0][0]) if rows else 1
             if waiter is not None and waiter.in_front:
                 waiter.granted = True  # the turnstile stays with the lease
+            self._remember(params["name"])
             return Acquired(result.insert_id, count)
-        if params["name"] in self._known:
+        if self._knows(params["name"]):
             return Busy()
-        # First use of this name here: create its row, already held by us if it is new.
+        # First use of this name here (or not seen held lately): create its row, already
+        # held by us if it is new.
         created = await self._call("create_row", params)
-        self._remember(params["name"])
+        if created.insert_id == HELD_ROW:
+            self._remember(params["name"])
+            return Busy()
         if created.insert_id:
+            self._remember(params["name"])
             return Acquired(created.insert_id, 1)
-        # Someone else's row appeared (or was there): one more try for a free one.
+        # Someone else's free row appeared (or was there): one more try for it.
         result = await self._call("acquire", params)
-        return Acquired(result.insert_id, 1) if result.rowcount > 0 else Busy()
+        if result.rowcount > 0:
+            self._remember(params["name"])
+            return Acquired(result.insert_id, 1)
+        return Busy()
 
     async def _plain_release(self, name: str, token: str) -> int | None:
         result = await self._call("release", self._params(name, token))

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import math
 import select
+import time
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from typing import Any
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from ..._validation import SHORTEST_PRUNE_AGE
 from .._primitives import call_with_timeout, sleep
 from ..backend import Backend, Waiter
 
@@ -41,6 +43,9 @@ POOL_SIZE = 16
 BACKSTOP = 0.5
 #: Names known to have a row; more than this many and the set starts over.
 KNOWN_NAMES = 10_000
+#: How long a name seen held stays known to have a row (its busy answers then need no
+#: second query), in seconds: far less than the shortest age ``prune`` accepts.
+KNOWN_FOR = SHORTEST_PRUNE_AGE / 10
 
 
 @dataclass
@@ -118,8 +123,9 @@ class ServerSQLBackend(Backend):
         self._parked: dict[str, Held] = {}
         #: Session waiters by owner token, told the latest attempt's parameters.
         self._waiting: dict[str, _SessionWaiter] = {}
-        #: Lease mode: names whose row exists, so a busy answer needs no second query.
-        self._known: set[bytes] = set()
+        #: Lease mode: names whose row exists, so a busy answer needs no second query;
+        #: by when (``time.monotonic``) this backend last saw the name's lease held.
+        self._known: dict[bytes, float] = {}
         #: Lease mode: connections that queue on turnstiles, apart from the statement pool.
         self._queueing: list[Conn] = []
         #: Lease waiters by owner token: the one in front of the turnstile acquires on its
@@ -500,9 +506,16 @@ class ServerSQLBackend(Backend):
     # -- the seam --------------------------------------------------------------------
 
     def _remember(self, name: bytes) -> None:
+        """``name``'s lease is held right now (granted, or seen busy): its row cannot be
+        pruned for ``SHORTEST_PRUNE_AGE`` at least. A free row may be old enough to go."""
         if len(self._known) >= KNOWN_NAMES:
             self._known.clear()
-        self._known.add(name)
+        self._known[name] = time.monotonic()
+
+    def _knows(self, name: bytes) -> bool:
+        """Whether ``name`` certainly has a row: it was seen held within ``KNOWN_FOR``."""
+        seen = self._known.get(name)
+        return seen is not None and time.monotonic() - seen < KNOWN_FOR
 
     def _params(self, name: str, token: str, **more: Any) -> dict[str, Any]:
         return {"name": encode_name(name), "owner": token, **more}
@@ -547,6 +560,16 @@ class ServerSQLBackend(Backend):
     def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         """Renew many leases in as few round trips as the database allows; return the
         (name, owner) pairs renewed."""
+
+    def prune(self, older_than: float) -> int:
+        """Every name used leaves a row, which keeps its fencing counter. A name made
+        again after its row went starts at the server's clock in microseconds, above
+        every token of the old row (all older than ``older_than``), unless the server's
+        clock went back by more than that."""
+        self._pin_table_first()
+        key = "session_prune" if self._session_mode else "prune"
+        params = {"age": older_than, "age_us": int(older_than * 1_000_000)}
+        return (self._call(key, params)).rowcount
 
     def inspect(self, name: str) -> LockInfo | None:
         key = "session_inspect" if self._session_mode else "inspect"

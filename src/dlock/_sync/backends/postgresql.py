@@ -328,8 +328,9 @@ class PostgreSQLBackend(ServerSQLBackend):
             # Not waiting (yet): one plain statement, the uncontended path.
             result = self._call(statement, params)
             if result.rows:
+                self._remember(params["name"])
                 return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
-            if params["name"] in self._known:
+            if self._knows(params["name"]):
                 # Busy. When the lease ends matters only to a waiter, whose attempts ask.
                 return Busy()
             return self._first_use(params)
@@ -344,10 +345,12 @@ class PostgreSQLBackend(ServerSQLBackend):
         if not result.rows:
             granted = self._first_use(params)
         else:
-            self._remember(params["name"])
             fence, count, left = result.rows[0]
             if fence is None:
+                if left > 0:  # held; 0: free, taken by a faster grant or not yet
+                    self._remember(params["name"])
                 return Busy(retry_after=max(0.0, float(left)))
+            self._remember(params["name"])
             granted = Acquired(int(fence), int(count))
         if isinstance(granted, Acquired) and waiter.in_front:
             waiter.granted = True  # the turnstile stays with the lease
@@ -358,14 +361,17 @@ class PostgreSQLBackend(ServerSQLBackend):
         (the name's first use; the new row is ours unless someone was faster)."""
         left = (self._call("time_left", params)).rows
         if left:
+            if left[0][0] is None:
+                return Busy(retry_after=0.0)  # free: released meanwhile
             self._remember(params["name"])
-            return Busy(retry_after=0.0 if left[0][0] is None else max(0.0, float(left[0][0])))
+            return Busy(retry_after=max(0.0, float(left[0][0])))
         created = (self._call("create_row", params)).rows
-        self._remember(params["name"])
         if created:
+            self._remember(params["name"])
             return Acquired(int(created[0][0]), int(created[0][1]))
         result = self._call("acquire", params)
         if result.rows:
+            self._remember(params["name"])
             return Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
         return Busy()
 

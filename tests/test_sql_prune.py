@@ -1,0 +1,175 @@
+"""``prune``: the rows of names nobody has used for long go, and nothing else changes.
+
+Time is made to pass by setting rows back by hand (their lease end and their last
+grant's token, which follows the server's clock), and, where a test says so, what a
+client remembers of having seen a name held.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dlock
+import dlock.aio
+from dlock._sync.backends._server_sql import KNOWN_FOR
+from tests.servers.sql import SQLServer
+from tests.test_sql_faults import admin
+
+HOURS = 2 * 3600
+AN_HOUR = 3600.0
+DLOCK = str(Path(sys.executable).with_name("dlock"))
+
+
+@pytest.fixture(params=["mariadb", "postgresql"])
+def server(request: pytest.FixtureRequest) -> SQLServer:
+    server: SQLServer = request.getfixturevalue(f"{request.param}_server")
+    return server
+
+
+@pytest.fixture
+def name() -> str:
+    return f"prune-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def table() -> str:
+    """A table of the test's own: what other tests leave behind is not counted."""
+    return f"prune_{uuid.uuid4().hex[:12]}"
+
+
+def _set_back(server: SQLServer, table: str, name: str, *, lease_too: bool = True) -> None:
+    """Make ``name``'s row look as if its last grant, and its lease's end unless not
+    ``lease_too``, were two hours ago (a released MySQL lease's end is negative)."""
+    lease = (
+        f", expires = CASE WHEN expires < 0 THEN expires + {HOURS} ELSE expires - {HOURS} END"
+        if lease_too
+        else ""
+    )
+    admin(server)(
+        f"UPDATE {table} SET fence = fence - {HOURS * 1_000_000}{lease} WHERE name = %s",
+        (name.encode(),),
+    )
+
+
+def _has_row(server: SQLServer, table: str, name: str) -> bool:
+    return bool(admin(server)(f"SELECT 1 FROM {table} WHERE name = %s", (name.encode(),)))
+
+
+def _prune(url: str, older_than: float = AN_HOUR) -> int:
+    with dlock.connect(url) as client:
+        removed: int = client.prune(older_than)
+        return removed
+
+
+def _use(url: str, name: str) -> int:
+    """Take and give back ``name`` once, on a client of its own; its fencing token."""
+    with dlock.connect(url) as client, client.lock(name, ttl=30) as lock:
+        assert lock.fencing_token is not None
+        return lock.fencing_token
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_prune_deletes_only_names_idle_for_longer_than_asked(
+    server: SQLServer, table: str, name: str, mode: str
+) -> None:
+    url = server.url(f"mode={mode}&table={table}")
+    idle, recent, held = f"{name}-idle", f"{name}-recent", f"{name}-held"
+    idle_token = _use(url, idle)
+    _use(url, recent)
+    with dlock.connect(url) as holder:
+        lock = holder.lock(held, ttl=30, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        _set_back(server, table, idle)
+        _set_back(server, table, recent, lease_too=False)  # released just now
+        # Lease mode: held for two hours, still live. Session mode: its lease ran out
+        # two hours ago (the holder paused), but its session still holds the lock.
+        _set_back(server, table, held, lease_too=mode == "session")
+        assert _prune(url) == 1
+        assert not _has_row(server, table, idle)
+        assert _has_row(server, table, recent) and _has_row(server, table, held)
+        if mode == "lease":
+            assert lock.owned()
+            lock.extend()  # raises if the lease was lost
+            assert holder.inspect(held) is not None
+    assert _use(url, idle) > idle_token, "a name made again must not reuse its tokens"
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_client_that_knew_a_pruned_name_takes_it_again(
+    server: SQLServer, table: str, name: str, mode: str
+) -> None:
+    """A client skips asking whether a busy name has a row when it saw the name held
+    lately. Pruned after that knowledge went stale, the name must be free to it, not
+    "busy" for as long as the client lives."""
+    url = server.url(f"mode={mode}&table={table}")
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        before = lock.fencing_token
+        lock.release()
+        _set_back(server, table, name)
+        # The two hours pass for the client too.
+        backend: Any = client._backend
+        known = backend._known
+        for key in known:
+            known[key] -= KNOWN_FOR
+        assert _prune(url) == 1
+        assert lock.acquire(timeout=0), "busy, for a name whose row was pruned"
+        assert lock.fencing_token is not None and before is not None
+        assert lock.fencing_token > before
+        lock.release()
+
+
+def test_a_lease_held_for_long_is_idle_from_its_release(
+    server: SQLServer, table: str, name: str
+) -> None:
+    """A lease released now was in use until now, however long ago it was granted."""
+    url = server.url(f"table={table}")
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=30, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        _set_back(server, table, name, lease_too=False)
+        lock.release()
+        assert _prune(url) == 0
+        assert _has_row(server, table, name)
+
+
+@pytest.mark.parametrize("older_than", [0, 599.9, math.nan, math.inf, -1.0, "3600", True])
+def test_prune_refuses_an_age_too_short_or_not_a_number(server: SQLServer, older_than: Any) -> None:
+    """Shorter than ten minutes would remove rows that clients skip asking about."""
+    with dlock.connect(server.url()) as client, pytest.raises(dlock.InvalidArgument):
+        client.prune(older_than)
+
+
+async def test_prune_in_the_asyncio_face(server: SQLServer, table: str, name: str) -> None:
+    url = server.url(f"table={table}")
+    _use(url, name)
+    _set_back(server, table, name)
+    async with dlock.aio.connect(url) as client:
+        assert await client.prune(AN_HOUR) == 1
+    assert not _has_row(server, table, name)
+
+
+def test_the_prune_command(server: SQLServer, table: str, name: str, tmp_path: Path) -> None:
+    _use(server.url(f"table={table}"), name)
+    _set_back(server, table, name)
+    for url, status, output in [
+        (server.url(f"table={table}"), 0, "1 idle names removed"),
+        (f"sqlite://{tmp_path}/locks.sqlite3", 69, "SQLiteBackend cannot prune"),
+    ]:
+        result = subprocess.run(
+            [DLOCK, "prune", "--older-than", "3600", "--url", url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert result.returncode == status, result.stderr
+        assert output in result.stdout + result.stderr
+    assert not _has_row(server, table, name)
