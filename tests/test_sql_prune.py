@@ -19,6 +19,7 @@ import pytest
 import dlock
 import dlock.aio
 from dlock._sync.backends._server_sql import KNOWN_FOR
+from tests.servers.redis import RedisServer
 from tests.servers.sql import SQLServer
 from tests.test_sql_faults import admin
 
@@ -157,12 +158,14 @@ async def test_prune_in_the_asyncio_face(server: SQLServer, table: str, name: st
     assert not _has_row(server, table, name)
 
 
-def test_the_prune_command(server: SQLServer, table: str, name: str, tmp_path: Path) -> None:
+def test_the_prune_command(
+    server: SQLServer, table: str, name: str, redis_server: RedisServer
+) -> None:
     _use(server.url(f"table={table}"), name)
     _set_back(server, table, name)
     for url, status, output in [
         (server.url(f"table={table}"), 0, "1 idle names removed"),
-        (f"sqlite://{tmp_path}/locks.sqlite3", 69, "SQLiteBackend cannot prune"),
+        (f"redis://{redis_server.address}/0", 69, "RedisBackend cannot prune"),
     ]:
         result = subprocess.run(
             [DLOCK, "prune", "--older-than", "3600", "--url", url],

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import dlock
 from tests.conformance.helpers import ROOT
 
 # Imports first, then waits for the start signal, so that every process opens the file
@@ -46,3 +47,60 @@ def test_processes_that_create_the_file_at_once_all_get_the_lock(tmp_path: Path)
             assert process.returncode == 0, errors[-500:]
         with sqlite3.connect(database) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def _set_back(path: Path, name: str, seconds: float) -> None:
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute(
+            "UPDATE dlock_locks SET expires = expires - ? WHERE name = ?", (seconds, name.encode())
+        )
+    conn.close()
+
+
+def _token(client: dlock.Client, name: str) -> int:
+    with client.lock(name, ttl=30) as lock:
+        assert lock.fencing_token is not None
+        return lock.fencing_token
+
+
+def test_prune_keeps_tokens_increasing_with_no_server_clock(tmp_path: Path) -> None:
+    """SQLite counts tokens from 1: a name made again after a prune counts on from the
+    largest token of the rows deleted, or a holder cut off before the prune would
+    outrank the next one."""
+    path = tmp_path / "locks.sqlite3"
+    with dlock.connect(f"sqlite:///{path}") as client:
+        tokens = {
+            name: [_token(client, name) for _ in range(turns)]
+            for name, turns in [("idle", 3), ("other", 5), ("recent", 1)]
+        }
+        held = client.lock("held", ttl=30)
+        assert held.acquire(timeout=0)
+        for name in ("idle", "other", "held"):
+            _set_back(path, name, 7200)
+        # "held" ran out two hours ago: expired, so idle too. Re-take it as held.
+        held_again = client.lock("held", ttl=30)
+        assert held_again.acquire(timeout=0)
+        assert client.prune(3600) == 2  # "idle" and "other"
+        assert {info.name for info in client.list()} == {"held"}
+        assert _token(client, "recent") == tokens["recent"][-1] + 1
+        # Above "other"'s 5, the largest token pruned, not just above "idle"'s own 3.
+        assert _token(client, "idle") > 5
+        held_again.release()
+        _set_back(path, "idle", 7200)
+        last = _token(client, "other")
+        assert client.prune(3600) == 1
+        assert _token(client, "idle") > last
+
+
+def test_rows_of_an_earlier_boot_have_been_idle_since_boot(tmp_path: Path) -> None:
+    path = tmp_path / "locks.sqlite3"
+    with dlock.connect(f"sqlite:///{path}") as client:
+        before = _token(client, "old")
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE dlock_locks SET boot = 'an earlier boot'")
+        conn.close()
+        uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+        assert client.prune(600) == (1 if uptime > 600 else 0)
+        assert _token(client, "old") > before

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune = commands.add_parser(
         "prune",
         parents=[common],
-        help="delete the rows of names idle for long (MySQL, PostgreSQL)",
+        help="delete the rows of names idle for long (SQL backends)",
         description=(
             "Delete the lock table's rows of names nobody has held for SECONDS (by the "
             "server's clock). Every name used keeps a row (its fencing counter), so "

@@ -391,10 +391,12 @@ def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
     return {
         # A free or expired name is taken (fence + 1), a live one re-entered by its owner
         # (count + 1), anything else left alone. The row lock taken by ON CONFLICT
-        # decides; nothing is read first.
+        # decides; nothing is read first. A new row counts on from the floor that
+        # ``prune`` leaves in the row of the empty name (no lock has that name).
         "acquire": f"""
             INSERT INTO {table} AS x (name, owner, fence, count, expires, holder{extra})
-            VALUES (%(name)s, %(owner)s, 1, 1, {now} + %(ttl)s, %(holder)s{extra_values})
+            VALUES (%(name)s, %(owner)s, {sqlite_fence_floor(table)} + 1, 1, {now} + %(ttl)s,
+                    %(holder)s{extra_values})
             ON CONFLICT (name) DO UPDATE SET
                 fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
                 count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
@@ -412,9 +414,30 @@ def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
     }
 
 
+def sqlite_fence_floor(table: str) -> str:
+    """SQLite's fencing floor: above every token of the rows ``prune`` deleted."""
+    return f"COALESCE((SELECT fence FROM {table} WHERE name = X''), 0)"
+
+
 def sqlite_statements(table: str) -> dict[str, str]:
-    """SQLite: the same statements, with ``:name`` parameters."""
-    statements = {"schema": SQLITE.schema(table), **upsert_statements(table, SQLITE)}
+    """SQLite: the same statements, with ``:name`` parameters.
+
+    SQLite has no server clock for new rows' tokens to start from, so ``prune`` keeps
+    the largest token of the rows it deletes in a row of the empty name: the floor.
+    Rows of an earlier boot of the host have been idle for at least the time since
+    boot, which the boot clock (``now``) counts.
+    """
+    idle = """name <> X'' AND CASE WHEN boot = %(boot)s
+        THEN expires < %(now)s - %(age)s ELSE %(now)s > %(age)s END"""
+    statements = {
+        "schema": SQLITE.schema(table),
+        **upsert_statements(table, SQLITE),
+        "raise_floor": f"""
+            INSERT INTO {table} (name, fence, count, expires, boot)
+            SELECT X'', MAX(fence), 0, 0, '' FROM {table} WHERE {idle} HAVING COUNT(*) > 0
+            ON CONFLICT (name) DO UPDATE SET fence = MAX(fence, excluded.fence)""",
+        "prune": f"DELETE FROM {table} WHERE {idle}",
+    }
     return {key: re.sub(r"%\((\w+)\)s", r":\1", sql) for key, sql in statements.items()}
 
 

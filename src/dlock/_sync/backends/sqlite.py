@@ -147,16 +147,24 @@ class SQLiteBackend(Backend):
 
     def _run_batch(self, statement: str, batch: list[dict[str, Any]]) -> list[list[Any]]:
         """Run a statement once per parameter set, in one transaction (one fsync)."""
+        return [rows for rows, _ in self._transaction([(statement, p) for p in batch])]
+
+    def _transaction(self, steps: list[tuple[str, dict[str, Any]]]) -> list[tuple[list[Any], int]]:
+        """Run statements in one transaction; each one's rows and changed-row count."""
         with self._mutex:
             if self._connection is None:
                 self._connection = self._connect()
             conn = self._connection
             try:
-                if len(batch) == 1:
-                    return [conn.execute(statement, batch[0]).fetchall()]
+                if len(steps) == 1:
+                    cursor = conn.execute(*steps[0])
+                    return [(cursor.fetchall(), cursor.rowcount)]
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    results = [conn.execute(statement, params).fetchall() for params in batch]
+                    results = []
+                    for statement, params in steps:
+                        cursor = conn.execute(statement, params)
+                        results.append((cursor.fetchall(), cursor.rowcount))
                 except BaseException:
                     conn.execute("ROLLBACK")
                     raise
@@ -234,6 +242,18 @@ class SQLiteBackend(Backend):
 
     def force_release(self, name: str) -> bool:
         return run_blocking(self._force_release, name)
+
+    def _prune(self, older_than: float) -> int:
+        boot, now = _boot_and_now()
+        params = {"boot": boot, "now": now, "age": older_than}
+        # One transaction: an acquire sees either the old row or the raised floor.
+        steps = [(self._sql["raise_floor"], params), (self._sql["prune"], params)]
+        return self._transaction(steps)[1][1]
+
+    def prune(self, older_than: float) -> int:
+        """Every name used keeps a row; names made again count on from the largest
+        token of the rows deleted (kept in the floor row)."""
+        return run_blocking(self._prune, older_than)
 
     def _close(self) -> None:
         with self._mutex:
