@@ -18,7 +18,8 @@ import redis.asyncio
 
 import dlock
 import dlock.aio
-from dlock._sync.backends.redis import RedisBackend
+from dlock._redis_scripts import FENCE_KEPT_MS
+from dlock._sync.backends.redis import Keys, RedisBackend
 from dlock._sync.backends.redlock import RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.servers.redis import (
@@ -461,6 +462,31 @@ def test_redlock_fencing_token_rises_over_disagreeing_masters(
                 tokens.append(lock.fencing_token)
             own_masters[victim].start()
     assert all(a < b for a, b in itertools.pairwise(tokens)), tokens
+    # Raised to the quorum's token, each counter still expires (-1: kept for good).
+    fence = Keys(b"dlock", name).fence
+    ttls = [redis.Redis(host="127.0.0.1", port=m.port).pttl(fence) for m in own_masters]
+    assert -1 not in ttls, ttls
+
+
+def test_a_names_fencing_counter_expires_a_day_after_its_last_grant(
+    redis_server: RedisServer,
+) -> None:
+    """Names used once (a lock per order, per user) must not each leave a key behind
+    for good. Once a counter has expired, the clock keeps the next token larger."""
+    name = unique()
+    raw = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    fence = Keys(b"dlock", name).fence
+    with dlock.connect(url_of(redis_server)) as client:
+        with client.lock(name, ttl=5) as lock:
+            first = lock.fencing_token
+        assert first is not None
+        assert 0 < raw.pttl(fence) <= FENCE_KEPT_MS
+        raw.delete(fence)  # as its expiry would
+        with client.lock(name, ttl=5) as lock:
+            assert lock.fencing_token is not None and lock.fencing_token > first
+        assert client.prune() == 0, "nothing to delete: the keys go by themselves"
+    left = raw.keys(b"dlock:{n:" + name.encode() + b"}:*")
+    assert left == [fence] and 0 < raw.pttl(fence) <= FENCE_KEPT_MS
 
 
 def test_renewal_is_batched(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,7 +165,7 @@ def test_the_prune_command(
     _set_back(server, table, name)
     for url, status, output in [
         (server.url(f"table={table}"), 0, "1 idle names removed"),
-        (f"redis://{redis_server.address}/0", 69, "RedisBackend cannot prune"),
+        (f"redis://{redis_server.address}/0", 0, "0 idle names removed"),
     ]:
         result = subprocess.run(
             [DLOCK, "prune", "--older-than", "3600", "--url", url],

@@ -6,9 +6,11 @@ Redlock master. Keys of a name (``P`` is the configured prefix)::
 
     P:{n:NAME}:lease   "owner count fence holder", PEXPIRE = the lease (a string, not a
                        hash: one SET NX PX takes a free lock)
-    P:{n:NAME}:fence   the fencing counter; never expires, and never falls behind the
-                       server's clock in microseconds, so tokens never go back even after
-                       a restart that lost the data or a failover to a lagging replica
+    P:{n:NAME}:fence   the fencing counter; never falls behind the server's clock in
+                       microseconds, so tokens never go back even after a restart that
+                       lost the data or a failover to a lagging replica; and so it can
+                       expire a day after the name's last grant (``FENCE_KEPT_MS``):
+                       names used once leave nothing behind for long
     P:{n:NAME}:queue   zset of waiting owner tokens, scored by arrival
     P:{n:NAME}:qexp    zset of the same tokens, scored by when their place lapses
     P:{n:NAME}:info    hash token -> "lease_ms attempt holder": what a grant on the
@@ -39,21 +41,29 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
+#: How long a name's fencing counter outlives its last grant. Its tokens are at most
+#: the clock of their time (a name is taken at most once per microsecond, give or take
+#: a burst), so once the counter is gone the clock alone keeps the next token larger,
+#: unless the server's clock goes back by more than this.
+FENCE_KEPT_MS = 86_400_000
+
 # Lua runs every ``local function`` statement on every call, so the uncontended paths
 # (nobody queued) come first and define only ``mint``; the queue's helpers (``_QUEUE``)
 # are spliced into the branches that need them.
-_MINT = """
+_MINT = f"""
 -- The fencing counter never falls behind the server's clock in microseconds, so tokens
--- keep increasing after a restart that lost the data or a failover to a lagging replica.
+-- keep increasing after a restart that lost the data or a failover to a lagging replica,
+-- or once the counter of a name unused for long has expired.
 local function mint(fence)
     local t = redis.call('TIME')
     local clock = tonumber(t[1]) * 1000000 + tonumber(t[2])
     local f = redis.call('INCR', fence)
     if f < clock then
         f = string.format('%.0f', clock)
-        redis.call('SET', fence, f)
+        redis.call('SET', fence, f, 'PX', {FENCE_KEPT_MS})
         return f
     end
+    redis.call('PEXPIRE', fence, {FENCE_KEPT_MS})
     return string.format('%.0f', f)
 end
 """
@@ -267,10 +277,10 @@ return 1
 #: lease's recorded token) to the token derived from the quorum. 1 if still held.
 RAISE_FENCE = Script(
     _PARSE
-    + """
+    + f"""
 local floor = tonumber(ARGV[2])
 if tonumber(redis.call('GET', KEYS[2]) or '0') < floor then
-    redis.call('SET', KEYS[2], ARGV[2])
+    redis.call('SET', KEYS[2], ARGV[2], 'PX', {FENCE_KEPT_MS})
 end
 local value = redis.call('GET', KEYS[1])
 local owner, count, _, holder

@@ -107,7 +107,7 @@ class Client:
         least ten minutes); return how many. A maintenance job for SQL lock tables,
         where every name used keeps a row: per-entity names would grow it without end.
         Held locks are never touched, and a name used again gets larger fencing tokens.
-        Other backends raise :class:`dlock.BackendError`."""
+        Redis and ZooKeeper clean up by themselves (0)."""
         return self._backend.prune(check_prune_age(older_than))
 
     def _keep_give_back(self, give_back: Any) -> None:

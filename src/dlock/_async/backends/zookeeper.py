@@ -1181,6 +1181,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
         with suppress(NoNodeError, NotEmptyError):
             await self._call(zk.delete_async(parent))
 
+    async def prune(self, older_than: float) -> int:
+        """Nothing to delete: a name's node is a container, which the server deletes
+        once empty, and fencing tokens are zxids, which need no counter per name."""
+        return 0
+
     async def force_release(self, name: str) -> bool:
         freed: bool = await self._guarded(partial(self._force_release, name=name))
         return freed

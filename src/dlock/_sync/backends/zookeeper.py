@@ -1178,6 +1178,11 @@ class ZooKeeperBackend(Backend):
         with suppress(NoNodeError, NotEmptyError):
             self._call(zk.delete_async(parent))
 
+    def prune(self, older_than: float) -> int:
+        """Nothing to delete: a name's node is a container, which the server deletes
+        once empty, and fencing tokens are zxids, which need no counter per name."""
+        return 0
+
     def force_release(self, name: str) -> bool:
         freed: bool = self._guarded(partial(self._force_release, name=name))
         return freed
