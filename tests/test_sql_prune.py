@@ -21,7 +21,7 @@ import dlock.aio
 from dlock._sync.backends._server_sql import KNOWN_FOR
 from tests.servers.redis import RedisServer
 from tests.servers.sql import SQLServer
-from tests.test_sql_faults import admin
+from tests.test_sql_faults import _record_statements, admin
 
 HOURS = 2 * 3600
 AN_HOUR = 3600.0
@@ -126,6 +126,24 @@ def test_a_client_that_knew_a_pruned_name_takes_it_again(
         assert lock.fencing_token is not None and before is not None
         assert lock.fencing_token > before
         lock.release()
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_prune_goes_in_batches(server: SQLServer, table: str, name: str, mode: str) -> None:
+    """Each statement deletes a batch, holding its rows until it commits: a table grown
+    large must not be locked up in one long transaction."""
+    url = server.url(f"mode={mode}&table={table}")
+    names = [f"{name}-{i}" for i in range(5)]
+    for each in names:
+        _use(url, each)
+        _set_back(server, table, each)
+    with dlock.connect(url) as client:
+        backend: Any = client._backend
+        backend.prune_batch = 2
+        statements = _record_statements(client)
+        assert client.prune(AN_HOUR) == 5
+    assert len([sql for sql in statements if "DELETE" in sql]) == 3, "2 + 2 + 1"
+    assert not any(_has_row(server, table, each) for each in names)
 
 
 def test_a_lease_held_for_long_is_idle_from_its_release(

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import dlock
 from tests.conformance.helpers import ROOT
@@ -70,6 +71,8 @@ def test_prune_keeps_tokens_increasing_with_no_server_clock(tmp_path: Path) -> N
     outrank the next one."""
     path = tmp_path / "locks.sqlite3"
     with dlock.connect(f"sqlite:///{path}") as client:
+        backend: Any = client._backend
+        backend.prune_batch = 1  # one row per transaction: the floor must still rise
         tokens = {
             name: [_token(client, name) for _ in range(turns)]
             for name, turns in [("idle", 3), ("other", 5), ("recent", 1)]

@@ -427,16 +427,18 @@ def sqlite_statements(table: str) -> dict[str, str]:
     Rows of an earlier boot of the host have been idle for at least the time since
     boot, which the boot clock (``now``) counts.
     """
-    idle = """name <> X'' AND CASE WHEN boot = %(boot)s
-        THEN expires < %(now)s - %(age)s ELSE %(now)s > %(age)s END"""
+    # A batch of idle rows, the same in both statements of one transaction (by name).
+    batch = f"""SELECT name, fence FROM {table} WHERE name <> X'' AND CASE WHEN boot = %(boot)s
+        THEN expires < %(now)s - %(age)s ELSE %(now)s > %(age)s END
+        ORDER BY name LIMIT %(batch)s"""
     statements = {
         "schema": SQLITE.schema(table),
         **upsert_statements(table, SQLITE),
         "raise_floor": f"""
             INSERT INTO {table} (name, fence, count, expires, boot)
-            SELECT X'', MAX(fence), 0, 0, '' FROM {table} WHERE {idle} HAVING COUNT(*) > 0
+            SELECT X'', MAX(fence), 0, 0, '' FROM ({batch}) WHERE true HAVING COUNT(*) > 0
             ON CONFLICT (name) DO UPDATE SET fence = MAX(fence, excluded.fence)""",
-        "prune": f"DELETE FROM {table} WHERE {idle}",
+        "prune": f"DELETE FROM {table} WHERE name IN (SELECT name FROM ({batch}))",
     }
     return {key: re.sub(r"%\((\w+)\)s", r":\1", sql) for key, sql in statements.items()}
 
@@ -612,10 +614,11 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND {d.live()} AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
-        "prune": f"DELETE FROM {table} WHERE {d.idle_for('%(age)s', '%(age_us)s')}",
+        # A batch at a time (see ``prune``); the condition is checked again on the row
+        # as it is when deleted, which a concurrent grant may have changed.
+        "prune": _pg_prune(table, d.idle_for("%(age)s", "%(age_us)s")),
         # A session lock outlives its lease while its session lives (paused holder).
-        "session_prune": f"""
-            DELETE FROM {table} WHERE {d.idle_for("%(age)s", "%(age_us)s")} AND NOT {held}""",
+        "session_prune": _pg_prune(table, f"{d.idle_for('%(age)s', '%(age_us)s')} AND NOT {held}"),
         # Only its own session can free an advisory lock; the row is cleared as well.
         # The row is locked first (FOR UPDATE), and only then is the holder's session
         # ended (``ended`` reads the locked row). Ending it inside the UPDATE's own
@@ -635,6 +638,12 @@ def postgresql_statements(table: str) -> dict[str, str]:
             FROM ended WHERE name = %(name)s AND ended.ok
             RETURNING 1""",
     }
+
+
+def _pg_prune(table: str, idle: str) -> str:
+    return f"""
+        DELETE FROM {table} WHERE {idle} AND name = ANY(ARRAY(
+            SELECT name FROM {table} WHERE {idle} LIMIT %(batch)s))"""
 
 
 def _pg_extend_many(table: str, condition: str = "") -> str:
@@ -794,10 +803,13 @@ def mysql_statements(table: str) -> dict[str, str]:
         # below the clock, which keeps their next tokens increasing without them.
         "session_make_room": f"""
             DELETE FROM {table} WHERE fence < {d.clock_us} AND IS_USED_LOCK(lock_key) IS NULL""",
-        "prune": f"DELETE FROM {table} WHERE {d.idle_for('%(age)s', '%(age_us)s')}",
+        "prune": f"""
+            DELETE FROM {table} WHERE {d.idle_for("%(age)s", "%(age_us)s")}
+            LIMIT %(batch)s""",
         "session_prune": f"""
             DELETE FROM {table} WHERE {d.idle_for("%(age)s", "%(age_us)s")}
-                AND IS_USED_LOCK(lock_key) IS NULL""",
+                AND IS_USED_LOCK(lock_key) IS NULL
+            LIMIT %(batch)s""",
         "session_clear": f"""
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             WHERE name = %(name)s AND session = %(session)s""",

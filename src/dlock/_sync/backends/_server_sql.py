@@ -105,6 +105,10 @@ class ServerSQLBackend(Backend):
     #: The server's blocking lock waits whole multiples of this many seconds (MySQL 8's
     #: ``GET_LOCK``); None or 0: any wait.
     _wait_grain: float | None = None
+    #: Rows ``prune`` deletes per statement: each holds their row locks until it commits,
+    #: and an acquire of one of those names waits for that, so a table grown large is
+    #: pruned in short steps.
+    prune_batch = 1000
 
     def __init__(self, settings: ServerSettings):
         self._settings = settings
@@ -569,7 +573,13 @@ class ServerSQLBackend(Backend):
         self._pin_table_first()
         key = "session_prune" if self._session_mode else "prune"
         params = {"age": older_than, "age_us": int(older_than * 1_000_000)}
-        return (self._call(key, params)).rowcount
+        params["batch"] = self.prune_batch
+        removed = 0
+        while True:
+            deleted = (self._call(key, params)).rowcount
+            removed += deleted
+            if deleted < self.prune_batch:
+                return removed
 
     def inspect(self, name: str) -> LockInfo | None:
         key = "session_inspect" if self._session_mode else "inspect"

@@ -57,6 +57,10 @@ def _boot_and_now() -> tuple[str, float]:
 
 
 class SQLiteBackend(Backend):
+    #: Rows ``prune`` deletes per transaction: each holds the database's write lock,
+    #: which every acquire needs, so a table grown large is pruned in short steps.
+    prune_batch = 1000
+
     def __init__(
         self,
         path: str,
@@ -244,11 +248,16 @@ class SQLiteBackend(Backend):
         return run_blocking(self._force_release, name)
 
     def _prune(self, older_than: float) -> int:
-        boot, now = _boot_and_now()
-        params = {"boot": boot, "now": now, "age": older_than}
-        # One transaction: an acquire sees either the old row or the raised floor.
-        steps = [(self._sql["raise_floor"], params), (self._sql["prune"], params)]
-        return self._transaction(steps)[1][1]
+        removed = 0
+        while True:
+            boot, now = _boot_and_now()
+            params = {"boot": boot, "now": now, "age": older_than, "batch": self.prune_batch}
+            # One transaction: an acquire sees either the old row or the raised floor.
+            steps = [(self._sql["raise_floor"], params), (self._sql["prune"], params)]
+            deleted = self._transaction(steps)[1][1]
+            removed += deleted
+            if deleted < self.prune_batch:
+                return removed
 
     def prune(self, older_than: float) -> int:
         """Every name used keeps a row; names made again count on from the largest
