@@ -113,6 +113,13 @@ def unreachable_url(
     return backend.unreachable_url(request, tmp_path)
 
 
+@pytest.fixture(params=["mariadb", "postgresql"])
+def server(request: pytest.FixtureRequest) -> SQLServer:
+    """Each SQL server in turn, for the tests of what both SQL backends share."""
+    server: SQLServer = request.getfixturevalue(f"{request.param}_server")
+    return server
+
+
 @pytest.fixture
 def name() -> str:
     """A lock name no other test uses, so servers need no cleanup between tests."""

@@ -28,12 +28,6 @@ from tests.servers.sql import SQLServer, start_postgresql
 from tests.servers.tls import Certificates, make_certificates
 
 
-@pytest.fixture(params=["mariadb", "postgresql"])
-def server(request: pytest.FixtureRequest) -> SQLServer:
-    server: SQLServer = request.getfixturevalue(f"{request.param}_server")
-    return server
-
-
 @pytest.fixture
 def name() -> str:
     return f"fault-{uuid.uuid4().hex}"

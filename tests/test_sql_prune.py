@@ -28,17 +28,6 @@ AN_HOUR = 3600.0
 DLOCK = str(Path(sys.executable).with_name("dlock"))
 
 
-@pytest.fixture(params=["mariadb", "postgresql"])
-def server(request: pytest.FixtureRequest) -> SQLServer:
-    server: SQLServer = request.getfixturevalue(f"{request.param}_server")
-    return server
-
-
-@pytest.fixture
-def name() -> str:
-    return f"prune-{uuid.uuid4().hex}"
-
-
 @pytest.fixture
 def table() -> str:
     """A table of the test's own: what other tests leave behind is not counted."""
