@@ -195,6 +195,25 @@ async def test_blocked_waiter_is_woken_by_a_force_release(url: str, name: str) -
             finish(waiter)
 
 
+async def test_prune_leaves_held_and_recent_names_alone(url: str, name: str) -> None:
+    """Every backend answers ``prune`` (the SQL ones delete names idle for long; the
+    others clean up by themselves and answer 0). Nothing here has been idle for ten
+    minutes: a held lock stays held, and a name just used keeps increasing tokens."""
+    async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+        held = client.lock(f"{name}-held", ttl=30)
+        assert await held.acquire(timeout=0)
+        used = client.lock(name, ttl=30)
+        async with used:
+            before = used.fencing_token
+        assert await other.prune(600) == 0
+        await held.extend()  # raises if the lease was lost
+        assert await other.lock(held.name, ttl=30).acquire(timeout=0) is False
+        async with used:
+            assert used.fencing_token is not None and before is not None
+            assert used.fencing_token > before
+        await held.release()
+
+
 async def test_reentrancy(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=5, reentrant=True)

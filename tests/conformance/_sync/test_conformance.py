@@ -194,6 +194,25 @@ def test_blocked_waiter_is_woken_by_a_force_release(url: str, name: str) -> None
             finish(waiter)
 
 
+def test_prune_leaves_held_and_recent_names_alone(url: str, name: str) -> None:
+    """Every backend answers ``prune`` (the SQL ones delete names idle for long; the
+    others clean up by themselves and answer 0). Nothing here has been idle for ten
+    minutes: a held lock stays held, and a name just used keeps increasing tokens."""
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        held = client.lock(f"{name}-held", ttl=30)
+        assert held.acquire(timeout=0)
+        used = client.lock(name, ttl=30)
+        with used:
+            before = used.fencing_token
+        assert other.prune(600) == 0
+        held.extend()  # raises if the lease was lost
+        assert other.lock(held.name, ttl=30).acquire(timeout=0) is False
+        with used:
+            assert used.fencing_token is not None and before is not None
+            assert used.fencing_token > before
+        held.release()
+
+
 def test_reentrancy(url: str, name: str) -> None:
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=5, reentrant=True)
