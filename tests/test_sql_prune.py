@@ -127,10 +127,8 @@ def test_prune_goes_in_batches(server: SQLServer, table: str, name: str, mode: s
         _use(url, each)
         _set_back(server, table, each)
     with dlock.connect(url) as client:
-        backend: Any = client._backend
-        backend.prune_batch = 2
         statements = _record_statements(client)
-        assert client.prune(AN_HOUR) == 5
+        assert client.prune(AN_HOUR, batch=2) == 5
     assert len([sql for sql in statements if "DELETE" in sql]) == 3, "2 + 2 + 1"
     assert not any(_has_row(server, table, each) for each in names)
 
@@ -149,11 +147,18 @@ def test_a_lease_held_for_long_is_idle_from_its_release(
         assert _has_row(server, table, name)
 
 
-@pytest.mark.parametrize("older_than", [0, 599.9, math.nan, math.inf, -1.0, "3600", True])
-def test_prune_refuses_an_age_too_short_or_not_a_number(server: SQLServer, older_than: Any) -> None:
-    """Shorter than ten minutes would remove rows that clients skip asking about."""
+BAD_AGES = [0, 599.9, math.nan, math.inf, -1.0, "3600", True]
+BAD_BATCHES = [0, -5, 2.5, True]
+
+
+@pytest.mark.parametrize(
+    ("older_than", "batch"),
+    [(age, 1000) for age in BAD_AGES] + [(3600, batch) for batch in BAD_BATCHES],
+)
+def test_prune_refuses_bad_ages_and_batches(server: SQLServer, older_than: Any, batch: Any) -> None:
+    """An age under ten minutes would remove rows that clients skip asking about."""
     with dlock.connect(server.url()) as client, pytest.raises(dlock.InvalidArgument):
-        client.prune(older_than)
+        client.prune(older_than, batch=batch)
 
 
 async def test_prune_in_the_asyncio_face(server: SQLServer, table: str, name: str) -> None:
@@ -175,7 +180,7 @@ def test_the_prune_command(
         (f"redis://{redis_server.address}/0", 0, "0 idle names removed"),
     ]:
         result = subprocess.run(
-            [DLOCK, "prune", "--older-than", "3600", "--url", url],
+            [DLOCK, "prune", "--older-than", "3600", "--batch", "10", "--url", url],
             capture_output=True,
             text=True,
             timeout=30,

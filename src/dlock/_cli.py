@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"idle for at least this long, >= {SHORTEST_PRUNE_AGE:g} (%(default)s)",
     )
+    prune.add_argument(
+        "--batch",
+        type=int,
+        default=1000,
+        metavar="ROWS",
+        help="rows deleted per transaction (%(default)s)",
+    )
     prune.set_defaults(handler=cmd_prune)
     return parser
 
@@ -344,7 +351,7 @@ def cmd_init(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_prune(client: Client, args: argparse.Namespace) -> int:
-    removed = client.prune(args.older_than)
+    removed = client.prune(args.older_than, batch=args.batch)
     print(f"dlock prune: {removed} idle names removed")
     return 0
 

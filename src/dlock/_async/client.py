@@ -101,13 +101,26 @@ class AsyncClient:
         """
         return await self._backend.force_release(check_name(name))
 
-    async def prune(self, older_than: float = DEFAULT_PRUNE_AGE) -> int:
+    async def prune(self, older_than: float = DEFAULT_PRUNE_AGE, *, batch: int = 1000) -> int:
         """Forget names nobody has held for ``older_than`` seconds (default a day, at
         least ten minutes); return how many. A maintenance job for SQL lock tables,
         where every name used keeps a row: per-entity names would grow it without end.
         Held locks are never touched, and a name used again gets larger fencing tokens.
-        Redis and ZooKeeper clean up by themselves (0)."""
-        return await self._backend.prune(check_prune_age(older_than))
+        Redis and ZooKeeper clean up by themselves (0).
+
+        ``batch`` names go per transaction: a transaction holds what it deletes until
+        it commits (SQLite: the whole database), and acquires of those names wait for
+        it, so a table grown large is pruned in short steps.
+        """
+        older_than = check_prune_age(older_than)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidArgument(f"batch must be a positive int, not {batch!r}")
+        removed = 0
+        while True:
+            deleted = await self._backend.prune(older_than, batch)
+            removed += deleted
+            if deleted < batch:
+                return removed
 
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's

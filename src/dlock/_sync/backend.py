@@ -114,10 +114,11 @@ class Backend(ABC):
     def force_release(self, name: str) -> bool:
         """Free ``name`` whoever holds it; True if it was held."""
 
-    def prune(self, older_than: float) -> int:
-        """Delete what names nobody has held for ``older_than`` seconds left behind (a
-        SQL table's rows); return how many went. Later grants of such a name must still
-        get larger fencing tokens. Only backends that keep such state implement it."""
+    def prune(self, older_than: float, limit: int) -> int:
+        """Delete what at most ``limit`` names nobody has held for ``older_than`` seconds
+        left behind (a SQL table's rows), in one short transaction; return how many. The
+        core calls it until fewer come back. Later grants of such a name must still get
+        larger fencing tokens. Only backends that keep such state implement it."""
         raise BackendError(f"{type(self).__name__.removeprefix('Async')} cannot prune")
 
     def close(self) -> None:

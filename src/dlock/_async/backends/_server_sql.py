@@ -104,10 +104,6 @@ class AsyncServerSQLBackend(AsyncBackend):
     #: The server's blocking lock waits whole multiples of this many seconds (MySQL 8's
     #: ``GET_LOCK``); None or 0: any wait.
     _wait_grain: float | None = None
-    #: Rows ``prune`` deletes per statement: each holds their row locks until it commits,
-    #: and an acquire of one of those names waits for that, so a table grown large is
-    #: pruned in short steps.
-    prune_batch = 1000
 
     def __init__(self, settings: ServerSettings):
         self._settings = settings
@@ -566,21 +562,15 @@ class AsyncServerSQLBackend(AsyncBackend):
         """Renew many leases in as few round trips as the database allows; return the
         (name, owner) pairs renewed."""
 
-    async def prune(self, older_than: float) -> int:
+    async def prune(self, older_than: float, limit: int) -> int:
         """Every name used leaves a row, which keeps its fencing counter. A name made
         again after its row went starts at the server's clock in microseconds, above
         every token of the old row (all older than ``older_than``), unless the server's
         clock went back by more than that."""
         await self._pin_table_first()
         key = "session_prune" if self._session_mode else "prune"
-        params = {"age": older_than, "age_us": int(older_than * 1_000_000)}
-        params["batch"] = self.prune_batch
-        removed = 0
-        while True:
-            deleted = (await self._call(key, params)).rowcount
-            removed += deleted
-            if deleted < self.prune_batch:
-                return removed
+        params = {"age": older_than, "age_us": int(older_than * 1_000_000), "batch": limit}
+        return (await self._call(key, params)).rowcount
 
     async def inspect(self, name: str) -> LockInfo | None:
         key = "session_inspect" if self._session_mode else "inspect"

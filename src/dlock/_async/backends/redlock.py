@@ -209,7 +209,7 @@ class AsyncRedlockBackend(AsyncBackend):
         agreed = (self._agreed(infos) for _, infos in sorted(by_name.items()))
         return [info for info in agreed if info is not None]
 
-    async def prune(self, older_than: float) -> int:
+    async def prune(self, older_than: float, limit: int) -> int:
         """Nothing to delete: a name's keys expire by themselves, its fencing counter a
         day after its last grant (``FENCE_KEPT_MS``)."""
         return 0

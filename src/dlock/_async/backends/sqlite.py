@@ -56,10 +56,6 @@ def _boot_and_now() -> tuple[str, float]:
 
 
 class AsyncSQLiteBackend(AsyncBackend):
-    #: Rows ``prune`` deletes per transaction: each holds the database's write lock,
-    #: which every acquire needs, so a table grown large is pruned in short steps.
-    prune_batch = 1000
-
     def __init__(
         self,
         path: str,
@@ -246,22 +242,17 @@ class AsyncSQLiteBackend(AsyncBackend):
     async def force_release(self, name: str) -> bool:
         return await run_blocking(self._force_release, name)
 
-    def _prune(self, older_than: float) -> int:
-        removed = 0
-        while True:
-            boot, now = _boot_and_now()
-            params = {"boot": boot, "now": now, "age": older_than, "batch": self.prune_batch}
-            # One transaction: an acquire sees either the old row or the raised floor.
-            steps = [(self._sql["raise_floor"], params), (self._sql["prune"], params)]
-            deleted = self._transaction(steps)[1][1]
-            removed += deleted
-            if deleted < self.prune_batch:
-                return removed
+    def _prune(self, older_than: float, limit: int) -> int:
+        boot, now = _boot_and_now()
+        params = {"boot": boot, "now": now, "age": older_than, "batch": limit}
+        # One transaction: an acquire sees either the old row or the raised floor.
+        steps = [(self._sql["raise_floor"], params), (self._sql["prune"], params)]
+        return self._transaction(steps)[1][1]
 
-    async def prune(self, older_than: float) -> int:
+    async def prune(self, older_than: float, limit: int) -> int:
         """Every name used keeps a row; names made again count on from the largest
         token of the rows deleted (kept in the floor row)."""
-        return await run_blocking(self._prune, older_than)
+        return await run_blocking(self._prune, older_than, limit)
 
     def _close(self) -> None:
         with self._mutex:

@@ -1181,7 +1181,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         with suppress(NoNodeError, NotEmptyError):
             await self._call(zk.delete_async(parent))
 
-    async def prune(self, older_than: float) -> int:
+    async def prune(self, older_than: float, limit: int) -> int:
         """Nothing to delete: a name's node is a container, which the server deletes
         once empty, and fencing tokens are zxids, which need no counter per name."""
         return 0
