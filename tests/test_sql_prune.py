@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 
 import dlock
 import dlock.aio
+from dlock._sql import MYSQL, POSTGRESQL
 from dlock._sync.backends._server_sql import KNOWN_FOR
 from tests.servers.redis import RedisServer
 from tests.servers.sql import SQLServer
@@ -188,3 +191,49 @@ def test_the_prune_command(
         assert result.returncode == status, result.stderr
         assert output in result.stdout + result.stderr
     assert not _has_row(server, table, name)
+
+
+def _a_delete_waits_for_a_row(server: SQLServer) -> bool:
+    if server.scheme == "postgresql":
+        sql = """SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%DELETE%'"""
+    else:
+        sql = """SELECT count(*) FROM information_schema.innodb_trx
+                 WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE '%DELETE%'"""
+    return bool(admin(server)(sql, ())[0][0])
+
+
+def test_a_name_taken_while_prune_waits_for_its_row_stays(
+    server: SQLServer, table: str, name: str
+) -> None:
+    """An acquire that has updated an idle row but not yet committed holds it; a prune
+    that chose the row meanwhile waits for it, and must then see it taken and leave
+    it, not delete a live lease (PostgreSQL checks its condition again on the row as
+    the acquire left it; InnoDB reads the row's latest version once locked)."""
+    url = server.url(f"table={table}")
+    _use(url, name)
+    _set_back(server, table, name)
+    with dlock.connect(url) as client:
+        # Connected, and the table checked, before the transaction below holds it open.
+        assert client.inspect(name) is None
+        conn = server.connect(autocommit=False)
+        try:
+            now = (POSTGRESQL if server.scheme == "postgresql" else MYSQL).now
+            # What a grant writes: an owner and a lease ending 30 s from now.
+            conn.cursor().execute(
+                f"UPDATE {table} SET owner = %s, count = 1, expires = {now} + 30 WHERE name = %s",
+                ("someone", name.encode()),
+            )
+            pruned: list[int] = []
+            pruning = threading.Thread(target=lambda: pruned.append(client.prune(AN_HOUR)))
+            pruning.start()
+            deadline = time.monotonic() + 10
+            while not _a_delete_waits_for_a_row(server):
+                assert time.monotonic() < deadline, "prune never waited for the row"
+                time.sleep(0.02)
+            conn.commit()
+            pruning.join(10)
+        finally:
+            conn.close()
+    assert pruned == [0]
+    assert _has_row(server, table, name)
