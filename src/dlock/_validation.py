@@ -61,6 +61,12 @@ def check_timeout(timeout: object) -> float | None:
     return None if math.isinf(seconds) else seconds
 
 
+def check_batch(batch: object) -> int:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidArgument(f"batch must be a positive int, not {batch!r}")
+    return batch
+
+
 def check_prune_age(older_than: object) -> float:
     seconds = _number(older_than)
     if seconds is None:

@@ -12,7 +12,14 @@ from .._backoff import Backoff
 from .._errors import InvalidArgument
 from .._registry import default_url, load_backend
 from .._types import Holder, LockInfo
-from .._validation import DEFAULT_PRUNE_AGE, check_name, check_prune_age, check_timeout, check_ttl
+from .._validation import (
+    DEFAULT_PRUNE_AGE,
+    check_batch,
+    check_name,
+    check_prune_age,
+    check_timeout,
+    check_ttl,
+)
 from ._primitives import running, wait_done
 from .backend import Backend
 from .lock import Lock
@@ -113,9 +120,7 @@ class Client:
         it commits (SQLite: the whole database), and acquires of those names wait for
         it, so a table grown large is pruned in short steps.
         """
-        older_than = check_prune_age(older_than)
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise InvalidArgument(f"batch must be a positive int, not {batch!r}")
+        older_than, batch = check_prune_age(older_than), check_batch(batch)
         removed = 0
         while True:
             deleted = self._backend.prune(older_than, batch)

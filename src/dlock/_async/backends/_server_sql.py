@@ -40,7 +40,7 @@ POOL_SIZE = 16
 #: cancelled psycopg query is first cancelled on the server, which a hung server makes
 #: last 10 s more).
 BACKSTOP = 0.5
-#: Names known to have a row; more than this many and the set starts over.
+#: Names known to have a row; more than this many and the record starts over.
 KNOWN_NAMES = 10_000
 #: How long a name seen held stays known to have a row (its busy answers then need no
 #: second query), in seconds: far less than the shortest age ``prune`` accepts.
@@ -567,7 +567,6 @@ class AsyncServerSQLBackend(AsyncBackend):
         again after its row went starts at the server's clock in microseconds, above
         every token of the old row (all older than ``older_than``), unless the server's
         clock went back by more than that."""
-        await self._pin_table_first()
         key = "session_prune" if self._session_mode else "prune"
         params = {"age": older_than, "age_us": int(older_than * 1_000_000), "batch": limit}
         return (await self._call(key, params)).rowcount
