@@ -237,3 +237,23 @@ def test_a_name_taken_while_prune_waits_for_its_row_stays(
             conn.close()
     assert pruned == [0]
     assert _has_row(server, table, name)
+
+
+def test_a_busy_answer_for_a_name_seen_held_needs_one_statement(
+    server: SQLServer, table: str, name: str
+) -> None:
+    """Asked whether a name it has not seen is free, a client learns with its first
+    busy answer that the name is held (PostgreSQL: how long for; MySQL: from the
+    insert that found the row): its next busy answer is one statement, not the two or
+    three that ask whether the row exists."""
+    url = server.url(f"table={table}")
+    with dlock.connect(url) as holder, dlock.connect(url) as other:
+        lock = holder.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        statements = _record_statements(other)
+        assert other.lock(name, ttl=30).acquire(timeout=0) is False
+        first = len(statements)
+        assert other.lock(name, ttl=30).acquire(timeout=0) is False
+        assert len(statements) - first == 1, statements
+        assert first > 1, "the first busy answer asked about the row (else this proves nothing)"
+        lock.release()
