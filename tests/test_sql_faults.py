@@ -374,6 +374,56 @@ def test_names_match_exactly_in_every_sql_mode(
     assert admin(no_backslash_escapes)("SHOW TABLES LIKE 'injected'", ()) == []
 
 
+@pytest.fixture
+def simultaneous_assignment(mariadb_server: SQLServer) -> Iterator[SQLServer]:
+    """MariaDB with ``SIMULTANEOUS_ASSIGNMENT`` in its global ``sql_mode`` (a DBA's
+    choice; MySQL has no such mode), put back afterwards: every assignment of an
+    ``UPDATE`` then reads the row as it was, where MySQL's default reads the columns
+    already assigned to its left."""
+    run = admin(mariadb_server)
+    (before,) = run("SELECT @@GLOBAL.sql_mode", ())[0]
+    run("SET GLOBAL sql_mode = CONCAT(@@GLOBAL.sql_mode, ',SIMULTANEOUS_ASSIGNMENT')", ())
+    try:
+        yield mariadb_server
+    finally:
+        run("SET GLOBAL sql_mode = %s", (before,))
+
+
+def test_releases_free_the_lease_in_either_assignment_order(
+    simultaneous_assignment: SQLServer, name: str
+) -> None:
+    """The last release ends the lease and the one before it does not, on a server that
+    assigns all columns at once too: a release that read the count it had just
+    lowered left the lease live until its TTL. Both ways of releasing: the plain one,
+    and that of a lease a waiter took in front of the queue (which also leaves the
+    queue's turnstile for the next waiter)."""
+    url = simultaneous_assignment.url()
+    with dlock.connect(url) as a, dlock.connect(url) as b, dlock.connect(url) as c:
+        (mode,) = admin(simultaneous_assignment)("SELECT @@GLOBAL.sql_mode", ())[0]
+        assert "SIMULTANEOUS_ASSIGNMENT" in mode
+        held = a.lock(name, ttl=60, reentrant=True)
+        assert held.acquire(timeout=0) and held.acquire(timeout=0)
+        held.release()
+        assert not c.lock(name, ttl=60).acquire(timeout=0), "freed with one level left"
+        held.release()
+        assert c.inspect(name) is None
+
+        assert held.acquire(timeout=0)
+        waiter = b.lock(name, ttl=60)
+        granted: list[bool] = []
+        thread = threading.Thread(target=lambda: granted.append(waiter.acquire(timeout=30)))
+        thread.start()
+        time.sleep(0.5)  # the waiter queues in the server
+        held.release()
+        thread.join()
+        assert granted == [True]
+        waiter.release()
+        assert c.inspect(name) is None
+        third = c.lock(name, ttl=60)
+        assert third.acquire(timeout=0), "the waiter's release left the lease live"
+        third.release()
+
+
 @pytest.mark.parametrize(
     "table",
     ["x; DROP TABLE y", "a b", "1abc", "t" * 64, "naïve", "", "a.b.c", "a.", ".b", "a.b;c", "a .b"],

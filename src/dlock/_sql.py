@@ -726,10 +726,13 @@ def mysql_statements(table: str) -> dict[str, str]:
         # The last release ends the lease but leaves owner and holder: an update that
         # keeps the row's size is done in place by InnoDB (~5% faster). ``expires``
         # becomes minus the moment of release: never live again, whatever the clock
-        # does, and ``prune`` still knows when the name was last used.
+        # does, and ``prune`` still knows when the name was last used. Every
+        # assignment reads the count as it was, before ``count`` is assigned last: the
+        # same whether the server assigns left to right (MySQL's default) or all at
+        # once (MariaDB's ``SIMULTANEOUS_ASSIGNMENT``).
         "release": f"""
             UPDATE {table} SET
-                count = LAST_INSERT_ID(count - 1), expires = IF(count > 0, expires, -{now})
+                expires = IF(count > 1, expires, -{now}), count = LAST_INSERT_ID(count - 1)
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now}""",
         # A lease taken in front of the turnstile is released on the connection keeping
         # it; the last release (or one that finds the lease gone) leaves it, so the next
@@ -741,9 +744,9 @@ def mysql_statements(table: str) -> dict[str, str]:
         # flushed, not after it (docs/sql.md has the numbers). A grant is flushed after
         # the release it follows: the redo log is one sequence.
         "release_gate": f"""
-            UPDATE {table} SET count = LAST_INSERT_ID(count - 1),
-                expires = IF(count > 0, expires, -{now}),
-                session = IF(count > 0, session, IF(RELEASE_LOCK(%(turnstile)s), 0, 0))
+            UPDATE {table} SET expires = IF(count > 1, expires, -{now}),
+                session = IF(count > 1, session, IF(RELEASE_LOCK(%(turnstile)s), 0, 0)),
+                count = LAST_INSERT_ID(count - 1)
             WHERE name = %(name)s AND owner = %(owner)s AND expires > {now};
             SELECT IF(ROW_COUNT() > 0, LAST_INSERT_ID(), NULL),
                 IF(ROW_COUNT() > 0, NULL, RELEASE_LOCK(%(turnstile)s))""",
