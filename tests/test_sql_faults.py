@@ -751,7 +751,7 @@ def _unprivileged_login(server: SQLServer) -> tuple[str, str, str]:
     return user, "pw", server.database
 
 
-@pytest.mark.parametrize("wrong", ["database", "user", "password", "privilege"])
+@pytest.mark.parametrize("wrong", ["database", "user", "password", "privilege", "locked"])
 def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> None:
     """A server that answers and refuses is misconfigured, not unavailable: a
     ``BackendError`` that names the reason, never a ``BackendUnavailable`` that a caller
@@ -765,6 +765,15 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> N
     elif wrong == "privilege":
         user, password, database = _unprivileged_login(server)
         match = "permission denied" if pg else "access denied"
+    elif wrong == "locked":
+        user, password, database = _unprivileged_login(server)
+        if pg:
+            admin(server)(f"ALTER ROLE {user} NOLOGIN", ())
+            database, match = server.database, "not permitted to log in"
+        else:
+            admin(server)(f"GRANT ALL ON {database}.* TO '{user}'@'%'", ())
+            admin(server)(f"ALTER USER '{user}'@'%' ACCOUNT LOCK", ())
+            match = "locked"
     elif pg:
         user, password, match = _password_role(server), "wrong", "password authentication failed"
     else:

@@ -43,6 +43,13 @@ PASSTHROUGH = frozenset(
 )
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
+#: The client library's own errors (CR_*: cannot connect, server gone away, lost
+#: connection). Server errors from 3000 on (MySQL 8) and 4000 on (MariaDB) are refusals
+#: like any other: a locked account, TLS required, a statement's time limit.
+CLIENT_ERRORS = range(2000, 3000)
+#: Server errors that end the connection or turn it away for now: too many
+#: connections, shutting down, killed (MariaDB), closed as idle (MySQL 8).
+CONNECTION_ENDED = {1040, 1053, 1927, 4031}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
@@ -265,7 +272,11 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             return BackendError(f"the server is read-only (a replica?): {text}")
         if code == NO_SUCH_TABLE:
             return self._missing_table(text)
-        if code >= 2000 or isinstance(exc, pymysql.err.InterfaceError):
+        if (
+            code in CLIENT_ERRORS
+            or code in CONNECTION_ENDED
+            or isinstance(exc, pymysql.err.InterfaceError)
+        ):
             return BackendUnavailable(f"({code}) {text}")
         return BackendError(f"({code}) {text}")
 

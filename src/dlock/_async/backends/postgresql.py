@@ -111,6 +111,8 @@ REFUSALS = (
     "does not exist",  # the role or the database
     "no pg_hba.conf entry",
     "permission denied",
+    "not permitted to log in",  # NOLOGIN
+    "is not currently accepting connections",  # ALLOW_CONNECTIONS false
     "certificate",
     "alert unknown ca",  # the server does not trust our certificate's issuer
     "SSL was required",
