@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +62,16 @@ def test_default_url_uses_env_then_state_dir(
         ("sqlite:///tmp/x.db?busy_timeout=nan", "busy_timeout"),
         ("sqlite:///tmp/x.db?busy_timeout=inf", "busy_timeout"),
         ("sqlite:///tmp/x.db?busy_timeout=soon", "busy_timeout"),
+        # Each client would get a database of its own: nothing locked against another.
+        ("sqlite::memory:", "in-memory"),
+        ("sqlite:///tmp/a%00.db", "NUL"),
+        # Silently the last, or the default, or another file: refused instead.
+        ("sqlite:///tmp/x.db?table=a&table=b", "'table' is given twice"),
+        ("sqlite:///tmp/x.db?table=", "plain SQL identifier"),
+        ("sqlite:///tmp/x#y.db", "fragment"),
+        ("postgresql://u@h/db?mode=lease&mode=session", "'mode' is given twice"),
+        ("mysql://u@h/db?table=", "plain SQL identifier"),
+        ("redis://h?socket_timeout=1&socket_timeout=2", "given twice"),
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:
@@ -68,9 +79,25 @@ def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:
         dlock.connect(url)
 
 
-def test_sqlite_busy_timeout_option_is_checked() -> None:
-    with pytest.raises(dlock.ConfigurationError, match="busy_timeout"):
-        dlock.connect("sqlite:///tmp/x.db", busy_timeout=[1])
+@pytest.mark.parametrize(
+    "options",
+    [{"busy_timeout": [1]}, {"busy_timeout": True}, {"busy_timeout": 10**400}, {"table": None}],
+)
+def test_sqlite_keyword_options_are_checked(options: dict[str, Any]) -> None:
+    with pytest.raises(dlock.ConfigurationError, match=next(iter(options))):
+        dlock.connect("sqlite:///tmp/x.db", **options)
+
+
+def test_default_database_path_is_quoted_into_its_url(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A state directory whose name has URL syntax in it (``#``, ``%``, ``?``) is still
+    the file used, not a fragment, an escape or a query."""
+    state = tmp_path / "odd #1 %41 ?q"
+    monkeypatch.delenv("DLOCK_URL", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    with dlock.connect() as client, client.lock("default", ttl=5):
+        assert (state / "dlock" / "locks.sqlite3").exists()
 
 
 def test_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,9 +112,53 @@ def test_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch)
         dlock.connect("needs-lib://x")
 
 
-def test_bad_label_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "label",
+    [42, "x" * 513, "é" * 86, "\U0001f512" * 43, "lone \udc80 surrogate"],
+    ids=["int", "513 ASCII", "86 accented", "43 emoji", "lone surrogate"],
+)
+def test_bad_label_is_refused(tmp_path: Path, label: object) -> None:
+    """Every backend stores the holder's record (host, pid, label as JSON, where a
+    non-ASCII character takes 6 or 12 characters) in 1024 characters: a longer label
+    failed every acquire on the SQL servers with the driver's "data too long"."""
     with pytest.raises(dlock.InvalidArgument, match="label"):
-        dlock.connect(f"sqlite://{tmp_path}/x.db", label=42)  # type: ignore[arg-type]
+        dlock.connect(f"sqlite://{tmp_path}/x.db", label=label)  # type: ignore[arg-type]
+
+
+#: Labels just within the limit (SQL servers: ``test_the_longest_labels_fit``).
+LONGEST_LABELS = ("x" * 512, "é" * 85, "\U0001f512" * 42)
+
+
+def test_label_at_the_limit_is_kept(tmp_path: Path) -> None:
+    for label in LONGEST_LABELS:
+        with (
+            dlock.connect(f"sqlite://{tmp_path}/x.db", label=label) as client,
+            client.lock("x", ttl=5),
+        ):
+            info = client.inspect("x")
+            assert info is not None and info.holder.label == label
+
+
+def test_numbers_beyond_any_float_are_argument_errors(tmp_path: Path) -> None:
+    """An int too large for a float is refused like any out-of-range number, not with
+    Python's OverflowError; as a timeout it means "wait forever", as infinity does."""
+    huge = 10**400
+    with dlock.connect(f"sqlite://{tmp_path}/x.db") as client:
+        with pytest.raises(dlock.InvalidTTL):
+            client.lock("x", ttl=huge)
+        with pytest.raises(dlock.InvalidTTL):
+            client.lock("x", ttl=-huge)
+        with pytest.raises(dlock.InvalidTimeout):
+            client.lock("x", ttl=5).acquire(timeout=-huge)
+        lock = client.lock("x", ttl=5)
+        assert lock.acquire(timeout=huge)
+        lock.release()
+        with pytest.raises(dlock.InvalidArgument, match="older_than"):
+            client.prune(older_than=huge)
+        for batch in (10**20, 100_001, 0):
+            with pytest.raises(dlock.InvalidArgument, match="batch"):
+                client.prune(batch=batch)
+        assert client.prune(batch=100_000) == 0
 
 
 def test_error_hierarchy() -> None:

@@ -26,6 +26,7 @@ from dlock._sql import DEFAULT_TABLES, MYSQL, advisory_key, named_lock_key
 from dlock._types import Holder
 from tests.servers.sql import SQLServer, start_postgresql
 from tests.servers.tls import Certificates, make_certificates
+from tests.test_core import LONGEST_LABELS
 
 
 @pytest.fixture
@@ -372,6 +373,19 @@ def test_names_match_exactly_in_every_sql_mode(
         victim.extend()
         victim.release()
     assert admin(no_backslash_escapes)("SHOW TABLES LIKE 'injected'", ()) == []
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_the_longest_labels_fit(server: SQLServer, name: str, mode: str) -> None:
+    """A label ``connect()`` accepts is stored whole by both databases in both modes
+    (the holder column: 1024 characters, or bytes in MySQL's session table)."""
+    for label in LONGEST_LABELS:
+        with (
+            dlock.connect(server.url(f"mode={mode}"), label=label) as client,
+            client.lock(name, ttl=30),
+        ):
+            info = client.inspect(name)
+            assert info is not None and info.holder.label == label
 
 
 @pytest.fixture

@@ -51,6 +51,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def exit_status(text: str) -> int:
+    """0-255: a process's status is one byte, so 256 would read as 0, success."""
+    try:
+        code = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= code <= 255:
+        raise argparse.ArgumentTypeError(f"an exit status is 0-255, not {code}")
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     url_help = "backend URL (default: $DLOCK_URL, else a SQLite file in ~/.local/state/dlock)"
     # --url is accepted before and after the command; SUPPRESS keeps the subcommand's
@@ -85,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "-E",
         "--conflict-exit-code",
-        type=int,
+        type=exit_status,
         default=EXIT_CONFLICT,
         metavar="CODE",
         help="exit status when the lock is not acquired (%(default)s)",

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import math
+from urllib.parse import parse_qsl
 
 from ._errors import ConfigurationError
+
+
+def query_options(query: str) -> dict[str, str]:
+    """A URL's query as options. A key given twice is refused (which one was meant?),
+    and an empty value is kept, so that ``?table=`` is an error, not the default."""
+    options: dict[str, str] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key in options:
+            raise ConfigurationError(f"option {key!r} is given twice in the URL")
+        options[key] = value
+    return options
 
 
 def flag(value: object, what: str) -> bool:
@@ -22,9 +34,11 @@ def flag(value: object, what: str) -> bool:
 
 def seconds(value: object, what: str) -> float:
     """A positive, finite duration option (an infinite one would disable a bound)."""
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{what} must be a number of seconds, not {value!r}")
     try:
         duration = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigurationError(f"{what} must be a number of seconds, not {value!r}") from None
     if not math.isfinite(duration) or duration <= 0:
         raise ConfigurationError(f"{what} must be a positive number of seconds, not {value!r}")

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from ._errors import BackendNotInstalled, ConfigurationError
 
@@ -43,7 +43,7 @@ def default_url() -> str:
     if url := os.environ.get("DLOCK_URL"):
         return url
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return "sqlite://" + str(Path(state, "dlock", "locks.sqlite3").absolute())
+    return "sqlite://" + quote(str(Path(state, "dlock", "locks.sqlite3").absolute()))
 
 
 def scheme_of(url: str) -> str:
@@ -55,6 +55,11 @@ def scheme_of(url: str) -> str:
 def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
     """Import the backend for ``url``'s scheme from ``package`` and build it."""
     scheme = scheme_of(url)
+    if urlsplit(url).fragment:
+        raise ConfigurationError(
+            f"{url!r} has a #fragment, which no backend reads: a '#' in a password or"
+            " a file name is written %23"
+        )
     entry = BACKENDS.get(scheme)
     if entry is None:
         known = ", ".join(sorted(BACKENDS))

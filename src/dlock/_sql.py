@@ -13,10 +13,10 @@ import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ._errors import ConfigurationError
-from ._options import flag, seconds
+from ._options import flag, query_options, seconds
 from ._types import Holder, LockInfo
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -159,7 +159,7 @@ def parse_server_url(
     ``default_schema``, where the default table lives.
     """
     parts = urlsplit(url)
-    settings: dict[str, Any] = dict(parse_qsl(parts.query))
+    settings: dict[str, Any] = query_options(parts.query)
     settings.update(options)
     known = {"mode", "table", "connect_timeout", "timeout", "create_table", "client", socket_option}
     unknown = set(settings) - known - passthrough

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Final
 
@@ -13,6 +14,12 @@ MAX_NAME_LENGTH: Final = 255
 #: whether a name they saw held less than this long ago still has its state.
 SHORTEST_PRUNE_AGE: Final = 600.0
 DEFAULT_PRUNE_AGE: Final = 86_400.0
+#: ``prune``'s largest batch: rows per transaction, which holds them all until it commits.
+MAX_BATCH: Final = 100_000
+#: Longest label once JSON-escaped (as the holder's record stores it; a non-ASCII
+#: character takes 6 or 12): with the host name and pid it fits every backend's
+#: 1024-character holder column.
+MAX_LABEL_LENGTH: Final = 512
 
 
 def check_name(name: object) -> str:
@@ -31,11 +38,33 @@ def check_name(name: object) -> str:
     return name
 
 
+def check_label(label: object) -> str | None:
+    """The holder's free-form label: text that every backend can store whole."""
+    if label is None:
+        return None
+    if not isinstance(label, str):
+        raise InvalidArgument(f"label must be a str, not {type(label).__name__}")
+    try:
+        label.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("label is not valid Unicode (it contains a lone surrogate)") from None
+    escaped = len(json.dumps(label)) - 2
+    if escaped > MAX_LABEL_LENGTH:
+        raise InvalidArgument(
+            f"label is {escaped} characters long once JSON-escaped (a non-ASCII character"
+            f" counts 6 or 12); the limit is {MAX_LABEL_LENGTH}"
+        )
+    return label
+
+
 def _number(value: object) -> float | None:
     # bool is an int subclass; ttl=True is a bug, not one second.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond any float: as good as infinite
+        return math.inf if value > 0 else -math.inf
 
 
 def check_ttl(ttl: object) -> float:
@@ -62,8 +91,8 @@ def check_timeout(timeout: object) -> float | None:
 
 
 def check_batch(batch: object) -> int:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise InvalidArgument(f"batch must be a positive int, not {batch!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        raise InvalidArgument(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
     return batch
 
 

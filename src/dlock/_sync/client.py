@@ -15,6 +15,7 @@ from .._types import Holder, LockInfo
 from .._validation import (
     DEFAULT_PRUNE_AGE,
     check_batch,
+    check_label,
     check_name,
     check_prune_age,
     check_timeout,
@@ -53,10 +54,8 @@ class Client:
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if label is not None and not isinstance(label, str):
-            raise InvalidArgument(f"label must be a str, not {type(label).__name__}")
         self._backend = backend
-        self._holder = Holder.current(label)
+        self._holder = Holder.current(check_label(label))
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._renewer = Renewer(backend, clock)

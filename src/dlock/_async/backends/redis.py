@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis_client
 from redis.asyncio.retry import Retry
@@ -45,7 +45,7 @@ from redis.exceptions import (
 
 from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._options import seconds
+from ..._options import query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import sleep
@@ -311,7 +311,7 @@ class AsyncRedisBackend(AsyncBackend):
         scheme = parts.scheme.lower()
         cluster = scheme.endswith("+cluster")
         base_scheme = "rediss" if scheme.startswith("rediss") else "redis"
-        query = dict(parse_qsl(parts.query))
+        query = query_options(parts.query)
         cluster = cluster or query.pop("cluster", "").lower() in ("1", "true", "yes")
         settings: dict[str, Any] = {}
         for key in list(query):

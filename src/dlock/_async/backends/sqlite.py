@@ -13,11 +13,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._options import seconds
+from ..._options import query_options, seconds
 from ..._sql import (
     DEFAULT_TABLES,
     check_identifier,
@@ -86,14 +86,22 @@ class AsyncSQLiteBackend(AsyncBackend):
         path = unquote(parts.path)
         if not path:
             raise ConfigurationError(f"{url!r} names no database file")
-        settings: dict[str, Any] = dict(parse_qsl(parts.query))
+        if path == ":memory:":
+            # Every connection would get a database of its own: no exclusion at all.
+            raise ConfigurationError(
+                f"{url!r}: an in-memory SQLite database is private to one connection, so"
+                " it cannot lock anything against another client; name a file"
+            )
+        if "\x00" in path:
+            raise ConfigurationError(f"{url!r}: a database file name cannot contain NUL")
+        settings: dict[str, Any] = query_options(parts.query)
         settings.update(options)
         unknown = set(settings) - {"table", "busy_timeout", "synchronous"}
         if unknown:
             raise ConfigurationError(f"unknown sqlite option(s): {', '.join(sorted(unknown))}")
         return cls(
             path,
-            table=str(settings.get("table", DEFAULT_TABLES["lease"])),
+            table=settings.get("table", DEFAULT_TABLES["lease"]),
             busy_timeout=seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
             synchronous=str(settings.get("synchronous", "full")).lower(),
         )

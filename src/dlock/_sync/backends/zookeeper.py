@@ -32,7 +32,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -50,7 +50,7 @@ from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._options import flag, seconds
+from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import Mutex, WakeupEvent, join, run_blocking, shielded, spawn, wait_result
@@ -329,7 +329,7 @@ class ZooKeeperBackend(Backend):
         client = options.pop("client", None)
         if not netloc and client is None:
             raise ConfigurationError(f"{url!r} names no ZooKeeper host")
-        settings: dict[str, Any] = dict(parse_qsl(parts.query, keep_blank_values=True))
+        settings: dict[str, Any] = query_options(parts.query)
         settings.update(options)
         known = {"session_timeout", "connect_timeout", "operation_timeout", "on_suspend", "tls"}
         unknown = set(settings) - known - set(TLS_OPTIONS)
