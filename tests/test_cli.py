@@ -120,6 +120,71 @@ def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
         assert client.inspect(name) is None
 
 
+def catches(pid: int, signum: int, timeout: float = 20) -> None:
+    """Wait until process ``pid`` has a handler for ``signum`` (/proc's SigCgt mask):
+    a signal sent during start-up would kill it with the default action instead.
+    (Not SIGINT: Python catches that from its start.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = Path(f"/proc/{pid}/status").read_text()
+        (mask,) = re.findall(r"^SigCgt:\s*([0-9a-f]+)$", status, re.MULTILINE)
+        if int(mask, 16) >> (signum - 1) & 1:
+            return
+        assert time.monotonic() < deadline, f"no handler for signal {signum}"
+        time.sleep(0.02)
+
+
+def test_interrupt_is_forwarded_outside_a_terminal(db: str, name: str, tmp_path: Path) -> None:
+    """``kill -INT`` from a supervisor (systemd's KillSignal, ``timeout -s INT``)
+    reaches the command: dlock ignored it, and the command ran on. dlock runs in a
+    session of its own here, with no terminal whose Ctrl-C would reach the command."""
+    marker = tmp_path / "interrupted"
+    script = f"trap 'echo int > {marker}; exit 42' INT; echo started; sleep 30 & wait"
+    process = subprocess.Popen(
+        [DLOCK, "run", name, "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "DLOCK_URL": db},
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "started"
+    process.send_signal(signal.SIGINT)
+    assert process.wait(10) == 42
+    assert marker.read_text().strip() == "int"
+    process.stdout.close()
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) -> None:
+    """A signal while dlock waits for the lock ends it at once with 128+N, quietly
+    (SIGINT printed a traceback), runs nothing, and leaves the holder's lock alone."""
+    with dlock.connect(db) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        process = subprocess.Popen(
+            [DLOCK, "run", "-w", "60", name, "--", "sh", "-c", "echo ran"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DLOCK_URL": db},
+            start_new_session=True,
+        )
+        catches(process.pid, signal.SIGTERM)  # installed together with the others
+        time.sleep(0.3)  # into the wait, most likely; before it is as good
+        assert process.poll() is None
+        process.send_signal(signum)
+        stdout, stderr = process.communicate(timeout=10)
+        assert process.returncode == 128 + signum, stderr
+        assert stdout == "" and "Traceback" not in stderr, stderr
+        assert holder.owned()
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == holder.fencing_token
+        holder.release()
+
+
 def test_status_list_and_force_release(url: str, name: str) -> None:
     """On every backend (``url``: the conformance fixture's), and in both SQL modes:
     force release in session mode ends the holder's database session."""

@@ -49,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LockError as exc:  # bad URL, name, TTL or timeout
         print(f"dlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
 
 
 def exit_status(text: str) -> int:
@@ -204,20 +206,30 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
 
     lock = client.lock(args.name, ttl=args.ttl, on_lost=on_lost)
     timeout = 0 if args.nonblock else args.wait
-    if not lock.acquire(timeout=timeout):
-        print(
-            f"dlock: {args.name!r} is held by someone else{describe(client, args.name)}",
-            file=sys.stderr,
-        )
-        return int(args.conflict_exit_code)
-    env = {
-        **os.environ,
-        "DLOCK_NAME": args.name,
-        "DLOCK_FENCING_TOKEN": str(lock.fencing_token),
-        "DLOCK_TTL": str(args.ttl),
-    }
-    # Handlers go in before the child starts, so a TERM sent as soon as it runs is passed on.
+    # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile
+    # is given back at once, not left to its TTL); once the lock is held, signals are
+    # kept for the child and passed on as soon as it runs.
     with forwarding_signals() as forwarder:
+        try:
+            acquired = lock.acquire(timeout=timeout)
+            forwarder.waiting = False
+        except Interrupted as stop:
+            forwarder.waiting = False
+            if lock.owned():
+                lock.release()
+            return 128 + stop.signum
+        if not acquired:
+            print(
+                f"dlock: {args.name!r} is held by someone else{describe(client, args.name)}",
+                file=sys.stderr,
+            )
+            return int(args.conflict_exit_code)
+        env = {
+            **os.environ,
+            "DLOCK_NAME": args.name,
+            "DLOCK_FENCING_TOKEN": str(lock.fencing_token),
+            "DLOCK_TTL": str(args.ttl),
+        }
         try:
             child = subprocess.Popen(command, env=env)
         except OSError as exc:
@@ -234,7 +246,9 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         done.wait()
         if lost.is_set() and child.poll() is None:
             return stop_after_loss(child, lock, args.grace)
-    return finish(child, lock)
+        # Still under the handlers: a signal now goes to the ended child (nowhere), and
+        # cannot kill dlock halfway through the release.
+        return finish(child, lock)
 
 
 def finish(child: subprocess.Popen[bytes], lock: Lock) -> int:
@@ -262,20 +276,36 @@ def stop_after_loss(child: subprocess.Popen[bytes], lock: Lock, grace: float) ->
     return EXIT_LOST
 
 
+class Interrupted(BaseException):
+    """A signal ended the wait for the lock (a BaseException, as KeyboardInterrupt is:
+    nothing on the way may take it for a failure to retry)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class forwarding_signals:
-    """Pass termination signals on to the child while it runs (SIGINT reaches it from
-    the terminal already, as it shares our process group)."""
+    """Termination signals end the wait for the lock, then go to the child while it
+    runs. SIGINT is passed on too, unless dlock runs in its terminal's foreground: the
+    terminal's Ctrl-C then reaches the child already (it shares our process group),
+    and twice would be one too many."""
 
     def __init__(self) -> None:
         self.child: subprocess.Popen[bytes] | None = None
+        self.waiting = True
         self.pending: list[int] = []
         self.saved: dict[int, Any] = {}
 
     def __enter__(self) -> forwarding_signals:
-        self.saved[signal.SIGINT] = signal.signal(signal.SIGINT, lambda *_: None)
+        self.saved[signal.SIGINT] = signal.signal(signal.SIGINT, self.interrupt)
         for signum in FORWARDED_SIGNALS:
             self.saved[signum] = signal.signal(signum, self.forward)
         return self
+
+    def interrupt(self, signum: int, frame: object) -> None:
+        if self.waiting or not in_terminal_foreground():
+            self.forward(signum, frame)
 
     def attach(self, child: subprocess.Popen[bytes]) -> None:
         self.child = child
@@ -283,6 +313,8 @@ class forwarding_signals:
             child.send_signal(signum)
 
     def forward(self, signum: int, frame: object) -> None:
+        if self.waiting:
+            raise Interrupted(signum)
         if self.child is None:
             self.pending.append(signum)
         elif self.child.poll() is None:
@@ -291,6 +323,20 @@ class forwarding_signals:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
+
+
+def in_terminal_foreground() -> bool:
+    """Whether our process group is the foreground one of our controlling terminal."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False  # no controlling terminal: no Ctrl-C from one either
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def shown(text: str) -> str:
