@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import dlock
 from tests.conformance.helpers import ROOT
 
@@ -15,6 +17,8 @@ from tests.conformance.helpers import ROOT
 # within the same few milliseconds.
 OPEN_AND_LOCK = """
 import os, sys, time
+import pytest
+
 import dlock
 client = dlock.connect("sqlite:///" + sys.argv[1])
 while not os.path.exists(sys.argv[2]):
@@ -105,3 +109,24 @@ def test_rows_of_an_earlier_boot_have_been_idle_since_boot(tmp_path: Path) -> No
         uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
         assert client.prune(600) == (1 if uptime > 600 else 0)
         assert _token(client, "old") > before
+
+
+def test_a_file_write_locked_past_the_busy_timeout_is_unavailable(tmp_path: Path) -> None:
+    """Another connection that keeps the file write-locked longer than ``busy_timeout``
+    is a backend not answering in time (``BackendUnavailable``, worth retrying), not a
+    refusal: it was a plain ``BackendError``, which callers are told not to retry."""
+    path = tmp_path / "busy.db"
+    with dlock.connect(f"sqlite://{path}", busy_timeout=0.3) as client:
+        lock = client.lock("x", ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(dlock.BackendUnavailable, match="locked"):
+                lock.acquire(timeout=0)
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert lock.acquire(timeout=0)
+        lock.release()

@@ -56,6 +56,17 @@ def _boot_and_now() -> tuple[str, float]:
     return "", time.time()
 
 
+#: SQLITE_BUSY, SQLITE_LOCKED: another connection holds the lock the statement needs.
+BUSY_CODES = (5, 6)
+
+
+def _busy(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+; extended codes
+    if code is not None:
+        return (code & 0xFF) in BUSY_CODES
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
 class SQLiteBackend(Backend):
     def __init__(
         self,
@@ -179,6 +190,12 @@ class SQLiteBackend(Backend):
                 conn.execute("COMMIT")
                 return results
             except sqlite3.Error as exc:
+                if _busy(exc):
+                    # Another connection kept the file write-locked past busy_timeout:
+                    # not answering in time, like a hung server, and worth retrying.
+                    raise BackendUnavailable(
+                        f"SQLite {self._path!r}: {exc} for busy_timeout={self._busy_timeout:g} s"
+                    ) from exc
                 raise BackendError(f"SQLite {self._path!r}: {exc}") from exc
 
     def _acquire(
