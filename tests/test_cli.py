@@ -289,6 +289,8 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     assert negative_grace.returncode == 2 and "--grace" in negative_grace.stderr
     no_command = dlock_cmd(db, "run", "x")
     assert no_command.returncode == 2 and "no command" in no_command.stderr
+    late_option = dlock_cmd(db, "run", "x", "-n", "--", "true")
+    assert late_option.returncode == 2 and "options go before NAME" in late_option.stderr
     # A status is one byte: 256 would have exited 0 for "not acquired".
     for code in ("256", "-1", "x"):
         bad_code = dlock_cmd(db, "run", "-n", "-E", code, "x", "--", "true")

@@ -191,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(client: Client, args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if command is args.command and command and command[0].startswith("-"):
+        # argparse stops at NAME: "dlock run NAME -n -- cmd" would run "-n".
+        print(
+            f"dlock run: {command[0]!r} after NAME: options go before NAME, the command after --",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     if not command:
         print("dlock run: no command given (dlock run NAME -- COMMAND ...)", file=sys.stderr)
         return EXIT_USAGE
