@@ -90,11 +90,18 @@ def _lock_waiting(key: int, ms: int) -> str:
     transaction. The server's ``statement_timeout`` (a role's default, say) would cut
     the wait short, and it is fixed when a statement starts: so a statement before the
     wait turns it off for the transaction (PostgreSQL 13+ times each statement of a
-    query on its own), and ``lock_timeout`` bounds the wait instead."""
+    query on its own), and ``lock_timeout`` bounds the wait instead.
+
+    Once the lock is granted, ``lock_timeout`` is turned off again: it must bound this
+    wait alone. A statement after it (the record, the take) that timed out waiting for
+    its row would read as this wait timing out, and roll back while the session keeps
+    the advisory lock, which is not transactional: the connection would be pooled or
+    kept still holding the lock (or the turnstile)."""
     return (
         "SELECT set_config('statement_timeout', '0', true),"
         f" set_config('lock_timeout', '{int(ms)}', true);"
-        f" SELECT pg_advisory_lock({int(key)})"
+        f" SELECT pg_advisory_lock({int(key)});"
+        " SELECT set_config('lock_timeout', '0', true)"
     )
 
 

@@ -1,0 +1,107 @@
+"""What a PostgreSQL wait inside the server leaves on its connection.
+
+A wait holds session state that a rollback does not undo (advisory locks, a LISTEN):
+a connection pooled or kept after a wait must carry none of it. These run against the
+private server of tests/servers/sql.py, sync face.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import dlock
+from dlock._sql import advisory_key
+from tests.servers.sql import SQLServer
+from tests.test_sql_faults import _advisory_lock_sessions, _turnstile_held
+
+
+@contextmanager
+def _row_locked(
+    server: SQLServer,
+    table: str,
+    name: str,
+    seconds: float,
+    first: Callable[[], object] | None = None,
+) -> Iterator[None]:
+    """Another transaction locks the name's row right after ``first()`` (the connection
+    is open by then), and commits ``seconds`` after the block starts."""
+    conn = server.connect(autocommit=False)
+    if first is not None:
+        first()
+    conn.execute(f"SELECT 1 FROM {table} WHERE name = %s FOR UPDATE", (name.encode(),))
+    timer = threading.Timer(seconds, conn.commit)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.join()
+        conn.close()
+
+
+def _acquire_in_thread(lock: dlock.Lock, timeout: float) -> threading.Thread:
+    thread = threading.Thread(target=lambda: lock.acquire(timeout=timeout))
+    thread.start()
+    return thread
+
+
+def test_a_session_waiter_whose_record_waits_for_its_row_keeps_no_lock(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """The waiter's record runs the moment the advisory lock is granted, in the same
+    query as the wait. Held up on its row for longer than the wait's bound, it must not
+    read as "the wait timed out": that connection still holds the lock, and pooled, it
+    kept it after the waiter's release."""
+    url = postgresql_server.url("mode=session")
+    table = "public.dlock_session_locks"
+    with dlock.connect(url) as holder_client, dlock.connect(url) as waiter_client:
+        holder = holder_client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        # Each wait in the server is bounded by a third of the TTL: 0.5 s.
+        waiter = waiter_client.lock(name, ttl=1.5)
+        thread = _acquire_in_thread(waiter, timeout=8)
+        time.sleep(0.3)
+        with _row_locked(postgresql_server, table, name, 1.3):
+            holder.release()  # granted to the waiter, whose record waits for the row
+        thread.join()
+        assert waiter.owned()
+        waiter.release()
+        key = advisory_key(table, name)
+        assert _advisory_lock_sessions(postgresql_server, key, granted=True) == 0
+        assert holder_client.lock(name, ttl=5).acquire(timeout=0)
+
+
+def test_a_lease_waiter_whose_take_waits_for_its_row_leaves_the_turnstile(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """The waiter that gets the turnstile takes the lease in the same query. Held up on
+    its row for longer than the wait's bound, the take must not read as "the turnstile
+    wait timed out": the connection still holds the turnstile, and kept for waiting,
+    it held the queue up after the lease was released."""
+    url = postgresql_server.url()
+    table = "public.dlock_locks"
+    turnstile = advisory_key(table + ":turnstile", name)
+    with (
+        dlock.connect(url) as holder_client,
+        dlock.connect(url) as waiter_client,
+        postgresql_server.connect() as ahead,
+    ):
+        holder = holder_client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        ahead.execute("SELECT pg_advisory_lock(%s)", (turnstile,))  # queued before the waiter
+        waiter = waiter_client.lock(name, ttl=1.5)
+        thread = _acquire_in_thread(waiter, timeout=8)
+        time.sleep(0.3)
+        # The lease released, its row then locked until 1.3 s from now: the waiter gets
+        # the turnstile at once, and its take waits for the row.
+        with _row_locked(postgresql_server, table, name, 1.3, first=holder.release):
+            ahead.execute("SELECT pg_advisory_unlock(%s)", (turnstile,))
+        thread.join()
+        assert waiter.owned()
+        waiter.release()
+        assert not _turnstile_held(postgresql_server, name)
+        backend: Any = waiter_client._backend
+        assert not backend._gates
