@@ -16,7 +16,11 @@ from typing import Any
 import dlock
 from dlock._sql import advisory_key
 from tests.servers.sql import SQLServer
-from tests.test_sql_faults import _advisory_lock_sessions, _turnstile_held
+from tests.test_sql_faults import (
+    _advisory_lock_sessions,
+    _take_through_the_turnstile,
+    _turnstile_held,
+)
 
 
 @contextmanager
@@ -105,3 +109,26 @@ def test_a_lease_waiter_whose_take_waits_for_its_row_leaves_the_turnstile(
         assert not _turnstile_held(postgresql_server, name)
         backend: Any = waiter_client._backend
         assert not backend._gates
+
+
+def test_a_connection_kept_for_waiting_listens_to_nothing(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A lease taken in front of the turnstile was waited for with LISTEN on its
+    connection; after its release that connection is kept for the next wait, and
+    nothing reads it meanwhile. Still subscribed, the name's notifications piled up on
+    it until its backend stopped reading the server-wide notification queue, which
+    then filled (every NOTIFY, and so every release, fails)."""
+    url = postgresql_server.url()
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=30)
+        _take_through_the_turnstile(url, name, lock)
+        lock.release()
+        backend: Any = client._backend
+        assert backend._queueing, "the waiting connection is kept"
+        for conn in backend._queueing:
+            assert conn.raw.execute("SELECT pg_listening_channels()").fetchall() == []
+        # Kept connections queue again as before.
+        _take_through_the_turnstile(url, name, lock)
+        lock.release()
+        assert not _turnstile_held(postgresql_server, name)

@@ -1007,7 +1007,8 @@ class AsyncServerSQLBackend(AsyncBackend):
         # waiter blocked on it takes the lease inside the server.
         params = self._params(name, token, turnstile=gate.key)
         try:
-            result = await self._run(gate.conn, self._sql["release_gate"], params)
+            sql, params = await self._release_gate_sql(gate.conn, params)
+            result = await self._run(gate.conn, sql, params)
         except BaseException:
             await self._drop(gate.conn)  # closing frees the turnstile
             raise
@@ -1021,6 +1022,14 @@ class AsyncServerSQLBackend(AsyncBackend):
         else:
             await self._keep_for_waiting(gate.conn)
         return int(count)
+
+    async def _release_gate_sql(
+        self, conn: Conn, params: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """The release on the connection keeping the turnstile (and its parameters):
+        where waiting leaves session state beyond the turnstile (PostgreSQL's LISTEN),
+        the same round trip clears it, as the connection may be kept for waiting."""
+        return self._sql["release_gate"], params
 
     async def _leave_turnstile(self, conn: Conn) -> None:
         """Leave the turnstile (on PostgreSQL, unlisten too) in one round trip; the

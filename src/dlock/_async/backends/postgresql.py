@@ -39,6 +39,9 @@ from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter
 #: The turnstile take, prepared once per waiting connection (see ``turnstile_take``).
 TAKE = "dlock_take"
 TAKE_PARAMETERS = (("name", "bytea"), ("owner", "text"), ("ttl", "float8"), ("holder", "text"))
+#: The release of a lease taken in front of the turnstile, prepared with the take.
+RELEASE_GATE = "dlock_release_gate"
+RELEASE_GATE_PARAMETERS = (("name", "bytea"), ("owner", "text"), ("turnstile", "int8"))
 #: Session mode's record of a lock obtained by waiting, prepared likewise.
 RECORD = "dlock_record"
 RECORD_PARAMETERS = (*TAKE_PARAMETERS, ("key", "int8"))
@@ -187,6 +190,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     def _use_table(self, table: str) -> None:
         super()._use_table(table)
         self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
+        self._prepare_release_gate = _prepare(
+            RELEASE_GATE, RELEASE_GATE_PARAMETERS, self._sql["release_gate"]
+        )
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
 
     async def _driver_find_table(self, conn: Conn, table: str) -> str:
@@ -409,8 +415,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     async def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
         if TAKE not in waiter.conn.prepared:
-            await self._run(waiter.conn, self._prepare_take, {})
-            waiter.conn.prepared.add(TAKE)
+            # The release of a lease taken here runs on this connection too.
+            await self._run(waiter.conn, f"{self._prepare_take}; {self._prepare_release_gate}", {})
+            waiter.conn.prepared |= {TAKE, RELEASE_GATE}
         channel = notify_channel(self._table, waiter.name)
         ms = max(1, math.ceil(wait * 1000))
         return self._take_sql(waiter.conn.raw, waiter.key, channel, waiter.params, ms), {}
@@ -430,6 +437,20 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
                     break
         except psycopg.Error as exc:
             raise BackendUnavailable(f"waiting for a release notification: {exc}") from exc
+
+    async def _release_gate_sql(
+        self, conn: Conn, params: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """Release and UNLISTEN in one simple-protocol round trip. The connection is kept
+        for waiting afterwards, and nothing reads its socket until its next wait: still
+        subscribed, it would pile up the channel's notifications until its backend
+        blocked writing them, and stopped reading the server-wide notification queue,
+        which then fills, and every NOTIFY (every release) fails."""
+        if RELEASE_GATE not in conn.prepared:
+            await self._run(conn, self._prepare_release_gate, {})
+            conn.prepared.add(RELEASE_GATE)
+        values = _literals(conn.raw, RELEASE_GATE_PARAMETERS, params)
+        return f"UNLISTEN *; EXECUTE {RELEASE_GATE}({values})", {}
 
     def _take_sql(self, conn: Any, key: int, channel: str, params: dict[str, Any], ms: int) -> str:
         """Listen, queue on the turnstile and take the lease, as one simple-protocol

@@ -1002,7 +1002,8 @@ class ServerSQLBackend(Backend):
         # waiter blocked on it takes the lease inside the server.
         params = self._params(name, token, turnstile=gate.key)
         try:
-            result = self._run(gate.conn, self._sql["release_gate"], params)
+            sql, params = self._release_gate_sql(gate.conn, params)
+            result = self._run(gate.conn, sql, params)
         except BaseException:
             self._drop(gate.conn)  # closing frees the turnstile
             raise
@@ -1016,6 +1017,12 @@ class ServerSQLBackend(Backend):
         else:
             self._keep_for_waiting(gate.conn)
         return int(count)
+
+    def _release_gate_sql(self, conn: Conn, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The release on the connection keeping the turnstile (and its parameters):
+        where waiting leaves session state beyond the turnstile (PostgreSQL's LISTEN),
+        the same round trip clears it, as the connection may be kept for waiting."""
+        return self._sql["release_gate"], params
 
     def _leave_turnstile(self, conn: Conn) -> None:
         """Leave the turnstile (on PostgreSQL, unlisten too) in one round trip; the
