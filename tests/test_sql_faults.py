@@ -1024,6 +1024,30 @@ async def test_connections_beyond_the_pool_are_closed(server: SQLServer, name: s
             assert _sessions(server) - before <= POOL_SIZE
 
 
+async def test_connections_kept_for_waiting_are_capped(server: SQLServer, name: str) -> None:
+    """A burst of lease waiters opens a connection each to queue on: those kept for the
+    next wait are capped like the statement pool, the rest closed (their idle timeout is
+    off: kept, they stayed open for the client's life)."""
+    from dlock._async.backends._server_sql import POOL_SIZE
+
+    before = _sessions(server)
+    async with dlock.aio.connect(server.url()) as client:
+
+        async def take_in_turn() -> None:
+            async with client.lock(name, ttl=10):
+                await asyncio.sleep(0.005)
+
+        await asyncio.gather(*(take_in_turn() for _ in range(40)))
+        backend: Any = client._backend
+        assert len(backend._queueing) <= POOL_SIZE
+        # A closed PostgreSQL backend leaves pg_stat_activity a moment later.
+        for _ in range(40):
+            if _sessions(server) - before <= 2 * POOL_SIZE:
+                break
+            await asyncio.sleep(0.05)
+        assert _sessions(server) - before <= 2 * POOL_SIZE
+
+
 def test_session_wait_timeout_does_not_stay_on_pooled_connections(
     postgresql_server: SQLServer, name: str
 ) -> None:

@@ -34,7 +34,8 @@ from ..._validation import SHORTEST_PRUNE_AGE
 from .._primitives import call_with_timeout, sleep
 from ..backend import Backend, Waiter
 
-#: Idle connections kept per backend; more are closed when given back.
+#: Idle connections kept per backend, for statements and (apart) for lease waits; more
+#: are closed when given back.
 POOL_SIZE = 16
 #: Where ``call_with_timeout`` bounds a statement (under asyncio), it does so this long
 #: after the driver's own bound, so that a driver which has one ends its wait itself (a
@@ -1037,8 +1038,10 @@ class ServerSQLBackend(Backend):
     def _keep_for_waiting(self, conn: Conn) -> None:
         """Keep a waiting connection for the next wait. One borrowed from the
         application's pool goes back instead (closed: it carries dlock's state, such as
-        a LISTEN or a PREPARE): dlock keeps none of the application's connections idle."""
-        if conn.loan is not None:
+        a LISTEN or a PREPARE): dlock keeps none of the application's connections idle.
+        At most ``POOL_SIZE`` are kept, as for statements: their idle timeout is off, so
+        those a burst of waiters opened would otherwise stay open for the client's life."""
+        if conn.loan is not None or self._closed or len(self._queueing) >= POOL_SIZE:
             self._drop(conn)
         else:
             self._queueing.append(conn)
