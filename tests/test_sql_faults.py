@@ -1048,6 +1048,32 @@ async def test_connections_kept_for_waiting_are_capped(server: SQLServer, name: 
         assert _sessions(server) - before <= 2 * POOL_SIZE
 
 
+async def test_a_cancelled_session_release_closes_its_connection(
+    server: SQLServer, name: str
+) -> None:
+    """A session lock's release cancelled in flight (the unlock sent or not): its
+    connection was neither pooled nor closed, not even by the client's close, and kept
+    the lock if the unlock had not run. Closed, it frees the lock either way."""
+    url = server.url("mode=session")
+    before = _sessions(server)
+    async with dlock.aio.connect(url) as client:
+        lock = client.lock(name, ttl=10)
+        assert await lock.acquire(timeout=0)
+        release = asyncio.create_task(lock.release())
+        await asyncio.sleep(0)  # sent, or about to be
+        release.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await release
+    # A closed PostgreSQL backend leaves pg_stat_activity a moment later.
+    for _ in range(40):
+        if _sessions(server) <= before:
+            break
+        await asyncio.sleep(0.05)
+    assert _sessions(server) <= before, "the client's close left a session open"
+    async with dlock.aio.connect(url) as other:
+        assert await other.lock(name, ttl=10).acquire(timeout=2)
+
+
 def test_session_wait_timeout_does_not_stay_on_pooled_connections(
     postgresql_server: SQLServer, name: str
 ) -> None:

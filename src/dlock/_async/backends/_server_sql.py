@@ -701,6 +701,11 @@ class AsyncServerSQLBackend(AsyncBackend):
             # The session is gone, and its lock with it: by now it is not ours.
             await self._drop(held.conn)
             return None
+        except BaseException:
+            # Cancelled or interrupted, the unlock sent or not: no longer in ``_held``,
+            # the connection must not be left open, and closing it frees the lock.
+            await self._drop(held.conn)
+            raise
         if result.rows and result.rows[0][0]:
             await self._give(held.conn)
             return 0

@@ -698,6 +698,11 @@ class ServerSQLBackend(Backend):
             # The session is gone, and its lock with it: by now it is not ours.
             self._drop(held.conn)
             return None
+        except BaseException:
+            # Cancelled or interrupted, the unlock sent or not: no longer in ``_held``,
+            # the connection must not be left open, and closing it frees the lock.
+            self._drop(held.conn)
+            raise
         if result.rows and result.rows[0][0]:
             self._give(held.conn)
             return 0
