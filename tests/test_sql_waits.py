@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,7 @@ from tests.test_sql_faults import (
     _advisory_lock_sessions,
     _take_through_the_turnstile,
     _turnstile_held,
+    admin,
 )
 
 
@@ -132,3 +134,75 @@ def test_a_connection_kept_for_waiting_listens_to_nothing(
         _take_through_the_turnstile(url, name, lock)
         lock.release()
         assert not _turnstile_held(postgresql_server, name)
+
+
+def test_a_hand_over_the_core_did_not_confirm_keeps_no_turnstile(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A lease handed over while waiting, but gone by the time the core confirms it
+    (late, with a renewal), is not ours: a wait that then times out leaves the
+    turnstile, rather than keeping it for a lease it never held.
+
+    A trigger makes the hand-over so: the take's grant is slow (past a third of the
+    TTL since the attempt, so the core confirms it) and leaves the lease with another
+    owner, whose lease the waiter then finds busy until its timeout."""
+    suffix = uuid.uuid4().hex[:12]
+    table, marker, rewrite = f"public.t_{suffix}", f"public.m_{suffix}", f"public.f_{suffix}"
+    run = admin(postgresql_server)
+    url = postgresql_server.url(f"table={table}")
+    turnstile = advisory_key(table + ":turnstile", name)
+    with (
+        dlock.connect(url) as holder_client,
+        dlock.connect(url) as waiter_client,
+        postgresql_server.connect(autocommit=False) as ahead,
+    ):
+        holder = holder_client.lock(name, ttl=30, auto_renew=False)
+        assert holder.acquire(timeout=0)
+        run(f"CREATE TABLE {marker} ()", ())
+        run(f"INSERT INTO {marker} DEFAULT VALUES", ())
+        run(
+            f"""CREATE FUNCTION {rewrite}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.owner IS NOT NULL AND NEW.owner IS DISTINCT FROM OLD.owner
+                   AND EXISTS (SELECT FROM {marker}) THEN
+                    DELETE FROM {marker};
+                    PERFORM pg_sleep(0.6);
+                    NEW.owner := 'someone else';
+                    NEW.expires := date_part('epoch', clock_timestamp()) + 30;
+                END IF;
+                RETURN NEW;
+            END $$""",
+            (),
+        )
+        run(
+            f"CREATE TRIGGER t BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {rewrite}()",
+            (),
+        )
+        try:
+            ahead.execute("SELECT pg_advisory_lock(%s)", (turnstile,))  # queued first
+            ahead.commit()
+            # Each wait in the server is bounded by a third of the TTL: 0.5 s.
+            waiter = waiter_client.lock(name, ttl=1.5)
+            got: list[bool] = []
+            thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=2.5)))
+            thread.start()
+            time.sleep(0.3)
+            # The lease freed, its row locked at once (one round trip: no attempt of the
+            # waiter's can come between) until the waiter is surely in the turnstile's
+            # queue: handed over, its take waits for the row, then runs the trigger.
+            where = f"name = decode('{name.encode().hex()}', 'hex')"
+            ahead.execute(
+                f"UPDATE {table} SET owner = NULL, count = 0, holder = NULL WHERE {where};"
+                f" COMMIT; BEGIN; SELECT 1 FROM {table} WHERE {where} FOR UPDATE"
+            )
+            ahead.execute("SELECT pg_advisory_unlock(%s)", (turnstile,))
+            time.sleep(0.1)
+            ahead.commit()
+            thread.join()
+            assert got == [False]
+            assert _advisory_lock_sessions(postgresql_server, turnstile, granted=True) == 0
+            backend: Any = waiter_client._backend
+            assert not backend._gates
+        finally:
+            run(f"DROP TABLE {table}, {marker}", ())
+            run(f"DROP FUNCTION {rewrite}()", ())

@@ -944,6 +944,10 @@ class ServerSQLBackend(Backend):
                 self._drop_gate(token)
             return None
         waiter.params = params
+        # Each attempt says anew whether the lease is ours: a grant handed over in the
+        # previous wait may have been gone when the core confirmed it, and kept as
+        # granted, a wait that then timed out kept the turnstile for a lease not held.
+        waiter.granted = False
         if not waiter.in_front:
             self._fit_waiter(waiter, float(params["ttl"]))
         return waiter
