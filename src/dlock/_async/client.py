@@ -138,8 +138,8 @@ class AsyncClient:
         held = self._renewer.held()
         await self._renewer.aclose()
         for lock in held:
-            for _ in range(lock._count):  # a reentrant lock is freed by its last release
-                await lock._release_quietly()
+            # A reentrant lock is freed by its last release.
+            await lock._release_quietly(lock._count)
             lock._forget()
         await self._backend.aclose()
 

@@ -139,8 +139,8 @@ class Client:
         held = self._renewer.held()
         self._renewer.close()
         for lock in held:
-            for _ in range(lock._count):  # a reentrant lock is freed by its last release
-                lock._release_quietly()
+            # A reentrant lock is freed by its last release.
+            lock._release_quietly(lock._count)
             lock._forget()
         self._backend.close()
 

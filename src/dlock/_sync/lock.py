@@ -111,7 +111,7 @@ class Lock:
         """
         wait = check_timeout(timeout)
         if self._count and self.lost:
-            self._forget()
+            self._give_up_lost()
         if self._count and not self.reentrant:
             raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
         clock = self._client._clock
@@ -287,18 +287,29 @@ class Lock:
 
     def _give_up_lost(self) -> LockLost:
         """Forget a lost lease and return the error to raise. A lease that ran out on our
-        clock before the backend or renewer said so is declared lost now and freed if
-        it is somehow still ours."""
+        clock before the backend or renewer said so is declared lost now.
+
+        The lease is given back even when the loss was declared already: a loss declared
+        by our clock alone never reached the backend, which may still keep state for it
+        (SQL session mode: the connection holding the database's lock) and would answer
+        this object's next acquire, and everyone else's, with busy."""
+        entries = self._count
         self._forget()
-        if self._declare_lost("the lease ran out before it could be renewed"):
-            self._release_quietly()
+        self._declare_lost("the lease ran out before it could be renewed")
+        self._release_quietly(entries)
         return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
 
-    def _release_quietly(self) -> None:
-        try:
-            self._client._backend.release(self.name, self._token)
-        except Exception:
-            logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+    def _release_quietly(self, entries: int = 1) -> None:
+        """Give back up to ``entries`` entries of a reentrant lease, owner-checked, so
+        harmless if it is gone; stop at the first answer that nothing is left."""
+        for _ in range(entries):
+            try:
+                remaining = self._client._backend.release(self.name, self._token)
+            except Exception:
+                logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+                return
+            if not remaining:
+                return
 
     def __enter__(self) -> Lock:
         if not self.acquire(self.timeout):

@@ -6,7 +6,7 @@ worker.py sections URL NAME COUNT RECORDS COUNTER
     other protection, so that overlapping sections lose increments.
 worker.py hold URL NAME TTL
     Acquire, print "acquired TOKEN", then obey commands on stdin, one per line:
-    release, extend, check. Exits at end of input.
+    release, extend, acquire (again, waiting up to 5 s), check. Exits at end of input.
 worker.py wait URL NAME TIMEOUT
     Find the lock busy, print "waiting", then wait for it up to TIMEOUT and print
     "acquired AT" (the system-wide monotonic clock) or "timed out".
@@ -96,6 +96,8 @@ async def hold(url: str, name: str, ttl: float) -> None:
                     await lock.release()
                 elif command == "extend":
                     await lock.extend()
+                elif command == "acquire":
+                    await lock.acquire(timeout=5)
                 answer = f"ok lost={lock.lost} on_lost={len(lost_calls)} owned={lock.owned()}"
             except dlock.LockError as exc:
                 answer = type(exc).__name__

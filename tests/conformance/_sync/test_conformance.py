@@ -588,3 +588,29 @@ def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(url: str, nam
     finally:
         holder.send_signal(signal.SIGCONT)
         finish(holder)
+
+
+def test_holder_that_lost_by_its_own_clock_gives_the_lease_back(url: str, name: str) -> None:
+    """A paused holder's renewer, on waking past the deadline, declares the loss without
+    asking the backend. Leaving must still give the lease back: a backend may keep state
+    for it (SQL session mode: the connection holding the database's lock) that would
+    answer busy to this object's next acquire, and to every other client."""
+    ttl = 1.0
+    holder = start_worker(FACE, "hold", url, name, str(ttl))
+    try:
+        assert read_line(holder).startswith("acquired")
+        holder.send_signal(signal.SIGSTOP)
+        sleep(ttl + 0.5)
+        holder.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while (answer := ask(holder, "check")) != "ok lost=True on_lost=1 owned=False":
+            assert time.monotonic() < deadline, answer
+            sleep(0.05)
+        assert ask(holder, "release") == "LockLost"
+        assert ask(holder, "acquire") == "ok lost=False on_lost=1 owned=True"
+        assert ask(holder, "release") == "ok lost=False on_lost=1 owned=False"
+        with dlock.connect(url) as client:
+            assert client.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        finish(holder)
