@@ -1,15 +1,21 @@
-"""Core pieces that need no backend: backoff, argument checks, URLs and the registry."""
+"""Core pieces: backoff, argument checks, URLs and the registry; and lock behaviour
+that needs a fault only SQLite can make on demand (another connection holding the
+database's write lock), on both faces."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import dlock
+import dlock.aio
 from dlock import _registry
 from dlock._backoff import Backoff
 
@@ -169,3 +175,52 @@ def test_error_hierarchy() -> None:
         assert issubclass(error, ValueError) and issubclass(error, dlock.LockError)
     for base in (dlock.LockTimeout, dlock.NotOwner, dlock.BackendError, dlock.ConfigurationError):
         assert issubclass(base, dlock.LockError)
+
+
+def test_failed_release_stops_renewing_the_lease(tmp_path: Path) -> None:
+    """The holder tried to leave: its lease must end by its TTL at the latest, not be
+    renewed until the client closes because the release did not get through."""
+    db = tmp_path / "locks.sqlite3"
+    url = f"sqlite://{db}?busy_timeout=0.3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=2)
+        assert lock.acquire(timeout=0)
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(dlock.BackendError):
+                lock.release()
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        assert not lock.owned()
+        assert other.lock("job", ttl=5).acquire(timeout=2 + 5)
+
+
+def test_cancelled_release_gives_the_lease_back(tmp_path: Path) -> None:
+    """A release cancelled while it waits (asyncio.timeout, a TaskGroup shutting down)
+    leaves the hold too: the lease is given back, not renewed for its 30 s TTL."""
+    db = tmp_path / "locks.sqlite3"
+    url = f"sqlite://{db}?busy_timeout=5"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("job", ttl=30)
+            assert await lock.acquire(timeout=0)
+            blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+            blocker.execute("BEGIN IMMEDIATE")
+            try:
+                release = asyncio.create_task(lock.release())
+                await asyncio.sleep(0.3)
+                release.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await release
+            finally:
+                blocker.execute("COMMIT")
+                blocker.close()
+            assert not lock.owned()
+            started = time.monotonic()
+            assert await other.lock("job", ttl=5).acquire(timeout=10)
+            assert time.monotonic() - started < 10
+
+    asyncio.run(main())

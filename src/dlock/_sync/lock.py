@@ -7,6 +7,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -222,13 +223,19 @@ class Lock:
         """Leave the lock once (a reentrant lock is freed by its last release).
 
         Raises :class:`NotOwner` if this object does not hold it, and :class:`LockLost`
-        if its lease ended before the release reached the backend.
+        if its lease ended before the release reached the backend. A release that fails
+        or is cancelled raises too, and this object no longer holds nor renews the lease
+        (it is given back in the background, else ends by its TTL).
         """
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
             raise self._give_up_lost()
-        remaining = self._client._backend.release(self.name, self._token)
+        try:
+            remaining = self._client._backend.release(self.name, self._token)
+        except BaseException:
+            self._abandon()
+            raise
         if remaining is None:
             self._declare_lost("the lease had expired or been taken over before release")
             self._forget()
@@ -284,6 +291,16 @@ class Lock:
     def _forget(self) -> None:
         self._count = 0
         self._client._renewer.discard(self)
+
+    def _abandon(self) -> None:
+        """A release that did not complete (failed, cancelled, interrupted) still ends
+        this object's hold: renewing a lease that its holder tried to leave would keep
+        it until the client closes. Forget it, and give it back in the background
+        (owner-checked); if that fails too, the lease ends by its TTL."""
+        entries = self._count
+        self._forget()
+        self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
+        self._client._keep_give_back(self._give_back)
 
     def _give_up_lost(self) -> LockLost:
         """Forget a lost lease and return the error to raise. A lease that ran out on our
