@@ -5,6 +5,7 @@ database's write lock), on both faces."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sqlite3
 import sys
@@ -224,3 +225,57 @@ def test_cancelled_release_gives_the_lease_back(tmp_path: Path) -> None:
             assert time.monotonic() - started < 10
 
     asyncio.run(main())
+
+
+def test_a_lease_of_a_thousand_years_does_not_stop_renewal(tmp_path: Path) -> None:
+    """A third of such a TTL overflows a thread's wait; the renewer must not die of it,
+    leaving every other lock of its client unrenewed."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        forever = client.lock("forever", ttl=1e11)
+        assert forever.acquire(timeout=0)
+        time.sleep(0.5)  # the renewer goes to sleep until the long lease is due
+        short = client.lock("short", ttl=1)
+        assert short.acquire(timeout=0)
+        time.sleep(2.5)
+        assert short.owned() and forever.owned()
+        short.release()
+        forever.release()
+
+
+def test_a_forked_child_renews_its_own_locks(tmp_path: Path) -> None:
+    """The renewer thread stays in the parent; the child's client starts its own, and
+    shows the child as the holder."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        with client.lock("in-parent", ttl=30):
+            pass  # the parent's renewer thread runs from now on
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                lock = client.lock("in-child", ttl=1)
+                lock.acquire()
+                time.sleep(2.5)
+                info = client.inspect("in-child")
+                pid = info.holder.pid if info is not None else None
+                code = 2 if not lock.owned() else 3 if pid != os.getpid() else 0
+                lock.release()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "2: not renewed, 3: wrong pid"
+
+
+def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:
+    """A client made once (at module level, say) and used by two asyncio.run calls: the
+    first loop's renewer task ended with that loop, so the second needs its own."""
+    client = dlock.aio.connect(f"sqlite://{tmp_path}/locks.sqlite3")
+
+    async def hold() -> bool:
+        lock = client.lock("job", ttl=1)
+        async with lock:
+            await asyncio.sleep(2.5)
+            return lock.owned()
+
+    assert asyncio.run(hold())
+    assert asyncio.run(hold())
+    asyncio.run(client.aclose())

@@ -164,6 +164,16 @@ def running(task: asyncio.Task[None]) -> bool:
     return not task.done()
 
 
+def serving(task: asyncio.Task[None] | None) -> bool:
+    """True while ``task`` runs in the running loop: a task of a loop that has been
+    closed or left (a client used by two ``asyncio.run`` calls) will not run again."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return task is not None and not task.done() and task.get_loop() is loop
+
+
 def current_task() -> asyncio.Task[Any] | None:
     return asyncio.current_task()
 

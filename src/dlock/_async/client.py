@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -54,13 +55,22 @@ class AsyncClient:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._backend = backend
-        self._holder = Holder.current(check_label(label))
+        self._label = check_label(label)
+        self._holder_now = Holder.current(self._label)
+        self._closed = False
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._renewer = AsyncRenewer(backend, clock)
         backend.watch_leases(self._renewer.renew_now)
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
+
+    @property
+    def _holder(self) -> Holder:
+        """Who acquires: after a fork, the child, not the parent that made the client."""
+        if self._holder_now.pid != os.getpid():
+            self._holder_now = Holder.current(self._label)
+        return self._holder_now
 
     def lock(
         self,
@@ -132,7 +142,9 @@ class AsyncClient:
         self._give_backs = [x for x in self._give_backs if running(x)] + [give_back]
 
     async def aclose(self) -> None:
-        """Stop renewing, give back every lock still held, and close the backend."""
+        """Stop renewing, give back every lock still held, and close the backend.
+        Its locks cannot be acquired afterwards: nothing would renew them."""
+        self._closed = True
         for give_back in self._give_backs:
             await wait_done(give_back)
         held = self._renewer.held()

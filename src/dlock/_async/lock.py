@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     AlreadyAcquired,
+    BackendError,
     BackendUnavailable,
     LockError,
     LockLost,
@@ -110,6 +111,8 @@ class AsyncLock:
         is entered again; a non-reentrant one raises :class:`AlreadyAcquired`.
         """
         wait = check_timeout(timeout)
+        if self._client._closed:
+            raise BackendError(f"lock {self.name!r} cannot be acquired: its client is closed")
         if self._count and self.lost:
             await self._give_up_lost()
         if self._count and not self.reentrant:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError
-from ._primitives import WakeupEvent, call_with_timeout, join, spawn
+from ._primitives import WakeupEvent, call_with_timeout, join, serving, spawn
 
 if TYPE_CHECKING:
     from .backend import AsyncBackend
@@ -23,6 +25,9 @@ RETRY_AFTER = 1 / 10
 #: Seconds an idle renewer sleeps before looking again. Sleeping "until woken" instead
 #: would make every acquire from idle wake it; with this, only a lease due sooner does.
 IDLE_TICK = 1.0
+#: The longest sleep, however far off the next renewal: a thread's wait overflows
+#: past about 2.8e10 s (a TTL of a thousand years), and the renewer would die of it.
+LONGEST_SLEEP = 3600.0
 
 
 class AsyncRenewer:
@@ -39,6 +44,9 @@ class AsyncRenewer:
         self._locks: set[AsyncLock] = set()
         self._wakeup = WakeupEvent()
         self._runner: Any = None
+        #: Bumped whenever a new runner starts; an older runner that resumes stops.
+        self._epoch = 0
+        self._pid = os.getpid()
         self._closed = False
         self._urgent = False
         #: When the loop will next wake by itself (inf: it is busy right now).
@@ -47,11 +55,27 @@ class AsyncRenewer:
         self._sleeping_until = math.inf
 
     def add(self, lock: AsyncLock) -> None:
+        if self._pid != os.getpid():
+            # A forked child: the leases in the set are its parent's to renew (renewing
+            # them here would keep them alive after the parent died), and the renewer
+            # thread or task stayed behind in the parent.
+            self._pid, self._locks, self._runner = os.getpid(), set(), None
         self._locks.add(lock)
-        if self._runner is None and not self._closed:
-            self._runner = spawn(self._run, name="dlock-renewer")
-        if lock._renew_at < self._sleeping_until:
+        if self._closed:
+            return
+        if not serving(self._runner):
+            # None yet, or one that died, stayed in a fork's parent, or belongs to an
+            # event loop that has ended (a client used by two asyncio.run calls).
+            self._start()
+        elif lock._renew_at < self._sleeping_until:
             self._wakeup.set()
+
+    def _start(self) -> None:
+        # The old event may belong to a closed loop, or be a lock held in a fork's parent.
+        self._wakeup = WakeupEvent()
+        self._sleeping_until = math.inf
+        self._epoch += 1
+        self._runner = spawn(partial(self._run, self._epoch), name="dlock-renewer")
 
     def discard(self, lock: AsyncLock) -> None:
         self._locks.discard(lock)
@@ -68,10 +92,11 @@ class AsyncRenewer:
         self._closed = True
         self._wakeup.set()
         runner, self._runner = self._runner, None
-        await join(runner, timeout=5.0)
+        if serving(runner):
+            await join(runner, timeout=5.0)
 
-    async def _run(self) -> None:
-        while not self._closed:
+    async def _run(self, epoch: int) -> None:
+        while not self._closed and epoch == self._epoch:
             self._sleeping_until = math.inf
             self._wakeup.clear()
             await self._renew_due()
@@ -84,7 +109,8 @@ class AsyncRenewer:
         if not locks:
             return IDLE_TICK
         now = self._clock()
-        return max(0.0, min(min(lock._renew_at, lock._deadline) for lock in locks) - now)
+        due = min(min(lock._renew_at, lock._deadline) for lock in locks)
+        return min(LONGEST_SLEEP, max(0.0, due - now))
 
     async def _renew_due(self) -> None:
         now = self._clock()

@@ -82,6 +82,12 @@ def running(thread: threading.Thread) -> bool:
     return thread.is_alive()
 
 
+def serving(thread: threading.Thread | None) -> bool:
+    """True while ``thread`` runs (a thread that died, or was left in the parent of a
+    fork, does not)."""
+    return thread is not None and thread.is_alive()
+
+
 def current_task() -> Any:
     return None
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     AlreadyAcquired,
+    BackendError,
     BackendUnavailable,
     LockError,
     LockLost,
@@ -111,6 +112,8 @@ class Lock:
         is entered again; a non-reentrant one raises :class:`AlreadyAcquired`.
         """
         wait = check_timeout(timeout)
+        if self._client._closed:
+            raise BackendError(f"lock {self.name!r} cannot be acquired: its client is closed")
         if self._count and self.lost:
             self._give_up_lost()
         if self._count and not self.reentrant:

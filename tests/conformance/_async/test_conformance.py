@@ -502,6 +502,23 @@ async def test_closing_the_client_gives_back_its_locks(url: str, name: str) -> N
         assert await second.inspect(name) is None
 
 
+async def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
+    """Nothing renews a lease taken after close(): refuse rather than hand out a lock
+    that runs out under its holder."""
+    client = dlock.aio.connect(url)
+    lock = client.lock(name, ttl=5)
+    async with lock:
+        pass
+    await client.aclose()
+    with pytest.raises(dlock.BackendError, match="closed"):
+        await lock.acquire(timeout=0)
+    with pytest.raises(dlock.BackendError, match="closed"):
+        async with client.lock(name, ttl=5):
+            pass
+    async with dlock.aio.connect(url) as other:
+        assert await other.inspect(name) is None
+
+
 async def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) -> None:
     processes, per_process = 4, 125
     counter = tmp_path / "counter"

@@ -501,6 +501,23 @@ def test_closing_the_client_gives_back_its_locks(url: str, name: str) -> None:
         assert second.inspect(name) is None
 
 
+def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
+    """Nothing renews a lease taken after close(): refuse rather than hand out a lock
+    that runs out under its holder."""
+    client = dlock.connect(url)
+    lock = client.lock(name, ttl=5)
+    with lock:
+        pass
+    client.close()
+    with pytest.raises(dlock.BackendError, match="closed"):
+        lock.acquire(timeout=0)
+    with pytest.raises(dlock.BackendError, match="closed"):
+        with client.lock(name, ttl=5):
+            pass
+    with dlock.connect(url) as other:
+        assert other.inspect(name) is None
+
+
 def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) -> None:
     processes, per_process = 4, 125
     counter = tmp_path / "counter"
