@@ -260,6 +260,9 @@ class Lock:
             self._declare_lost("the lease had expired or been taken over before extend")
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._lease_renewed(started, seconds)
+        if self.auto_renew:
+            # A shorter lease is due sooner than the renewer's sleep ends: wake it.
+            self._client._renewer.add(self)
 
     def _lease(self) -> Lease:
         return Lease(self.name, self._token, self.ttl)

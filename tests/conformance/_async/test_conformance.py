@@ -324,6 +324,22 @@ async def test_extend(url: str, name: str) -> None:
         await lock.release()
 
 
+async def test_extend_shorter_than_the_renewal_interval_keeps_the_lease(
+    url: str, name: str
+) -> None:
+    """The renewer sleeps until the 30 s lease is due (10 s); a lease made to end in
+    2 s is due long before that."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        await lock.acquire()
+        await sleep(0.2)
+        await lock.extend(2)
+        await sleep(5)
+        assert lock.owned() and not lock.lost
+        assert await second.lock(name, ttl=5).acquire(timeout=0) is False
+        await lock.release()
+
+
 async def test_loss_is_reported(url: str, name: str) -> None:
     lost: list[object] = []
 

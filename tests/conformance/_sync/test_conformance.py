@@ -323,6 +323,20 @@ def test_extend(url: str, name: str) -> None:
         lock.release()
 
 
+def test_extend_shorter_than_the_renewal_interval_keeps_the_lease(url: str, name: str) -> None:
+    """The renewer sleeps until the 30 s lease is due (10 s); a lease made to end in
+    2 s is due long before that."""
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        lock = first.lock(name, ttl=30)
+        lock.acquire()
+        sleep(0.2)
+        lock.extend(2)
+        sleep(5)
+        assert lock.owned() and not lock.lost
+        assert second.lock(name, ttl=5).acquire(timeout=0) is False
+        lock.release()
+
+
 def test_loss_is_reported(url: str, name: str) -> None:
     lost: list[object] = []
 
