@@ -78,8 +78,11 @@ class Lock:
         self._lease_ttl = ttl
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
-        self._body_task: Any = None
-        self._cancelled_by_us = False
+        #: The tasks running a ``with`` body of this lock, one entry per block entered
+        #: (a reentrant lock's nested blocks too); all are cancelled on loss.
+        self._body_tasks: list[Any] = []
+        #: The body tasks that a loss cancelled, each to be uncancelled once on exit.
+        self._cancelled: set[Any] = set()
         #: The give-back of an attempt cut off in flight, while it runs (see _attempt).
         self._give_back: Any = None
 
@@ -289,9 +292,11 @@ class Lock:
                     self.on_lost(self)
                 except Exception:
                     logger.exception("dlock: on_lost callback for %r failed", self.name)
-            if self.cancel_on_lost and self._body_task is not None:
-                self._cancelled_by_us = True
-                cancel_task(self._body_task, f"dlock: lost lock {self.name!r}")
+            if self.cancel_on_lost:
+                for task in dict.fromkeys(self._body_tasks):
+                    if task is not None:
+                        self._cancelled.add(task)
+                        cancel_task(task, f"dlock: lost lock {self.name!r}")
             return True
 
     def _forget(self) -> None:
@@ -337,8 +342,7 @@ class Lock:
     def __enter__(self) -> Lock:
         if not self.acquire(self.timeout):
             raise LockTimeout(f"lock {self.name!r} not acquired within {self.timeout} s")
-        self._body_task = current_task()
-        self._cancelled_by_us = False
+        self._body_tasks.append(current_task())
         return self
 
     def __exit__(
@@ -347,10 +351,15 @@ class Lock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        task, self._body_task = self._body_task, None
+        # Only this block's entry goes: an outer block of a reentrant lock is still
+        # to be cancelled on loss.
+        task = current_task()
+        if task in self._body_tasks:
+            self._body_tasks.remove(task)
         if self.lost:
             lost = self._give_up_lost()
-            if self._cancelled_by_us and isinstance(exc, Cancelled):
+            if task in self._cancelled and isinstance(exc, Cancelled):
+                self._cancelled.discard(task)
                 uncancel(task)
             raise lost from exc
         self.release()

@@ -369,6 +369,29 @@ def test_loss_is_reported(url: str, name: str) -> None:
         assert admin.inspect(name) is None
 
 
+def test_loss_is_reported_after_a_nested_block(url: str, name: str) -> None:
+    """Leaving a reentrant lock's inner block does not switch off cancel_on_lost for
+    the outer one."""
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, reentrant=True)
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                with lock:
+                    pass
+                assert admin.force_release(name) is True
+                for _ in range(30):
+                    sleep(0.1)
+                    if lock.lost:
+                        break
+                assert lock.lost, "the next renewal should have found the lease gone"
+                body_finished = True
+        if IS_ASYNC:
+            assert not body_finished, "the body task should have been cancelled"
+        else:
+            assert body_finished, "threads are not interrupted; the loss shows on exit"
+
+
 def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
     with dlock.connect(url) as first, dlock.connect(url) as admin:
         extender = first.lock(name, ttl=30, auto_renew=False)
