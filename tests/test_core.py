@@ -9,6 +9,7 @@ import os
 import random
 import sqlite3
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -279,3 +280,26 @@ def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:
     assert asyncio.run(hold())
     assert asyncio.run(hold())
     asyncio.run(client.aclose())
+
+
+def test_loss_is_told_at_the_deadline_while_a_renewal_is_stuck(tmp_path: Path) -> None:
+    """A sync renewal blocked on a write-locked file waits up to busy_timeout (10 s);
+    on_lost must come at the lease's deadline all the same, as on the asyncio face."""
+    db = tmp_path / "locks.sqlite3"
+    with dlock.connect(f"sqlite://{db}?busy_timeout=10") as client:
+        told = threading.Event()
+        lock = client.lock("job", ttl=1.5, on_lost=lambda _: told.set())
+        assert lock.acquire(timeout=0)
+        acquired = time.monotonic()
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            assert told.wait(5), "told when the renewal gave up, not at the deadline"
+            elapsed = time.monotonic() - acquired
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        assert elapsed > 1.0
+        assert lock.lost and not lock.owned()
+        with pytest.raises(dlock.LockLost):
+            lock.release()

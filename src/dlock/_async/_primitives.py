@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -139,6 +139,13 @@ async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:
         return await _bounded(awaitable, timeout)
     except asyncio.TimeoutError:  # a distinct class before Python 3.11
         raise TimeoutError(f"no answer within {timeout:.3f} s") from None
+
+
+@contextlib.contextmanager
+def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[None]:
+    """Twin of the threaded alarm: nothing to do, ``call_with_timeout`` bounds the call
+    it would watch over."""
+    yield
 
 
 def spawn(func: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -61,6 +62,26 @@ def shielded(value: T) -> T:
 def call_with_timeout(value: T, timeout: float) -> T:
     # The call has already run by the time we get here; its library's timeouts bound it.
     return value
+
+
+@contextlib.contextmanager
+def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[None]:
+    """Call ``ring`` after ``delay`` seconds, and again after each delay it returns
+    (until None), while the block runs: what a blocking call cannot do while it waits.
+    A thread per use: the renewer uses it once per renewal round trip."""
+    done = threading.Event()
+
+    def watch() -> None:
+        wait: float | None = delay
+        # Capped: a wait past threading.TIMEOUT_MAX overflows.
+        while wait is not None and not done.wait(min(max(wait, 0.0), 3600.0)):
+            wait = ring()
+
+    spawn(watch, name="dlock-renewal-alarm")
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def spawn(func: Callable[[], None], name: str) -> threading.Thread:

@@ -11,7 +11,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError
-from ._primitives import WakeupEvent, call_with_timeout, join, serving, spawn
+from ._primitives import WakeupEvent, alarm, call_with_timeout, join, serving, spawn
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -127,9 +127,10 @@ class Renewer:
         started = self._clock()
         time_left = min(lock._deadline for lock, _ in due) - started
         try:
-            renewed = call_with_timeout(
-                self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
-            )
+            with alarm(time_left, partial(self._declare_overdue, due)):
+                renewed = call_with_timeout(
+                    self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
+                )
         except Exception as exc:
             # Unreachable or slow backend: keep trying until each lease's own deadline.
             log = (
@@ -148,3 +149,18 @@ class Renewer:
                 lock._lease_renewed(started, lock.ttl)
             else:
                 lock._declare_lost("the backend no longer had the lease when renewing")
+
+    def _declare_overdue(self, due: list[tuple[Lock, int]]) -> float | None:
+        """While a renewal call is still blocked (the sync face cannot bound it), tell
+        the loss of each lease at its own deadline, not when the call gives up (a write-
+        locked SQLite file: busy_timeout). Returns the time to the next deadline."""
+        now = self._clock()
+        pending = []
+        for lock, generation in due:
+            if lock not in self._locks or lock._generation != generation:
+                continue
+            if now >= lock._deadline:
+                lock._declare_lost("the lease ran out before it could be renewed")
+            else:
+                pending.append(lock._deadline - now)
+        return min(pending) if pending else None
