@@ -303,3 +303,26 @@ def test_loss_is_told_at_the_deadline_while_a_renewal_is_stuck(tmp_path: Path) -
         assert lock.lost and not lock.owned()
         with pytest.raises(dlock.LockLost):
             lock.release()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"on_lost": 5},
+        {"on_lost": "log"},
+        {"reentrant": "no"},
+        {"reentrant": 1},
+        {"auto_renew": None},
+        {"cancel_on_lost": "false"},
+    ],
+)
+def test_bad_lock_options_are_refused(tmp_path: Path, bad: dict[str, object]) -> None:
+    """Refused when the lock is made, not found out when the lease is lost (a callback
+    that cannot be called) or never (``bool("no")`` is True)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    (option,) = bad
+    with dlock.connect(url) as client, pytest.raises(dlock.InvalidArgument, match=option):
+        client.lock("job", **bad)  # type: ignore[arg-type]
+    aclient = dlock.aio.connect(url)
+    with pytest.raises(dlock.InvalidArgument, match=option):
+        aclient.lock("job", **bad)  # type: ignore[arg-type]

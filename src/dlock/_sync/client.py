@@ -90,15 +90,22 @@ class Client:
         ``on_lost`` is called once if the lease is lost while held. ``cancel_on_lost``
         (asyncio only) cancels the task running the ``with`` body at that moment.
         """
+        if on_lost is not None and not callable(on_lost):
+            raise InvalidArgument(f"on_lost must be callable, not {type(on_lost).__name__}")
+        flags = {"reentrant": reentrant, "auto_renew": auto_renew, "cancel_on_lost": cancel_on_lost}
+        for flag, value in flags.items():
+            # bool("no") is True: a string or number here is a mistake, not a choice.
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"{flag} must be True or False, not {value!r}")
         return Lock(
             self,
             check_name(name),
             ttl=check_ttl(ttl),
             timeout=check_timeout(timeout),
-            reentrant=bool(reentrant),
-            auto_renew=bool(auto_renew),
+            reentrant=reentrant,
+            auto_renew=auto_renew,
             on_lost=on_lost,
-            cancel_on_lost=bool(cancel_on_lost),
+            cancel_on_lost=cancel_on_lost,
         )
 
     def inspect(self, name: str) -> LockInfo | None:
