@@ -243,6 +243,8 @@ def test_a_lease_of_a_thousand_years_does_not_stop_renewal(tmp_path: Path) -> No
         forever.release()
 
 
+# Python 3.12+ warns about fork() in a process with threads; this test forks on purpose.
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_forked_child_renews_its_own_locks(tmp_path: Path) -> None:
     """The renewer thread stays in the parent; the child's client starts its own, and
     shows the child as the holder."""
