@@ -71,7 +71,8 @@ class AsyncRenewer:
             self._wakeup.set()
 
     def _start(self) -> None:
-        # The old event may belong to a closed loop, or be a lock held in a fork's parent.
+        # The old event may belong to an ended loop, or (threads) hold an internal lock
+        # taken by a thread that stayed in a fork's parent.
         self._wakeup = WakeupEvent()
         self._sleeping_until = math.inf
         self._epoch += 1

@@ -356,10 +356,11 @@ class Lock:
         task = current_task()
         if task in self._body_tasks:
             self._body_tasks.remove(task)
+        cancelled_by_us = task in self._cancelled
+        self._cancelled.discard(task)
         if self.lost:
             lost = self._give_up_lost()
-            if task in self._cancelled and isinstance(exc, Cancelled):
-                self._cancelled.discard(task)
+            if cancelled_by_us and isinstance(exc, Cancelled):
                 uncancel(task)
             raise lost from exc
         self.release()
