@@ -337,6 +337,21 @@ def test_extend_shorter_than_the_renewal_interval_keeps_the_lease(url: str, name
         lock.release()
 
 
+def renewal_finds_it_lost(lock: dlock.Lock) -> None:
+    for _ in range(30):
+        sleep(0.1)
+        if lock.lost:
+            break
+    assert lock.lost, "the next renewal should have found the lease gone"
+
+
+def check_body_stopped_where_it_can_be(body_finished: bool) -> None:
+    if IS_ASYNC:
+        assert not body_finished, "the body task should have been cancelled"
+    else:
+        assert body_finished, "threads are not interrupted; the loss shows on exit"
+
+
 def test_loss_is_reported(url: str, name: str) -> None:
     lost: list[object] = []
 
@@ -353,19 +368,12 @@ def test_loss_is_reported(url: str, name: str) -> None:
         with pytest.raises(dlock.LockLost):
             with lock:
                 assert admin.force_release(name) is True
-                for _ in range(30):
-                    sleep(0.1)
-                    if lock.lost:
-                        break
-                assert lock.lost, "the next renewal should have found the lease gone"
+                renewal_finds_it_lost(lock)
                 body_finished = True
         assert lost == [lock]
         assert lock.lost and not lock.owned()
         assert elapsed_since(start) < 1.5, "told at the first renewal (after ttl/3)"
-        if IS_ASYNC:
-            assert not body_finished, "the body task should have been cancelled"
-        else:
-            assert body_finished, "threads are not interrupted; the loss shows on exit"
+        check_body_stopped_where_it_can_be(body_finished)
         assert admin.inspect(name) is None
 
 
@@ -380,16 +388,9 @@ def test_loss_is_reported_after_a_nested_block(url: str, name: str) -> None:
                 with lock:
                     pass
                 assert admin.force_release(name) is True
-                for _ in range(30):
-                    sleep(0.1)
-                    if lock.lost:
-                        break
-                assert lock.lost, "the next renewal should have found the lease gone"
+                renewal_finds_it_lost(lock)
                 body_finished = True
-        if IS_ASYNC:
-            assert not body_finished, "the body task should have been cancelled"
-        else:
-            assert body_finished, "threads are not interrupted; the loss shows on exit"
+        check_body_stopped_where_it_can_be(body_finished)
 
 
 def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
