@@ -312,18 +312,26 @@ def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: s
     admin(mariadb_server)(f"DROP TABLE {table}", ())
 
 
+@contextlib.contextmanager
+def global_sql_mode(server: SQLServer, value: str) -> Iterator[None]:
+    """The server's global ``sql_mode`` set to the SQL expression ``value`` (for the
+    connections opened meanwhile), and put back afterwards."""
+    run = admin(server)
+    (before,) = run("SELECT @@GLOBAL.sql_mode", ())[0]
+    run(f"SET GLOBAL sql_mode = {value}", ())
+    try:
+        yield
+    finally:
+        run("SET GLOBAL sql_mode = %s", (before,))
+
+
 @pytest.fixture
 def no_backslash_escapes(mariadb_server: SQLServer) -> Iterator[SQLServer]:
     """MariaDB with ``NO_BACKSLASH_ESCAPES`` (and ANSI quoting) in its global
     ``sql_mode``, put back afterwards: a backslash in a string literal is then an
     ordinary character."""
-    run = admin(mariadb_server)
-    (before,) = run("SELECT @@GLOBAL.sql_mode", ())[0]
-    run("SET GLOBAL sql_mode = 'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'", ())
-    try:
+    with global_sql_mode(mariadb_server, "'ANSI,NO_BACKSLASH_ESCAPES,STRICT_ALL_TABLES'"):
         yield mariadb_server
-    finally:
-        run("SET GLOBAL sql_mode = %s", (before,))
 
 
 #: Names whose quoting a server's sql_mode changes, and two that try to escape their
@@ -394,13 +402,8 @@ def simultaneous_assignment(mariadb_server: SQLServer) -> Iterator[SQLServer]:
     choice; MySQL has no such mode), put back afterwards: every assignment of an
     ``UPDATE`` then reads the row as it was, where MySQL's default reads the columns
     already assigned to its left."""
-    run = admin(mariadb_server)
-    (before,) = run("SELECT @@GLOBAL.sql_mode", ())[0]
-    run("SET GLOBAL sql_mode = CONCAT(@@GLOBAL.sql_mode, ',SIMULTANEOUS_ASSIGNMENT')", ())
-    try:
+    with global_sql_mode(mariadb_server, "CONCAT(@@GLOBAL.sql_mode, ',SIMULTANEOUS_ASSIGNMENT')"):
         yield mariadb_server
-    finally:
-        run("SET GLOBAL sql_mode = %s", (before,))
 
 
 def test_releases_free_the_lease_in_either_assignment_order(
