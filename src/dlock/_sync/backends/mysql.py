@@ -48,7 +48,8 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 #: like any other: a locked account, TLS required, a statement's time limit.
 CLIENT_ERRORS = range(2000, 3000)
 #: Server errors that end the connection or turn it away for now: too many
-#: connections, shutting down, killed (MariaDB), closed as idle (MySQL 8).
+#: connections, shutting down, killed (MariaDB), closed as idle (MySQL 8.0.24+; on
+#: MariaDB 4031 is a trigger-order error, which dlock's statements cannot raise).
 CONNECTION_ENDED = {1040, 1053, 1927, 4031}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
