@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +29,16 @@ from .lock import Lock
 from .renewal import Renewer
 
 DEFAULT_TTL = 30.0
+
+#: The clock a holder measures its lease by. On Linux, the boot clock: like
+#: ``time.monotonic`` it never steps, and unlike it, it keeps counting while the host is
+#: suspended, as the backend's clock does; so a holder that wakes from a suspend sees at
+#: once that its lease ran out, not at its next renewal.
+lease_clock: Callable[[], float] = (
+    partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+    if hasattr(time, "CLOCK_BOOTTIME")
+    else time.monotonic
+)
 
 
 def connect(
@@ -53,7 +64,7 @@ class Client:
         *,
         label: str | None = None,
         backoff: Backoff | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = lease_clock,
     ) -> None:
         self._backend = backend
         self._label = check_label(label)
