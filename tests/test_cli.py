@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -153,6 +156,52 @@ def test_interrupt_is_forwarded_outside_a_terminal(db: str, name: str, tmp_path:
     assert process.wait(10) == 42
     assert marker.read_text().strip() == "int"
     process.stdout.close()
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
+def read_until(fd: int, text: bytes, timeout: float = 20) -> None:
+    """Read a pseudo-terminal's output until ``text`` shows."""
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while text not in seen:
+        assert time.monotonic() < deadline, seen
+        if select.select([fd], [], [], 0.1)[0]:
+            seen += os.read(fd, 1024)
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_path: Path) -> None:
+    """In its terminal's foreground, dlock does not pass SIGINT on: the terminal's
+    Ctrl-C reaches the command directly (same process group), and a second SIGINT
+    would make a program that handles the first one gracefully give up."""
+    marker = tmp_path / "interrupts"
+    child = (
+        "import signal, time\n"
+        f"signal.signal(signal.SIGINT, lambda *_: open({str(marker)!r}, 'a').write('int\\n'))\n"
+        "print('started', flush=True)\n"
+        "while True: time.sleep(0.1)\n"
+    )
+    env = {**os.environ, "DLOCK_URL": db}
+    pid, fd = pty.fork()  # the child leads a session whose terminal is the pty
+    if pid == 0:
+        os.execve(DLOCK, [DLOCK, "run", name, "--", sys.executable, "-c", child], env)
+    try:
+        read_until(fd, b"started")
+        os.write(fd, b"\x03")  # Ctrl-C: SIGINT to the terminal's foreground group
+        deadline = time.monotonic() + 10
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the command never got the Ctrl-C"
+            time.sleep(0.05)
+        time.sleep(1)  # time for a second, forwarded SIGINT to arrive
+        assert marker.read_text() == "int\n"
+        os.kill(pid, signal.SIGTERM)  # passed on: the command ends, dlock with it
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
     with dlock.connect(db) as client:
         assert client.inspect(name) is None
 
