@@ -68,13 +68,13 @@ def call_with_timeout(value: T, timeout: float) -> T:
 def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[None]:
     """Call ``ring`` after ``delay`` seconds, and again after each delay it returns
     (until None), while the block runs: what a blocking call cannot do while it waits.
-    A thread per use: the renewer uses it once per renewal round trip."""
+    A thread per use: the renewer uses it once per renewal round trip. The caller keeps
+    the delays short enough for a thread's wait (``renewal.LONGEST_SLEEP``)."""
     done = threading.Event()
 
     def watch() -> None:
         wait: float | None = delay
-        # Capped: a wait past threading.TIMEOUT_MAX overflows.
-        while wait is not None and not done.wait(min(max(wait, 0.0), 3600.0)):
+        while wait is not None and not done.wait(max(wait, 0.0)):
             wait = ring()
 
     spawn(watch, name="dlock-renewal-alarm")

@@ -128,7 +128,7 @@ class Renewer:
         started = self._clock()
         time_left = min(lock._deadline for lock, _ in due) - started
         try:
-            with alarm(time_left, partial(self._declare_overdue, due)):
+            with alarm(min(time_left, LONGEST_SLEEP), partial(self._declare_overdue, due)):
                 renewed = call_with_timeout(
                     self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
                 )
@@ -164,4 +164,4 @@ class Renewer:
                 lock._declare_lost("the lease ran out before it could be renewed")
             else:
                 pending.append(lock._deadline - now)
-        return min(pending) if pending else None
+        return min(LONGEST_SLEEP, *pending) if pending else None
