@@ -80,6 +80,8 @@ def test_default_url_uses_env_then_state_dir(
         ("postgresql://u@h/db?mode=lease&mode=session", "'mode' is given twice"),
         ("mysql://u@h/db?table=", "plain SQL identifier"),
         ("redis://h?socket_timeout=1&socket_timeout=2", "given twice"),
+        ("redis+redlock://a:1,b:2,c:3?socket_timeout=1&socket_timeout=2", "given twice"),
+        ("zookeeper://h:2181/p?session_timeout=5&session_timeout=6", "given twice"),
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:
