@@ -628,3 +628,15 @@ def test_cli_status_list_and_force_release(request: pytest.FixtureRequest, flavo
         assert client.inspect(name) is None
         with pytest.raises(dlock.LockLost):
             lock.release()
+
+
+def test_a_bad_port_is_a_configuration_error() -> None:
+    for url in (
+        "redis://127.0.0.1:99999",
+        "redis://127.0.0.1:abc",
+        "rediss://h:-1",
+        "redis+cluster://h:1x",
+        "redis+redlock://a:1,b:2,c:abc",
+    ):
+        with pytest.raises(dlock.ConfigurationError, match=r"(?i)port"):
+            dlock.connect(url)

@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis_client
 from redis.asyncio.retry import Retry
@@ -90,6 +90,17 @@ def _ms(seconds: float) -> int:
 
 def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def split_url(url: str) -> SplitResult:
+    """``urlsplit``, with a port that is not a number from 0 to 65535 refused now rather
+    than as a bare ValueError wherever the port is first read."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it is the check
+    except ValueError as exc:
+        raise ConfigurationError(f"bad Redis URL: {exc}") from None
+    return parts
 
 
 def wrap(exc: Exception, where: str) -> BackendError:
@@ -307,7 +318,7 @@ class AsyncRedisBackend(AsyncBackend):
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncRedisBackend:
-        parts = urlsplit(url)
+        parts = split_url(url)
         scheme = parts.scheme.lower()
         cluster = scheme.endswith("+cluster")
         base_scheme = "rediss" if scheme.startswith("rediss") else "redis"

@@ -24,7 +24,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
 import redis as redis_client
 from redis.backoff import NoBackoff
@@ -91,6 +91,17 @@ def _ms(seconds: float) -> int:
 
 def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def split_url(url: str) -> SplitResult:
+    """``urlsplit``, with a port that is not a number from 0 to 65535 refused now rather
+    than as a bare ValueError wherever the port is first read."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - reading it is the check
+    except ValueError as exc:
+        raise ConfigurationError(f"bad Redis URL: {exc}") from None
+    return parts
 
 
 def wrap(exc: Exception, where: str) -> BackendError:
@@ -306,7 +317,7 @@ class RedisBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> RedisBackend:
-        parts = urlsplit(url)
+        parts = split_url(url)
         scheme = parts.scheme.lower()
         cluster = scheme.endswith("+cluster")
         base_scheme = "rediss" if scheme.startswith("rediss") else "redis"
