@@ -640,3 +640,12 @@ def test_a_bad_port_is_a_configuration_error() -> None:
     ):
         with pytest.raises(dlock.ConfigurationError, match=r"(?i)port"):
             dlock.connect(url)
+
+
+def test_the_cluster_option_is_a_checked_flag() -> None:
+    for value, cluster in (("on", True), ("yes", True), ("1", True), ("false", False)):
+        assert RedisBackend.from_url(f"redis://h:1?cluster={value}", {})._cluster is cluster
+    with pytest.raises(dlock.ConfigurationError, match="cluster must be true or false"):
+        dlock.connect("redis://h:1?cluster=treu")
+    with pytest.raises(dlock.ConfigurationError, match="contradicts"):
+        dlock.connect("redis+cluster://h:1?cluster=off")

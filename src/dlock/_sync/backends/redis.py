@@ -46,7 +46,7 @@ from redis.retry import Retry
 
 from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._options import query_options, seconds
+from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import sleep
@@ -322,7 +322,11 @@ class RedisBackend(Backend):
         cluster = scheme.endswith("+cluster")
         base_scheme = "rediss" if scheme.startswith("rediss") else "redis"
         query = query_options(parts.query)
-        cluster = cluster or query.pop("cluster", "").lower() in ("1", "true", "yes")
+        if "cluster" in query:
+            asked = flag(query.pop("cluster"), "cluster")
+            if cluster and not asked:
+                raise ConfigurationError(f"{scheme}:// contradicts cluster=false")
+            cluster = asked
         settings: dict[str, Any] = {}
         for key in list(query):
             if key in OPTIONS:
