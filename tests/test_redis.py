@@ -649,3 +649,21 @@ def test_the_cluster_option_is_a_checked_flag() -> None:
         dlock.connect("redis://h:1?cluster=treu")
     with pytest.raises(dlock.ConfigurationError, match="contradicts"):
         dlock.connect("redis+cluster://h:1?cluster=off")
+
+
+def test_the_database_number_is_checked(redis_server: RedisServer) -> None:
+    for url, message in (
+        ("redis://h:1/1O", "database number"),
+        ("redis://h:1/%203", "database number"),
+        ("redis://h:1/-1", "database number"),
+        ("redis://h:1/1?db=2", "twice"),
+        ("redis://h:1?db=x", "database number"),
+        ("redis+redlock://a:1,b:2,c:3/x", "database number"),
+    ):
+        with pytest.raises(dlock.ConfigurationError, match=message):
+            dlock.connect(url)
+    raw = redis.Redis(port=redis_server.port, db=3)
+    for url in (f"redis://{redis_server.address}/3", f"redis://{redis_server.address}?db=3"):
+        with dlock.connect(url) as client, client.lock(unique(), ttl=5) as lock:
+            assert raw.exists(Keys(b"dlock", lock.name).lease)
+    raw.close()

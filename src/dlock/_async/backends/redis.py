@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -101,6 +102,20 @@ def split_url(url: str) -> SplitResult:
     except ValueError as exc:
         raise ConfigurationError(f"bad Redis URL: {exc}") from None
     return parts
+
+
+def _check_database(path: str, db: str | None) -> None:
+    """The database number, given once and as digits: redis-py reads a path it cannot
+    parse as database 0, and lets ``?db=`` override the path, so a typo would put the
+    locks in another database without a word."""
+    number = path[1:] if path.startswith("/") else path
+    if number and not re.fullmatch("[0-9]+", number):
+        raise ConfigurationError(f"the Redis URL's path must be a database number, not {path!r}")
+    if db is not None:
+        if number:
+            raise ConfigurationError("the Redis URL gives the database twice: path and ?db=")
+        if not re.fullmatch("[0-9]+", db):
+            raise ConfigurationError(f"db must be a database number, not {db!r}")
 
 
 def wrap(exc: Exception, where: str) -> BackendError:
@@ -336,6 +351,7 @@ class AsyncRedisBackend(AsyncBackend):
         unknown = (set(settings) - OPTIONS) | (set(query) - CLIENT_OPTIONS)
         if unknown:
             raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
+        _check_database(parts.path, query.get("db"))
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
         client_options: dict[str, Any] = {
