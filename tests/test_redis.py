@@ -667,3 +667,25 @@ def test_the_database_number_is_checked(redis_server: RedisServer) -> None:
         with dlock.connect(url) as client, client.lock(unique(), ttl=5) as lock:
             assert raw.exists(Keys(b"dlock", lock.name).lease)
     raw.close()
+
+
+def test_client_options_wrong_for_good_are_configuration_errors(
+    tls_server: TLSRedis, tmp_path: Any
+) -> None:
+    for url, message in (
+        ("rediss://h:1?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs"),
+        ("rediss://h:1?ssl_certfile=/nonexistent/c.pem", "ssl_certfile"),
+        ("rediss://h:1?ssl_ca_path=/nonexistent", "ssl_ca_path"),
+        ("redis://h:1?protocol=9", "protocol"),
+        ("redis+redlock://a:1,b:2,c:3?cluster=true", "cluster"),
+    ):
+        with pytest.raises(dlock.ConfigurationError, match=message):
+            dlock.connect(url)
+    # A certificate file removed after connect(): refused, not worth retrying.
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(tls_server.ca.read_bytes())
+    with dlock.connect(tls_server.url.replace(str(tls_server.ca), str(ca))) as client:
+        ca.unlink()
+        with pytest.raises(dlock.BackendError) as caught:
+            client.lock(unique()).acquire(timeout=5)
+        assert not isinstance(caught.value, dlock.BackendUnavailable), caught.value

@@ -119,11 +119,48 @@ def _check_database(path: str, db: str | None) -> None:
             raise ConfigurationError(f"db must be a database number, not {db!r}")
 
 
+#: TLS options naming a file (or, for ssl_ca_path, a directory) read at each connect.
+_TLS_PATHS = {
+    "ssl_ca_certs": os.path.isfile,
+    "ssl_certfile": os.path.isfile,
+    "ssl_keyfile": os.path.isfile,
+    "ssl_ca_path": os.path.isdir,
+}
+
+
+def _check_client_options(query: dict[str, str]) -> None:
+    """What redis-py would only find wrong at the first connect, and then report as a
+    ConnectionError, which dlock would have to call BackendUnavailable (retryable)."""
+    for key, exists in _TLS_PATHS.items():
+        if key in query and not exists(query[key]):
+            raise ConfigurationError(f"{key}: no such file or directory: {query[key]!r}")
+    if query.get("protocol", "2") not in ("2", "3"):
+        raise ConfigurationError(f"protocol must be 2 or 3, not {query['protocol']!r}")
+
+
+def _file_missing(error: BaseException) -> bool:
+    """A file that the client reads to connect (a TLS certificate or key) is missing or
+    unreadable, somewhere in ``error``'s chain: waiting will not mend that."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def wrap(exc: Exception, where: str) -> BackendError:
     """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable; a
-    server that refuses this client (password, ACL, certificate) is a plain BackendError,
+    server that refuses this client (password, ACL, certificate) or a certificate file
+    that is gone is a plain BackendError,
     which retrying will not mend, though redis-py calls it a ConnectionError."""
-    if isinstance(exc, (AuthenticationError, AuthorizationError)) or certificate_refused(exc):
+    if (
+        isinstance(exc, (AuthenticationError, AuthorizationError))
+        or certificate_refused(exc)
+        or _file_missing(exc)
+    ):
         return BackendError(f"Redis {where}: refused: {type(exc).__name__}: {exc}")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
         isinstance(exc, RedisClusterException) and "connect" in str(exc)
@@ -351,6 +388,7 @@ class RedisBackend(Backend):
         if unknown:
             raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
         _check_database(parts.path, query.get("db"))
+        _check_client_options(query)
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
         client_options: dict[str, Any] = {

@@ -51,6 +51,8 @@ class RedlockBackend(Backend):
         clients = options.pop("client", None)
         parts = urlsplit(url)
         scheme = "rediss" if parts.scheme.lower().startswith("rediss") else "redis"
+        if "cluster" in {key for key, _ in parse_qsl(parts.query)}:
+            raise ConfigurationError("Redlock's masters are independent servers: no cluster=")
         # A short default per master, unless the URL's query or a keyword sets one.
         given = {key for key, _ in parse_qsl(parts.query)} | set(options)
         for key in ("socket_timeout", "socket_connect_timeout"):
