@@ -689,3 +689,17 @@ def test_client_options_wrong_for_good_are_configuration_errors(
         with pytest.raises(dlock.BackendError) as caught:
             client.lock(unique()).acquire(timeout=5)
         assert not isinstance(caught.value, dlock.BackendUnavailable), caught.value
+
+
+def test_redlock_refuses_the_same_master_twice() -> None:
+    for url in (
+        "redis+redlock://h:1,h:1,h:2",
+        "redis+redlock://H:6379,h,i:1",
+        "redis+redlock://a:1,b:2,c:3,d:4,a:1",
+    ):
+        with pytest.raises(dlock.ConfigurationError, match="more than once"):
+            dlock.connect(url)
+    given = redis.Redis(port=1)
+    with pytest.raises(dlock.ConfigurationError, match="twice"):
+        dlock.connect("redis+redlock://", client=[given, given, redis.Redis(port=2)])
+    assert len(RedlockBackend.from_url("redis+redlock://h:1,h:2,i:1", {})._masters) == 3

@@ -362,6 +362,13 @@ class AsyncRedisBackend(AsyncBackend):
         #: The sync face shares a backend between threads: create each client once.
         self._creating = threading.Lock()
 
+    def server(self) -> tuple[str, int] | None:
+        """The server's (host, port) from the URL (None for a given client)."""
+        if self._url is None:
+            return None
+        parts = urlsplit(self._url)
+        return ((parts.hostname or "localhost").lower(), parts.port or 6379)
+
     def _describe(self) -> str:
         if self._url is None:
             return "(given client)"

@@ -60,6 +60,8 @@ class AsyncRedlockBackend(AsyncBackend):
         if clients is not None:
             if not isinstance(clients, (list, tuple)):
                 raise ConfigurationError("client= for Redlock is a list of redis-py clients")
+            if len({id(client) for client in clients}) < len(clients):
+                raise ConfigurationError("client= for Redlock names the same client twice")
             return cls(
                 [
                     AsyncRedisBackend.from_url(f"{scheme}://", {**options, "client": c})
@@ -71,14 +73,20 @@ class AsyncRedlockBackend(AsyncBackend):
         if not addresses:
             raise ConfigurationError(f"{url!r} names no Redis masters")
         prefix = f"{auth}@" if auth else ""
-        return cls(
-            [
-                AsyncRedisBackend.from_url(
-                    urlunsplit((scheme, prefix + address, parts.path, parts.query, "")), options
-                )
-                for address in addresses
-            ]
-        )
+        masters = [
+            AsyncRedisBackend.from_url(
+                urlunsplit((scheme, prefix + address, parts.path, parts.query, "")), options
+            )
+            for address in addresses
+        ]
+        seen: set[Any] = set()
+        for master in masters:
+            if master.server() in seen:
+                # One server counted twice would let fewer servers than a majority grant.
+                host, port = master.server() or ("?", 0)
+                raise ConfigurationError(f"Redlock names master {host}:{port} more than once")
+            seen.add(master.server())
+        return cls(masters)
 
     async def _each(self, call: Any) -> list[Any]:
         """Run ``call(master)`` on every master; a failure becomes the exception itself."""
