@@ -703,3 +703,32 @@ def test_redlock_refuses_the_same_master_twice() -> None:
     with pytest.raises(dlock.ConfigurationError, match="twice"):
         dlock.connect("redis+redlock://", client=[given, given, redis.Redis(port=2)])
     assert len(RedlockBackend.from_url("redis+redlock://h:1,h:2,i:1", {})._masters) == 3
+
+
+def test_a_given_client_refuses_url_settings_it_would_ignore(redis_server: RedisServer) -> None:
+    given = redis.Redis(port=redis_server.port)
+    for url in (
+        "redis://otherhost:1234",
+        "redis://:secret@",
+        "redis:///5",
+        "redis://?password=secret",
+        "redis://?socket_timeout=0.1",
+        "rediss://?ssl_ca_certs=/etc/hostname",
+    ):
+        with pytest.raises(dlock.ConfigurationError, match="would be ignored"):
+            dlock.connect(url, client=given)
+    with pytest.raises(dlock.ConfigurationError, match="would be ignored"):
+        dlock.connect("redis://", client=given, socket_timeout=0.1)
+    others = [redis.Redis(port=redis_server.port), redis.Redis(port=1)]
+    for url in ("redis+redlock://a:1,b:2,c:3", "redis+redlock://?db=2"):
+        with pytest.raises(dlock.ConfigurationError, match="would be ignored"):
+            dlock.connect(url, client=[given, *others])
+    # What still applies is taken: the key prefix and the queue's TTL.
+    with (
+        dlock.connect("redis://?prefix=given&queue_ttl=3", client=given) as client,
+        client.lock(unique(), ttl=5) as lock,
+    ):
+        assert given.exists(Keys(b"given", lock.name).lease)
+    with dlock.connect("redis+redlock://?prefix=x", client=[given, *others]) as client:
+        assert client._backend._masters[0]._prefix == b"x"  # type: ignore[attr-defined]
+    given.close()

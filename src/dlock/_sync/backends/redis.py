@@ -119,6 +119,25 @@ def _check_database(path: str, db: str | None) -> None:
             raise ConfigurationError(f"db must be a database number, not {db!r}")
 
 
+#: What still applies to a client given with ``client=``: dlock's own key layout.
+GIVEN_CLIENT_OPTIONS = {"client", "prefix", "queue_ttl"}
+
+
+def _check_given_client_url(parts: SplitResult, options: set[str]) -> None:
+    """With ``client=``, the client brings its server, database, credentials, timeouts
+    and TLS: a URL that says otherwise would be ignored without a word."""
+    ignored = sorted(options - GIVEN_CLIENT_OPTIONS)
+    if parts.netloc:
+        ignored.insert(0, "host, port or credentials")
+    if parts.path not in ("", "/"):
+        ignored.insert(0, "database")
+    if ignored:
+        raise ConfigurationError(
+            f"with client=, the client's own settings apply; the URL's would be ignored: "
+            f"{', '.join(ignored)} (use {parts.scheme}:// with only prefix or queue_ttl)"
+        )
+
+
 #: TLS options naming a file (or, for ssl_ca_path, a directory) read at each connect.
 _TLS_PATHS = {
     "ssl_ca_certs": os.path.isfile,
@@ -394,6 +413,8 @@ class RedisBackend(Backend):
         unknown = (set(settings) - OPTIONS) | (set(query) - CLIENT_OPTIONS)
         if unknown:
             raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
+        if settings.get("client") is not None:
+            _check_given_client_url(parts, set(settings) | set(query))
         _check_database(parts.path, query.get("db"))
         _check_client_options(query)
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):

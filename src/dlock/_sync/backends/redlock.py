@@ -53,19 +53,24 @@ class RedlockBackend(Backend):
         scheme = "rediss" if parts.scheme.lower().startswith("rediss") else "redis"
         if "cluster" in {key for key, _ in parse_qsl(parts.query)}:
             raise ConfigurationError("Redlock's masters are independent servers: no cluster=")
-        # A short default per master, unless the URL's query or a keyword sets one.
-        given = {key for key, _ in parse_qsl(parts.query)} | set(options)
-        for key in ("socket_timeout", "socket_connect_timeout"):
-            if key not in given:
-                options[key] = MASTER_TIMEOUT
         if clients is not None:
             if not isinstance(clients, (list, tuple)):
                 raise ConfigurationError("client= for Redlock is a list of redis-py clients")
             if len({id(client) for client in clients}) < len(clients):
                 raise ConfigurationError("client= for Redlock names the same client twice")
-            return cls(
-                [RedisBackend.from_url(f"{scheme}://", {**options, "client": c}) for c in clients]
-            )
+            if parts.netloc or parts.path not in ("", "/"):
+                raise ConfigurationError(
+                    "with client=, the clients' own servers apply; the URL's would be "
+                    f"ignored (use {parts.scheme}:// with only prefix or queue_ttl)"
+                )
+            # Each master checks that the query holds nothing its client would ignore.
+            bare = urlunsplit((scheme, "", "", parts.query, ""))
+            return cls([RedisBackend.from_url(bare, {**options, "client": c}) for c in clients])
+        # A short default per master, unless the URL's query or a keyword sets one.
+        given = {key for key, _ in parse_qsl(parts.query)} | set(options)
+        for key in ("socket_timeout", "socket_connect_timeout"):
+            if key not in given:
+                options[key] = MASTER_TIMEOUT
         auth, _, hosts = parts.netloc.rpartition("@")
         addresses = [host.strip() for host in hosts.split(",") if host.strip()]
         if not addresses:
