@@ -19,12 +19,13 @@ import redis.asyncio
 import dlock
 import dlock.aio
 from dlock._redis_scripts import FENCE_KEPT_MS
-from dlock._sync.backends.redis import Keys, RedisBackend
+from dlock._sync.backends.redis import Keys, RedisBackend, wrap
 from dlock._sync.backends.redlock import RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.servers.redis import (
     RedisServer,
     TLSRedis,
+    start_cluster,
     start_masters,
     start_single,
     start_tls,
@@ -732,3 +733,67 @@ def test_a_given_client_refuses_url_settings_it_would_ignore(redis_server: Redis
     with dlock.connect("redis+redlock://?prefix=x", client=[given, *others]) as client:
         assert client._backend._masters[0]._prefix == b"x"  # type: ignore[attr-defined]
     given.close()
+
+
+def _reply(call: Callable[[], Any]) -> Any:
+    """What ``call`` returns, or the error it raises."""
+    try:
+        return call()
+    except redis.RedisError as exc:
+        return exc
+
+
+def test_a_busy_server_is_unavailable_not_refused(own_server: RedisServer) -> None:
+    """BUSY (another client's script running long) passes: a retry may well work."""
+    admin = redis.Redis(port=own_server.port)
+    admin.config_set("busy-reply-threshold", 50)
+    spin = "local i = 0 while true do i = i + 1 end"
+
+    def run_script() -> None:
+        with pytest.raises(redis.ResponseError):  # killed
+            admin.eval(spin, 0)
+
+    script = threading.Thread(target=run_script, daemon=True)
+    script.start()
+    probe = redis.Redis(port=own_server.port)
+    try:
+        deadline = time.monotonic() + 5
+        while "BUSY" not in str(_reply(probe.ping)):
+            assert time.monotonic() < deadline, "the script never made the server busy"
+            time.sleep(0.02)
+        with (
+            dlock.connect(url_of(own_server)) as client,
+            pytest.raises(dlock.BackendUnavailable, match="BUSY"),
+        ):
+            client.lock(unique()).acquire(timeout=0)
+    finally:
+        probe.script_kill()
+        script.join(5)
+        probe.close()
+        admin.close()
+
+
+def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
+    from redis.crc import key_slot
+
+    cluster = start_cluster()
+    try:
+        name = unique()
+        slot = key_slot(Keys(b"dlock", name).lease)
+        with dlock.connect(cluster.url) as client:
+            client.lock(unique()).acquire(timeout=0)  # the client knows the slot map
+            for node in cluster.nodes:  # nobody serves the name's slot: CLUSTERDOWN
+                with redis.Redis(port=node.port) as admin:
+                    admin.cluster("DELSLOTS", str(slot))
+            with pytest.raises(dlock.BackendUnavailable, match=r"(?i)cluster|slot"):
+                client.lock(name).acquire(timeout=0)
+    finally:
+        for node in cluster.nodes:
+            node.remove()
+    # What redis-py raises when a slot is moving and its redirections run out.
+    for exc in (
+        redis.exceptions.TryAgainError("Multiple keys request during rehashing of slot"),
+        redis.exceptions.ClusterError("TTL exhausted."),
+        redis.exceptions.MasterDownError("Link with MASTER is down"),
+    ):
+        assert isinstance(wrap(exc, "here"), dlock.BackendUnavailable), exc

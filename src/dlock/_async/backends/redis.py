@@ -32,10 +32,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
+    ClusterError,
     NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
 )
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
@@ -83,6 +86,16 @@ IDLE_SUBSCRIBERS = 8
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 #: What redis-py raises; its cluster errors do not all derive from RedisError.
 ERRORS = (RedisError, RedisClusterException)
+
+
+#: States that a retry may well find over: a cluster that is down (CLUSTERDOWN,
+#: MASTERDOWN, a slot not served) or moving a slot (TRYAGAIN, and redis-py's
+#: ClusterError "TTL exhausted" after its redirections ran out). LOADING is
+#: redis-py's BusyLoadingError, a ConnectionError already.
+TRANSIENT = (ClusterError, TryAgainError, SlotNotCoveredError)
+#: Error replies redis-py has no class for, of a server busy for now: BUSY, another
+#: client's script running past busy-reply-threshold.
+TRANSIENT_REPLIES = ("BUSY ",)
 
 
 def _ms(seconds: float) -> int:
@@ -170,10 +183,10 @@ def _file_missing(error: BaseException) -> bool:
 
 
 def wrap(exc: Exception, where: str) -> BackendError:
-    """A redis-py error as dlock's: unreachable/slow servers are BackendUnavailable; a
-    server that refuses this client (password, ACL, certificate) or a certificate file
-    that is gone is a plain BackendError,
-    which retrying will not mend, though redis-py calls it a ConnectionError."""
+    """A redis-py error as dlock's: unreachable, slow or busy servers and clusters between
+    states are BackendUnavailable; a server that refuses this client (password, ACL,
+    certificate) or a certificate file that is gone is a plain BackendError, which
+    retrying will not mend, though redis-py calls it a ConnectionError."""
     if (
         isinstance(exc, (AuthenticationError, AuthorizationError))
         or certificate_refused(exc)
@@ -182,6 +195,13 @@ def wrap(exc: Exception, where: str) -> BackendError:
         return BackendError(f"Redis {where}: refused: {type(exc).__name__}: {exc}")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
         isinstance(exc, RedisClusterException) and "connect" in str(exc)
+    ):
+        return BackendUnavailable(f"Redis {where}: {type(exc).__name__}: {exc}")
+    if (
+        isinstance(exc, TRANSIENT)
+        or (isinstance(exc, ResponseError) and str(exc).startswith(TRANSIENT_REPLIES))
+        # redis-py's reading of a cluster that does not serve every slot (down).
+        or (isinstance(exc, RedisClusterException) and "not covered" in str(exc))
     ):
         return BackendUnavailable(f"Redis {where}: {type(exc).__name__}: {exc}")
     return BackendError(f"Redis {where}: {type(exc).__name__}: {exc}")
