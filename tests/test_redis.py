@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import dlock
 import dlock.aio
@@ -797,3 +799,37 @@ def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
         redis.exceptions.MasterDownError("Link with MASTER is down"),
     ):
         assert isinstance(wrap(exc, "here"), dlock.BackendUnavailable), exc
+
+
+def test_redlock_failed_quorum_gives_back_on_a_master_that_timed_out(
+    own_masters: list[RedisServer],
+) -> None:
+    """A master too slow to answer in time may still run the acquire: without a give-back
+    there too it would keep an orphan lease for the whole TTL, one failure from a dead
+    lock. The slow master here runs another client's script for 0.8 s: the acquire times
+    out after 0.5 s, and the release reaches the master once the script is over."""
+    name = unique()
+    key = Keys(b"dlock", name).lease
+    busy, slow = (redis.Redis(port=master.port) for master in own_masters[1:])
+    probe = redis.Redis(port=own_masters[2].port, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+    spin = (
+        "local t = redis.call('TIME') local start = t[1] * 1e6 + t[2] repeat "
+        "t = redis.call('TIME') until t[1] * 1e6 + t[2] - start > 800000"
+    )
+    with dlock.connect(make_redlock_url(own_masters)) as client:
+        with client.lock(unique(), ttl=5):  # connections to every master are open
+            pass
+        busy.set(key, b'othertoken 1 1 {"host":"x","pid":1,"label":null}', px=30_000)
+        script = threading.Thread(target=lambda: slow.eval(spin, 0))
+        script.start()
+        deadline = time.monotonic() + 2
+        while not isinstance(_reply(probe.ping), redis.TimeoutError):
+            assert time.monotonic() < deadline, "the script did not start"
+        assert client.lock(name, ttl=60).acquire(timeout=0) is False
+        script.join(5)
+        deadline = time.monotonic() + 2
+        while slow.exists(key):
+            assert time.monotonic() < deadline, f"orphan lease: {slow.get(key)!r}"
+            time.sleep(0.02)
+    for raw in (busy, slow, probe):
+        raw.close()

@@ -127,10 +127,15 @@ class RedlockBackend(Backend):
             validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
             if lifted and validity > 0:
                 return Acquired(fencing_token=fence, count=max(r.count for _, r in granted))
-        # No majority in time: give back what we got, so others are not blocked.
-        for master, _ in granted:
-            with suppress(BackendError):
-                master.release(name, token)
+        # No majority in time: give back what we got, so others are not blocked; on a
+        # master that failed too, as the call may have reached it and been granted. Not
+        # on a re-entry, though: there a release where nothing was granted would take
+        # an entry of the outer hold.
+        reentry = any(result.count > 1 for _, result in granted)
+        for master, result in zip(self._masters, results, strict=True):
+            if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentry):
+                with suppress(BackendError):
+                    master.release(name, token)
         failed = sum(isinstance(r, BackendError) for r in results)
         if len(results) - failed < self._quorum:
             raise self._no_quorum(results, "acquire")
