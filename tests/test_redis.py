@@ -833,3 +833,36 @@ def test_redlock_failed_quorum_gives_back_on_a_master_that_timed_out(
             time.sleep(0.02)
     for raw in (busy, slow, probe):
         raw.close()
+
+
+def test_a_closed_backend_refuses_calls_and_keeps_no_connection(
+    redis_server: RedisServer,
+) -> None:
+    """Nothing closes what a closed backend would open: a call after close() (a wait
+    still in flight) is refused, and a subscription given back is closed, not kept."""
+    label = f"dlock-closed-{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis(port=redis_server.port)
+
+    def open_connections() -> int:
+        return sum(1 for info in admin.client_list() if info["name"] == label)
+
+    name, token = unique(), "c" * 32
+    backend = RedisBackend.from_url(f"{url_of(redis_server)}?client_name={label}", {})
+    backend.acquire(name, token, 30, Holder.current(), False)
+    with backend.subscription(name, "d" * 32) as waiter:
+        waiter.wait(0.01)  # subscribes
+        assert open_connections() == 2
+        backend.close()
+    assert open_connections() == 0
+    assert not backend._idle, "a subscription given back after close() was kept"
+    for call in (
+        lambda: backend.acquire(name, token, 30, Holder.current(), False),
+        lambda: backend.release(name, token),
+        lambda: backend.inspect(name),
+        lambda: backend.subscribe(b"channel"),
+    ):
+        with pytest.raises(dlock.BackendError, match="closed"):
+            call()
+    assert open_connections() == 0
+    admin.delete(*Keys(b"dlock", name).queued())
+    admin.close()

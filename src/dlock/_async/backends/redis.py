@@ -389,6 +389,8 @@ class AsyncRedisBackend(AsyncBackend):
         self._client_options = client_options or {}
         self._queue_ttl_ms = _ms(queue_ttl)
         self._subscriber: Any = None
+        #: After aclose(): calls are refused rather than reconnecting.
+        self._closed = False
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
         #: The tokens waiting through this backend (the sync face: from several threads).
@@ -470,7 +472,13 @@ class AsyncRedisBackend(AsyncBackend):
             **self._client_options,
         }
 
+    def _check_open(self) -> None:
+        """A closed backend makes no new connection (nobody would close it)."""
+        if self._closed:
+            raise BackendError(f"Redis {self._where}: the client is closed")
+
     def _get_client(self) -> Any:
+        self._check_open()
         if self._client is None:
             with self._creating:
                 return self._create_client()
@@ -529,7 +537,10 @@ class AsyncRedisBackend(AsyncBackend):
             await connection.disconnect()
             raise
         finally:
-            connections.give_back(connection)
+            if self._closed:  # closed meanwhile: nobody would close it later
+                await connection.disconnect()
+            else:
+                connections.give_back(connection)
 
     async def _call_many(
         self, script: scripts.Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
@@ -641,6 +652,7 @@ class AsyncRedisBackend(AsyncBackend):
         """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
         a plain connection to one node hears releases of every slot."""
         with self._creating:
+            self._check_open()
             return self._create_pubsub()
 
     def _create_pubsub(self) -> Any:
@@ -729,7 +741,7 @@ class AsyncRedisBackend(AsyncBackend):
         # again (the usual case under contention) skips UNSUBSCRIBE and SUBSCRIBE, which
         # would otherwise sit between a wake-up and the caller getting the lock.
         with self._creating:
-            keep = not waiter.broken
+            keep = not waiter.broken and not self._closed
             if keep and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append((pubsub, channel, time.monotonic()))
                 return
@@ -752,7 +764,10 @@ class AsyncRedisBackend(AsyncBackend):
                 await self._aclose_quietly(pubsub)
                 continue
             with self._creating:
-                self._idle.append((pubsub, None, since))
+                if not self._closed:
+                    self._idle.append((pubsub, None, since))
+                    continue
+            await self._aclose_quietly(pubsub)
 
     async def raise_fence(self, name: str, token: str, floor: int) -> bool:
         """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
@@ -819,6 +834,7 @@ class AsyncRedisBackend(AsyncBackend):
         return bool(int(await self._call(scripts.FORCE_RELEASE, k.queued(), args)))
 
     async def aclose(self) -> None:
+        self._closed = True
         connections, self._connections = self._connections, None
         if connections is not None:
             with suppress(*ERRORS, OSError):

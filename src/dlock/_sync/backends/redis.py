@@ -388,6 +388,8 @@ class RedisBackend(Backend):
         self._client_options = client_options or {}
         self._queue_ttl_ms = _ms(queue_ttl)
         self._subscriber: Any = None
+        #: After close(): calls are refused rather than reconnecting.
+        self._closed = False
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
         #: The tokens waiting through this backend (the sync face: from several threads).
@@ -469,7 +471,13 @@ class RedisBackend(Backend):
             **self._client_options,
         }
 
+    def _check_open(self) -> None:
+        """A closed backend makes no new connection (nobody would close it)."""
+        if self._closed:
+            raise BackendError(f"Redis {self._where}: the client is closed")
+
     def _get_client(self) -> Any:
+        self._check_open()
         if self._client is None:
             with self._creating:
                 return self._create_client()
@@ -526,7 +534,10 @@ class RedisBackend(Backend):
             connection.disconnect()
             raise
         finally:
-            connections.give_back(connection)
+            if self._closed:  # closed meanwhile: nobody would close it later
+                connection.disconnect()
+            else:
+                connections.give_back(connection)
 
     def _call_many(
         self, script: scripts.Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
@@ -634,6 +645,7 @@ class RedisBackend(Backend):
         """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
         a plain connection to one node hears releases of every slot."""
         with self._creating:
+            self._check_open()
             return self._create_pubsub()
 
     def _create_pubsub(self) -> Any:
@@ -722,7 +734,7 @@ class RedisBackend(Backend):
         # again (the usual case under contention) skips UNSUBSCRIBE and SUBSCRIBE, which
         # would otherwise sit between a wake-up and the caller getting the lock.
         with self._creating:
-            keep = not waiter.broken
+            keep = not waiter.broken and not self._closed
             if keep and len(self._idle) < IDLE_SUBSCRIBERS:
                 self._idle.append((pubsub, channel, time.monotonic()))
                 return
@@ -745,7 +757,10 @@ class RedisBackend(Backend):
                 self._aclose_quietly(pubsub)
                 continue
             with self._creating:
-                self._idle.append((pubsub, None, since))
+                if not self._closed:
+                    self._idle.append((pubsub, None, since))
+                    continue
+            self._aclose_quietly(pubsub)
 
     def raise_fence(self, name: str, token: str, floor: int) -> bool:
         """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
@@ -812,6 +827,7 @@ class RedisBackend(Backend):
         return bool(int(self._call(scripts.FORCE_RELEASE, k.queued(), args)))
 
     def close(self) -> None:
+        self._closed = True
         connections, self._connections = self._connections, None
         if connections is not None:
             with suppress(*ERRORS, OSError):
