@@ -4,6 +4,7 @@ misconfiguration, TLS, URLs. The shared semantics are in the conformance suite."
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import threading
@@ -866,3 +867,42 @@ def test_a_closed_backend_refuses_calls_and_keeps_no_connection(
     assert open_connections() == 0
     admin.delete(*Keys(b"dlock", name).queued())
     admin.close()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize("flavour", ["redis_server", "redis_cluster", "redlock_servers"])
+def test_an_async_client_works_in_a_second_event_loop(
+    request: pytest.FixtureRequest, flavour: str
+) -> None:
+    """A client used by two asyncio.run calls: what the first loop made (connections,
+    idle subscriptions) is dropped, not used or closed in the second. The first loop's
+    sockets go with the garbage collector (ResourceWarning, collected in this test)."""
+    server = request.getfixturevalue(flavour)
+    admin: Any
+    if flavour == "redis_server":
+        url, admin = url_of(server), redis.Redis(port=server.port)
+    elif flavour == "redis_cluster":
+        url, admin = server.url, redis.RedisCluster(host="127.0.0.1", port=server.nodes[0].port)
+    else:
+        url, admin = make_redlock_url(server), redis.Redis(port=server[0].port)
+    name = unique()
+    client = dlock.aio.connect(url)
+
+    async def contended() -> None:
+        holder, waiter = client.lock(name, ttl=5), client.lock(name, ttl=5)
+        for _ in range(2):
+            assert await holder.acquire(timeout=1)
+            waiting = asyncio.ensure_future(waiter.acquire(timeout=5))
+            deadline = time.monotonic() + 5
+            while not admin.exists(Keys(b"dlock", name).queue):  # waiting, subscribed
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await holder.release()
+            assert await waiting
+            await waiter.release()
+
+    asyncio.run(contended())
+    asyncio.run(contended())
+    asyncio.run(client.aclose())
+    admin.close()
+    gc.collect()

@@ -52,7 +52,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import sleep
+from .._primitives import current_task, sleep
 from ..backend import AsyncBackend, AsyncWaiter
 
 #: Options this backend takes besides what redis-py reads from the URL's query string.
@@ -391,6 +391,8 @@ class AsyncRedisBackend(AsyncBackend):
         self._subscriber: Any = None
         #: After aclose(): calls are refused rather than reconnecting.
         self._closed = False
+        #: The event loop the connections above were made in (asyncio face).
+        self._loop: Any = None
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
         #: The tokens waiting through this backend (the sync face: from several threads).
@@ -477,8 +479,29 @@ class AsyncRedisBackend(AsyncBackend):
         if self._closed:
             raise BackendError(f"Redis {self._where}: the client is closed")
 
+    def _follow_loop(self) -> None:
+        """Drop what an earlier event loop made (a client used by two ``asyncio.run``
+        calls): its connections cannot be used, nor closed, in another loop, so they
+        are left to the garbage collector and new ones are made here. A client given
+        with ``client=`` is its owner's: it stays, and works only in its own loop.
+        The sync face has no loop: nothing changes."""
+        task = current_task()
+        loop = None if task is None else task.get_loop()
+        if loop is self._loop:
+            return
+        with self._creating:
+            if self._loop is not None:
+                self._idle = []
+                self._subscriber = None
+                if self._owns_client:
+                    self._client = self._connections = None
+                else:
+                    self._connections = _own_connections(self._client)
+            self._loop = loop
+
     def _get_client(self) -> Any:
         self._check_open()
+        self._follow_loop()
         if self._client is None:
             with self._creating:
                 return self._create_client()
@@ -651,6 +674,7 @@ class AsyncRedisBackend(AsyncBackend):
     def _new_pubsub(self) -> Any:
         """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
         a plain connection to one node hears releases of every slot."""
+        self._follow_loop()
         with self._creating:
             self._check_open()
             return self._create_pubsub()
@@ -727,6 +751,7 @@ class AsyncRedisBackend(AsyncBackend):
 
     def _take_idle(self, channel: bytes, subscribed_only: bool = False) -> tuple[Any, bytes | None]:
         """An idle pub/sub connection, preferably one still subscribed to ``channel``."""
+        self._follow_loop()
         with self._creating:
             index = next((i for i, entry in enumerate(self._idle) if entry[1] == channel), None)
             if index is None:
@@ -752,6 +777,7 @@ class AsyncRedisBackend(AsyncBackend):
         collecting other clients' wake-ups. Runs when a wait begins: a process that
         stops waiting keeps up to IDLE_SUBSCRIBERS subscribed until it waits again or
         closes the client."""
+        self._follow_loop()
         cutoff = time.monotonic() - LINGER
         with self._creating:
             stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
@@ -834,6 +860,7 @@ class AsyncRedisBackend(AsyncBackend):
         return bool(int(await self._call(scripts.FORCE_RELEASE, k.queued(), args)))
 
     async def aclose(self) -> None:
+        self._follow_loop()  # what an earlier loop made cannot be closed in this one
         self._closed = True
         connections, self._connections = self._connections, None
         if connections is not None:
