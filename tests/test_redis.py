@@ -906,3 +906,26 @@ def test_an_async_client_works_in_a_second_event_loop(
     asyncio.run(client.aclose())
     admin.close()
     gc.collect()
+
+
+def test_redlock_reentry_keeps_its_token_when_a_master_forgot_the_lease(
+    own_masters: list[RedisServer],
+) -> None:
+    """A master restarted without persistence grants a re-entry afresh (new token, count
+    1); the majority that re-entered held the lease all along, so their token stands and
+    the fresh grant is given back."""
+    with dlock.connect(make_redlock_url(own_masters)) as client:
+        lock = client.lock(unique(), ttl=30, reentrant=True)
+        with lock:
+            first = lock.fencing_token
+            own_masters[2].restart()
+            with lock:
+                assert lock.fencing_token == first
+                assert not lock.lost
+                forgetful = redis.Redis(port=own_masters[2].port)
+                assert not forgetful.exists(Keys(b"dlock", lock.name).lease)
+                forgetful.close()
+            assert lock.owned()
+            info = client.inspect(lock.name)
+            assert info is not None and (info.fencing_token, info.count) == (first, 1)
+        assert client.inspect(lock.name) is None

@@ -121,13 +121,18 @@ class AsyncRedlockBackend(AsyncBackend):
             for master, result in zip(self._masters, results, strict=True)
             if isinstance(result, Acquired)
         ]
+        reentered = [(master, result) for master, result in granted if result.count > 1]
+        if len(reentered) >= self._quorum:
+            return await self._reentered(name, token, ttl, started, granted, reentered)
         if len(granted) >= self._quorum:
             fence = max(result.fencing_token for _, result in granted)
             lifted = await self._lift(name, token, fence, granted)
             # Validity counts every round trip made before the caller is told, lift included.
             validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
             if lifted and validity > 0:
-                return Acquired(fencing_token=fence, count=max(r.count for _, r in granted))
+                # A fresh grant. Also when a minority re-entered: the lease was not held
+                # by a majority all along, and count 1 tells the core so.
+                return Acquired(fencing_token=fence, count=1)
         # No majority in time: give back what we got, so others are not blocked; on a
         # master that failed too, as the call may have reached it and been granted. Not
         # on a re-entry, though: there a release where nothing was granted would take
@@ -143,6 +148,34 @@ class AsyncRedlockBackend(AsyncBackend):
         waits = [r.retry_after for r in results if isinstance(r, Busy)]
         known = [w for w in waits if w is not None]
         return Busy(retry_after=min(known) if known and len(known) == len(waits) else None)
+
+    async def _reentered(
+        self,
+        name: str,
+        token: str,
+        ttl: float,
+        started: float,
+        granted: list[tuple[AsyncRedisBackend, Acquired]],
+        reentered: list[tuple[AsyncRedisBackend, Acquired]],
+    ) -> Acquired | Busy:
+        """A re-entry that a majority held all along keeps its fencing token (theirs,
+        lifted onto a majority when first granted). A master that had forgotten the
+        lease (restarted) granted it afresh under a new token: that grant is given
+        back, so every master that holds the lease counts the same entries."""
+        for master, result in granted:
+            if result.count == 1:
+                with suppress(BackendError):
+                    await master.release(name, token)
+        validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
+        if validity > 0:
+            return Acquired(
+                fencing_token=max(result.fencing_token for _, result in reentered),
+                count=max(result.count for _, result in reentered),
+            )
+        for master, _ in reentered:  # too late: take this entry back
+            with suppress(BackendError):
+                await master.release(name, token)
+        return Busy(retry_after=None)
 
     async def _lift(
         self, name: str, token: str, fence: int, granted: list[tuple[AsyncRedisBackend, Acquired]]
