@@ -87,3 +87,35 @@ async def test_attempts_cut_off_mid_request_leave_no_node_behind(
         assert await second.lock(name, ttl=10).acquire(timeout=0)
     await asyncio.to_thread(zk.stop)
     zk.close()
+
+
+def test_a_client_serves_a_second_event_loop(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """A client used by two asyncio.run calls: the per-key stripes and the reaper of
+    the first loop cannot serve the second; both are made again there."""
+    url = zookeeper_server.url()
+    name = f"two-loops-{time.monotonic_ns()}"
+    names = [f"{name}-{i}" for i in range(20)]
+    client = dlock.aio.connect(url)
+
+    async def contend() -> None:
+        # 200 keys on 64 stripes, all in flight at once: many stripes must wait.
+        locks = [client.lock(n, ttl=10) for n in names * 10]
+        await asyncio.gather(*(lock.acquire(timeout=0) for lock in locks))
+        assert sum(lock.owned() for lock in locks) == len(names)
+        await asyncio.gather(*(lock.release() for lock in locks if lock.owned()))
+
+    async def unrenewed_lease_ends(last: bool) -> None:
+        try:
+            await contend()
+            lock = client.lock(name, ttl=0.5, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            deadline = time.monotonic() + 5
+            while await client.inspect(name) is not None:
+                assert time.monotonic() < deadline, "the lease outlived its ttl"
+                await asyncio.sleep(0.05)
+        finally:
+            if last:
+                await client.aclose()
+
+    asyncio.run(unrenewed_lease_ends(last=False))
+    asyncio.run(unrenewed_lease_ends(last=True))

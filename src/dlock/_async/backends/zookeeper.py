@@ -52,7 +52,17 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import Mutex, WakeupEvent, join, run_blocking, shielded, spawn, wait_result
+from .._primitives import (
+    Mutex,
+    WakeupEvent,
+    current_task,
+    join,
+    run_blocking,
+    serving,
+    shielded,
+    spawn,
+    wait_result,
+)
 from ..backend import AsyncBackend, AsyncWaiter
 
 logger = logging.getLogger("dlock")
@@ -290,6 +300,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._diagnosis: _Diagnosis | None = None
         self._start_lock = threading.Lock()
         self._stripes = [Mutex() for _ in range(STRIPES)]
+        #: The event loop the stripes were made in (None: the sync face, or not yet).
+        self._stripes_loop: object = None
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
@@ -569,7 +581,21 @@ class AsyncZooKeeperBackend(AsyncBackend):
     def _stripe(self, key: tuple[str, str]) -> Mutex:
         """Operations on one (name, token) run one at a time: the caller's, the
         renewer's and the reaper's, and a cancelled waiter's clean-up."""
-        return self._stripes[hash(key) % STRIPES]
+        return self._stripes_here()[hash(key) % STRIPES]
+
+    def _stripes_here(self) -> list[Mutex]:
+        """The stripes, made again in a new event loop (a client used by two
+        ``asyncio.run`` calls): an asyncio lock that once had to wait stays bound to
+        its loop and refuses to wait in another. That loop has ended, so nothing holds
+        the old ones. The reaper was a task of that loop: it is started again here."""
+        task = current_task()  # always None on the sync face
+        loop = None if task is None else task.get_loop()
+        if loop is not self._stripes_loop:
+            self._stripes_loop = loop
+            self._stripes = [Mutex() for _ in range(STRIPES)]
+            if self._reaper is not None:
+                self._start_reaper(orphans=True)
+        return self._stripes
 
     def _parent(self, name: str) -> str:
         return f"{self._root}/{encode_name(name)}"
@@ -965,8 +991,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
         started = time.monotonic()
         # Hold the stripes of the whole batch (in one order, and no other operation
         # holds two) so a re-entry or release cannot interleave with the rewrite.
+        all_stripes = self._stripes_here()
         stripes = [
-            self._stripes[i] for i in sorted({hash((x.name, x.token)) % STRIPES for x in leases})
+            all_stripes[i] for i in sorted({hash((x.name, x.token)) % STRIPES for x in leases})
         ]
         taken: list[Mutex] = []
         try:
@@ -1058,10 +1085,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _start_reaper(self, orphans: bool = False) -> None:
         """Wake the reaper, starting it on first use (in an operation: an asyncio reaper
-        is a task of the operations' loop)."""
+        is a task of the operations' loop), and again if it does not serve this loop
+        (its loop ended: a client used by two ``asyncio.run`` calls)."""
         if orphans:
             self._orphans_due = True
-        if self._reaper is None and not self._closed:
+        if not serving(self._reaper) and not self._closed:
+            # The old wake-up event is bound to the old loop too.
+            self._reaper_wakeup = WakeupEvent()
+            self._reaper_next = float("inf")
+            self._orphans_due = self._orphans_due or bool(self._orphans)
             self._reaper = spawn(self._reap, name="dlock-zookeeper-reaper")
         self._reaper_wakeup.set()
 
