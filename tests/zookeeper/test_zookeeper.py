@@ -452,6 +452,28 @@ def test_a_given_up_node_is_deleted_without_waiting_for_a_reconnect(
         wait_until(lambda: other.inspect(name) is None, 3)
 
 
+@pytest.mark.parametrize("shorten", ["extend", "reenter"])
+def test_a_lease_made_shorter_ends_at_its_new_deadline(
+    zookeeper_server: ZooKeeperEnsemble, shorten: str
+) -> None:
+    """The reaper sleeps until the earliest deadline it knows: an extend or re-entry
+    to a shorter TTL must wake it, or the node stays until the old deadline."""
+    name = f"shorter-{shorten}-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as client,
+        dlock.connect(zookeeper_server.url()) as other,
+    ):
+        backend: Any = client._backend
+        holder = Holder.current()
+        assert isinstance(backend.acquire(name, "t" * 32, 30, holder, True), Acquired)
+        if shorten == "extend":
+            assert backend.extend(name, "t" * 32, 0.5)
+        else:
+            reentered = backend.acquire(name, "t" * 32, 0.5, holder, True)
+            assert isinstance(reentered, Acquired) and reentered.count == 2
+        assert other.lock(name, ttl=5).acquire(timeout=5)
+
+
 def test_a_create_whose_reply_was_lost_is_found_again(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

@@ -672,7 +672,7 @@ class ZooKeeperBackend(Backend):
             self._forget(key, node)
             return Busy()
         node.data = data
-        node.deadline = time.monotonic() + ttl
+        self._lease(node, ttl)
         return Acquired(fencing_token=node.czxid, count=data["count"])
 
     def _own_node(self, zk: KazooClient, key: tuple[str, str], ttl: float, holder: Holder) -> _Node:
@@ -865,10 +865,16 @@ class ZooKeeperBackend(Backend):
 
     def _granted(self, node: _Node, ttl: float) -> Acquired:
         node.held = True
+        self._lease(node, ttl)
+        return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
+
+    def _lease(self, node: _Node, ttl: float) -> None:
+        """The held node's lease runs ``ttl`` from now. The reaper sleeps until the
+        earliest deadline it knew of: one that is now earlier (a grant, or an extend or
+        re-entry to a shorter TTL) must wake it, or the node outlives its lease."""
         node.deadline = time.monotonic() + ttl
         if node.deadline < self._reaper_next:
             self._start_reaper()
-        return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
 
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
@@ -1020,7 +1026,7 @@ class ZooKeeperBackend(Backend):
             if self._suspended_at is not None:
                 # A write would only queue until the connection is back. The session
                 # surely lives until the grace ends, when the renewer asks again.
-                node.deadline = time.monotonic() + lease.ttl
+                self._lease(node, lease.ttl)
                 answers[index] = True
                 continue
             data = {**node.data, "ttl": lease.ttl}
@@ -1040,7 +1046,7 @@ class ZooKeeperBackend(Backend):
                 self._give_up(key, node)
                 continue
             node.data = data
-            node.deadline = time.monotonic() + leases[index].ttl
+            self._lease(node, leases[index].ttl)
             answers[index] = True
         return answers
 
