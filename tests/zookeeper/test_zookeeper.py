@@ -288,10 +288,14 @@ def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> No
         with owner.lock("guarded", ttl=5) as lock:
             info = other.inspect("guarded")
             assert info is not None and info.fencing_token == lock.fencing_token
-            with pytest.raises(dlock.BackendError):
+            # Refused, not unavailable: retrying cannot help.
+            with pytest.raises(dlock.BackendError) as refused:
                 other.force_release("guarded")
-            with pytest.raises(dlock.BackendError):
+            assert not isinstance(refused.value, dlock.BackendUnavailable)
+            with pytest.raises(dlock.BackendError) as refused:
                 other.lock("guarded", ttl=5).acquire(timeout=0)
+            assert not isinstance(refused.value, dlock.BackendUnavailable)
+            assert "NoAuth" in str(refused.value)
         assert other.inspect("guarded") is None
 
 

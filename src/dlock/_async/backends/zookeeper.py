@@ -35,13 +35,18 @@ from urllib.parse import unquote, urlsplit
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
+    AuthFailedError,
+    BadArgumentsError,
     ConnectionLoss,
+    InvalidACLError,
     KazooException,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
     NotEmptyError,
     RolledBackError,
     RuntimeInconsistency,
+    UnimplementedError,
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
 from kazoo.protocol.serialization import Create2
@@ -100,6 +105,9 @@ TLS_OPTIONS = ("ca", "certfile", "keyfile", "keyfile_password", "verify_certs", 
 SERVER_REPLIES = (NoNodeError, NodeExistsError, NotEmptyError)
 #: Errors from kazoo and its threading handler that mean "could not use ZooKeeper".
 CLIENT_ERRORS = (KazooException, KazooTimeoutError, OSError, ssl.SSLError)
+#: The server answered and refused (credentials, the root's ACL, a path it will not
+#: take, a request it does not know): retrying will not help, so not unavailable.
+REFUSALS = (NoAuthError, AuthFailedError, BadArgumentsError, InvalidACLError, UnimplementedError)
 
 
 def _tls_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -1538,6 +1546,13 @@ def _info(name: str, entries: list[tuple[bytes, ZnodeStat]]) -> LockInfo:
 def _wrap(exc: BaseException) -> BackendError:
     if isinstance(exc, BackendError):
         return exc
+    if isinstance(exc, REFUSALS):
+        hint = (
+            " (wrong or missing user:password for the root?)"
+            if isinstance(exc, NoAuthError)
+            else ""
+        )
+        return BackendError(f"ZooKeeper refused: {type(exc).__name__}: {exc}{hint}")
     return BackendUnavailable(f"ZooKeeper: {type(exc).__name__}: {exc}")
 
 
