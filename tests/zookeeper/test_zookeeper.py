@@ -116,6 +116,46 @@ def test_closing_with_a_passed_in_client_frees_unrenewed_locks(
         existing.close()
 
 
+def test_a_wait_in_progress_ends_when_a_passed_in_client_closes(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The caller's session stays connected after close: a waiter must not then take
+    a lock that nothing would renew or reap."""
+    name = f"closed-waiter-{time.monotonic_ns()}"
+    existing = KazooClient(hosts=zookeeper_server.hosts)
+    existing.start()
+    outcome: list[object] = []
+    try:
+        with dlock.connect(zookeeper_server.url()) as other:
+            held = other.lock(name, ttl=30)
+            held.acquire()
+            client = dlock.connect("zookeeper:///dlock", client=existing)
+
+            def wait() -> None:
+                try:
+                    outcome.append(client.lock(name, ttl=2).acquire(timeout=10))
+                except dlock.LockError as exc:
+                    outcome.append(exc)
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+
+            def queued() -> bool:
+                info = other.inspect(name)
+                return info is not None and len(info.waiters) == 1
+
+            wait_until(queued)
+            client.close()
+            held.release()
+            waiter.join(10)
+            assert len(outcome) == 1 and isinstance(outcome[0], dlock.BackendError), outcome
+            assert other.inspect(name) is None
+            assert other.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        existing.stop()
+        existing.close()
+
+
 def test_waiters_queue_in_fifo_order(zookeeper_server: ZooKeeperEnsemble) -> None:
     url = zookeeper_server.url(session_timeout=5)
     name = f"fifo-{os.getpid()}-{time.monotonic_ns()}"

@@ -380,7 +380,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
     # -- connection and session ------------------------------------------------------
 
     async def _client(self) -> KazooClient:
-        """The started client; connecting happens here, on first use."""
+        """The started client; connecting happens here, on first use. Never once
+        closed: a caller's client (``client=``) stays connected, but nothing would
+        renew or reap what we made with it then."""
+        if self._closed:
+            raise BackendError("the ZooKeeper backend is closed")
         zk = self._zk
         if zk is not None and zk.connected and self._session_id:
             return zk
@@ -623,6 +627,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
             for _ in range(3):
                 node = await self._own_node(zk, key, ttl, holder)
                 result = await self._check_queue(zk, key, node, ttl)
+                if self._closed:
+                    await self._closed_meanwhile(zk, key)
                 if result is not None:
                     return result
             raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
@@ -630,6 +636,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
         async with self._stripe(key):
             acquired: Acquired | Busy = await self._guarded(attempt)
             return acquired
+
+    async def _closed_meanwhile(self, zk: KazooClient, key: tuple[str, str]) -> None:
+        """Closed (from another thread) while this attempt ran: its node may have come
+        after close deleted ours, and would then be neither renewed nor reaped."""
+        node = self._nodes.get(key)
+        if node is not None:
+            try:
+                await self._delete(zk, key, node)
+            except CLIENT_ERRORS:
+                logger.debug("dlock: could not delete a node after close", exc_info=True)
+        raise BackendError("the ZooKeeper backend is closed")
 
     async def _guarded(self, op: Callable[[bool], Any]) -> Any:
         """Run ``op``, again after a dropped connection, until the operation timeout.

@@ -381,7 +381,11 @@ class ZooKeeperBackend(Backend):
     # -- connection and session ------------------------------------------------------
 
     def _client(self) -> KazooClient:
-        """The started client; connecting happens here, on first use."""
+        """The started client; connecting happens here, on first use. Never once
+        closed: a caller's client (``client=``) stays connected, but nothing would
+        renew or reap what we made with it then."""
+        if self._closed:
+            raise BackendError("the ZooKeeper backend is closed")
         zk = self._zk
         if zk is not None and zk.connected and self._session_id:
             return zk
@@ -624,6 +628,8 @@ class ZooKeeperBackend(Backend):
             for _ in range(3):
                 node = self._own_node(zk, key, ttl, holder)
                 result = self._check_queue(zk, key, node, ttl)
+                if self._closed:
+                    self._closed_meanwhile(zk, key)
                 if result is not None:
                     return result
             raise BackendError(f"lock {name!r}: the queue node keeps vanishing")
@@ -631,6 +637,17 @@ class ZooKeeperBackend(Backend):
         with self._stripe(key):
             acquired: Acquired | Busy = self._guarded(attempt)
             return acquired
+
+    def _closed_meanwhile(self, zk: KazooClient, key: tuple[str, str]) -> None:
+        """Closed (from another thread) while this attempt ran: its node may have come
+        after close deleted ours, and would then be neither renewed nor reaped."""
+        node = self._nodes.get(key)
+        if node is not None:
+            try:
+                self._delete(zk, key, node)
+            except CLIENT_ERRORS:
+                logger.debug("dlock: could not delete a node after close", exc_info=True)
+        raise BackendError("the ZooKeeper backend is closed")
 
     def _guarded(self, op: Callable[[bool], Any]) -> Any:
         """Run ``op``, again after a dropped connection, until the operation timeout.
