@@ -67,6 +67,8 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
         {"tls": ""},
         {"session_timeout": "inf"},
         {"session_timeout": "nan"},
+        # Past ZooKeeper's 32-bit milliseconds: kazoo's connection thread would die of it.
+        {"session_timeout": "1e12"},
         {"connect_timeout": "-1"},
         {"operation_timeout": "0"},
         {"operation_timeout": "soon"},
@@ -87,6 +89,28 @@ def test_bad_option_values_are_refused(options: dict[str, Any]) -> None:
         dlock.connect("zookeeper://127.0.0.1:1/dlock", **options)
     with pytest.raises(dlock.ConfigurationError):
         dlock.connect("zookeeper://127.0.0.1:1/dlock?" + urlencode(options))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "zookeeper://127.0.0.1:notaport/dlock",
+        "zookeeper://127.0.0.1:99999/dlock",
+        "zookeeper://127.0.0.1:1,,127.0.0.1:2/dlock",
+        "zookeeper://127.0.0.1:1/a/./b",
+        "zookeeper://127.0.0.1:1/a/../b",
+        "zookeeper://127.0.0.1:1/a//b",
+        "zookeeper://127.0.0.1:1/a%00b",
+        "zookeeper://127.0.0.1:1/a%01b",
+        # An empty user would turn digest ACLs on for it, locking everyone else out.
+        "zookeeper://@127.0.0.1:1/dlock",
+        "zookeeper://:secret@127.0.0.1:1/dlock",
+    ],
+)
+def test_bad_hosts_roots_and_users_are_refused(url: str) -> None:
+    """Refused by connect, not at first use as a bare ValueError or a server refusal."""
+    with pytest.raises(dlock.ConfigurationError):
+        dlock.connect(url)
 
 
 def test_bad_constructor_values_are_refused() -> None:

@@ -50,6 +50,7 @@ from kazoo.exceptions import (
     UnimplementedError,
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
+from kazoo.hosts import collect_hosts
 from kazoo.protocol.serialization import Create2
 from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
@@ -98,6 +99,12 @@ STALL_SHARE = 3 / 4
 MAX_KNOWN_PARENTS = 10_000
 #: Encoded node data kept for reuse (one per holder and TTL in use).
 MAX_PAYLOADS = 64
+
+#: The longest session timeout: ZooKeeper counts it in 32-bit milliseconds (kazoo's
+#: connection thread dies of a longer one, and the client then never connects).
+MAX_SESSION_TIMEOUT = (2**31 - 1) // 1000
+#: Characters ZooKeeper refuses in a path (its PathUtils.validatePath).
+BAD_PATH_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\uf8ff\ufff0-\uffff]")
 
 #: Options that configure TLS; each needs ``tls=1``.
 TLS_OPTIONS = ("ca", "certfile", "keyfile", "keyfile_password", "verify_certs", "check_hostname")
@@ -161,6 +168,29 @@ def _tls_settings(settings: dict[str, Any]) -> dict[str, Any]:
     if password is not None:
         tls["keyfile_password"] = str(password)
     return tls
+
+
+def _check_root(root: str) -> None:
+    """Refused now, not at first use as kazoo's bare ValueError or the server's refusal:
+    a relative, empty or otherwise invalid segment."""
+    if root == "/":
+        return
+    if not root.startswith("/") or root.endswith("/"):
+        raise ConfigurationError(f"root {root!r} must be an absolute ZooKeeper path")
+    if any(segment in ("", ".", "..") for segment in root[1:].split("/")):
+        raise ConfigurationError(f"root {root!r} has an empty, '.' or '..' segment")
+    bad = BAD_PATH_CHARS.search(root)
+    if bad:
+        raise ConfigurationError(f"root {root!r}: ZooKeeper refuses the character {bad[0]!r}")
+
+
+def _check_hosts(hosts: str) -> None:
+    """kazoo reads the host list only when connecting, and says what is wrong with it
+    by a bare ValueError then."""
+    try:
+        collect_hosts(hosts)
+    except ValueError as exc:
+        raise ConfigurationError(f"bad ZooKeeper host list {hosts!r}: {exc}") from exc
 
 
 def encode_name(name: str) -> str:
@@ -292,8 +322,16 @@ class ZooKeeperBackend(Backend):
         ]:
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigurationError(f"{label} must be a positive number of seconds")
-        if not root.startswith("/") or (root.endswith("/") and root != "/"):
-            raise ConfigurationError(f"root {root!r} must be an absolute ZooKeeper path")
+        if session_timeout > MAX_SESSION_TIMEOUT:
+            raise ConfigurationError(
+                f"session_timeout must be at most {MAX_SESSION_TIMEOUT} seconds"
+                " (ZooKeeper counts it in 32-bit milliseconds)"
+            )
+        _check_root(root)
+        if client is None:
+            _check_hosts(hosts)
+        if auth is not None and not auth[0]:
+            raise ConfigurationError("zookeeper credentials need a user name (user:password@)")
         self._root = "" if root == "/" else root
         self._hosts = hosts
         self._session_timeout = session_timeout
