@@ -639,6 +639,26 @@ def test_a_waiter_leaving_the_line_hands_nothing_on(
     other.close()
 
 
+def test_waits_that_time_out_leave_no_watch_behind(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """kazoo keeps a watch callback until its node goes: each wait that left the line
+    must take its own back, or they pile up while the holder holds."""
+    name = f"watch-leak-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as holder,
+        dlock.connect(zookeeper_server.url()) as poller,
+    ):
+        held = holder.lock(name, ttl=30)
+        held.acquire()
+        for _ in range(10):
+            assert not poller.lock(name, ttl=5).acquire(timeout=0.05)
+        zk = poller._backend._zk  # type: ignore[attr-defined]
+        assert poller.inspect(name) is not None  # the listing added no watch
+        watches = [*zk._data_watchers.values(), *zk._child_watchers.values()]
+        assert sum(len(callbacks) for callbacks in watches) == 0
+        held.release()
+        assert poller.lock(name, ttl=5).acquire(timeout=5)
+
+
 def test_a_waiting_node_is_never_rewritten(zookeeper_server: ZooKeeperEnsemble) -> None:
     """A waiter takes a rewrite of the node ahead of it as proof that that node held
     the lock: so nothing may rewrite a node while it waits, renewals included."""

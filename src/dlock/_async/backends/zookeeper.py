@@ -887,6 +887,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return Busy()
         predecessor = f"{parent}/{children[position - 1]}"
         if ahead is None or ahead.path != predecessor:
+            self._unwatch(node)
             ahead = node.ahead = _Ahead(predecessor, waiter.wake)
         if position == 1:
             ahead.held = True
@@ -931,6 +932,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _granted(self, node: _Node, ttl: float) -> Acquired:
         node.held = True
+        self._unwatch(node)
         self._lease(node, ttl)
         return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
 
@@ -1004,8 +1006,28 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     def _forget(self, key: tuple[str, str], node: _Node) -> None:
         node.gone = True
+        self._unwatch(node)
         if self._nodes.get(key) is node:
             del self._nodes[key]
+
+    def _unwatch(self, node: _Node) -> None:
+        """Drop the watch callbacks on the node ahead of ours once ours no longer waits.
+
+        kazoo keeps them until that node changes or goes: a client polling with short
+        timeouts behind a long hold would pile up one (and its waiter) per attempt, all
+        woken at once by the release. The server keeps one watch per path and session,
+        and kazoo ignores an event with no callback left.
+        """
+        ahead, node.ahead = node.ahead, None
+        zk = self._zk
+        if ahead is None or zk is None:
+            return
+        path = (zk.chroot or "") + ahead.path
+        for watchers in (zk._data_watchers, zk._child_watchers):
+            found = watchers.get(path)
+            if found:
+                found.discard(ahead.on_event)
+        ahead.watching_data = ahead.watching_delete = False
 
     # -- release and renewal ----------------------------------------------------------
 
@@ -1311,6 +1333,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
     async def _delete_own_nodes(self, zk: KazooClient) -> None:
         """The caller's session outlives us: delete our nodes ourselves (best effort),
         or a lock not renewed would never end."""
+        for node in self._nodes.values():
+            self._unwatch(node)
         paths = [n.path for n in self._nodes.values() if n.session == self._session_id]
         paths.extend(self._orphans)
         self._nodes.clear()
