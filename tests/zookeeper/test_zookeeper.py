@@ -471,6 +471,45 @@ def test_busy_client_cut_off_still_learns_of_the_loss_in_time(
         partition.close()
 
 
+def test_releases_into_silence_wait_for_one_timeout_not_one_each(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """close() releases held locks one by one: once a request went unanswered, the
+    others must not each sit out the operation timeout. Their nodes go once the
+    server answers again."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"silence-{time.monotonic_ns()}"
+    names = [f"{name}-{i}" for i in range(6)]
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=6&operation_timeout=1"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+            # Not renewed: close() stops the renewer before it releases.
+            locks = [far.lock(n, ttl=30, auto_renew=False) for n in names]
+            for lock in locks:
+                lock.acquire()
+            partition.cut.set()
+            # A request already in the relay may still get through: ask until one is
+            # left unanswered (it times out after operation_timeout).
+            for _ in range(20):
+                try:
+                    far.inspect(name)
+                except dlock.BackendUnavailable:
+                    break
+            else:
+                pytest.fail("the relay was never cut")
+            started = time.monotonic()
+            for lock in locks:
+                with pytest.raises(dlock.BackendUnavailable):
+                    lock.release()
+            elapsed = time.monotonic() - started
+            partition.cut.clear()
+            assert elapsed < 1, f"{len(locks)} releases took {elapsed:.1f} s"
+            wait_until(lambda: all(near.inspect(n) is None for n in names))
+    finally:
+        partition.cut.clear()
+        partition.close()
+
+
 def test_only_answered_requests_end_a_stall(zookeeper_server: ZooKeeperEnsemble) -> None:
     """An operation that sent nothing proves nothing about the session."""
     name = f"unanswered-{time.monotonic_ns()}"

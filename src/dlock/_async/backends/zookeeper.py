@@ -1047,6 +1047,20 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     with suppress(NoNodeError):
                         await self._call(zk.delete_async(found[0]))
                 return None
+            if node.held and not node.gone and node.session == self._session_id:
+                # The connection is down or does not answer (a request already timed
+                # out): a delete would sit out the operation timeout, once per lock when
+                # a client closes. The reaper deletes the node once the server answers
+                # again; if it never does, the node goes with the session.
+                if not self._session_alive(node):
+                    self._give_up(key, node)  # its lease was declared lost already
+                    return None
+                if self._stalled_since is not None:
+                    self._give_up(key, node)
+                    raise BackendUnavailable(
+                        f"lock {name!r}: ZooKeeper does not answer; its node is deleted"
+                        " once it does, or goes with the session"
+                    )
             if not node.held or not self._session_alive(node):
                 if not node.gone or node.session == self._session_id:
                     await self._delete(zk, key, node)
