@@ -82,6 +82,11 @@ def test_default_url_uses_env_then_state_dir(
         ("redis://h?socket_timeout=1&socket_timeout=2", "given twice"),
         ("redis+redlock://a:1,b:2,c:3?socket_timeout=1&socket_timeout=2", "given twice"),
         ("zookeeper://h:2181/p?session_timeout=5&session_timeout=6", "given twice"),
+        # An unclosed IPv6 bracket: urlsplit's own ValueError, before any backend reads it.
+        ("redis://[::1:6379", "cannot be parsed"),
+        ("postgresql://u@[::1/db", "cannot be parsed"),
+        ("zookeeper://[::1:2181/p", "cannot be parsed"),
+        ("sqlite://[x/y.db", "cannot be parsed"),
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import SplitResult, quote, urlsplit
 
 from ._errors import BackendNotInstalled, ConfigurationError
 
@@ -46,16 +46,24 @@ def default_url() -> str:
     return "sqlite://" + quote(str(Path(state, "dlock", "locks.sqlite3").absolute()))
 
 
-def scheme_of(url: str) -> str:
+def split_url(url: str) -> SplitResult:
+    """``urlsplit``, whose ValueError (an unclosed IPv6 bracket) becomes ours."""
     if not isinstance(url, str) or ":" not in url:
         raise ConfigurationError(f"not a dlock URL: {url!r} (expected e.g. sqlite:///path/to.db)")
-    return urlsplit(url).scheme.lower()
+    try:
+        return urlsplit(url)
+    except ValueError as exc:
+        raise ConfigurationError(f"{url!r} cannot be parsed as a URL: {exc}") from None
+
+
+def scheme_of(url: str) -> str:
+    return split_url(url).scheme.lower()
 
 
 def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
     """Import the backend for ``url``'s scheme from ``package`` and build it."""
     scheme = scheme_of(url)
-    if urlsplit(url).fragment:
+    if split_url(url).fragment:
         raise ConfigurationError(
             f"{url!r} has a #fragment, which no backend reads: a '#' in a password or"
             " a file name is written %23"
