@@ -140,6 +140,23 @@ def test_bad_label_is_refused(tmp_path: Path, label: object) -> None:
         dlock.connect(f"sqlite://{tmp_path}/x.db", label=label)  # type: ignore[arg-type]
 
 
+def test_a_list_prefix_with_a_lone_surrogate_is_refused(tmp_path: Path) -> None:
+    """Names with one are refused as InvalidName; a prefix with one reached the backend's
+    encoder and came out as a bare UnicodeEncodeError."""
+    url = f"sqlite://{tmp_path}/x.db"
+    with dlock.connect(url) as client:
+        with pytest.raises(dlock.InvalidArgument, match=r"prefix.*surrogate"):
+            client.list("job-\ud800")
+        assert client.list("") == []
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client:
+            with pytest.raises(dlock.InvalidArgument, match=r"prefix.*surrogate"):
+                await client.list("\udfff")
+
+    asyncio.run(main())
+
+
 #: Labels just within the limit (SQL servers: ``test_the_longest_labels_fit``).
 LONGEST_LABELS = ("x" * 512, "é" * 85, "\U0001f512" * 42)
 

@@ -38,6 +38,19 @@ def check_name(name: object) -> str:
     return name
 
 
+def check_prefix(prefix: object) -> str:
+    """A ``list`` prefix: any text a name may start with, the empty string included."""
+    if not isinstance(prefix, str):
+        raise InvalidArgument(f"prefix must be a str, not {type(prefix).__name__}")
+    try:
+        prefix.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(
+            "prefix is not valid Unicode (it contains a lone surrogate)"
+        ) from None
+    return prefix
+
+
 def check_label(label: object) -> str | None:
     """The holder's free-form label: text that every backend can store whole."""
     if label is None:

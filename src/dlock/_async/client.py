@@ -18,6 +18,7 @@ from .._validation import (
     check_batch,
     check_label,
     check_name,
+    check_prefix,
     check_prune_age,
     check_timeout,
     check_ttl,
@@ -124,9 +125,7 @@ class AsyncClient:
 
     async def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
-        if not isinstance(prefix, str):
-            raise InvalidArgument(f"prefix must be a str, not {type(prefix).__name__}")
-        return await self._backend.list(prefix)
+        return await self._backend.list(check_prefix(prefix))
 
     async def force_release(self, name: str) -> bool:
         """Free ``name`` whoever holds it (an operator's tool); True if it was held.

@@ -19,6 +19,7 @@ from .._validation import (
     check_batch,
     check_label,
     check_name,
+    check_prefix,
     check_prune_age,
     check_timeout,
     check_ttl,
@@ -125,9 +126,7 @@ class Client:
 
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
-        if not isinstance(prefix, str):
-            raise InvalidArgument(f"prefix must be a str, not {type(prefix).__name__}")
-        return self._backend.list(prefix)
+        return self._backend.list(check_prefix(prefix))
 
     def force_release(self, name: str) -> bool:
         """Free ``name`` whoever holds it (an operator's tool); True if it was held.
