@@ -308,6 +308,31 @@ def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:
     asyncio.run(client.aclose())
 
 
+def test_give_backs_left_by_an_ended_event_loop_are_not_waited_for(tmp_path: Path) -> None:
+    """An acquire cut off in flight leaves a give-back task behind; once its loop has
+    ended, neither the next acquire nor close may wait for it (asyncio asks the closed
+    loop to call back: RuntimeError "Event loop is closed")."""
+    client = dlock.aio.connect(f"sqlite://{tmp_path}/locks.sqlite3")
+    lock = client.lock("job", ttl=5)
+
+    async def cut_off() -> None:
+        attempt = asyncio.create_task(lock.acquire())
+        await asyncio.sleep(0)  # the attempt is now in the backend's call
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        assert client._give_backs and lock._give_back is not None
+        await asyncio.wait(client._give_backs)
+
+    async def use_again() -> None:
+        assert await lock.acquire(timeout=0)
+        await lock.release()
+        await client.aclose()
+
+    asyncio.run(cut_off())
+    asyncio.run(use_again())
+
+
 def test_loss_is_told_at_the_deadline_while_a_renewal_is_stuck(tmp_path: Path) -> None:
     """A sync renewal blocked on a write-locked file waits up to busy_timeout (10 s);
     on_lost must come at the lease's deadline all the same, as on the asyncio face."""

@@ -163,12 +163,11 @@ async def join(task: asyncio.Task[None] | None, timeout: float) -> None:
 
 
 async def wait_done(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` to end, without cancelling it (nor it with the caller)."""
-    await asyncio.wait([task])
-
-
-def running(task: asyncio.Task[None]) -> bool:
-    return not task.done()
+    """Wait for ``task`` to end, without cancelling it (nor it with the caller). A task
+    of another event loop (a client used by two ``asyncio.run`` calls) will not run
+    again: waiting on it would ask its closed loop to call back, which raises."""
+    if serving(task):
+        await asyncio.wait([task])
 
 
 def serving(task: asyncio.Task[None] | None) -> bool:

@@ -99,10 +99,6 @@ def wait_done(thread: threading.Thread) -> None:
     thread.join()
 
 
-def running(thread: threading.Thread) -> bool:
-    return thread.is_alive()
-
-
 def serving(thread: threading.Thread | None) -> bool:
     """True while ``thread`` runs (a thread that died, or was left in the parent of a
     fork, does not)."""

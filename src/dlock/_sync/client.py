@@ -24,7 +24,7 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import running, wait_done
+from ._primitives import serving, wait_done
 from .backend import Backend
 from .lock import Lock
 from .renewal import Renewer
@@ -156,8 +156,9 @@ class Client:
 
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's
-        run in daemon threads, which the end of the process would cut short)."""
-        self._give_backs = [x for x in self._give_backs if running(x)] + [give_back]
+        run in daemon threads, which the end of the process would cut short). Those of
+        an event loop that has ended are dropped: they will not run again."""
+        self._give_backs = [x for x in self._give_backs if serving(x)] + [give_back]
 
     def close(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend.
