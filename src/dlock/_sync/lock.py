@@ -206,6 +206,14 @@ class Lock:
                 self._declare_lost("the lease was gone when re-entering")
                 raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
             return result
+        if reentry and (result.count == 1 or result.fencing_token != self._fencing_token):
+            # A fresh grant, not a re-entry: our lease had ended on the backend (force-
+            # released, expired by its clock) and the name was free again, perhaps after
+            # another holder. The hold we re-entered was lost; the new lease is nobody's.
+            self._give_back = spawn(self._release_quietly, name="dlock-give-back")
+            self._client._keep_give_back(self._give_back)
+            self._declare_lost("the lease was gone when re-entering")
+            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._granted(result, started)
         return None
 

@@ -259,6 +259,33 @@ async def test_reentry_extends_the_lease(url: str, name: str) -> None:
         await other.release()
 
 
+async def test_reentry_after_the_lease_was_lost_is_a_loss(url: str, name: str) -> None:
+    """The lease was force-released, then held and released by another client: the
+    backend grants a re-entry afresh (count 1, a new fencing token). That is the hold
+    lost, told as such, not a silent new acquisition whose release frees the name under
+    the outer block (which then raised NotOwner)."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=30, reentrant=True, on_lost=lost.append)
+        await lock.acquire()
+        token = lock.fencing_token
+        assert await admin.force_release(name)
+        other = admin.lock(name, ttl=30)
+        assert await other.acquire(timeout=0)
+        await other.release()
+        with pytest.raises(dlock.LockLost):
+            await lock.acquire(timeout=0)
+        assert lost == [lock]
+        assert lock.lost and not lock.owned()
+        assert lock.fencing_token == token
+        with pytest.raises(dlock.LockLost):
+            await lock.release()
+        # The fresh grant was given back (in the background), not left for its 30 s.
+        successor = admin.lock(name, ttl=30)
+        assert await successor.acquire(timeout=5)
+        await successor.release()
+
+
 async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=0.6)

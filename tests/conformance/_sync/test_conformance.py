@@ -258,6 +258,33 @@ def test_reentry_extends_the_lease(url: str, name: str) -> None:
         other.release()
 
 
+def test_reentry_after_the_lease_was_lost_is_a_loss(url: str, name: str) -> None:
+    """The lease was force-released, then held and released by another client: the
+    backend grants a re-entry afresh (count 1, a new fencing token). That is the hold
+    lost, told as such, not a silent new acquisition whose release frees the name under
+    the outer block (which then raised NotOwner)."""
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=30, reentrant=True, on_lost=lost.append)
+        lock.acquire()
+        token = lock.fencing_token
+        assert admin.force_release(name)
+        other = admin.lock(name, ttl=30)
+        assert other.acquire(timeout=0)
+        other.release()
+        with pytest.raises(dlock.LockLost):
+            lock.acquire(timeout=0)
+        assert lost == [lock]
+        assert lock.lost and not lock.owned()
+        assert lock.fencing_token == token
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        # The fresh grant was given back (in the background), not left for its 30 s.
+        successor = admin.lock(name, ttl=30)
+        assert successor.acquire(timeout=5)
+        successor.release()
+
+
 def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=0.6)
