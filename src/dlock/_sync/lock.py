@@ -127,6 +127,20 @@ class Lock:
             # It releases under our owner token: it must not release what we take now.
             wait_done(self._give_back)
             self._give_back = None
+        fresh = not self._count
+        try:
+            return self._acquire(wait, deadline)
+        except BaseException:
+            # Granted, then cut off before returning (cancelled or failed while leaving
+            # the wait): the caller was told it did not get the lock, so it must not
+            # stay held and renewed. Give it back as a failed release does.
+            if fresh and self._count:
+                self._abandon()
+            raise
+
+    def _acquire(self, wait: float | None, deadline: float | None) -> bool:
+        """The attempts of one acquire, and its wait between them."""
+        clock = self._client._clock
         backend = self._client._backend
         # A re-entry never waits (busy means lost), so it never takes a place in a queue.
         if wait == 0 or not backend.queues_waiters or self._count:

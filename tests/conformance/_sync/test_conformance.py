@@ -13,7 +13,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 
@@ -21,11 +22,14 @@ import pytest
 
 import dlock
 from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
+from dlock._sync.backend import Waiter
 from dlock._types import Lease
 from tests.conformance._sync.worker import STUCK_AFTER
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
 FACE = "_sync"
+#: What cuts a call short: a task's cancellation, a thread's Ctrl-C.
+INTERRUPT: type[BaseException] = asyncio.CancelledError if IS_ASYNC else KeyboardInterrupt
 
 
 def elapsed_since(start: float) -> float:
@@ -215,6 +219,33 @@ def test_prune_leaves_held_and_recent_names_alone(url: str, name: str) -> None:
             assert used.fencing_token is not None and before is not None
             assert used.fencing_token > before
         held.release()
+
+
+def test_an_interrupt_while_leaving_the_wait_gives_the_lease_back(url: str, name: str) -> None:
+    """Leaving the wait after the grant may take round trips (Redlock's dequeue, Redis
+    closing a spare subscription). A cancellation landing there made acquire raise
+    while the lease stayed held and renewed, by nobody, until the client closed."""
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        real_waiter = client._backend.waiter
+
+        @contextmanager
+        def interrupted_when_left(lock_name: str, token: str) -> Iterator[Waiter]:
+            with real_waiter(lock_name, token) as waiter:
+                holder.release()  # the attempt made in the wait is granted
+                yield waiter
+            raise INTERRUPT
+
+        client._backend.waiter = interrupted_when_left  # type: ignore[method-assign,assignment]
+        lock = client.lock(name, ttl=30)
+        with pytest.raises(INTERRUPT):
+            lock.acquire(timeout=10)
+        assert lock.fencing_token is not None, "granted before the interrupt"
+        assert not lock.owned()
+        successor = other.lock(name, ttl=30)
+        assert successor.acquire(timeout=5), "given back, not held for 30 s"
+        successor.release()
 
 
 def test_reentrancy(url: str, name: str) -> None:
