@@ -115,8 +115,7 @@ class Lock:
         is entered again; a non-reentrant one raises :class:`AlreadyAcquired`.
         """
         wait = check_timeout(timeout)
-        if self._client._closed:
-            raise BackendError(f"lock {self.name!r} cannot be acquired: its client is closed")
+        self._check_open()
         if self._count and self.lost:
             self._give_up_lost()
         if self._count and not self.reentrant:
@@ -127,16 +126,24 @@ class Lock:
             # It releases under our owner token: it must not release what we take now.
             wait_done(self._give_back)
             self._give_back = None
-        fresh = not self._count
+        entries = self._count
         try:
-            return self._acquire(wait, deadline)
+            acquired = self._acquire(wait, deadline)
+            self._check_open()
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
-            # the wait): the caller was told it did not get the lock, so it must not
-            # stay held and renewed. Give it back as a failed release does.
-            if fresh and self._count:
+            # the wait, or the client closed meanwhile): the caller is told it did not
+            # get the lock, so it must not stay held and renewed. Give it back as a
+            # failed release does.
+            if self._count > entries:
                 self._abandon()
             raise
+        return acquired
+
+    def _check_open(self) -> None:
+        """Nothing renews a lease taken once the client is closed: refuse to take it."""
+        if self._client._closed:
+            raise BackendError(f"lock {self.name!r} cannot be acquired: its client is closed")
 
     def _acquire(self, wait: float | None, deadline: float | None) -> bool:
         """The attempts of one acquire, and its wait between them."""
@@ -152,6 +159,8 @@ class Lock:
         with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:
+                # Closed while we waited: stop, as an acquire on a closed client does.
+                self._check_open()
                 busy = self._attempt()
                 if busy is None:
                     return True

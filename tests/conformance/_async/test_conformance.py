@@ -22,7 +22,7 @@ import pytest
 import dlock.aio
 from dlock._async._primitives import IS_ASYNC, run_blocking, sleep
 from dlock._async.backend import AsyncWaiter
-from dlock._types import Lease
+from dlock._types import Acquired, Lease
 from tests.conformance._async.worker import STUCK_AFTER
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
@@ -617,6 +617,41 @@ async def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
             pass
     async with dlock.aio.connect(url) as other:
         assert await other.inspect(name) is None
+
+
+async def test_closing_the_client_ends_its_waits(url: str, name: str) -> None:
+    """A wait in progress when its client closes stops with the closed client's error,
+    rather than take the lock later with nothing left to renew it."""
+    async with dlock.aio.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        client = dlock.aio.connect(url)
+        real_waiter = client._backend.waiter
+
+        @asynccontextmanager
+        async def closed_while_waiting(lock_name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+            async with real_waiter(lock_name, token) as waiter:
+                real_wait = waiter.wait
+
+                async def close_then_wait(timeout: float) -> Acquired | None:
+                    await client.aclose()
+                    await holder.release()
+                    return await real_wait(timeout)
+
+                waiter.wait = close_then_wait  # type: ignore[method-assign]
+                yield waiter
+
+        client._backend.waiter = closed_while_waiting  # type: ignore[method-assign,assignment]
+        lock = client.lock(name, ttl=30)
+        try:
+            with pytest.raises(dlock.BackendError, match="closed"):
+                await lock.acquire(timeout=10)
+        finally:
+            await client.aclose()
+        assert not lock.owned()
+        successor = other.lock(name, ttl=30)
+        assert await successor.acquire(timeout=5), "not taken by the closed client"
+        await successor.release()
 
 
 async def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) -> None:

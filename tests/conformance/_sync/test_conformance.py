@@ -23,7 +23,7 @@ import pytest
 import dlock
 from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
 from dlock._sync.backend import Waiter
-from dlock._types import Lease
+from dlock._types import Acquired, Lease
 from tests.conformance._sync.worker import STUCK_AFTER
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
@@ -612,6 +612,41 @@ def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
             pass
     with dlock.connect(url) as other:
         assert other.inspect(name) is None
+
+
+def test_closing_the_client_ends_its_waits(url: str, name: str) -> None:
+    """A wait in progress when its client closes stops with the closed client's error,
+    rather than take the lock later with nothing left to renew it."""
+    with dlock.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        client = dlock.connect(url)
+        real_waiter = client._backend.waiter
+
+        @contextmanager
+        def closed_while_waiting(lock_name: str, token: str) -> Iterator[Waiter]:
+            with real_waiter(lock_name, token) as waiter:
+                real_wait = waiter.wait
+
+                def close_then_wait(timeout: float) -> Acquired | None:
+                    client.close()
+                    holder.release()
+                    return real_wait(timeout)
+
+                waiter.wait = close_then_wait  # type: ignore[method-assign]
+                yield waiter
+
+        client._backend.waiter = closed_while_waiting  # type: ignore[method-assign,assignment]
+        lock = client.lock(name, ttl=30)
+        try:
+            with pytest.raises(dlock.BackendError, match="closed"):
+                lock.acquire(timeout=10)
+        finally:
+            client.close()
+        assert not lock.owned()
+        successor = other.lock(name, ttl=30)
+        assert successor.acquire(timeout=5), "not taken by the closed client"
+        successor.release()
 
 
 def test_mutual_exclusion_across_processes(url: str, name: str, tmp_path: Path) -> None:
