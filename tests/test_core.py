@@ -333,6 +333,84 @@ def test_give_backs_left_by_an_ended_event_loop_are_not_waited_for(tmp_path: Pat
     asyncio.run(use_again())
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: Path) -> None:
+    """Before Python 3.12, ``asyncio.wait_for`` returns its inner task's result when a
+    cancellation races that task's end, and the cancellation is lost; redis-py sends
+    every command under one. Here a real backend's acquire is called that way, and the
+    caller's ``asyncio.timeout`` expires just as the answer comes in: it must still
+    raise TimeoutError at once (not let the wait go on until the holder left), with the
+    task's cancellation count back where it was, and a lease granted by that call must
+    be given back."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend = client._backend
+            real_acquire = backend.acquire
+            expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
+
+            async def answer_then_expire(*args: Any) -> Any:
+                answer = await real_acquire(*args)
+                if expire_at_answer:
+                    # The caller's deadline passes as the answer comes in: its task is
+                    # cancelled before the task waiting for this one resumes.
+                    expire_at_answer.pop().reschedule(asyncio.get_running_loop().time())
+                return answer
+
+            async def sent_as_wait_for_did(*args: Any) -> Any:
+                call = asyncio.ensure_future(answer_then_expire(*args))
+                try:
+                    await asyncio.wait([call])
+                except asyncio.CancelledError:
+                    if not call.done():
+                        call.cancel()
+                        raise
+                return call.result()  # the cancellation is lost (Python < 3.12)
+
+            backend.acquire = sent_as_wait_for_did  # type: ignore[method-assign,unused-ignore]
+            task = asyncio.current_task()
+            assert task is not None
+            lock = client.lock("job", ttl=30)
+
+            holder = other.lock("job", ttl=30)
+            assert await holder.acquire(timeout=0)
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    expire_at_answer.append(deadline)
+                    await lock.acquire(timeout=3)
+            assert time.monotonic() - started < 1, "the wait went on"
+            assert task.cancelling() == 0
+            await holder.release()
+
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    expire_at_answer.append(deadline)
+                    await lock.acquire(timeout=3)
+            assert task.cancelling() == 0
+            assert lock.fencing_token is not None, "granted before the timeout"
+            assert not lock.owned()
+            assert await other.lock("job", ttl=30).acquire(timeout=5), "given back"
+
+            # A re-entry leaves its own entry; the outer hold stays.
+            outer = client.lock("again", ttl=30, reentrant=True)
+            assert await outer.acquire(timeout=0)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    expire_at_answer.append(deadline)
+                    await outer.acquire(timeout=0)
+            info = await other.inspect("again")
+            assert info is not None and info.count == 1
+            assert outer.owned()
+            await outer.release()
+            assert await other.inspect("again") is None
+
+    asyncio.run(main())
+
+
 def test_loss_is_told_at_the_deadline_while_a_renewal_is_stuck(tmp_path: Path) -> None:
     """A sync renewal blocked on a write-locked file waits up to busy_timeout (10 s);
     on_lost must come at the lease's deadline all the same, as on the asyncio face."""

@@ -184,6 +184,27 @@ def current_task() -> asyncio.Task[Any] | None:
     return asyncio.current_task()
 
 
+def cancel_requests() -> int:
+    """How many cancellations of the running task are pending: what ``lost_cancel``
+    compares against (0 before Python 3.11, which does not count them)."""
+    task = asyncio.current_task()
+    if task is None or sys.version_info < (3, 11):
+        return 0
+    return task.cancelling()
+
+
+async def lost_cancel() -> None:
+    """Raise the cancellation requested during a call that returned normally.
+
+    If it is still on its way, the checkpoint delivers it. Else a client library lost
+    it: before Python 3.12, ``asyncio.wait_for`` (redis-py sends every command under
+    one) returns its inner task's result when a cancellation races that task's end, and
+    ``asyncio.timeout`` or a TaskGroup would then never stop the caller.
+    """
+    await asyncio.sleep(0)
+    raise asyncio.CancelledError
+
+
 def cancel_task(task: asyncio.Task[Any], message: str) -> None:
     task.cancel(message)
 

@@ -109,6 +109,15 @@ def current_task() -> Any:
     return None
 
 
+def cancel_requests() -> int:
+    return 0
+
+
+def lost_cancel() -> None:
+    """Never called: threads are not cancelled, so ``cancel_requests`` stays 0."""
+    return None
+
+
 def cancel_task(task: Any, message: str) -> None:
     return None
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -22,7 +23,16 @@ from .._errors import (
 )
 from .._types import Acquired, Busy, Lease
 from .._validation import check_timeout, check_ttl
-from ._primitives import Cancelled, cancel_task, current_task, spawn, uncancel, wait_done
+from ._primitives import (
+    Cancelled,
+    cancel_requests,
+    cancel_task,
+    current_task,
+    lost_cancel,
+    spawn,
+    uncancel,
+    wait_done,
+)
 
 if TYPE_CHECKING:
     from .client import Client
@@ -127,16 +137,16 @@ class Lock:
             wait_done(self._give_back)
             self._give_back = None
         entries = self._count
+        cancels = cancel_requests()
         try:
-            acquired = self._acquire(wait, deadline)
-            self._check_open()
+            acquired = self._acquire(wait, deadline, cancels)
+            self._still_wanted(cancels)
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
             # the wait, or the client closed meanwhile): the caller is told it did not
-            # get the lock, so it must not stay held and renewed. Give it back as a
-            # failed release does.
+            # get the lock, so it must not stay held and renewed.
             if self._count > entries:
-                self._abandon()
+                self._undo_entry(entries)
             raise
         return acquired
 
@@ -145,7 +155,25 @@ class Lock:
         if self._client._closed:
             raise BackendError(f"lock {self.name!r} cannot be acquired: its client is closed")
 
-    def _acquire(self, wait: float | None, deadline: float | None) -> bool:
+    def _still_wanted(self, cancels: int) -> None:
+        """Stop if the caller no longer wants the lock: its client closed, or its task was
+        cancelled (``cancels`` pending cancellations before) during a backend call that
+        returned all the same, the cancellation lost by a client library."""
+        self._check_open()
+        if cancel_requests() > cancels:
+            lost_cancel()
+
+    def _undo_entry(self, entries: int) -> None:
+        """Give back what this acquire was granted but does not return. A fresh lease
+        goes as a failed release's does (in the background); a re-entry leaves its own
+        entry only, the outer hold stays, unless the client closed meanwhile."""
+        if entries and not self._client._closed:
+            with contextlib.suppress(LockError):
+                self.release()
+        else:
+            self._abandon()
+
+    def _acquire(self, wait: float | None, deadline: float | None, cancels: int) -> bool:
         """The attempts of one acquire, and its wait between them."""
         clock = self._client._clock
         backend = self._client._backend
@@ -159,8 +187,8 @@ class Lock:
         with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:
-                # Closed while we waited: stop, as an acquire on a closed client does.
-                self._check_open()
+                # Closed or cancelled while we waited: stop.
+                self._still_wanted(cancels)
                 busy = self._attempt()
                 if busy is None:
                     return True
