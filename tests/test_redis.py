@@ -7,6 +7,7 @@ import asyncio
 import gc
 import itertools
 import os
+import sys
 import threading
 import time
 import uuid
@@ -929,3 +930,50 @@ def test_redlock_reentry_keeps_its_token_when_a_master_forgot_the_lease(
             info = client.inspect(lock.name)
             assert info is not None and (info.fencing_token, info.count) == (first, 1)
         assert client.inspect(lock.name) is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_cancellation_lost_while_waiting_for_a_release_stops_the_wait(
+    redis_server: RedisServer,
+) -> None:
+    """Before Python 3.12, redis-py's reads go through ``asyncio.wait_for``, which can
+    lose a cancellation that races the read's end. Here the waiter's subscription loses
+    every one: the caller's ``asyncio.timeout`` must still end the wait at once, not when
+    the wait's own timer runs out (the core's 2 s fallback while the holder holds)."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    url = url_of(redis_server)
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend: Any = client._backend
+            real_subscribe = backend.subscribe
+
+            async def subscribe_losing_cancellations(channel: bytes) -> Any:
+                pubsub = await real_subscribe(channel)
+                real_get_message = pubsub.get_message
+
+                async def get_message(**kwargs: Any) -> Any:
+                    try:
+                        return await real_get_message(**kwargs)
+                    except asyncio.CancelledError:
+                        return None  # lost, as wait_for loses it when the read ends too
+
+                pubsub.get_message = get_message
+                return pubsub
+
+            backend.subscribe = subscribe_losing_cancellations
+            name = unique()
+            holder = other.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            task = asyncio.current_task()
+            assert task is not None
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await client.lock(name, ttl=30).acquire(timeout=10)
+            assert time.monotonic() - started < 1.5, "the wait went on"
+            assert task.cancelling() == 0
+            await holder.release()
+
+    asyncio.run(main())

@@ -52,7 +52,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import current_task, sleep
+from .._primitives import cancel_requests, current_task, lost_cancel, sleep
 from ..backend import AsyncBackend, AsyncWaiter
 
 #: Options this backend takes besides what redis-py reads from the URL's query string.
@@ -275,7 +275,12 @@ class _PubSubWaiter(AsyncWaiter):
             # A release before the subscription was not heard: the caller tries again now.
             return None
         deadline = time.monotonic() + timeout
+        cancels = cancel_requests()
         while (remaining := deadline - time.monotonic()) > 0:
+            if cancel_requests() > cancels:
+                # A cancellation that redis-py lost (its reads go through
+                # ``asyncio.wait_for`` before Python 3.12): stop now, not at the timeout.
+                await lost_cancel()
             if self.broken:
                 # Nothing will wake us: poll as a backend without notifications would.
                 await sleep(min(remaining, UNHEARD_POLL))
