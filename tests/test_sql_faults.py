@@ -605,6 +605,40 @@ def test_one_table_named_two_ways_is_one_set_of_locks(
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_table_named_with_a_reserved_word_is_one_set_of_locks(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """A reserved word must be quoted where it stands alone: PostgreSQL found
+    ``table=order`` as ``"order"`` and kept ``table=<schema>.order`` as given, and made
+    the lock keys from the two spellings. Session mode then had two holders at once;
+    a lease waiter queued on a turnstile and listened on a channel that the holder's
+    release never touched, and slept on."""
+    with _namespaces(server, 1) as (home,), contextlib.ExitStack() as stack:
+        if server.scheme == "postgresql":
+            url = stack.enter_context(_login_where(server, ("search_path", home)))
+        else:
+            url = server.url().rsplit("/", 1)[0] + f"/{home}"
+        plain = stack.enter_context(dlock.connect(url, mode=mode, table="order"))
+        qualified = stack.enter_context(
+            dlock.connect(server.url(), mode=mode, table=f"{home}.order")
+        )
+        _one_lock_through_both(plain, qualified, name)
+        holder = plain.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = qualified.lock(name, ttl=30)
+        thread = threading.Thread(target=lambda: waiter.acquire(timeout=10))
+        thread.start()
+        time.sleep(0.3)  # queued (a late waiter finds the lock free: no false failure)
+        released = time.monotonic()
+        holder.release()
+        thread.join(15)
+        assert waiter.owned(), "the waiter never got the lock"
+        # Unheard, a lease waiter tries again only after its 2 s fallback.
+        assert time.monotonic() - released < 1, "the waiter did not hear the release"
+        waiter.release()
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
 def test_a_database_whose_name_needs_quoting_holds_the_table(
     mariadb_server: SQLServer, name: str, mode: str
 ) -> None:

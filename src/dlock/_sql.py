@@ -62,6 +62,11 @@ POSTGRESQL_FIND_TABLE = """
         (SELECT format('%%I.%%I', s, lower(%(table)s))
          FROM pg_catalog.current_schema() AS s WHERE s IS NOT NULL))"""
 
+#: PostgreSQL: a qualified table spelled as the unqualified one's lookup spells it (a
+#: reserved word such as ``order`` quoted), so that lock keys made from either spelling
+#: are one set.
+POSTGRESQL_QUOTE_TABLE = "SELECT format('%%I.%%I', lower(%(schema)s), lower(%(table)s))"
+
 
 def encode_name(name: str) -> bytes:
     """Names are stored as their UTF-8 bytes: PostgreSQL text cannot hold NUL, and byte

@@ -25,6 +25,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
     POSTGRESQL,
     POSTGRESQL_FIND_TABLE,
+    POSTGRESQL_QUOTE_TABLE,
     ServerSettings,
     advisory_key,
     check_client_key,
@@ -156,10 +157,16 @@ PASSTHROUGH = frozenset(
 
 
 class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
+    #: The lock keys are made from the table's name as ``format('%I.%I')`` spells it,
+    #: which quotes a reserved word: ``table=order`` is found as ``public."order"``, so
+    #: ``table=public.order`` must be spelled so too, or the two would be two sets of
+    #: locks on one table. Ordinary names need no quotes, so their keys are as before.
+    _pins_qualified_table = True
+
     def __init__(self, settings: ServerSettings) -> None:
         if "." in settings.table:
-            # As PostgreSQL reads it (unquoted names fold to lower case): one spelling
-            # for the lock keys, which are made from it.
+            # As PostgreSQL reads it (unquoted names fold to lower case), until the
+            # first connection spells it (``_driver_find_table``).
             settings = dataclasses.replace(settings, table=settings.table.lower())
         super().__init__(settings)
         check_client_key(
@@ -196,6 +203,10 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
 
     async def _driver_find_table(self, conn: Conn, table: str) -> str:
+        if "." in table:
+            schema, relation = table.split(".")
+            params = {"schema": schema, "table": relation}
+            return str((await self._run(conn, POSTGRESQL_QUOTE_TABLE, params)).rows[0][0])
         found = (await self._run(conn, POSTGRESQL_FIND_TABLE, {"table": table})).rows[0][0]
         if found is None:
             raise ConfigurationError(

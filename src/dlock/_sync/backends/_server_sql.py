@@ -106,14 +106,18 @@ class ServerSQLBackend(Backend):
     #: The server's blocking lock waits whole multiples of this many seconds (MySQL 8's
     #: ``GET_LOCK``); None or 0: any wait.
     _wait_grain: float | None = None
+    #: Whether a qualified table is named by the first connection too, for one spelling
+    #: of the lock keys (PostgreSQL quotes reserved words); else it is used as given.
+    _pins_qualified_table = False
 
     def __init__(self, settings: ServerSettings):
         self._settings = settings
         self._session_mode = settings.mode == "session"
         self._use_table(settings.table)
-        #: Whether ``_table`` names its schema (MySQL: database). An unqualified table is
-        #: named in full once the client's first connection has found it (``_pin_table``).
-        self._table_pinned = "." in settings.table
+        #: Whether ``_table`` is the table's full name, as every statement and lock key
+        #: spells it. An unqualified table is named in full once the client's first
+        #: connection has found it (``_pin_table``).
+        self._table_pinned = "." in settings.table and not self._pins_qualified_table
         # A session-mode wait is the database's own lock: it cannot miss a release, so
         # a blocking acquire needs no attempt before entering the waiter.
         self.queues_waiters = self._session_mode
@@ -146,7 +150,8 @@ class ServerSQLBackend(Backend):
     @abstractmethod
     def _driver_find_table(self, conn: Conn, table: str) -> str:
         """The unqualified ``table`` named in full, as ``conn`` finds it (or would
-        create it), or ConfigurationError if it has nowhere to be."""
+        create it), or ConfigurationError if it has nowhere to be; a qualified one (only
+        where ``_pins_qualified_table``) in the same spelling."""
 
     @abstractmethod
     def _driver_connect(self) -> Any:
@@ -287,7 +292,8 @@ class ServerSQLBackend(Backend):
             self._give(self._take())
 
     def _pin_table(self, conn: Conn) -> None:
-        """Name an unqualified table in full, as the client's first connection finds it.
+        """Name an unqualified table in full, as the client's first connection finds it
+        (a qualified one, where ``_pins_qualified_table``, as the server spells it).
 
         Where an unqualified table is depends on the connection (PostgreSQL's
         search_path, MySQL's current database), and the application's connections may
