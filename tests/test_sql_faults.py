@@ -1111,6 +1111,60 @@ async def test_a_cancelled_session_release_closes_its_connection(
         assert await other.lock(name, ttl=10).acquire(timeout=2)
 
 
+def _turnstile_waiters(server: SQLServer, name: str) -> int:
+    """How many sessions wait for the turnstile of ``name`` (default lease table)."""
+    turnstile = _default_table(server) + ":turnstile"
+    if server.scheme == "postgresql":
+        return _advisory_lock_sessions(server, advisory_key(turnstile, name), granted=False)
+    rows = admin(server)(
+        "SELECT count(*) FROM information_schema.processlist"
+        " WHERE state = 'User lock' AND info LIKE %s",
+        (f"%{named_lock_key(turnstile, name)}%",),
+    )
+    return int(rows[0][0])
+
+
+async def test_a_waiter_cancelled_in_the_turnstile_takes_nothing_later(
+    server: SQLServer, name: str
+) -> None:
+    """A lease waiter cancelled while it waits for the turnstile inside the server: on
+    MariaDB closing the connection did not end the wait, so the server, once the
+    turnstile came to the dead session, took the lease under the cancelled lock's
+    token after its give-back had run, and nobody held the name for a whole TTL."""
+    url = server.url()
+    async with (
+        dlock.aio.connect(url) as holding,
+        dlock.aio.connect(url) as front,
+        dlock.aio.connect(url) as behind,
+        dlock.aio.connect(url) as later,
+    ):
+        holder = holding.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        first = front.lock(name, ttl=30)
+        in_front = asyncio.create_task(first.acquire(timeout=20))
+        deadline = time.monotonic() + 5
+        while not _turnstile_held(server, name):
+            assert time.monotonic() < deadline, "the first waiter never got in front"
+            await asyncio.sleep(0.01)
+        cancelled = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=20))
+        while not _turnstile_waiters(server, name):
+            assert time.monotonic() < deadline, "the second waiter never queued"
+            await asyncio.sleep(0.01)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await holder.release()
+        assert await in_front
+        await first.release()
+        # A wait left in the server would now get the turnstile, take the lease, and
+        # only then find its connection gone and leave the turnstile.
+        while _turnstile_held(server, name) or _turnstile_waiters(server, name):
+            assert time.monotonic() < deadline, "the turnstile was never left"
+            await asyncio.sleep(0.01)
+        assert await later.inspect(name) is None, "a cancelled waiter holds the lease"
+        assert await later.lock(name, ttl=30).acquire(timeout=0)
+
+
 def test_session_wait_timeout_does_not_stay_on_pooled_connections(
     postgresql_server: SQLServer, name: str
 ) -> None:

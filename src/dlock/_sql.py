@@ -823,4 +823,8 @@ def mysql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND session = %(session)s""",
         # KILL takes a literal; PyMySQL interpolates the integer parameter client-side.
         "kill": "KILL CONNECTION %(id)s",
+        "kill_query": "KILL QUERY %(id)s",
+        "session_running": """
+            SELECT 1 FROM information_schema.processlist
+            WHERE id = %(id)s AND info LIKE %(statement)s""",
     }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ssl
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -304,9 +305,9 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             if (await self._call("session_clear_expired", params)).rowcount > 0:
                 await self._kill(int(session))
 
-    async def _kill(self, session: int) -> bool:
+    async def _kill(self, session: int, statement: str = "kill") -> bool:
         try:
-            await self._call("kill", {"id": session})
+            await self._call(statement, {"id": session})
         except BackendError as exc:
             if "Unknown thread" not in str(exc):
                 raise
@@ -419,7 +420,36 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         return named_lock_key(self._table + ":turnstile", name)
 
     async def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
+        if waiter.conn.session_id is None:
+            # Asked of the server, once per waiting connection: the handshake's thread id
+            # is a proxy's where one stands between (``_end_cut_off_wait``).
+            rows = (await self._run(waiter.conn, "SELECT CONNECTION_ID()", {})).rows
+            waiter.conn.session_id = int(rows[0][0])
         return self._sql["turnstile_take"], {**waiter.params, "wait": wait}
+
+    async def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> None:
+        """Closing the connection does not end a ``GET_LOCK`` wait: the server notices
+        only when it next writes to it, after the wait and the take that follows. Left
+        alone, the take would run once the turnstile came to the dead session, after
+        the give-back, and hold the lease for nobody for a whole TTL. So the query is
+        killed, and the give-back waits until it has ended. Only a session still
+        running this wait is killed: after a restart its id may be another's."""
+        session = waiter.conn.session_id
+        if session is None:
+            return
+        await self._driver_close(waiter.conn.raw)
+        params = {"id": session, "statement": f"%{waiter.key}%"}
+        deadline = time.monotonic() + self._settings.timeout
+        killed = False
+        while (await self._call("session_running", params)).rows:
+            if not killed:
+                killed = True
+                if not await self._kill(session, "kill_query"):
+                    return
+            elif time.monotonic() >= deadline:
+                raise BackendUnavailable(f"session {session} still waits after KILL QUERY")
+            else:
+                await sleep(0.005)
 
     def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
         in_front, taken, fence = result.rows[0]

@@ -921,6 +921,11 @@ class ServerSQLBackend(Backend):
         try:
             yield waiter
         except BaseException:
+            if waiter.cut_off:
+                # Before the give-back: a wait that went on in the server could take the
+                # lease after it.
+                with contextlib.suppress(Exception):
+                    self._end_cut_off_wait(waiter)
             self._drop(waiter.conn)  # frees the turnstile
             if waiter.cut_off:
                 # A take cut off in flight may have committed: give it back.
@@ -937,6 +942,11 @@ class ServerSQLBackend(Backend):
         else:
             # The waiter may have replaced a connection that died while idle (restart).
             self._keep_for_waiting(waiter.conn)
+
+    def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> None:
+        """A turnstile wait cut off by the client (cancelled, interrupted) must end in
+        the server too, with the take after it, before the give-back runs. psycopg
+        cancels the query on the server itself."""
 
     def _lease_waiter_of(
         self, token: str, reentrant: bool, params: dict[str, Any]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import ssl
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -302,9 +303,9 @@ class MySQLBackend(ServerSQLBackend):
             if (self._call("session_clear_expired", params)).rowcount > 0:
                 self._kill(int(session))
 
-    def _kill(self, session: int) -> bool:
+    def _kill(self, session: int, statement: str = "kill") -> bool:
         try:
-            self._call("kill", {"id": session})
+            self._call(statement, {"id": session})
         except BackendError as exc:
             if "Unknown thread" not in str(exc):
                 raise
@@ -417,7 +418,36 @@ class MySQLBackend(ServerSQLBackend):
         return named_lock_key(self._table + ":turnstile", name)
 
     def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
+        if waiter.conn.session_id is None:
+            # Asked of the server, once per waiting connection: the handshake's thread id
+            # is a proxy's where one stands between (``_end_cut_off_wait``).
+            rows = (self._run(waiter.conn, "SELECT CONNECTION_ID()", {})).rows
+            waiter.conn.session_id = int(rows[0][0])
         return self._sql["turnstile_take"], {**waiter.params, "wait": wait}
+
+    def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> None:
+        """Closing the connection does not end a ``GET_LOCK`` wait: the server notices
+        only when it next writes to it, after the wait and the take that follows. Left
+        alone, the take would run once the turnstile came to the dead session, after
+        the give-back, and hold the lease for nobody for a whole TTL. So the query is
+        killed, and the give-back waits until it has ended. Only a session still
+        running this wait is killed: after a restart its id may be another's."""
+        session = waiter.conn.session_id
+        if session is None:
+            return
+        self._driver_close(waiter.conn.raw)
+        params = {"id": session, "statement": f"%{waiter.key}%"}
+        deadline = time.monotonic() + self._settings.timeout
+        killed = False
+        while (self._call("session_running", params)).rows:
+            if not killed:
+                killed = True
+                if not self._kill(session, "kill_query"):
+                    return
+            elif time.monotonic() >= deadline:
+                raise BackendUnavailable(f"session {session} still waits after KILL QUERY")
+            else:
+                sleep(0.005)
 
     def _queued(self, result: Result) -> tuple[bool, Acquired | None]:
         in_front, taken, fence = result.rows[0]
