@@ -239,19 +239,17 @@ def test_a_killed_session_lock_connection_goes_back_closed(pool: Pool, name: str
                 conn.rollback()
 
 
-@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
-async def test_asyncio_face_borrows_from_an_async_pool(
-    database: str, request: pytest.FixtureRequest, name: str
-) -> None:
-    server: SQLServer = request.getfixturevalue(f"{database}_server")
-    borrow: Callable[[], Any]
-    if database == "postgresql":
+async def _async_pool(
+    server: SQLServer,
+) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
+    """An asyncio pool of two connections: the function that lends one, a function
+    returning both connections' autocommit settings (borrowed at once), and its close."""
+    if server.scheme == "postgresql":
         apool: Any = psycopg_pool.AsyncConnectionPool(
             server.url(), min_size=2, max_size=2, open=False
         )
         await apool.open()
-        client_factory: Callable[[], Any] = apool.connection
-        borrow = apool.connection
+        lend: Callable[[], Any] = apool.connection
         close = apool.close
     else:
         apool = await aiomysql.create_pool(
@@ -264,16 +262,25 @@ async def test_asyncio_face_borrows_from_an_async_pool(
             maxsize=2,
             client_flag=CLIENT.FOUND_ROWS,
         )
-        client_factory = borrow = apool.acquire
+        lend = apool.acquire
 
         async def close() -> None:
             apool.close()
             await apool.wait_closed()
 
     async def autocommit_of_both() -> list[bool]:
-        async with borrow() as first, borrow() as second:
+        async with lend() as first, lend() as second:
             return [autocommit(first), autocommit(second)]
 
+    return lend, autocommit_of_both, close
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+async def test_asyncio_face_borrows_from_an_async_pool(
+    database: str, request: pytest.FixtureRequest, name: str
+) -> None:
+    server: SQLServer = request.getfixturevalue(f"{database}_server")
+    client_factory, autocommit_of_both, close = await _async_pool(server)
     try:
         async with dlock.aio.connect(f"{server.scheme}://", client=client_factory) as client:
             lock = client.lock(name, ttl=5)
@@ -290,6 +297,46 @@ async def test_asyncio_face_borrows_from_an_async_pool(
             assert await asyncio.wait_for(autocommit_of_both(), 5) == [False, False]
     finally:
         await close()
+
+
+@pytest.mark.parametrize("step", ["_restore_idle_timeout", "_driver_restore"])
+@pytest.mark.parametrize("mode", ["lease", "session"])
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+async def test_a_give_back_cut_off_still_returns_the_connection(
+    database: str, mode: str, step: str, request: pytest.FixtureRequest, name: str
+) -> None:
+    """A release cancelled while dlock puts the borrowed connection back as it came
+    (its idle timeout, its autocommit setting: round trips) skipped the return to the
+    pool: the connection stayed checked out for good, and the application's pool
+    drained until its acquires hung. Cut off there, it goes back closed."""
+    server: SQLServer = request.getfixturevalue(f"{database}_server")
+    lend, autocommit_of_both, close = await _async_pool(server)
+    try:
+        query = f"{server.scheme}://?mode={mode}"
+        async with dlock.aio.connect(query, client=lend) as client:
+            lock = client.lock(name, ttl=30)
+            assert await lock.acquire(timeout=0)
+            backend: Any = client._backend
+            cut_off_at = asyncio.Event()
+
+            async def hang(*args: Any) -> Any:
+                cut_off_at.set()
+                await asyncio.Event().wait()
+
+            setattr(backend, step, hang)
+            release = asyncio.create_task(lock.release())
+            await asyncio.wait_for(cut_off_at.wait(), 5)
+            release.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await release
+            delattr(backend, step)
+            assert await asyncio.wait_for(autocommit_of_both(), 5) == [False, False]
+            again = client.lock(name, ttl=30)
+            assert await again.acquire(timeout=0)
+            await again.release()
+    finally:
+        # aiomysql's close waits for every connection lent, a lost one for ever.
+        await asyncio.wait_for(close(), 10)
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mariadb"])

@@ -362,24 +362,33 @@ class ServerSQLBackend(Backend):
 
     def _give_back(self, raw: Any, loan: Loan | None, keep: bool) -> None:
         """Close a connection of ours; return a borrowed one to its pool, as it came if
-        ``keep``, else closed (the pool then replaces it)."""
-        if keep and loan is not None:
+        ``keep``, else closed (the pool then replaces it).
+
+        A borrowed connection goes back whatever happens, cancelled or interrupted
+        at any step: the application's pool would otherwise lose it for good, and
+        drain. One whose restore did not finish goes back closed."""
+        restored = False
+        try:
+            if keep and loan is not None:
+                with contextlib.suppress(Exception):
+                    self._driver_restore(raw, loan.autocommit)
+                    restored = True
+            else:
+                restored = keep
+        finally:
             try:
-                self._driver_restore(raw, loan.autocommit)
-            except Exception:
-                keep = False
-        if not keep:
-            with contextlib.suppress(Exception):
-                if loan is not None and loan.proxy is not None:
-                    loan.proxy.invalidate()  # closes it, and the pool forgets it
-                else:
-                    self._driver_close(raw)
-        if loan is None:
-            return
-        if loan.context is not None:
-            loan.context.__exit__(None, None, None)
-        elif loan.proxy is not None and keep:
-            loan.proxy.close()
+                if not restored:
+                    with contextlib.suppress(Exception):
+                        if loan is not None and loan.proxy is not None:
+                            loan.proxy.invalidate()  # closes it, and the pool forgets it
+                        else:
+                            self._driver_close(raw)
+            finally:
+                if loan is not None:
+                    if loan.context is not None:
+                        loan.context.__exit__(None, None, None)
+                    elif loan.proxy is not None and restored:
+                        loan.proxy.close()
 
     def _ensure_schema(self, conn: Conn) -> None:
         try:
@@ -432,8 +441,11 @@ class ServerSQLBackend(Backend):
             # Borrowed: back to the application's pool at once, not kept idle here;
             # closed if it carries statements we prepared, which a later borrower of
             # it would find in the way.
-            keep = not conn.prepared and self._restore_idle_timeout(conn)
-            self._give_back(conn.raw, conn.loan, keep=keep)
+            keep = False  # cut off while restoring: back closed, but back
+            try:
+                keep = not conn.prepared and self._restore_idle_timeout(conn)
+            finally:
+                self._give_back(conn.raw, conn.loan, keep=keep)
             return
         if len(self._idle) < POOL_SIZE and not self._closed:
             self._idle.append(conn)
