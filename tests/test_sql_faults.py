@@ -1901,6 +1901,32 @@ def test_a_hung_server_is_a_timely_error(server: SQLServer, name: str, mode: str
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_release_on_a_hung_server_is_unavailable_not_lost(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """A release that gets no answer says nothing of whether the lock was still held:
+    session mode called it lost (``LockLost``, ``on_lost``) where lease mode said
+    ``BackendUnavailable``. Dropped, the connection frees the database's lock once the
+    server runs again."""
+    url = server.url("mode=session" if mode == "session" else "")
+    lost: list[object] = []
+    with dlock.connect(url, **HUNG_OPTIONS) as client:
+        lock = client.lock(name, ttl=30, on_lost=lost.append)
+        assert lock.acquire(timeout=0)
+        server.process.pause()
+        try:
+            with pytest.raises(dlock.BackendError) as raised:
+                lock.release()
+        finally:
+            server.process.resume()
+        assert isinstance(raised.value, dlock.BackendUnavailable), raised.value
+        assert not lost and not lock.lost and not lock.owned()
+        if mode == "session":
+            with dlock.connect(url) as other:
+                assert other.lock(name, ttl=30).acquire(timeout=5), "the lock stayed held"
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
 def test_holder_is_told_its_lease_ran_out_while_the_server_hangs(
     server: SQLServer, name: str, mode: str
 ) -> None:

@@ -710,15 +710,18 @@ class ServerSQLBackend(Backend):
             return self._session_count(token, held, -1)
         if self._held.pop(token, None) is None:
             return None  # the renewer gave it up meanwhile
-        try:
-            result = self._run(held.conn, self._sql["session_unlock"], {"key": held.key})
-        except BackendError:
-            # The session is gone, and its lock with it: by now it is not ours.
+        if self._driver_idle_dead(held.conn.raw):
+            # The server ended the session (killed, force-released, restarted), and its
+            # lock with it: by now it is not ours.
             self._drop(held.conn)
             return None
+        try:
+            result = self._run(held.conn, self._sql["session_unlock"], {"key": held.key})
         except BaseException:
-            # Cancelled or interrupted, the unlock sent or not: no longer in ``_held``,
-            # the connection must not be left open, and closing it frees the lock.
+            # Failed, cancelled or interrupted, the unlock sent or not: no longer in
+            # ``_held``, the connection must not be left open, and closing it frees the
+            # lock. No answer (a hung server) says nothing of whether the lock was still
+            # ours: the error is raised, not reported as a loss.
             self._drop(held.conn)
             raise
         if result.rows and result.rows[0][0]:
