@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,3 +168,35 @@ def test_a_ca_alone_means_verified_tls(tls_server: TLSServer) -> None:
         pytest.raises(dlock.BackendError, match="certificate verify failed"),
     ):
         client.lock(_name(), ttl=5).acquire(timeout=5)
+
+
+@pytest.mark.parametrize("value", ["require", "enabled", "verify_ca", "ture", ""])
+def test_an_unknown_mysql_ssl_value_is_refused(value: str) -> None:
+    """Only a spelling that is known means TLS on or off: ``ssl=require`` (libpq's
+    word) or ``ssl=enabled`` meant no TLS at all, and the lock went over plain text."""
+    with pytest.raises(dlock.ConfigurationError, match="ssl must be true or false"):
+        dlock.connect(f"mysql://dlock@127.0.0.1:1/dlock?ssl={value}")
+
+
+@pytest.mark.parametrize(
+    ("value", "checked"),
+    [("true", True), ("yes", True), ("on", True), ("1", True), ("false", False), ("off", False)],
+)
+def test_mysql_host_name_check_reads_every_spelling(value: str, checked: bool) -> None:
+    """``ssl_verify_identity=yes`` or ``=on`` turned the host-name check off: a server
+    with a certificate made for another host was accepted."""
+    url = f"mysql://dlock@127.0.0.1:1/dlock?ssl=true&ssl_verify_identity={value}"
+    with dlock.connect(url) as client:
+        context: Any = client._backend._ssl  # type: ignore[attr-defined]
+        assert context.check_hostname is checked
+
+
+def test_an_unknown_mysql_ssl_verify_identity_is_refused() -> None:
+    with pytest.raises(dlock.ConfigurationError, match="ssl_verify_identity must be true or"):
+        dlock.connect("mysql://dlock@127.0.0.1:1/dlock?ssl=true&ssl_verify_identity=sure")
+
+
+@pytest.mark.parametrize("value", ["true", "required"])
+def test_mysql_ssl_on_builds_a_context(value: str) -> None:
+    with dlock.connect(f"mysql://dlock@127.0.0.1:1/dlock?ssl={value}") as client:
+        assert client._backend._ssl is not None  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ import pymysql.cursors
 from pymysql.constants import CLIENT, SERVER_STATUS
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._options import flag
 from ..._sql import (
     MYSQL,
     ServerSettings,
@@ -69,13 +70,28 @@ def _table_full(exc: BackendError) -> bool:
     return isinstance(cause, pymysql.MySQLError) and cause.args[:1] == (TABLE_FULL,)
 
 
+def _tls_flag(extra: dict[str, str], option: str, default: str) -> bool:
+    """A TLS switch: a spelling not known is refused, never read as off (libpq's
+    ``ssl=require`` meant no TLS at all). ``required`` is MySQL's own word for on."""
+    value = extra.get(option, default)
+    if value.lower() == "required":
+        return True
+    try:
+        return flag(value, option)
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            f"{exc} (yes, on, 1 and required mean true; PostgreSQL's sslmode=require is "
+            "ssl=true here)"
+        ) from None
+
+
 def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     """One context per backend, built once (not per connection), or None for no TLS."""
-    wanted = extra.get("ssl", "").lower() in ("1", "true", "yes", "on", "required")
+    wanted = _tls_flag(extra, "ssl", "false")
     if not (wanted or any(key in extra for key in ("ssl_ca", "ssl_cert", "ssl_key"))):
         return None
     context = ssl.create_default_context(cafile=extra.get("ssl_ca"))
-    context.check_hostname = extra.get("ssl_verify_identity", "true").lower() in ("1", "true")
+    context.check_hostname = _tls_flag(extra, "ssl_verify_identity", "true")
     if "ssl_cert" in extra:
         key, password = extra.get("ssl_key"), extra.get("ssl_key_password")
         check_client_key(key, password, "ssl_key_password")
