@@ -510,6 +510,35 @@ def test_releases_into_silence_wait_for_one_timeout_not_one_each(
         partition.close()
 
 
+def test_a_release_after_a_stall_has_passed_is_sent(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """One request that went unanswered (a server paused briefly) must not fail every
+    later release at once: a holder that only releases sends nothing else that could
+    show the server answers again. An operation timeout after it, a release is sent."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"stall-passed-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=6&operation_timeout=1"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+            lock = far.lock(name, ttl=30, auto_renew=False)
+            assert lock.acquire(timeout=0)
+            partition.cut.set()
+            for _ in range(20):
+                try:
+                    far.inspect(name)
+                except dlock.BackendUnavailable:
+                    break
+            else:
+                pytest.fail("the relay was never cut")
+            partition.cut.clear()
+            assert far._backend._stalled_since is not None  # type: ignore[attr-defined]
+            time.sleep(1.2)  # the rule under test is timed: one operation timeout
+            lock.release()  # sent, and answered
+            assert near.inspect(name) is None
+    finally:
+        partition.cut.clear()
+        partition.close()
+
+
 def test_only_answered_requests_end_a_stall(zookeeper_server: ZooKeeperEnsemble) -> None:
     """An operation that sent nothing proves nothing about the session."""
     name = f"unanswered-{time.monotonic_ns()}"

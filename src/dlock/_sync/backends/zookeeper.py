@@ -367,6 +367,9 @@ class ZooKeeperBackend(Backend):
         self._answered_at = 0.0
         #: Set when a request went unanswered while kazoo still thought it connected.
         self._stalled_since: float | None = None
+        #: When a request last went unanswered: a release sent within an operation
+        #: timeout of it would most likely sit out the timeout too.
+        self._timed_out_at = -math.inf
         self._connected = threading.Event()
         self._session_id = 0
         self._reaper: Any = None
@@ -586,6 +589,7 @@ class ZooKeeperBackend(Backend):
         expire the session a session timeout after it last heard from us, which was
         no earlier than the last answered request: give the locks up before that.
         """
+        self._timed_out_at = time.monotonic()
         if self._stalled_since is not None:
             return
         self._stalled_since = self._heard_at
@@ -1045,14 +1049,19 @@ class ZooKeeperBackend(Backend):
                         self._call(zk.delete_async(found[0]))
                 return None
             if node.held and not node.gone and node.session == self._session_id:
-                # The connection is down or does not answer (a request already timed
-                # out): a delete would sit out the operation timeout, once per lock when
-                # a client closes. The reaper deletes the node once the server answers
-                # again; if it never does, the node goes with the session.
+                # The connection is down or does not answer (a request timed out in
+                # the last operation timeout): a delete would sit out the timeout too,
+                # once per lock when a client closes. The reaper deletes the node once
+                # the server answers again; if it never does, the node goes with the
+                # session. After that, a release tries again: nothing else may be sent
+                # that would show the server answers again.
                 if not self._session_alive(node):
                     self._give_up(key, node)  # its lease was declared lost already
                     return None
-                if self._stalled_since is not None:
+                if (
+                    self._stalled_since is not None
+                    and time.monotonic() < self._timed_out_at + self._op_timeout
+                ):
                     self._give_up(key, node)
                     raise BackendUnavailable(
                         f"lock {name!r}: ZooKeeper does not answer; its node is deleted"
