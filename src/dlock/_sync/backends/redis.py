@@ -87,6 +87,8 @@ IDLE_SUBSCRIBERS = 8
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 #: What redis-py raises; its cluster errors do not all derive from RedisError.
 ERRORS = (RedisError, RedisClusterException)
+#: What a closed backend still sends: giving back, never taking.
+GIVE_BACKS = (scripts.RELEASE, scripts.DEQUEUE)
 
 
 #: States that a retry may well find over: a cluster that is down (CLUSTERDOWN,
@@ -513,22 +515,21 @@ class RedisBackend(Backend):
 
     def _create_client(self) -> Any:
         if self._client is None:
-            assert self._url is not None
-            try:
-                if self._cluster:
-                    self._client = redis_client.RedisCluster.from_url(
-                        self._url, **self._connection_options()
-                    )
-                else:
-                    self._client = redis_client.Redis.from_url(
-                        self._url, **self._connection_options()
-                    )
-                    self._connections = _own_connections(self._client)
-            except ERRORS as exc:
-                raise wrap(exc, self._where) from exc
-            except (ValueError, TypeError) as exc:
-                raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
+            self._client = self._open_client()
+            if not self._cluster:
+                self._connections = _own_connections(self._client)
         return self._client
+
+    def _open_client(self) -> Any:
+        assert self._url is not None
+        try:
+            if self._cluster:
+                return redis_client.RedisCluster.from_url(self._url, **self._connection_options())
+            return redis_client.Redis.from_url(self._url, **self._connection_options())
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
 
     def _keys(self, name: str) -> Keys:
         return _keys(self._prefix, name)
@@ -536,6 +537,8 @@ class RedisBackend(Backend):
     def _call(self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
         """EVALSHA, falling back to EVAL when the server forgot the script (restart,
         failover, SCRIPT FLUSH); EVAL caches it again for the next call."""
+        if self._closed and script in GIVE_BACKS:
+            return self._give_back_when_closed(script, keys, args)
         client = self._get_client()
         try:
             try:
@@ -544,6 +547,23 @@ class RedisBackend(Backend):
                 return self._run(client, "EVAL", script.source, len(keys), *keys, *args)
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
+
+    def _give_back_when_closed(
+        self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
+    ) -> Any:
+        """A release or a queue's leave after close(): a wait that the close cut off
+        leaves its place, and gives back a lease a release handed to it meanwhile,
+        or the name stays taken for the lease's TTL. Sent on a connection of its own,
+        closed at once, as nothing would close it later (a caller's client stays theirs)."""
+        client = self._open_client() if self._owns_client else self._client
+        try:
+            return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+        finally:
+            if self._owns_client:
+                with suppress(*ERRORS, OSError):
+                    client.close()
 
     def _run(self, client: Any, *command: Any) -> Any:
         """One command, on a connection of our own where we keep them (see _Connections)."""
