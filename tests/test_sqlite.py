@@ -111,6 +111,37 @@ def test_rows_of_an_earlier_boot_have_been_idle_since_boot(tmp_path: Path) -> No
         assert _token(client, "old") > before
 
 
+def test_a_file_that_cannot_be_a_lock_table_is_refused_not_unavailable(tmp_path: Path) -> None:
+    """Opening a file that is not a database, or a directory, fails the same way every
+    time: a refusal (``BackendError``), not "down, worth retrying". A file another
+    program keeps locked is the one open failure that is ``BackendUnavailable``."""
+    not_a_database = tmp_path / "text.db"
+    not_a_database.write_bytes(b"this is not a database, just text" * 100)
+    directory = tmp_path / "dir.db"
+    directory.mkdir()
+    for path in (not_a_database, directory):
+        with dlock.connect(f"sqlite://{path}") as client:
+            with pytest.raises(dlock.BackendError) as refused:
+                client.lock("x", ttl=5).acquire(timeout=0)
+            assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value
+
+    locked = tmp_path / "locked.db"
+    with dlock.connect(f"sqlite://{locked}") as client:
+        client.inspect("x")  # creates the file and its table
+    other = sqlite3.connect(locked, isolation_level=None)
+    other.execute("PRAGMA locking_mode=EXCLUSIVE")
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        with (
+            dlock.connect(f"sqlite://{locked}", busy_timeout=0.2) as client,
+            pytest.raises(dlock.BackendUnavailable, match="locked"),
+        ):
+            client.lock("x", ttl=5).acquire(timeout=0)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
 def test_a_file_write_locked_past_the_busy_timeout_is_unavailable(tmp_path: Path) -> None:
     """Another connection that keeps the file write-locked longer than ``busy_timeout``
     is a backend not answering in time (``BackendUnavailable``, worth retrying), not a

@@ -126,6 +126,10 @@ class AsyncSQLiteBackend(AsyncBackend):
         await run_blocking(self._run, "SELECT 1", {})
 
     def _connect(self) -> sqlite3.Connection:
+        """Open the file. Only a file kept locked past ``busy_timeout`` is worth retrying
+        (``BackendUnavailable``, as in a statement); a file that is not a database, a
+        directory, or one this process may not open or create is refused."""
+        conn: sqlite3.Connection | None = None
         try:
             Path(self._path).parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(
@@ -138,7 +142,12 @@ class AsyncSQLiteBackend(AsyncBackend):
             conn.execute(f"PRAGMA synchronous={self._synchronous}")
             conn.execute(self._sql["schema"])
         except (OSError, sqlite3.Error) as exc:
-            raise BackendUnavailable(f"cannot open SQLite database {self._path!r}: {exc}") from exc
+            if conn is not None:
+                conn.close()
+            message = f"cannot open SQLite database {self._path!r}: {exc}"
+            if isinstance(exc, sqlite3.Error) and _busy(exc):
+                raise BackendUnavailable(message) from exc
+            raise BackendError(message) from exc
         return conn
 
     def _use_wal(self, conn: sqlite3.Connection) -> None:
