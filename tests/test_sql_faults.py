@@ -1926,6 +1926,30 @@ def test_a_release_on_a_hung_server_is_unavailable_not_lost(
                 assert other.lock(name, ttl=30).acquire(timeout=5), "the lock stayed held"
 
 
+def test_a_release_after_a_force_release_is_lost_every_time(server: SQLServer, name: str) -> None:
+    """PostgreSQL ends a force-released holder's session after pg_terminate_backend has
+    returned: an unlock sent meanwhile is answered "terminating connection due to
+    administrator command" (57P01), the server's word that the session, and its lock,
+    are gone. That is a loss (``LockLost``, ``on_lost``), not ``BackendUnavailable``,
+    which only a release that gets no answer raises. Many rounds, as it is a race."""
+    url = server.url("mode=session")
+    with dlock.connect(url) as client, dlock.connect(url) as operator:
+        for turn in range(30):
+            lost: list[object] = []
+            lock = client.lock(f"{name}-{turn}", ttl=30, on_lost=lost.append)
+            assert lock.acquire(timeout=0)
+            assert operator.force_release(lock.name)
+            try:
+                lock.release()
+            except dlock.LockLost:
+                pass
+            except dlock.LockError as exc:
+                pytest.fail(f"turn {turn}: {exc!r}, not LockLost")
+            else:
+                pytest.fail(f"turn {turn}: released a force-released lock")
+            assert lost and lock.lost, f"turn {turn}: on_lost not called"
+
+
 @pytest.mark.parametrize("mode", ["lease", "session"])
 def test_holder_is_told_its_lease_ran_out_while_the_server_hangs(
     server: SQLServer, name: str, mode: str

@@ -190,6 +190,11 @@ class AsyncServerSQLBackend(AsyncBackend):
         closed it (restart, killed session) or sent something unasked for."""
 
     @abstractmethod
+    def _driver_session_ended(self, exc: BaseException) -> bool:
+        """True when a statement's failure says the server ended the session (killed,
+        shut down, its connection closed), not that no answer came in time."""
+
+    @abstractmethod
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         """The dlock error for a driver exception, or None if it is not the driver's."""
 
@@ -720,18 +725,28 @@ class AsyncServerSQLBackend(AsyncBackend):
             return None
         try:
             result = await self._run(held.conn, self._sql["session_unlock"], {"key": held.key})
-        except BaseException:
+        except BaseException as exc:
             # Failed, cancelled or interrupted, the unlock sent or not: no longer in
             # ``_held``, the connection must not be left open, and closing it frees the
             # lock. No answer (a hung server) says nothing of whether the lock was still
-            # ours: the error is raised, not reported as a loss.
+            # ours: the error is raised, not reported as a loss. The server ending the
+            # session as the unlock came (PostgreSQL's pg_terminate_backend takes effect
+            # after it returns) is, as when it is found ended before.
             await self._drop(held.conn)
+            if isinstance(exc, BackendError) and self._session_ended(exc):
+                return None
             raise
         if result.rows and result.rows[0][0]:
             await self._give(held.conn)
             return 0
         await self._drop(held.conn)
         return None
+
+    def _session_ended(self, exc: BackendError) -> bool:
+        """Whether a failed statement's error is the server's word that the session
+        ended: never a timeout, which only says that no answer came."""
+        cause = exc.__cause__
+        return cause is not None and not _timed_out(cause) and self._driver_session_ended(cause)
 
     async def _session_extend(self, name: str, token: str, ttl: float) -> bool:
         result = await self._call("session_extend", self._params(name, token, ttl=ttl))
@@ -1108,6 +1123,19 @@ class AsyncServerSQLBackend(AsyncBackend):
         key = "session_list" if self._session_mode else "list"
         result = await self._call(key, {"prefix": encode_name(prefix)})
         return [lock_info(*row) for row in result.rows]
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A timeout anywhere in the chain of causes: a driver's read timeout (PyMySQL's
+    "Lost connection ... (timed out)") is no answer, however it is worded."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, TimeoutError):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 class _SessionWaiter(AsyncWaiter):

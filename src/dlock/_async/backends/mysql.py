@@ -53,6 +53,11 @@ CLIENT_ERRORS = range(2000, 3000)
 #: connections, shutting down, killed (MariaDB), closed as idle (MySQL 8.0.24+; on
 #: MariaDB 4031 is a trigger-order error, which dlock's statements cannot raise).
 CONNECTION_ENDED = {1040, 1053, 1927, 4031}
+#: Errors of a session the server ended: shutting down, killed (MariaDB), closed as
+#: idle (MySQL 8), and the client library's CR_SERVER_GONE_ERROR and CR_SERVER_LOST
+#: for a connection closed under a statement (a KILL, a restart), which are also how
+#: PyMySQL words a read that timed out (told apart by its cause, ``_timed_out``).
+SESSION_ENDED = {1053, 1927, 4031, 2006, 2013}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
@@ -276,6 +281,10 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             return reader is None or bool(reader._eof or reader._buffer)
         sock = getattr(raw, "_sock", None)
         return sock is None or self._readable(sock.fileno())
+
+    def _driver_session_ended(self, exc: BaseException) -> bool:
+        code = exc.args[0] if isinstance(exc, pymysql.MySQLError) and exc.args else None
+        return code in SESSION_ENDED
 
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if not isinstance(exc, pymysql.MySQLError):

@@ -131,6 +131,13 @@ REFUSALS = (
 )
 
 
+#: SQLSTATEs of a server that ends the session: admin_shutdown (pg_terminate_backend, a
+#: fast shutdown), crash_shutdown, cannot_connect_now.
+SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+#: libpq's words for a connection the server closed (end of file, or reset).
+CLOSED_BY_SERVER = "server closed the connection unexpectedly"
+
+
 def _sslmode_default(extra: dict[str, str]) -> dict[str, str]:
     """Without ``sslmode`` libpq means "prefer": no check of the server's certificate,
     and plain text from a server that offers no TLS. Whoever names a CA or a client
@@ -292,6 +299,14 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
 
     def _driver_idle_dead(self, raw: Any) -> bool:
         return bool(raw.closed) or self._readable(raw.fileno())
+
+    def _driver_session_ended(self, exc: BaseException) -> bool:
+        # The server's FATAL before it closes (terminated, shutting down, starting up
+        # again after a crash); or the close without one, which libpq tells from a
+        # server that does not answer (a timeout).
+        if isinstance(exc, psycopg.Error) and exc.sqlstate in SESSION_ENDED:
+            return True
+        return isinstance(exc, psycopg.OperationalError) and CLOSED_BY_SERVER in str(exc)
 
     def _driver_error(self, exc: BaseException) -> BackendError | None:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
