@@ -617,6 +617,9 @@ def postgresql_statements(table: str) -> dict[str, str]:
                        THEN pg_terminate_backend(session::int) ELSE false END""",
         "session_inspect": f"""SELECT {columns} FROM {table}
             WHERE name = %(name)s AND {d.live()} AND {held}""",
+        # Whether the lock is still the owner's (a release that cannot run the unlock).
+        "session_owned": f"""SELECT 1 FROM {table}
+            WHERE name = %(name)s AND owner = %(owner)s AND {held}""",
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {d.live()} AND {held} ORDER BY name""",
         # A batch at a time (see ``prune``); the condition is checked again on the row
@@ -807,6 +810,8 @@ def mysql_statements(table: str) -> dict[str, str]:
         "session_list": f"""SELECT {columns} FROM {table}
             WHERE {d.prefix_match} AND {live} AND {held} ORDER BY name""",
         "session_holder": f"SELECT session FROM {table} WHERE name = %(name)s AND {held}",
+        "session_owned": f"""SELECT 1 FROM {table}
+            WHERE name = %(name)s AND owner = %(owner)s AND {held}""",
         # The MEMORY table is full: rows of names nobody holds go. Their counters are
         # below the clock, which keeps their next tokens increasing without them.
         "session_make_room": f"""

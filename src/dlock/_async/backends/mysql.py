@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 import ssl
 import time
 from collections.abc import Sequence
@@ -273,6 +274,31 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             # goodbye; a loop that ended first (asyncio.run) would leave it open.
             with contextlib.suppress(Exception):
                 await call_with_timeout(writer.wait_closed(), min(1.0, self._settings.timeout))
+
+    def _driver_abandon(self, raw: Any) -> None:
+        if not IS_ASYNC:
+            raw.close()
+            return
+        # aiomysql's close hands the socket to the transport's event loop, which has
+        # ended: the transport is only marked closing (the loop refuses the rest), and
+        # its socket is shut down and closed here. The connection forgets its streams,
+        # so that its finalizer does not close them again. Over TLS the socket is shut
+        # down, and its file left to the garbage collector.
+        writer = getattr(raw, "_writer", None)
+        raw._writer = raw._reader = None
+        if writer is None:
+            return
+        transport = writer.transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(RuntimeError):
+            transport.close()
+        own = getattr(transport, "_sock", None)
+        if own is not None:
+            transport._sock = None
+            own.close()
 
     def _driver_idle_dead(self, raw: Any) -> bool:
         if IS_ASYNC:

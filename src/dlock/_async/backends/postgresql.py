@@ -297,6 +297,10 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
     async def _driver_close(self, raw: Any) -> None:
         await raw.close()
 
+    def _driver_abandon(self, raw: Any) -> None:
+        # libpq closes the connection itself, without the event loop.
+        raw.pgconn.finish()
+
     def _driver_idle_dead(self, raw: Any) -> bool:
         return bool(raw.closed) or self._readable(raw.fileno())
 

@@ -31,7 +31,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import SHORTEST_PRUNE_AGE
-from .._primitives import call_with_timeout, sleep
+from .._primitives import call_with_timeout, current_task, sleep
 from ..backend import Backend, Waiter
 
 #: Idle connections kept per backend, for statements and (apart) for lease waits; more
@@ -76,6 +76,9 @@ class Conn:
     prepared: set[str] = field(default_factory=set)
     #: Borrowed from the application's pool (``client=``), else ours to close.
     loan: Loan | None = None
+    #: The event loop it was made in (sync face; None in the sync face): it can be
+    #: neither used nor closed in another.
+    loop: Any = None
 
 
 @dataclass
@@ -139,6 +142,8 @@ class ServerSQLBackend(Backend):
         #: Leases taken in front of the turnstile, by owner token: the turnstile stays
         #: held on their connection until they end.
         self._gates: dict[str, Gate] = {}
+        #: The event loop that made the connections kept above (``_follow_loop``).
+        self._loop: Any = None
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -182,6 +187,11 @@ class ServerSQLBackend(Backend):
 
     @abstractmethod
     def _driver_close(self, raw: Any) -> None: ...
+
+    @abstractmethod
+    def _driver_abandon(self, raw: Any) -> None:
+        """Close a connection made in an event loop that has ended, without that loop;
+        where the driver cannot, leave it to the garbage collector."""
 
     @abstractmethod
     def _driver_idle_dead(self, raw: Any) -> bool:
@@ -230,6 +240,7 @@ class ServerSQLBackend(Backend):
 
     def init(self) -> None:
         """Create the lock table now, whatever ``create_table`` says."""
+        self._follow_loop()
         self._schema_ready = False
         conn = self._take()
         # A new connection has just run the DDL; a pooled one may predate the table.
@@ -250,7 +261,7 @@ class ServerSQLBackend(Backend):
             raise
         except Exception as exc:
             raise self._wrap(exc, "cannot connect") from exc
-        conn = Conn(raw, loan=loan)
+        conn = Conn(raw, loan=loan, loop=_running_loop())
         try:
             if loan is None:
                 self._driver_setup(conn)
@@ -439,6 +450,33 @@ class ServerSQLBackend(Backend):
         was lost would be told "busy" for as long as this client lives."""
         self._known.clear()
 
+    def _follow_loop(self) -> None:
+        """Drop what an event loop that has ended made (a client used by two
+        ``asyncio.run`` calls): its connections can be neither used nor closed (which
+        awaits) in another loop. Pooled ones, those kept for waiting and those keeping a
+        turnstile (a lease lives on in its row) are abandoned, and new ones are made in
+        this loop. A session lock's connection stays, or the lock would go with it,
+        until its release (``_session_release``). The sync face has no loop."""
+        loop = _running_loop()
+        if loop is self._loop:
+            return
+        stale = [*self._idle, *self._queueing, *(gate.conn for gate in self._gates.values())]
+        stale += [parked.conn for parked in self._parked.values()]
+        self._idle, self._queueing = [], []
+        self._gates.clear()
+        self._parked.clear()
+        self._loop = loop
+        for conn in stale:
+            self._abandon(conn)
+
+    def _abandon(self, conn: Conn) -> None:
+        """Let go of a connection of an event loop that has ended, without awaiting it.
+        Its socket is closed here where the driver allows, so that the server ends its
+        session (and what it holds) now, not when the garbage collector gets to it. One
+        borrowed with ``client=`` cannot go back to a pool of that loop either."""
+        with contextlib.suppress(Exception):
+            self._driver_abandon(conn.raw)
+
     def _give(self, conn: Conn) -> None:
         """Back to the pool; beyond its size (after a burst) closed at once."""
         conn.uses += 1
@@ -461,6 +499,9 @@ class ServerSQLBackend(Backend):
         # A broken connection may fail to close; it is gone either way. A borrowed one
         # goes back to its pool closed: it may hold a lock, a LISTEN, a statement cut
         # off in flight.
+        if conn.loop is not _running_loop():
+            self._abandon(conn)
+            return
         with contextlib.suppress(Exception):
             self._give_back(conn.raw, conn.loan, keep=False)
 
@@ -516,6 +557,7 @@ class ServerSQLBackend(Backend):
         return result
 
     def close(self) -> None:
+        self._follow_loop()
         self._closed = True
         conns = [*self._idle, *self._queueing, *(gate.conn for gate in self._gates.values())]
         conns += [held.conn for held in (*self._held.values(), *self._parked.values())]
@@ -547,6 +589,7 @@ class ServerSQLBackend(Backend):
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        self._follow_loop()
         self._pin_table_first()
         if self._session_mode:
             return self._session_acquire(name, token, ttl, holder, reentrant)
@@ -558,6 +601,7 @@ class ServerSQLBackend(Backend):
     ) -> Acquired | Busy: ...
 
     def release(self, name: str, token: str) -> int | None:
+        self._follow_loop()
         if self._session_mode:
             return self._session_release(name, token)
         return self._lease_release(name, token)
@@ -567,6 +611,7 @@ class ServerSQLBackend(Backend):
         """Release a lease not taken through the turnstile, on a pooled connection."""
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
+        self._follow_loop()
         if self._session_mode:
             return self._session_extend(name, token, ttl)
         result = self._call("extend", self._params(name, token, ttl=ttl))
@@ -576,6 +621,7 @@ class ServerSQLBackend(Backend):
         return False
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        self._follow_loop()
         if len(leases) == 1:
             return [self.extend(leases[0].name, leases[0].token, leases[0].ttl)]
         return self._renewed(leases, self._extend_batch(leases))
@@ -590,11 +636,13 @@ class ServerSQLBackend(Backend):
         again after its row went starts at the server's clock in microseconds, above
         every token of the old row (all older than ``older_than``), unless the server's
         clock went back by more than that."""
+        self._follow_loop()
         key = "session_prune" if self._session_mode else "prune"
         params = {"age": older_than, "age_us": int(older_than * 1_000_000), "batch": limit}
         return (self._call(key, params)).rowcount
 
     def inspect(self, name: str) -> LockInfo | None:
+        self._follow_loop()
         key = "session_inspect" if self._session_mode else "inspect"
         result = self._call(key, {"name": encode_name(name)})
         return lock_info(*result.rows[0]) if result.rows else None
@@ -715,6 +763,8 @@ class ServerSQLBackend(Backend):
             return self._session_count(token, held, -1)
         if self._held.pop(token, None) is None:
             return None  # the renewer gave it up meanwhile
+        if held.conn.loop is not _running_loop():
+            return self._release_abandoned(held, token)
         if self._driver_idle_dead(held.conn.raw):
             # The server ended the session (killed, force-released, restarted), and its
             # lock with it: by now it is not ours.
@@ -738,6 +788,28 @@ class ServerSQLBackend(Backend):
             return 0
         self._drop(held.conn)
         return None
+
+    def _release_abandoned(self, held: Held, token: str) -> int | None:
+        """Release a session lock taken in an event loop that has ended, whose
+        connection cannot run the unlock here: closing its session frees the lock. Asked
+        first, on another connection, whether it was still ours; then it waits, as an
+        unlock would, until the server has let go of it."""
+        params = self._params(held.name, token)
+        try:
+            owned = bool((self._call("session_owned", params)).rows)
+        finally:
+            self._abandon(held.conn)
+        if not owned:
+            return None
+        deadline = time.monotonic() + self._settings.timeout
+        while (self._call("session_owned", params)).rows:
+            if time.monotonic() >= deadline:
+                raise BackendUnavailable(
+                    f"{self._settings.address}: the session of an earlier event loop still "
+                    "holds the lock after its connection was closed"
+                )
+            sleep(0.005)
+        return 0
 
     def _session_ended(self, exc: BackendError) -> bool:
         """Whether a failed statement's error is the server's word that the session
@@ -865,6 +937,7 @@ class ServerSQLBackend(Backend):
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[Waiter]:
+        self._follow_loop()
         if not self._session_mode:
             with self._lease_waiter(name, token) as lease_waiter:
                 yield lease_waiter
@@ -878,6 +951,7 @@ class ServerSQLBackend(Backend):
             self._unpark(token)
 
     def force_release(self, name: str) -> bool:
+        self._follow_loop()
         self._pin_table_first()
         if not self._session_mode:
             return self._lease_force_release(name)
@@ -1113,9 +1187,16 @@ class ServerSQLBackend(Backend):
 
     # Last: below this point ``list`` names the method, not the builtin.
     def list(self, prefix: str) -> list[LockInfo]:
+        self._follow_loop()
         key = "session_list" if self._session_mode else "list"
         result = self._call(key, {"prefix": encode_name(prefix)})
         return [lock_info(*row) for row in result.rows]
+
+
+def _running_loop() -> Any:
+    """The running event loop (sync face), or None (sync face)."""
+    task = current_task()
+    return None if task is None else task.get_loop()
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -296,6 +296,10 @@ class PostgreSQLBackend(ServerSQLBackend):
     def _driver_close(self, raw: Any) -> None:
         raw.close()
 
+    def _driver_abandon(self, raw: Any) -> None:
+        # libpq closes the connection itself, without the event loop.
+        raw.pgconn.finish()
+
     def _driver_idle_dead(self, raw: Any) -> bool:
         return bool(raw.closed) or self._readable(raw.fileno())
 
