@@ -344,3 +344,28 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     for code in ("256", "-1", "x"):
         bad_code = dlock_cmd(db, "run", "-n", "-E", code, "x", "--", "true")
         assert bad_code.returncode == 2 and "--conflict-exit-code" in bad_code.stderr, code
+
+
+@pytest.mark.parametrize("args", [["list"], ["list", "--json"], ["status", "--json"]])
+def test_a_reader_that_goes_away_ends_the_output_quietly(
+    db: str, name: str, args: list[str]
+) -> None:
+    """``dlock list | head``: once the reader has gone, dlock stops without a traceback,
+    with the status of a command killed by SIGPIPE (141, as a shell shows it)."""
+    if args[0] == "status":
+        args = [*args, name]
+    with (
+        dlock.connect(db) as client,
+        client.lock(name, ttl=30),
+        subprocess.Popen(
+            [DLOCK, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "DLOCK_URL": db},
+        ) as process,
+    ):
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # before dlock writes: it has yet to start Python
+        errors = process.stderr.read().decode()
+        assert process.wait(30) == 141, errors
+        assert errors == ""

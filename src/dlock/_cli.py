@@ -42,7 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with connect(args.url, label=getattr(args, "label", None)) as client:
             status: int = args.handler(client, args)
+            sys.stdout.flush()  # a reader that went away shows here, not at exit
             return status
+    except BrokenPipeError:
+        # ``dlock list | head``: end quietly, as a command killed by SIGPIPE would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except BackendError as exc:
         print(f"dlock: backend error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
