@@ -292,6 +292,31 @@ def test_a_forked_child_renews_its_own_locks(tmp_path: Path) -> None:
         assert os.waitstatus_to_exitcode(status) == 0, "2: not renewed, 3: wrong pid"
 
 
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_forked_child_closing_the_client_leaves_the_parents_locks(tmp_path: Path) -> None:
+    """close() gives back the locks its client holds; in a forked child, the copies of
+    its parent's are not the child's to give back: they share the parent's owner token,
+    and the parent still holds them."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        renewed = client.lock("renewed", ttl=30)
+        unrenewed = client.lock("unrenewed", ttl=30, auto_renew=False)
+        assert renewed.acquire(timeout=0) and unrenewed.acquire(timeout=0)
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                client.close()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        for lock in (renewed, unrenewed):
+            info = client.inspect(lock.name)
+            assert info is not None and info.fencing_token == lock.fencing_token, lock
+            lock.release()
+
+
 def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:
     """A client made once (at module level, say) and used by two asyncio.run calls: the
     first loop's renewer task ended with that loop, so the second needs its own."""

@@ -272,6 +272,7 @@ class AsyncLock:
             self._generation += 1
             self._lost = False
             self._lost_reason = ""
+            self._client._hold(self)
         self._fencing_token = result.fencing_token
         self._count = result.count
         self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
@@ -307,6 +308,7 @@ class AsyncLock:
         self._count = remaining
         if remaining == 0:
             self._client._renewer.discard(self)
+            self._client._let_go(self)
 
     async def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
@@ -360,6 +362,7 @@ class AsyncLock:
     def _forget(self) -> None:
         self._count = 0
         self._client._renewer.discard(self)
+        self._client._let_go(self)
 
     def _abandon(self) -> None:
         """A release that did not complete (failed, cancelled, interrupted) still ends

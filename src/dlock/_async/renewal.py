@@ -86,9 +86,6 @@ class AsyncRenewer:
         self._urgent = True
         self._wakeup.set()
 
-    def held(self) -> list[AsyncLock]:
-        return list(self._locks)
-
     async def aclose(self) -> None:
         self._closed = True
         self._wakeup.set()

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from types import TracebackType
@@ -77,6 +79,13 @@ class Client:
         backend.watch_leases(self._renewer.renew_now)
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
+        #: Every lock of this client holding a lease, renewed or not: close() gives them
+        #: back. Weakly: an unrenewed lock dropped while held ends by its TTL, and the
+        #: client must not keep it alive until it closes. After a fork, those held so
+        #: far are the parent's (``_held_pid``): a child's close must not free them.
+        self._held: weakref.WeakSet[Lock] = weakref.WeakSet()
+        self._held_pid = os.getpid()
+        self._held_guard = threading.Lock()
 
     @property
     def _holder(self) -> Holder:
@@ -154,6 +163,26 @@ class Client:
             if deleted < batch:
                 return removed
 
+    def _hold(self, lock: Lock) -> None:
+        if self._held_pid != os.getpid():
+            # A forked child: the locks held so far are its parent's to give back, and
+            # the guard may have been taken by a thread that stayed in the parent.
+            self._held, self._held_guard = weakref.WeakSet(), threading.Lock()
+            self._held_pid = os.getpid()
+        with self._held_guard:
+            self._held.add(lock)
+
+    def _let_go(self, lock: Lock) -> None:
+        if self._held_pid == os.getpid():
+            with self._held_guard:
+                self._held.discard(lock)
+
+    def _still_held(self) -> tuple[Lock, ...]:
+        if self._held_pid != os.getpid():
+            return ()
+        with self._held_guard:
+            return tuple(self._held)
+
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's
         run in daemon threads, which the end of the process would cut short). Those of
@@ -166,12 +195,13 @@ class Client:
         self._closed = True
         for give_back in self._give_backs:
             wait_done(give_back)
-        held = self._renewer.held()
         self._renewer.close()
-        for lock in held:
-            # A reentrant lock is freed by its last release.
-            lock._release_quietly(lock._count)
+        for lock in self._still_held():
+            # A reentrant lock is freed by its last release. A lock declared lost is
+            # given back too: the backend may still keep state for it (SQL sessions).
+            entries = lock._count
             lock._forget()
+            lock._release_quietly(entries)
         self._backend.close()
 
     def __enter__(self) -> Client:

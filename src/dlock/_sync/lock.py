@@ -273,6 +273,7 @@ class Lock:
             self._generation += 1
             self._lost = False
             self._lost_reason = ""
+            self._client._hold(self)
         self._fencing_token = result.fencing_token
         self._count = result.count
         self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
@@ -308,6 +309,7 @@ class Lock:
         self._count = remaining
         if remaining == 0:
             self._client._renewer.discard(self)
+            self._client._let_go(self)
 
     def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
@@ -361,6 +363,7 @@ class Lock:
     def _forget(self) -> None:
         self._count = 0
         self._client._renewer.discard(self)
+        self._client._let_go(self)
 
     def _abandon(self) -> None:
         """A release that did not complete (failed, cancelled, interrupted) still ends

@@ -87,9 +87,6 @@ class Renewer:
         self._urgent = True
         self._wakeup.set()
 
-    def held(self) -> list[Lock]:
-        return list(self._locks)
-
     def close(self) -> None:
         self._closed = True
         self._wakeup.set()

@@ -599,6 +599,23 @@ def test_closing_the_client_gives_back_its_locks(url: str, name: str) -> None:
         assert second.inspect(name) is None
 
 
+def test_closing_the_client_gives_back_locks_it_does_not_renew(url: str, name: str) -> None:
+    """close() gives back every lock still held, not only those its renewer renews:
+    an auto_renew=False lease would otherwise stay on the server for its whole TTL."""
+    client = dlock.connect(url)
+    once = client.lock(name, ttl=30, auto_renew=False)
+    twice = client.lock(f"{name}/reentered", ttl=30, auto_renew=False, reentrant=True)
+    try:
+        assert once.acquire(timeout=0)
+        assert twice.acquire(timeout=0) and twice.acquire(timeout=0)
+    finally:
+        client.close()
+    assert not once.owned() and not twice.owned()
+    with dlock.connect(url) as other:
+        assert other.inspect(name) is None
+        assert other.inspect(f"{name}/reentered") is None
+
+
 def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
     """Nothing renews a lease taken after close(): refuse rather than hand out a lock
     that runs out under its holder."""
