@@ -436,6 +436,47 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: P
     asyncio.run(main())
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_cancellation_pending_when_acquire_starts_still_stops_it(tmp_path: Path) -> None:
+    """A task that asked for its own cancellation (directly, or through code it ran,
+    as dlock's cancel_on_lost does) starts acquire with it pending. redis-py checks an
+    idle connection under ``asyncio.timeout(0)``, which turns a pending cancellation
+    into its own TimeoutError and drops it, the count unchanged: acquire must not go on
+    to take the lock for a cancelled task."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend = client._backend
+            real_acquire = backend.acquire
+
+            async def checked_as_redis_py_does(*args: Any) -> Any:
+                try:
+                    async with asyncio.timeout(0):
+                        await asyncio.sleep(1)
+                except TimeoutError:
+                    pass
+                return await real_acquire(*args)
+
+            backend.acquire = checked_as_redis_py_does  # type: ignore[method-assign,unused-ignore]
+            lock = client.lock("job", ttl=30)
+
+            async def cancelled_before_acquire() -> bool:
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()
+                return await lock.acquire(timeout=0)
+
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.create_task(cancelled_before_acquire())
+            assert not lock.owned()
+            assert await other.lock("job", ttl=30).acquire(timeout=0), "not taken"
+
+    asyncio.run(main())
+
+
 def test_loss_is_told_at_the_deadline_while_a_renewal_is_stuck(tmp_path: Path) -> None:
     """A sync renewal blocked on a write-locked file waits up to busy_timeout (10 s);
     on_lost must come at the lease's deadline all the same, as on the asyncio face."""

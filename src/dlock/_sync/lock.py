@@ -29,6 +29,7 @@ from ._primitives import (
     cancel_task,
     current_task,
     lost_cancel,
+    sleep,
     spawn,
     uncancel,
     wait_done,
@@ -126,8 +127,22 @@ class Lock:
         """
         wait = check_timeout(timeout)
         self._check_open()
+        if cancel_requests():
+            # Perhaps one is pending (requested while this task was ready to run): let
+            # it stop us here. Sent on, a client library may turn it into a timeout of
+            # its own and drop it (redis-py checks an idle connection under a zero
+            # timeout), and the count taken below would already include it.
+            sleep(0)
+        # Before anything else awaits: a cancellation from here on is caught even if
+        # a client library loses it, our own for a loss declared just below too.
+        cancels = cancel_requests()
         if self._count and self.lost:
-            self._give_up_lost()
+            # A re-entry of a hold that ran out is told as a loss, as one that the
+            # backend answers with busy or a fresh grant is. A lock that is not
+            # reentrant is acquired afresh: the hold it had is gone.
+            lost = self._give_up_lost(told=self.reentrant)
+            if self.reentrant:
+                raise lost
         if self._count and not self.reentrant:
             raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
         clock = self._client._clock
@@ -137,7 +152,6 @@ class Lock:
             wait_done(self._give_back)
             self._give_back = None
         entries = self._count
-        cancels = cancel_requests()
         try:
             acquired = self._acquire(wait, deadline, cancels)
             self._still_wanted(cancels)
@@ -254,7 +268,7 @@ class Lock:
             raise
         if isinstance(result, Busy):
             if reentry:
-                self._declare_lost("the lease was gone when re-entering")
+                self._declare_lost("the lease was gone when re-entering", told=True)
                 raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
             return result
         if reentry and (result.count == 1 or result.fencing_token != self._fencing_token):
@@ -263,7 +277,7 @@ class Lock:
             # another holder. The hold we re-entered was lost; the new lease is nobody's.
             self._give_back = spawn(self._release_quietly, name="dlock-give-back")
             self._client._keep_give_back(self._give_back)
-            self._declare_lost("the lease was gone when re-entering")
+            self._declare_lost("the lease was gone when re-entering", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._granted(result, started)
         return None
@@ -296,14 +310,14 @@ class Lock:
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
-            raise self._give_up_lost()
+            raise self._give_up_lost(told=True)
         try:
             remaining = self._client._backend.release(self.name, self._token)
         except BaseException:
             self._abandon()
             raise
         if remaining is None:
-            self._declare_lost("the lease had expired or been taken over before release")
+            self._declare_lost("the lease had expired or been taken over before release", told=True)
             self._forget()
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._count = remaining
@@ -317,11 +331,11 @@ class Lock:
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
-            self._declare_lost("the lease ran out before it could be extended")
+            self._declare_lost("the lease ran out before it could be extended", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         started = self._client._clock()
         if not self._client._backend.extend(self.name, self._token, seconds):
-            self._declare_lost("the lease had expired or been taken over before extend")
+            self._declare_lost("the lease had expired or been taken over before extend", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._lease_renewed(started, seconds)
         if self.auto_renew:
@@ -331,9 +345,14 @@ class Lock:
     def _lease(self) -> Lease:
         return Lease(self.name, self._token, self.ttl)
 
-    def _declare_lost(self, reason: str) -> bool:
+    def _declare_lost(self, reason: str, told: bool = False) -> bool:
         """Record the loss once and tell the holder: flag, callback, and task cancel.
         True if this call declared it, False if it was declared already.
+
+        ``told``: the caller raises :class:`LockLost` into the running task, which is
+        then not cancelled as well (a body re-entering, releasing or extending its own
+        lock): the cancellation would stop it again once it handled the loss, or, lost
+        by a client library, stay counted against it.
 
         The flag goes up first, so that ``owned()`` turns false as early as possible.
         Every path that raises :class:`LockLost` comes through here, and a declaration
@@ -354,8 +373,9 @@ class Lock:
                 except Exception:
                     logger.exception("dlock: on_lost callback for %r failed", self.name)
             if self.cancel_on_lost:
+                running = current_task() if told else None
                 for task in dict.fromkeys(self._body_tasks):
-                    if task is not None:
+                    if task is not None and task is not running:
                         self._cancelled.add(task)
                         cancel_task(task, f"dlock: lost lock {self.name!r}")
             return True
@@ -375,7 +395,7 @@ class Lock:
         self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
         self._client._keep_give_back(self._give_back)
 
-    def _give_up_lost(self) -> LockLost:
+    def _give_up_lost(self, told: bool) -> LockLost:
         """Forget a lost lease and return the error to raise. A lease that ran out on our
         clock before the backend or renewer said so is declared lost now.
 
@@ -385,7 +405,7 @@ class Lock:
         this object's next acquire, and everyone else's, with busy."""
         entries = self._count
         self._forget()
-        self._declare_lost("the lease ran out before it could be renewed")
+        self._declare_lost("the lease ran out before it could be renewed", told)
         self._release_quietly(entries)
         return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
 
@@ -421,7 +441,7 @@ class Lock:
         cancelled_by_us = task in self._cancelled
         self._cancelled.discard(task)
         if self.lost:
-            lost = self._give_up_lost()
+            lost = self._give_up_lost(told=True)
             if cancelled_by_us and isinstance(exc, Cancelled):
                 uncancel(task)
             raise lost from exc

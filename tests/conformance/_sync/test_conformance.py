@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import dlock
-from dlock._sync._primitives import IS_ASYNC, run_blocking, sleep
+from dlock._sync._primitives import IS_ASYNC, cancel_requests, run_blocking, sleep
 from dlock._sync.backend import Waiter
 from dlock._types import Acquired, Lease
 from tests.conformance._sync.worker import STUCK_AFTER
@@ -316,6 +316,56 @@ def test_reentry_after_the_lease_was_lost_is_a_loss(url: str, name: str) -> None
         successor = admin.lock(name, ttl=30)
         assert successor.acquire(timeout=5)
         successor.release()
+
+
+def test_a_reentry_in_its_own_body_that_finds_the_lease_gone_raises_lock_lost(
+    url: str, name: str
+) -> None:
+    """A reentrant lock entered again inside its own block after a force-release: the
+    re-entry raises LockLost into the body, which is not cancelled as well (that would
+    stop it again once it handled the loss, or, dropped by a client library, stay
+    counted against the task). Leaving the outer block still raises LockLost."""
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lost: list[object] = []
+        lock = first.lock(name, ttl=30, reentrant=True, on_lost=lost.append)
+        handled = False
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                assert admin.force_release(name)
+                with pytest.raises(dlock.LockLost):
+                    with lock:
+                        pytest.fail("the inner body ran")
+                assert cancel_requests() == 0
+                sleep(0.01)
+                handled = True
+        assert handled, "the body was cancelled after it was told"
+        assert lost == [lock]
+        assert cancel_requests() == 0
+
+
+def test_a_reentry_in_its_own_body_after_the_lease_ran_out_raises_lock_lost(
+    url: str, name: str
+) -> None:
+    """As above, for a lease that ran out on the holder's clock (not renewed): the
+    re-entry is told the loss, not granted a new lease under the outer block."""
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=0.5, reentrant=True, auto_renew=False)
+        handled = False
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                deadline = time.monotonic() + 5
+                while not lock.lost:
+                    assert time.monotonic() < deadline, "the lease should have run out"
+                    sleep(0.05)
+                with pytest.raises(dlock.LockLost):
+                    with lock:
+                        pytest.fail("the inner body ran")
+                assert cancel_requests() == 0
+                sleep(0.01)
+                handled = True
+        assert handled, "the body was cancelled after it was told"
+        assert cancel_requests() == 0
+        assert client.inspect(name) is None
 
 
 def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
