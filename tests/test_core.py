@@ -477,6 +477,52 @@ def test_a_cancellation_pending_when_acquire_starts_still_stops_it(tmp_path: Pat
     asyncio.run(main())
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_reentry_that_cannot_be_undone_tells_the_outer_hold_it_is_lost(
+    tmp_path: Path,
+) -> None:
+    """A re-entry granted and then cut off is undone by one release. If that release
+    fails, the whole hold is abandoned (given back in the background, no longer
+    renewed), the outer one too: the outer block must be told it lost the lock, not
+    run on believing it holds it (and get NotOwner on leaving)."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend = client._backend
+            real_acquire, real_release = backend.acquire, backend.release
+            task = asyncio.current_task()
+            assert task is not None
+
+            async def answer_then_cancelled(*args: Any) -> Any:
+                answer = await real_acquire(*args)
+                task.cancel()  # cut off once answered: the grant is to be undone
+                return answer
+
+            async def failing_once(*args: Any) -> Any:
+                backend.release = real_release  # type: ignore[method-assign,unused-ignore]
+                raise dlock.BackendUnavailable("no answer")
+
+            lost: list[object] = []
+            lock = client.lock("job", ttl=30, reentrant=True, on_lost=lost.append)
+            with pytest.raises(dlock.LockLost):
+                async with lock:
+                    backend.acquire = answer_then_cancelled  # type: ignore[method-assign,unused-ignore]
+                    backend.release = failing_once  # type: ignore[method-assign,unused-ignore]
+                    with pytest.raises(asyncio.CancelledError):
+                        await lock.acquire(timeout=0)
+                    task.uncancel()
+                    backend.acquire = real_acquire  # type: ignore[method-assign,unused-ignore]
+                    assert lock.lost and not lock.owned()
+                    assert lost == [lock]
+            assert task.cancelling() == 0
+            assert await other.lock("job", ttl=30).acquire(timeout=5), "given back"
+
+    asyncio.run(main())
+
+
 def test_loss_is_told_at_the_deadline_while_a_renewal_is_stuck(tmp_path: Path) -> None:
     """A sync renewal blocked on a write-locked file waits up to busy_timeout (10 s);
     on_lost must come at the lease's deadline all the same, as on the asyncio face."""

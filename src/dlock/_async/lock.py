@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
@@ -179,10 +178,21 @@ class AsyncLock:
     async def _undo_entry(self, entries: int) -> None:
         """Give back what this acquire was granted but does not return. A fresh lease
         goes as a failed release's does (in the background); a re-entry leaves its own
-        entry only, the outer hold stays, unless the client closed meanwhile."""
+        entry only, the outer hold stays, unless the client closed meanwhile.
+
+        A release that fails ends the whole hold (see :meth:`release`), the outer one
+        too, which its holder still believes in: that is a loss, and told as one."""
         if entries and not self._client._closed:
-            with contextlib.suppress(LockError):
+            try:
                 await self.release()
+            except LockLost:
+                pass  # declared by release; the outer block is told as it leaves
+            except BaseException as exc:
+                # The running task is stopped by this acquire's own error already:
+                # it is told, not cancelled as well.
+                self._declare_lost("a re-entry cut off after its grant could not be undone", True)
+                if not isinstance(exc, LockError):
+                    raise
         else:
             self._abandon()
 
