@@ -567,3 +567,24 @@ def test_bad_lock_options_are_refused(tmp_path: Path, bad: dict[str, object]) ->
     aclient = dlock.aio.connect(url)
     with pytest.raises(dlock.InvalidArgument, match=option):
         aclient.lock("job", **bad)  # type: ignore[arg-type]
+
+
+def test_an_interrupt_just_after_the_grant_gives_the_lease_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt between the backend's grant and its counting (here: from the
+    client's bookkeeping, which runs in that window) must not leave an orphan lease."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+
+        def interrupted(lock: object) -> None:
+            raise KeyboardInterrupt
+
+        lock = client.lock("job", ttl=30)
+        with monkeypatch.context() as patch:
+            patch.setattr(client, "_hold", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                lock.acquire(timeout=0)
+        assert not lock.owned()
+        assert other.lock("job", ttl=30).acquire(timeout=5), "given back, not held for 30 s"
+        assert lock not in client._still_held()

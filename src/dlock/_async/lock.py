@@ -257,24 +257,43 @@ class AsyncLock:
         """One round trip to the backend; None means this object now holds the lock."""
         reentry = self._count > 0
         started = self._attempt_sent = self._client._clock()
+        result: Acquired | Busy | None = None
         try:
             # A fresh acquire never re-enters: a lease under our token that we do not
             # hold is an orphan of an attempt cut off mid-flight, not ours to count.
             result = await self._client._backend.acquire(
                 self.name, self._token, self.ttl, self._client._holder, self.reentrant and reentry
             )
+            return self._answered(result, reentry, started)
         except BaseException as exc:
-            # Cancelled, interrupted or cut off mid-flight: the server may have granted the
-            # lease anyway. Give it back (owner-checked, so harmless) rather than leave an
-            # orphan until its TTL. Never after a re-entry: that would free the outer hold.
-            # In the background: a server that did not answer the attempt (hung, gone) may
-            # not answer the release either, and the caller's error is due now.
-            if not reentry and (
-                isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError)
+            if result is None:
+                # Cancelled, interrupted or cut off mid-flight: the server may have granted
+                # the lease anyway. Give it back (owner-checked, so harmless) rather than
+                # leave an orphan until its TTL. Never after a re-entry: that would free the
+                # outer hold. In the background: a server that did not answer the attempt
+                # (hung, gone) may not answer the release either, and the caller's error is
+                # due now.
+                if not reentry and (
+                    isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError)
+                ):
+                    self._give_back = spawn(self._release_quietly, name="dlock-give-back")
+                    self._client._keep_give_back(self._give_back)
+            elif isinstance(result, Acquired) and not reentry and self._count == 0:
+                # Interrupted (a signal's KeyboardInterrupt) after the backend granted but
+                # before the grant was counted: acquire() cannot see an entry to undo, and
+                # the lease would stay on the backend, unknown here, until its TTL.
+                self._abandon(result.count)
+            elif (
+                isinstance(result, Acquired)
+                and reentry
+                and result.fencing_token == self._fencing_token
+                and result.count > self._count
             ):
-                self._give_back = spawn(self._release_quietly, name="dlock-give-back")
-                self._client._keep_give_back(self._give_back)
+                # The same, for a re-entry: counted now, acquire() undoes just this entry.
+                self._count = result.count
             raise
+
+    def _answered(self, result: Acquired | Busy, reentry: bool, started: float) -> Busy | None:
         if isinstance(result, Busy):
             if reentry:
                 self._declare_lost("the lease was gone when re-entering", told=True)
@@ -394,12 +413,13 @@ class AsyncLock:
         self._client._renewer.discard(self)
         self._client._let_go(self)
 
-    def _abandon(self) -> None:
+    def _abandon(self, entries: int | None = None) -> None:
         """A release that did not complete (failed, cancelled, interrupted) still ends
         this object's hold: renewing a lease that its holder tried to leave would keep
         it until the client closes. Forget it, and give it back in the background
-        (owner-checked); if that fails too, the lease ends by its TTL."""
-        entries = self._count
+        (owner-checked); if that fails too, the lease ends by its TTL. ``entries``: a
+        grant not yet counted (see _attempt)."""
+        entries = self._count if entries is None else entries
         self._forget()
         self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
         self._client._keep_give_back(self._give_back)
