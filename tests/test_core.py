@@ -588,3 +588,53 @@ def test_an_interrupt_just_after_the_grant_gives_the_lease_back(
         assert not lock.owned()
         assert other.lock("job", ttl=30).acquire(timeout=5), "given back, not held for 30 s"
         assert lock not in client._still_held()
+
+
+def test_an_interrupt_as_a_with_block_enters_gives_the_lock_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C after acquire() returned but before the body: __exit__ never runs, so
+    __enter__ must give back what it took (a held, renewed lock nobody would release)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=30)
+        real_acquire = lock.acquire
+
+        def acquire_then_interrupted(timeout: float | None = None) -> bool:
+            assert real_acquire(timeout)
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(lock, "acquire", acquire_then_interrupted)
+            with pytest.raises(KeyboardInterrupt), lock:
+                pytest.fail("the body ran")
+        assert not lock.owned()
+        assert other.lock("job", ttl=30).acquire(timeout=5), "given back, not held and renewed"
+
+
+def test_a_cancellation_as_a_nested_block_enters_leaves_the_outer_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the asyncio face, for a re-entry: only the inner entry goes."""
+
+    async def main() -> None:
+        async with dlock.aio.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+            lock = client.lock("job", ttl=30, reentrant=True)
+            real_acquire = lock.acquire
+
+            async def acquire_then_cancelled(timeout: float | None = None) -> bool:
+                assert await real_acquire(timeout)
+                raise asyncio.CancelledError
+
+            async with lock:
+                with monkeypatch.context() as patch:
+                    patch.setattr(lock, "acquire", acquire_then_cancelled)
+                    with pytest.raises(asyncio.CancelledError):
+                        async with lock:
+                            pytest.fail("the body ran")
+                assert lock.owned() and lock._count == 1
+                assert (await client.inspect("job")) is not None
+            assert not lock.owned()
+            assert (await client.inspect("job")) is None
+
+    asyncio.run(main())

@@ -452,9 +452,21 @@ class Lock:
                 return
 
     def __enter__(self) -> Lock:
-        if not self.acquire(self.timeout):
-            raise LockTimeout(f"lock {self.name!r} not acquired within {self.timeout} s")
-        self._body_tasks.append(current_task())
+        entries = self._count
+        task: Any = None
+        try:
+            if not self.acquire(self.timeout):
+                raise LockTimeout(f"lock {self.name!r} not acquired within {self.timeout} s")
+            task = current_task()
+            self._body_tasks.append(task)
+        except BaseException:
+            # Interrupted after acquire() returned (Ctrl-C): the block raises before its
+            # body, so __exit__ never runs and nobody would release what was taken.
+            if self._count > entries:
+                if task is not None and task in self._body_tasks:
+                    self._body_tasks.remove(task)
+                self._undo_entry(entries)
+            raise
         return self
 
     def __exit__(
