@@ -638,3 +638,32 @@ def test_a_cancellation_as_a_nested_block_enters_leaves_the_outer_hold(
             assert (await client.inspect("job")) is None
 
     asyncio.run(main())
+
+
+def test_an_extend_answered_after_an_overlapping_renewal_keeps_the_shorter_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(60) is applied, then the renewer's renewal (3 s), but extend's answer is
+    handled last: the backend lease ends 3 s after the renewal, so the local deadline
+    must not be 60 s away (another client would acquire while owned() stays True)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        lock = client.lock("job", ttl=3)
+        assert lock.acquire(timeout=0)
+        backend = client._backend
+        real_extend = backend.extend
+
+        def answered_late(name: str, token: str, ttl: float) -> bool:
+            applied = real_extend(name, token, ttl)
+            before = lock._deadline
+            client._renewer.renew_now()
+            give_up = time.monotonic() + 5
+            while lock._deadline == before:
+                assert time.monotonic() < give_up, "the renewal did not happen"
+                time.sleep(0.005)
+            return applied
+
+        monkeypatch.setattr(backend, "extend", answered_late)
+        lock.extend(60)
+        assert lock._deadline - time.monotonic() <= 3.0
+        assert lock.owned()

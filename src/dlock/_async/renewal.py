@@ -123,6 +123,7 @@ class AsyncRenewer:
             return
         started = self._clock()
         time_left = min(lock._deadline for lock, _ in due) - started
+        writes = [lock._write_started(started, lock.ttl) for lock, _ in due]
         try:
             with alarm(min(time_left, LONGEST_SLEEP), partial(self._declare_overdue, due)):
                 renewed = await call_with_timeout(
@@ -139,11 +140,13 @@ class AsyncRenewer:
             for lock, _ in due:
                 lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
             return
-        for (lock, generation), ok in zip(due, renewed, strict=True):
+        finally:
+            caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
+        for (lock, generation), ok, cap in zip(due, renewed, caps, strict=True):
             if lock not in self._locks or lock._generation != generation:
                 continue  # released (or released and re-acquired) while we were renewing
             if ok:
-                lock._lease_renewed(started, lock.ttl)
+                lock._lease_renewed(started, lock.ttl, cap)
             else:
                 lock._declare_lost("the backend no longer had the lease when renewing")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 from collections.abc import Callable
@@ -86,6 +87,11 @@ class Lock:
         self._renew_at = 0.0
         #: The current lease's length: the TTL, or less for a lease handed over.
         self._lease_ttl = ttl
+        #: Lease writes in flight (extend, renewal): key -> [its own bound (sent + ttl),
+        #: the lowest bound among itself and the writes that overlapped it].
+        self._writes: dict[int, list[float]] = {}
+        self._writes_guard = threading.Lock()
+        self._write_key = 0
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
         #: The tasks running a ``with`` body of this lock, one entry per block entered
@@ -323,10 +329,29 @@ class Lock:
         if self.auto_renew:
             self._client._renewer.add(self)
 
-    def _lease_renewed(self, started: float, ttl: float) -> None:
-        self._lease_ttl = ttl
-        self._deadline = started + ttl
-        self._renew_at = started + ttl * RENEW_AFTER
+    def _write_started(self, started: float, ttl: float) -> int:
+        """Note a lease write (extend, renewal) about to be sent; see _write_done."""
+        bound = started + ttl
+        with self._writes_guard:
+            self._write_key += 1
+            cap = bound
+            for write in self._writes.values():
+                write[1] = min(write[1], bound)
+                cap = min(cap, write[0])
+            self._writes[self._write_key] = [bound, cap]
+            return self._write_key
+
+    def _write_done(self, key: int) -> float:
+        """The latest deadline that write ``key`` may set. Writes that overlap may be
+        applied by the backend in either order, whatever order their answers come in:
+        the lease is only sure to last until the earliest of their ``sent + ttl``."""
+        with self._writes_guard:
+            return self._writes.pop(key)[1]
+
+    def _lease_renewed(self, started: float, ttl: float, cap: float = math.inf) -> None:
+        self._deadline = min(started + ttl, cap)
+        self._lease_ttl = self._deadline - started
+        self._renew_at = started + self._lease_ttl * RENEW_AFTER
 
     def release(self) -> None:
         """Leave the lock once (a reentrant lock is freed by its last release).
@@ -363,10 +388,15 @@ class Lock:
             self._declare_lost("the lease ran out before it could be extended", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         started = self._client._clock()
-        if not self._client._backend.extend(self.name, self._token, seconds):
+        write = self._write_started(started, seconds)
+        try:
+            extended = self._client._backend.extend(self.name, self._token, seconds)
+        finally:
+            cap = self._write_done(write)
+        if not extended:
             self._declare_lost("the lease had expired or been taken over before extend", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
-        self._lease_renewed(started, seconds)
+        self._lease_renewed(started, seconds, cap)
         if self.auto_renew:
             # A shorter lease is due sooner than the renewer's sleep ends: wake it.
             self._client._renewer.add(self)
