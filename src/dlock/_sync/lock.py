@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import secrets
@@ -99,6 +100,9 @@ class Lock:
         self._body_tasks: list[Any] = []
         #: The body tasks that a loss cancelled, each to be uncancelled once on exit.
         self._cancelled: set[Any] = set()
+        #: Who (thread, task) took the latest entry: another caller sharing this object
+        #: must not undo it (see acquire).
+        self._entered_by: object = None
         #: The give-back of an attempt cut off in flight, while it runs (see _attempt).
         self._give_back: Any = None
 
@@ -156,17 +160,24 @@ class Lock:
             # It releases under our owner token: it must not release what we take now.
             wait_done(self._give_back)
             self._give_back = None
+        # Decided once: while this call waits, another thread or task sharing the object
+        # may take the lock, and that is not a re-entry of ours (see _attempt).
         entries = self._count
+        call = object()
+        context = _ACQUIRE_CALL.set(call)
         try:
-            acquired = self._acquire(wait, deadline, cancels)
+            acquired = self._acquire(wait, deadline, cancels, entries > 0)
             self._still_wanted(cancels)
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
             # the wait, or the client closed meanwhile): the caller is told it did not
-            # get the lock, so it must not stay held and renewed.
-            if self._count > entries:
+            # get the lock, so it must not stay held and renewed. Only if this call took
+            # the entry: another user of this object may have, meanwhile.
+            if self._count > entries and self._entered_by is call:
                 self._undo_entry(entries)
             raise
+        finally:
+            _ACQUIRE_CALL.reset(context)
         return acquired
 
     def _check_open(self) -> None:
@@ -203,13 +214,15 @@ class Lock:
         else:
             self._abandon()
 
-    def _acquire(self, wait: float | None, deadline: float | None, cancels: int) -> bool:
+    def _acquire(
+        self, wait: float | None, deadline: float | None, cancels: int, reentry: bool
+    ) -> bool:
         """The attempts of one acquire, and its wait between them."""
         clock = self._client._clock
         backend = self._client._backend
         # A re-entry never waits (busy means lost), so it never takes a place in a queue.
-        if wait == 0 or not backend.queues_waiters or self._count:
-            busy = self._attempt()
+        if wait == 0 or not backend.queues_waiters or reentry:
+            busy = self._attempt(reentry)
             if busy is None:
                 return True
             if wait == 0:
@@ -219,7 +232,7 @@ class Lock:
             while True:
                 # Closed or cancelled while we waited: stop.
                 self._still_wanted(cancels)
-                busy = self._attempt()
+                busy = self._attempt(reentry)
                 if busy is None:
                     return True
                 remaining = None if deadline is None else deadline - clock()
@@ -260,9 +273,16 @@ class Lock:
             self._granted(Acquired(handed.fencing_token, handed.count), started)
         return confirmed
 
-    def _attempt(self) -> Busy | None:
-        """One round trip to the backend; None means this object now holds the lock."""
-        reentry = self._count > 0
+    def _attempt(self, reentry: bool) -> Busy | None:
+        """One round trip to the backend; None means this object now holds the lock.
+
+        ``reentry``: the object was held when this acquire began. If it was not, and it
+        is now, another thread or task sharing it took the lock meanwhile: that hold is
+        theirs, not one to re-enter (nor to declare lost on a busy answer)."""
+        if not reentry and self._count and not self.reentrant:
+            raise AlreadyAcquired(
+                f"lock {self.name!r} was acquired by another user of this object meanwhile"
+            )
         started = self._attempt_sent = self._client._clock()
         result: Acquired | Busy | None = None
         try:
@@ -318,6 +338,7 @@ class Lock:
         return None
 
     def _granted(self, result: Acquired, started: float) -> None:
+        self._entered_by = _ACQUIRE_CALL.get()
         if self._count == 0:
             self._generation += 1
             self._lost = False
@@ -484,15 +505,17 @@ class Lock:
     def __enter__(self) -> Lock:
         entries = self._count
         task: Any = None
+        entered: object = None
         try:
             if not self.acquire(self.timeout):
                 raise LockTimeout(f"lock {self.name!r} not acquired within {self.timeout} s")
+            entered = self._entered_by
             task = current_task()
             self._body_tasks.append(task)
         except BaseException:
             # Interrupted after acquire() returned (Ctrl-C): the block raises before its
             # body, so __exit__ never runs and nobody would release what was taken.
-            if self._count > entries:
+            if self._count > entries and entered in (None, self._entered_by):
                 if task is not None and task in self._body_tasks:
                     self._body_tasks.remove(task)
                 self._undo_entry(entries)
@@ -518,3 +541,9 @@ class Lock:
                 uncancel(task)
             raise lost from exc
         self.release()
+
+
+#: The acquire() call running in this thread or task, which a grant is recorded for.
+_ACQUIRE_CALL: contextvars.ContextVar[object] = contextvars.ContextVar(
+    "dlock_acquire_call", default=None
+)
