@@ -667,3 +667,24 @@ def test_an_extend_answered_after_an_overlapping_renewal_keeps_the_shorter_deadl
         lock.extend(60)
         assert lock._deadline - time.monotonic() <= 3.0
         assert lock.owned()
+
+
+def test_an_on_lost_calling_sys_exit_does_not_stop_the_renewer(tmp_path: Path) -> None:
+    """sys.exit() in one lock's on_lost, run by the renewer, must not end it: the
+    client's other leases would lapse untold."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        doomed = client.lock("doomed", ttl=1, on_lost=lambda _: sys.exit(1))
+        keeper = client.lock("keeper", ttl=1)
+        assert doomed.acquire(timeout=0) and keeper.acquire(timeout=0)
+        assert other.force_release("doomed")
+        client._renewer.renew_now()
+        give_up = time.monotonic() + 5
+        while not doomed.lost:
+            assert time.monotonic() < give_up, "the loss was not declared"
+            time.sleep(0.01)
+        time.sleep(2)
+        assert client._renewer._runner.is_alive()
+        assert keeper.owned()
+        info = other.inspect("keeper")
+        assert info is not None and info.fencing_token == keeper.fencing_token

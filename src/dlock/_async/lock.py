@@ -424,7 +424,7 @@ class AsyncLock:
     def _lease(self) -> Lease:
         return Lease(self.name, self._token, self.ttl)
 
-    def _declare_lost(self, reason: str, told: bool = False) -> bool:
+    def _declare_lost(self, reason: str, told: bool = False, watchdog: bool = False) -> bool:
         """Record the loss once and tell the holder: flag, callback, and task cancel.
         True if this call declared it, False if it was declared already.
 
@@ -451,6 +451,12 @@ class AsyncLock:
                     self.on_lost(self)
                 except Exception:
                     logger.exception("dlock: on_lost callback for %r failed", self.name)
+                except BaseException:
+                    # sys.exit() in a callback run by the renewer would end it, and every
+                    # other lease of the client would lapse untold.
+                    if not watchdog:
+                        raise
+                    logger.exception("dlock: on_lost callback for %r raised", self.name)
             if self.cancel_on_lost:
                 running = current_task() if told else None
                 for task in dict.fromkeys(self._body_tasks):

@@ -116,7 +116,7 @@ class AsyncRenewer:
         due: list[tuple[AsyncLock, int]] = []
         for lock in tuple(self._locks):
             if now >= lock._deadline:
-                lock._declare_lost("the lease ran out before it could be renewed")
+                lock._declare_lost("the lease ran out before it could be renewed", watchdog=True)
             elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
                 due.append((lock, lock._generation))
         if not due:
@@ -148,7 +148,9 @@ class AsyncRenewer:
             if ok:
                 lock._lease_renewed(started, lock.ttl, cap)
             else:
-                lock._declare_lost("the backend no longer had the lease when renewing")
+                lock._declare_lost(
+                    "the backend no longer had the lease when renewing", watchdog=True
+                )
 
     def _declare_overdue(self, due: list[tuple[AsyncLock, int]]) -> float | None:
         """While a renewal call is still blocked (the sync face cannot bound it), tell
@@ -160,7 +162,7 @@ class AsyncRenewer:
             if lock not in self._locks or lock._generation != generation:
                 continue
             if now >= lock._deadline:
-                lock._declare_lost("the lease ran out before it could be renewed")
+                lock._declare_lost("the lease ran out before it could be renewed", watchdog=True)
             else:
                 pending.append(lock._deadline - now)
         return min(LONGEST_SLEEP, *pending) if pending else None
