@@ -837,8 +837,6 @@ def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(url: str, 
     """Two threads or tasks share one non-reentrant lock object and both wait; when
     one gets it, the other is told AlreadyAcquired: it neither takes the hold for a
     re-entry of its own, nor declares it lost, nor gives the lease back."""
-    if url.startswith("zookeeper"):
-        pytest.skip("two waits of one object share a queue entry (waiter keyed by token)")
     with dlock.connect(url) as other, dlock.connect(url) as client:
         holder = other.lock(name, ttl=30)
         assert holder.acquire(timeout=0)

@@ -358,7 +358,9 @@ class ZooKeeperBackend(Backend):
         self._orphans: set[str] = set()
         #: The reaper should try deleting orphans (one was added, or a connection is back).
         self._orphans_due = False
-        self._waiters: dict[tuple[str, str], ZooKeeperWaiter] = {}
+        #: Waits in progress per (name, token): more than one when threads or tasks
+        #: share a lock object, and then they share its node in the queue.
+        self._waiters: dict[tuple[str, str], list[ZooKeeperWaiter]] = {}
         self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
         #: Before the latest request that was answered: the server heard us after this.
@@ -559,7 +561,12 @@ class ZooKeeperBackend(Backend):
         for node in list(self._nodes.values()):
             if node.session == session:
                 node.gone = True
-        for waiter in list(self._waiters.values()):
+        for key in list(self._waiters):
+            self._wake(key)
+
+    def _wake(self, key: tuple[str, str]) -> None:
+        """Wake every wait on ``key`` (kazoo's thread calls this through the watches)."""
+        for waiter in tuple(self._waiters.get(key, ())):
             waiter.wake()
 
     def _session_alive(self, node: _Node) -> bool:
@@ -852,10 +859,10 @@ class ZooKeeperBackend(Backend):
     ) -> Acquired | Busy | None:
         """Held if our node is the lowest; else queue behind the predecessor (inside a
         waiter) or leave (outside one). None: our node vanished, start again."""
-        waiter = self._waiters.get(key)
+        waiting = key in self._waiters
         ahead = node.ahead
         if (
-            waiter is not None
+            waiting
             and ahead is not None
             and ahead.deleted
             and ahead.held
@@ -883,20 +890,20 @@ class ZooKeeperBackend(Backend):
         position = children.index(child)
         if position == 0:
             return self._granted(node, ttl)
-        if waiter is None:
+        if not waiting:
             self._delete(zk, key, node)
             return Busy()
         predecessor = f"{parent}/{children[position - 1]}"
         if ahead is None or ahead.path != predecessor:
             self._unwatch(node)
-            ahead = node.ahead = _Ahead(predecessor, waiter.wake)
+            ahead = node.ahead = _Ahead(predecessor, partial(self._wake, key))
         if position == 1:
             ahead.held = True
         self._watch(zk, ahead)
         if ahead.deleted:
             if ahead.held and self._session_alive(node):
                 return self._granted(node, ttl)
-            waiter.wake()  # gone already, but what was ahead of it? List again.
+            self._wake(key)  # gone already, but what was ahead of it? List again.
         return Busy()
 
     def _watch(self, zk: KazooClient, ahead: _Ahead) -> None:
@@ -952,14 +959,19 @@ class ZooKeeperBackend(Backend):
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[ZooKeeperWaiter]:
+        key = (name, token)
         waiter = ZooKeeperWaiter()
-        self._waiters[(name, token)] = waiter
+        self._waiters.setdefault(key, []).append(waiter)
         try:
             yield waiter
         finally:
-            del self._waiters[(name, token)]
-            node = self._nodes.get((name, token))
-            if node is not None and not node.held:
+            sharers = self._waiters[key]
+            sharers.remove(waiter)
+            if not sharers:
+                del self._waiters[key]
+            node = self._nodes.get(key)
+            # Another wait of the same lock object still queues in this node.
+            if node is not None and not node.held and key not in self._waiters:
                 # Run to the end even if cancelled again: a node left behind would
                 # block the line until the session ends.
                 shielded(self._leave_queue(name, token))
