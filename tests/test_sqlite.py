@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import dlock
+import dlock.aio
 from tests.conformance.helpers import ROOT
 
 # Imports first, then waits for the start signal, so that every process opens the file
@@ -161,3 +166,66 @@ def test_a_file_write_locked_past_the_busy_timeout_is_unavailable(tmp_path: Path
             other.close()
         assert lock.acquire(timeout=0)
         lock.release()
+
+
+def test_a_lease_outside_a_stuck_renewal_is_told_lost_at_its_own_deadline(
+    tmp_path: Path,
+) -> None:
+    """While one lease's renewal is stuck on a write-locked file, another lease that was
+    not due, so not in that call, runs out too: it must be told at its deadline, not
+    when the stuck call gives up (sync: busy_timeout; asyncio: the batch's deadline)."""
+    db = tmp_path / "locks.sqlite3"
+    url = f"sqlite://{db}?busy_timeout=10"
+    short = 2.0
+
+    def stuck_on(kept: Any, renewer: Any, clock: Callable[[], float]) -> sqlite3.Connection:
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        # "kept" (ttl 30) is due now; "short" was taken just now, due in 2/3 s.
+        kept._renew_at = clock()
+        renewer.add(kept)
+        return blocker
+
+    def check(told: list[float], taken: float, kept: Any, lost: Any) -> None:
+        assert told and told[0] >= taken + short, "told at the deadline, not before"
+        assert lost.lost and not lost.owned()
+        assert kept.owned(), "the stuck renewal's own lease has 30 s"
+
+    with dlock.connect(url) as client:
+        told: list[float] = []
+        event = threading.Event()
+        kept = client.lock("kept", ttl=30)
+        assert kept.acquire(timeout=0)
+        taken = client._clock()
+        lost = client.lock(
+            "short", ttl=short, on_lost=lambda _: (told.append(client._clock()), event.set())
+        )
+        assert lost.acquire(timeout=0)
+        blocker = stuck_on(kept, client._renewer, client._clock)
+        try:
+            assert event.wait(short + 1.5), "told when the stuck renewal gave up"
+            check(told, taken, kept, lost)
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client:
+            told: list[float] = []
+            event = asyncio.Event()
+            kept = client.lock("kept", ttl=30)
+            assert await kept.acquire(timeout=0)
+            taken = client._clock()
+            lost = client.lock(
+                "short", ttl=short, on_lost=lambda _: (told.append(client._clock()), event.set())
+            )
+            assert await lost.acquire(timeout=0)
+            blocker = stuck_on(kept, client._renewer, client._clock)
+            try:
+                await asyncio.wait_for(event.wait(), short + 1.5)
+                check(told, taken, kept, lost)
+            finally:
+                blocker.execute("COMMIT")
+                blocker.close()
+
+    asyncio.run(main())

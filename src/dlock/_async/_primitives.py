@@ -143,9 +143,22 @@ async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:
 
 @contextlib.contextmanager
 def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[None]:
-    """Twin of the threaded alarm: nothing to do, ``call_with_timeout`` bounds the call
-    it would watch over."""
-    yield
+    """Twin of the threaded alarm, on the loop's timers (no task): ``call_with_timeout``
+    bounds the call only by its own leases, and the alarm also watches the others."""
+    loop = asyncio.get_running_loop()
+    timer: asyncio.TimerHandle | None = None
+
+    def fire() -> None:
+        nonlocal timer
+        wait = ring()
+        if wait is not None:
+            timer = loop.call_later(max(wait, 0.0), fire)
+
+    timer = loop.call_later(max(delay, 0.0), fire)
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def spawn(func: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:

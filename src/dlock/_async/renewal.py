@@ -123,9 +123,13 @@ class AsyncRenewer:
             return
         started = self._clock()
         time_left = min(lock._deadline for lock, _ in due) - started
+        # The alarm watches every held lease, not just this batch's: while the call is
+        # stuck, a short lease that is not yet due runs out too, and must be told then.
+        first_end = min((lock._deadline for lock in tuple(self._locks)), default=math.inf)
         writes = [lock._write_started(started, lock.ttl) for lock, _ in due]
         try:
-            with alarm(min(time_left, LONGEST_SLEEP), partial(self._declare_overdue, due)):
+            alarm_in = min(time_left, first_end - started, LONGEST_SLEEP)
+            with alarm(alarm_in, self._declare_overdue):
                 renewed = await call_with_timeout(
                     self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
                 )
@@ -152,17 +156,17 @@ class AsyncRenewer:
                     "the backend no longer had the lease when renewing", watchdog=True
                 )
 
-    def _declare_overdue(self, due: list[tuple[AsyncLock, int]]) -> float | None:
-        """While a renewal call is still blocked (the sync face cannot bound it), tell
-        the loss of each lease at its own deadline, not when the call gives up (a write-
-        locked SQLite file: busy_timeout). Returns the time to the next deadline."""
+    def _declare_overdue(self) -> float | None:
+        """While a renewal call is still blocked, tell the loss of each held lease at its
+        own deadline, not when the call gives up (a write-locked SQLite file: busy_timeout):
+        those of the batch in flight, and those the blocked renewer cannot get to.
+        Returns the time to the next deadline."""
         now = self._clock()
         pending = []
-        for lock, generation in due:
-            if lock not in self._locks or lock._generation != generation:
-                continue
-            if now >= lock._deadline:
+        for lock in tuple(self._locks):
+            generation, deadline = lock._generation, lock._deadline
+            if now < deadline:
+                pending.append(deadline - now)
+            elif lock in self._locks and lock._generation == generation:
                 lock._declare_lost("the lease ran out before it could be renewed", watchdog=True)
-            else:
-                pending.append(lock._deadline - now)
         return min(LONGEST_SLEEP, *pending) if pending else None
