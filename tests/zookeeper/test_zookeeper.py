@@ -471,6 +471,18 @@ def test_busy_client_cut_off_still_learns_of_the_loss_in_time(
         partition.close()
 
 
+def cut_until_a_request_times_out(partition: Partition, client: dlock.Client) -> None:
+    """Cut the relay. A request already in it may still get through: ask until one is
+    left unanswered (it times out after the client's operation_timeout)."""
+    partition.cut.set()
+    for _ in range(20):
+        try:
+            client.inspect("anything")
+        except dlock.BackendUnavailable:
+            return
+    pytest.fail("the relay was never cut")
+
+
 def test_releases_into_silence_wait_for_one_timeout_not_one_each(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:
@@ -487,16 +499,7 @@ def test_releases_into_silence_wait_for_one_timeout_not_one_each(
             locks = [far.lock(n, ttl=30, auto_renew=False) for n in names]
             for lock in locks:
                 lock.acquire()
-            partition.cut.set()
-            # A request already in the relay may still get through: ask until one is
-            # left unanswered (it times out after operation_timeout).
-            for _ in range(20):
-                try:
-                    far.inspect(name)
-                except dlock.BackendUnavailable:
-                    break
-            else:
-                pytest.fail("the relay was never cut")
+            cut_until_a_request_times_out(partition, far)
             started = time.monotonic()
             for lock in locks:
                 with pytest.raises(dlock.BackendUnavailable):
@@ -521,14 +524,7 @@ def test_a_release_after_a_stall_has_passed_is_sent(zookeeper_server: ZooKeeperE
         with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
             lock = far.lock(name, ttl=30, auto_renew=False)
             assert lock.acquire(timeout=0)
-            partition.cut.set()
-            for _ in range(20):
-                try:
-                    far.inspect(name)
-                except dlock.BackendUnavailable:
-                    break
-            else:
-                pytest.fail("the relay was never cut")
+            cut_until_a_request_times_out(partition, far)
             partition.cut.clear()
             assert far._backend._stalled_since is not None  # type: ignore[attr-defined]
             time.sleep(1.2)  # the rule under test is timed: one operation timeout
