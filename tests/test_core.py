@@ -57,6 +57,19 @@ def test_default_url_uses_env_then_state_dir(
     assert _registry.default_url() == "sqlite:///elsewhere.db"
 
 
+def test_a_relative_xdg_state_home_is_ignored(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The XDG spec says a relative $XDG_STATE_HOME is invalid and to be ignored. Read,
+    it made the lock file depend on the working directory: jobs started in two
+    directories both held the same name."""
+    monkeypatch.delenv("DLOCK_URL", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_STATE_HOME", "state")
+    monkeypatch.chdir(tmp_path)
+    assert _registry.default_url() == f"sqlite://{tmp_path}/home/.local/state/dlock/locks.sqlite3"
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [

@@ -42,7 +42,11 @@ def default_url() -> str:
     """``$DLOCK_URL``, else a SQLite file in the user's state directory."""
     if url := os.environ.get("DLOCK_URL"):
         return url
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        # The XDG spec says to ignore a relative path: it would make the file, and so
+        # the locks, depend on the working directory.
+        state = str(Path.home() / ".local" / "state")
     return "sqlite://" + quote(str(Path(state, "dlock", "locks.sqlite3").absolute()))
 
 
