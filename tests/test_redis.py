@@ -554,6 +554,26 @@ def test_existing_sync_client_and_wrong_face(redis_server: RedisServer) -> None:
         dlock.aio.connect("redis://", client=redis.Redis())
 
 
+def test_a_client_of_the_other_face_is_refused_naming_this_faces_classes() -> None:
+    """The sync face's message is generated from the asyncio face's: spelled out, the
+    asyncio class names in it were rewritten, and it told a sync user to pass what
+    they had passed."""
+    with pytest.raises(dlock.ConfigurationError) as caught:
+        dlock.connect("redis://", client=redis.asyncio.Redis())
+    assert str(caught.value) == (
+        "client= must be a redis-py client of this face, redis.Redis or redis.RedisCluster "
+        "for dlock, "
+        "not redis.asyncio.client.Redis"
+    )
+    with pytest.raises(dlock.ConfigurationError) as caught:
+        dlock.aio.connect("redis://", client=redis.Redis())
+    assert str(caught.value) == (
+        "client= must be a redis-py client of this face, redis.asyncio.Redis or "
+        "redis.asyncio.RedisCluster for dlock.aio, "
+        "not redis.client.Redis"
+    )
+
+
 def test_urls_and_options() -> None:
     with pytest.raises(dlock.ConfigurationError, match="unknown redis option"):
         dlock.connect("redis://localhost?bogus=1")

@@ -52,7 +52,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import cancel_requests, current_task, lost_cancel, sleep
+from .._primitives import IS_ASYNC, cancel_requests, current_task, lost_cancel, sleep
 from ..backend import AsyncBackend, AsyncWaiter
 
 #: Options this backend takes besides what redis-py reads from the URL's query string.
@@ -382,10 +382,12 @@ class AsyncRedisBackend(AsyncBackend):
         if client is not None and not isinstance(
             client, (redis_client.Redis, redis_client.RedisCluster)
         ):
+            # Named from the module in use: unasync would rewrite names spelled out here.
+            wanted = f"{redis_client.__name__}.Redis or {redis_client.__name__}.RedisCluster"
+            face = "dlock" + (".aio" if IS_ASYNC else "")
             raise ConfigurationError(
-                "client= must be a redis-py client of this face "
-                "(redis.asyncio.Redis/RedisCluster for dlock.aio, redis.Redis/RedisCluster "
-                f"for dlock), not {type(client).__module__}.{type(client).__name__}"
+                f"client= must be a redis-py client of this face, {wanted} for {face}, "
+                f"not {type(client).__module__}.{type(client).__name__}"
             )
         self._url = url
         self._cluster = cluster or isinstance(client, redis_client.RedisCluster)
