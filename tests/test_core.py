@@ -88,10 +88,26 @@ def test_a_relative_xdg_state_home_is_ignored(
         ("sqlite:///tmp/a%00.db", "NUL"),
         # Silently the last, or the default, or another file: refused instead.
         ("sqlite:///tmp/x.db?table=a&table=b", "'table' is given twice"),
-        ("sqlite:///tmp/x.db?table=", "plain SQL identifier"),
+        ("sqlite:///tmp/x.db?table=", "'table' is empty"),
         ("sqlite:///tmp/x#y.db", "fragment"),
         ("postgresql://u@h/db?mode=lease&mode=session", "'mode' is given twice"),
-        ("mysql://u@h/db?table=", "plain SQL identifier"),
+        ("mysql://u@h/db?table=", "'table' is empty"),
+        # An empty value: the driver's default, or nothing, where something was meant.
+        ("postgresql://u@h/db?sslmode=", "'sslmode' is empty"),
+        ("postgresql://u@h/db?target_session_attrs=", "'target_session_attrs' is empty"),
+        ("postgresql://u@h/db?host=", "'host' is empty"),
+        ("mysql://u@h/db?charset=", "'charset' is empty"),
+        ("mysql://u@h/db?unix_socket=", "'unix_socket' is empty"),
+        ("mysql://u@h/db?ssl_ca=", "'ssl_ca' is empty"),
+        ("redis://h?password=", "'password' is empty"),
+        ("redis://h?client_name", "'client_name' is empty"),
+        ("redis+redlock://a:1,b:2,c:3?password=", "'password' is empty"),
+        ("zookeeper://h:2181/p?session_timeout=", "'session_timeout' is empty"),
+        # A value the driver does not know would fail every connection, as retryable.
+        ("postgresql://u@h/db?sslmode=requir", "sslmode must be one of"),
+        ("postgresql://u@h/db?sslmode=REQUIRE", "sslmode must be one of"),
+        ("postgresql://u@h/db?target_session_attrs=bogus", "target_session_attrs must be"),
+        ("mysql://u@h/db?charset=utf9", "charset 'utf9'"),
         ("redis://h?socket_timeout=1&socket_timeout=2", "given twice"),
         ("redis+redlock://a:1,b:2,c:3?socket_timeout=1&socket_timeout=2", "given twice"),
         ("zookeeper://h:2181/p?session_timeout=5&session_timeout=6", "given twice"),
@@ -114,6 +130,22 @@ def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:
 def test_sqlite_keyword_options_are_checked(options: dict[str, Any]) -> None:
     with pytest.raises(dlock.ConfigurationError, match=next(iter(options))):
         dlock.connect("sqlite:///tmp/x.db", **options)
+
+
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("postgresql://u@h/db", {"sslmode": ""}),
+        ("postgresql://u@h/db", {"host": ""}),
+        ("postgresql://u@h/db", {"target_session_attrs": "bogus"}),
+        ("mysql://u@h/db", {"charset": ""}),
+        ("mysql://u@h/db", {"unix_socket": ""}),
+    ],
+)
+def test_sql_driver_keywords_are_checked(url: str, options: dict[str, Any]) -> None:
+    """As in the URL: an empty or unknown value is refused now, not by every acquire."""
+    with pytest.raises(dlock.ConfigurationError, match=next(iter(options))):
+        dlock.connect(url, **options)
 
 
 def test_default_database_path_is_quoted_into_its_url(

@@ -170,7 +170,7 @@ def test_a_ca_alone_means_verified_tls(tls_server: TLSServer) -> None:
         client.lock(_name(), ttl=5).acquire(timeout=5)
 
 
-@pytest.mark.parametrize("value", ["require", "enabled", "verify_ca", "ture", ""])
+@pytest.mark.parametrize("value", ["require", "enabled", "verify_ca", "ture"])
 def test_an_unknown_mysql_ssl_value_is_refused(value: str) -> None:
     """Only a spelling that is known means TLS on or off: ``ssl=require`` (libpq's
     word) or ``ssl=enabled`` meant no TLS at all, and the lock went over plain text."""
@@ -200,3 +200,17 @@ def test_an_unknown_mysql_ssl_verify_identity_is_refused() -> None:
 def test_mysql_ssl_on_builds_a_context(value: str) -> None:
     with dlock.connect(f"mysql://dlock@127.0.0.1:1/dlock?ssl={value}") as client:
         assert client._backend._ssl is not None  # type: ignore[attr-defined]
+
+
+def test_an_option_value_libpq_refuses_as_it_connects_is_not_retryable(
+    postgresql_server: SQLServer,
+) -> None:
+    """Some option values libpq checks only as it connects ("weak sslmode "require" may
+    not be used with sslrootcert=system"; "invalid ... value" from a libpq older than
+    dlock's lists of values): misconfigured, a plain BackendError, never the
+    BackendUnavailable that a caller may retry."""
+    url = postgresql_server.url("sslrootcert=system&sslmode=require")
+    with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as caught:
+        client.lock(_name(), ttl=5).acquire(timeout=0)
+    assert "sslrootcert=system" in str(caught.value), caught.value
+    assert not isinstance(caught.value, dlock.BackendUnavailable), caught.value

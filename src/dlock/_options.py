@@ -10,11 +10,14 @@ from ._errors import ConfigurationError
 
 def query_options(query: str) -> dict[str, str]:
     """A URL's query as options. A key given twice is refused (which one was meant?),
-    and an empty value is kept, so that ``?table=`` is an error, not the default."""
+    and so is an empty value: the drivers read ``?sslmode=`` or ``?password=`` as
+    their default, or as nothing at all, where whoever wrote it meant something."""
     options: dict[str, str] = {}
     for key, value in parse_qsl(query, keep_blank_values=True):
         if key in options:
             raise ConfigurationError(f"option {key!r} is given twice in the URL")
+        if not value:
+            raise ConfigurationError(f"option {key!r} is empty in the URL")
         options[key] = value
     return options
 

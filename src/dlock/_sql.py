@@ -173,6 +173,10 @@ def parse_server_url(
             f"unknown {parts.scheme} option(s): {', '.join(sorted(unknown))}; known: "
             f"{', '.join(sorted(known | passthrough))}"
         )
+    empty = sorted(key for key in passthrough | {socket_option} if settings.get(key) == "")
+    if empty:
+        # The URL's query refuses these already; a keyword must not slip one through.
+        raise ConfigurationError(f"empty {parts.scheme} option(s): {', '.join(empty)}")
     mode = str(settings.get("mode", "lease")).lower()
     if mode not in MODES:
         raise ConfigurationError(f"mode must be one of {MODES}, not {mode!r}")

@@ -22,6 +22,7 @@ from typing import Any
 import aiomysql
 import aiomysql.cursors
 import pymysql
+from pymysql.charset import charset_by_name
 from pymysql.constants import CLIENT, SERVER_STATUS
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -147,6 +148,10 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             table = f"{quote_mysql_identifier(settings.database)}.{settings.table}"
             settings = dataclasses.replace(settings, table=table)
         super().__init__(settings)
+        charset = settings.extra.get("charset")
+        if charset is not None and charset_by_name(charset) is None:
+            # The driver would fail each connection with an AttributeError.
+            raise ConfigurationError(f"charset {charset!r} is not one PyMySQL knows")
         try:
             self._ssl = _ssl_context(settings.extra)
         except (OSError, ValueError) as exc:

@@ -131,6 +131,33 @@ REFUSALS = (
 )
 
 
+#: libpq's words for an option value it does not know ("invalid sslmode value"), found
+#: only as it connects: a misconfiguration, which trying again will not mend.
+BAD_OPTION = re.compile(r'invalid \w+ value|value "[^"]*" invalid|may not be used with')
+
+#: The values libpq takes for its enumerated options: anything else fails every
+#: connection, so ``connect()`` refuses it (psycopg's conninfo parsing checks names only).
+LIBPQ_VALUES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+}
+
+
+def _check_libpq_values(extra: dict[str, str]) -> None:
+    for option, values in LIBPQ_VALUES.items():
+        if option in extra and extra[option] not in values:
+            raise ConfigurationError(
+                f"{option} must be one of {', '.join(values)}, not {extra[option]!r}"
+            )
+
+
 #: SQLSTATEs of a server that ends the session: admin_shutdown (pg_terminate_backend, a
 #: fast shutdown), crash_shutdown, cannot_connect_now.
 SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
@@ -176,6 +203,7 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             # first connection spells it (``_driver_find_table``).
             settings = dataclasses.replace(settings, table=settings.table.lower())
         super().__init__(settings)
+        _check_libpq_values(settings.extra)
         check_client_key(
             settings.extra.get("sslkey"), settings.extra.get("sslpassword"), "sslpassword"
         )
@@ -333,6 +361,8 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             text = str(exc).strip()
             if any(reason in text for reason in REFUSALS):
                 return BackendError(f"refused: {text}")
+            if BAD_OPTION.search(text):
+                return BackendError(f"misconfigured: {text}")
             return BackendUnavailable(text)
         if isinstance(exc, psycopg.Error):
             return BackendError(str(exc).strip())
