@@ -7,12 +7,14 @@ import asyncio
 import gc
 import itertools
 import os
+import ssl
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -574,6 +576,26 @@ def test_a_client_of_the_other_face_is_refused_naming_this_faces_classes() -> No
     )
 
 
+def test_redis_py_tls_options_reach_the_client(tls_server: TLSRedis) -> None:
+    """Every ssl_* option docs/redis.md lists works in the URL: a CA given as data
+    verifies the server, and the others reach redis-py as it reads them."""
+    pem = quote(tls_server.ca.read_text(), safe="")
+    url = (
+        f"rediss://{tls_server.server.address}?ssl_ca_data={pem}&ssl_min_version=TLSv1_2"
+        "&ssl_ciphers=HIGH&ssl_include_verify_flags=VERIFY_X509_PARTIAL_CHAIN"
+        "&ssl_exclude_verify_flags=VERIFY_X509_STRICT"
+    )
+    with dlock.connect(url) as client, client.lock(unique(), ttl=5) as lock:
+        assert lock.fencing_token is not None
+        given = client._backend._client.connection_pool.connection_kwargs  # type: ignore[attr-defined]
+        assert given["ssl_min_version"] == ssl.TLSVersion.TLSv1_2
+        assert given["ssl_ciphers"] == "HIGH"
+        assert given["ssl_include_verify_flags"] == [ssl.VerifyFlags.VERIFY_X509_PARTIAL_CHAIN]
+        assert given["ssl_exclude_verify_flags"] == [ssl.VerifyFlags.VERIFY_X509_STRICT]
+    number = f"rediss://h:1?ssl_min_version={int(ssl.TLSVersion.TLSv1_3)}"
+    assert RedisBackend.from_url(number, {})._url.endswith("ssl_min_version=772")  # type: ignore[union-attr]
+
+
 def test_urls_and_options() -> None:
     with pytest.raises(dlock.ConfigurationError, match="unknown redis option"):
         dlock.connect("redis://localhost?bogus=1")
@@ -702,6 +724,16 @@ def test_client_options_wrong_for_good_are_configuration_errors(
         ("rediss://h:1?ssl_certfile=/nonexistent/c.pem", "ssl_certfile"),
         ("rediss://h:1?ssl_ca_path=/nonexistent", "ssl_ca_path"),
         ("redis://h:1?protocol=9", "protocol"),
+        ("rediss://h:1?ssl_cert_reqs=requird", "ssl_cert_reqs must be"),
+        ("rediss://h:1?ssl_min_version=TLSv1_9", "ssl_min_version"),
+        ("rediss://h:1?ssl_ciphers=NO-SUCH-CIPHER", "TLS options"),
+        ("rediss://h:1?ssl_include_verify_flags=VERIFY_NOPE", "ssl_include_verify_flags"),
+        ("rediss://h:1?ssl_ca_data=not-a-certificate", "TLS options"),
+        # The sync face's RedisCluster drops these without a word.
+        ("rediss+cluster://h:1?ssl_min_version=TLSv1_3", "cluster client ignores"),
+        ("rediss+cluster://h:1?ssl_ciphers=HIGH", "cluster client ignores"),
+        # The sync face's OCSP options need pyOpenSSL, and asyncio has none.
+        ("rediss://h:1?ssl_validate_ocsp=true", "unknown redis option"),
         ("redis+redlock://a:1,b:2,c:3?cluster=true", "cluster"),
     ):
         with pytest.raises(dlock.ConfigurationError, match=message):

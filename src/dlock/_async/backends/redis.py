@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis_client
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -57,14 +59,20 @@ from ..backend import AsyncBackend, AsyncWaiter
 
 #: Options this backend takes besides what redis-py reads from the URL's query string.
 OPTIONS = {"client", "prefix", "socket_timeout", "socket_connect_timeout", "queue_ttl"}
-#: URL query options redis-py understands, passed through to it.
+#: URL query options redis-py understands, passed through to it: its SSL options that
+#: both faces take as text (the sync face's OCSP ones need pyOpenSSL and objects).
 CLIENT_OPTIONS = {
     "ssl_ca_certs",
+    "ssl_ca_data",
     "ssl_ca_path",
     "ssl_certfile",
     "ssl_keyfile",
     "ssl_cert_reqs",
     "ssl_check_hostname",
+    "ssl_ciphers",
+    "ssl_exclude_verify_flags",
+    "ssl_include_verify_flags",
+    "ssl_min_version",
     "ssl_password",
     "client_name",
     "username",
@@ -72,6 +80,8 @@ CLIENT_OPTIONS = {
     "db",
     "protocol",
 }
+#: What the sync face's RedisCluster drops without a word: refused with a cluster.
+NOT_FOR_CLUSTERS = {"ssl_ciphers", "ssl_min_version"}
 #: How long a waiter's place in the queue lasts unless refreshed by its next attempt;
 #: well above the core's fallback wait (2 s) so a live waiter never loses its place.
 QUEUE_TTL = 6.0
@@ -161,14 +171,47 @@ _TLS_PATHS = {
 }
 
 
-def _check_client_options(query: dict[str, str]) -> None:
+def _check_client_options(query: dict[str, str], cluster: bool) -> None:
     """What redis-py would only find wrong at the first connect, and then report as a
-    ConnectionError, which dlock would have to call BackendUnavailable (retryable)."""
+    ConnectionError, which dlock would have to call BackendUnavailable (retryable).
+    ``ssl_min_version`` is rewritten as the number redis-py reads."""
     for key, exists in _TLS_PATHS.items():
         if key in query and not exists(query[key]):
             raise ConfigurationError(f"{key}: no such file or directory: {query[key]!r}")
     if query.get("protocol", "2") not in ("2", "3"):
         raise ConfigurationError(f"protocol must be 2 or 3, not {query['protocol']!r}")
+    if query.get("ssl_cert_reqs", "required") not in ("none", "optional", "required"):
+        raise ConfigurationError(
+            f"ssl_cert_reqs must be none, optional or required, not {query['ssl_cert_reqs']!r}"
+        )
+    if cluster and (dropped := sorted(NOT_FOR_CLUSTERS & query.keys())):
+        raise ConfigurationError(f"redis-py's cluster client ignores {', '.join(dropped)}")
+    if "ssl_min_version" in query:
+        query["ssl_min_version"] = str(_tls_version(query["ssl_min_version"]))
+    for key in query.keys() & URL_QUERY_ARGUMENT_PARSERS.keys():
+        parse: Any = URL_QUERY_ARGUMENT_PARSERS[key]  # the sync face's is typed loosely
+        try:
+            parse(query[key])
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"{key}: {exc}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        if "ssl_ciphers" in query:
+            context.set_ciphers(query["ssl_ciphers"])
+        if "ssl_ca_data" in query:
+            context.load_verify_locations(cadata=query["ssl_ca_data"])
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigurationError(f"TLS options: {exc}") from None
+
+
+def _tls_version(value: str) -> int:
+    """``TLSv1_2`` (Python's name, as in ``ssl.TLSVersion``) or its number (771)."""
+    try:
+        return int(ssl.TLSVersion(int(value)) if value.isdigit() else ssl.TLSVersion[value])
+    except (KeyError, ValueError):
+        raise ConfigurationError(
+            f"ssl_min_version must be TLSv1_2, TLSv1_3 or another ssl.TLSVersion, not {value!r}"
+        ) from None
 
 
 def _file_missing(error: BaseException) -> bool:
@@ -450,7 +493,7 @@ class AsyncRedisBackend(AsyncBackend):
         if settings.get("client") is not None:
             _check_given_client_url(parts, set(settings) | set(query))
         _check_database(parts.path, query.get("db"))
-        _check_client_options(query)
+        _check_client_options(query, cluster)
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
         client_options: dict[str, Any] = {
