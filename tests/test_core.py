@@ -733,3 +733,109 @@ def test_an_on_lost_calling_sys_exit_does_not_stop_the_renewer(tmp_path: Path) -
         assert keeper.owned()
         info = other.inspect("keeper")
         assert info is not None and info.fencing_token == keeper.fencing_token
+
+
+def test_an_extend_cut_off_after_it_was_applied_shortens_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(1) on a 30 s lease reaches the backend, but its answer does not come back
+    (it fails, or is cancelled): the lease may now end in 1 s, and owned() must not stay
+    true once another client can take the lock."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=30, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        real_extend = client._backend.extend
+
+        def applied_then_failed(name: str, token: str, ttl: float) -> bool:
+            real_extend(name, token, ttl)
+            raise dlock.BackendUnavailable("no answer")
+
+        monkeypatch.setattr(client._backend, "extend", applied_then_failed)
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.extend(1)
+        assert other.lock("job", ttl=30).acquire(timeout=10)
+        assert not lock.owned()
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("async-job", ttl=30, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            real_extend = client._backend.extend
+            applied = asyncio.Event()
+
+            async def applied_then_stuck(name: str, token: str, ttl: float) -> bool:
+                await real_extend(name, token, ttl)
+                applied.set()
+                await asyncio.sleep(60)
+                return True
+
+            monkeypatch.setattr(client._backend, "extend", applied_then_stuck)
+            extend = asyncio.create_task(lock.extend(1))
+            await applied.wait()
+            extend.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await extend
+            assert await other.lock("async-job", ttl=30).acquire(timeout=10)
+            assert not lock.owned()
+
+    asyncio.run(main())
+
+
+def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After extend(30), a renewal (1 s) reaches the backend but its answer is lost, and
+    the backend stays unreachable: the lease ends 1 s after that renewal, so the holder
+    must be told then, not when the extend's 30 s run out."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        told = threading.Event()
+        lock = client.lock("job", ttl=1, on_lost=lambda _: told.set())
+        assert lock.acquire(timeout=0)
+        lock.extend(30)
+        real_extend_many = client._backend.extend_many
+        calls: list[object] = []
+
+        def unanswered(leases: list[Any]) -> list[bool]:
+            if not calls:
+                real_extend_many(leases)
+            calls.append(leases)
+            raise dlock.BackendUnavailable("no answer")
+
+        monkeypatch.setattr(client._backend, "extend_many", unanswered)
+        client._renewer.renew_now()
+        give_up = time.monotonic() + 5
+        while not calls:
+            assert time.monotonic() < give_up, "the renewal did not happen"
+            time.sleep(0.01)
+        assert other.lock("job", ttl=30).acquire(timeout=10)
+        assert not lock.owned()
+        assert told.wait(5), "not told when the renewed lease ran out"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            told = asyncio.Event()
+            lock = client.lock("async-job", ttl=1, on_lost=lambda _: told.set())
+            assert await lock.acquire(timeout=0)
+            await lock.extend(30)
+            real_extend_many = client._backend.extend_many
+            calls: list[object] = []
+
+            async def unanswered(leases: list[Any]) -> list[bool]:
+                if not calls:
+                    await real_extend_many(leases)
+                calls.append(leases)
+                raise dlock.BackendUnavailable("no answer")
+
+            monkeypatch.setattr(client._backend, "extend_many", unanswered)
+            client._renewer.renew_now()
+            give_up = time.monotonic() + 5
+            while not calls:
+                assert time.monotonic() < give_up, "the renewal did not happen"
+                await asyncio.sleep(0.01)
+            assert await other.lock("async-job", ttl=30).acquire(timeout=10)
+            assert not lock.owned()
+            await asyncio.wait_for(told.wait(), 5)
+
+    asyncio.run(main())

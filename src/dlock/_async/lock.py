@@ -373,6 +373,16 @@ class AsyncLock:
         self._lease_ttl = self._deadline - started
         self._renew_at = started + self._lease_ttl * RENEW_AFTER
 
+    def _lease_unsure(self, started: float, ttl: float, cap: float) -> None:
+        """A lease write (extend, renewal) whose outcome is unknown (failed, cancelled or
+        timed out in flight) may have been applied all the same, and shortened the lease:
+        it may now end as early as that write set it (``cap`` from _write_done)."""
+        if self._count and min(started + ttl, cap) < self._deadline:
+            self._lease_renewed(started, ttl, cap)
+            if self.auto_renew:
+                # Due sooner now, perhaps: confirm it before it runs out.
+                self._client._renewer.reschedule(self)
+
     async def release(self) -> None:
         """Leave the lock once (a reentrant lock is freed by its last release).
 
@@ -411,8 +421,10 @@ class AsyncLock:
         write = self._write_started(started, seconds)
         try:
             extended = await self._client._backend.extend(self.name, self._token, seconds)
-        finally:
-            cap = self._write_done(write)
+        except BaseException:
+            self._lease_unsure(started, seconds, self._write_done(write))
+            raise
+        cap = self._write_done(write)
         if not extended:
             self._declare_lost("the lease had expired or been taken over before extend", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")

@@ -79,6 +79,11 @@ class Renewer:
         self._epoch += 1
         self._runner = spawn(partial(self._run, self._epoch), name="dlock-renewer")
 
+    def reschedule(self, lock: Lock) -> None:
+        """Wake the loop if ``lock``, still renewed here, is now due before it wakes."""
+        if lock in self._locks and lock._renew_at < self._sleeping_until:
+            self._wakeup.set()
+
     def discard(self, lock: Lock) -> None:
         self._locks.discard(lock)
 
@@ -134,7 +139,13 @@ class Renewer:
                 renewed = call_with_timeout(
                     self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
                 )
-        except Exception as exc:
+        except BaseException as exc:
+            # Perhaps applied all the same (an answer lost, a call cut short): each lease
+            # may now end as early as this renewal set it.
+            for (lock, _), write in zip(due, writes, strict=True):
+                lock._lease_unsure(started, lock.ttl, lock._write_done(write))
+            if not isinstance(exc, Exception):
+                raise
             # Unreachable or slow backend: keep trying until each lease's own deadline.
             log = (
                 logger.warning
@@ -145,8 +156,7 @@ class Renewer:
             for lock, _ in due:
                 lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
             return
-        finally:
-            caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
+        caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
         for (lock, generation), ok, cap in zip(due, renewed, caps, strict=True):
             if lock not in self._locks or lock._generation != generation:
                 continue  # released (or released and re-acquired) while we were renewing
