@@ -839,3 +839,93 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
             await asyncio.wait_for(told.wait(), 5)
 
     asyncio.run(main())
+
+
+def test_an_extend_answered_after_a_release_leaves_the_next_hold_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(60) is applied, then another user of the lock object releases it and takes
+    it again (ttl 1) before extend's answer is handled: that answer is not about the new
+    hold, whose lease ends in 1 s, so owned() must not stay true for 60 s."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=1, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        real_extend = client._backend.extend
+
+        def answered_late(name: str, token: str, ttl: float) -> bool:
+            applied = real_extend(name, token, ttl)
+            lock.release()
+            assert lock.acquire(timeout=0)
+            return applied
+
+        monkeypatch.setattr(client._backend, "extend", answered_late)
+        lock.extend(60)
+        assert other.lock("job", ttl=30).acquire(timeout=10)
+        assert not lock.owned()
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("async-job", ttl=1, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            real_extend = client._backend.extend
+
+            async def answered_late(name: str, token: str, ttl: float) -> bool:
+                applied = await real_extend(name, token, ttl)
+                await lock.release()
+                assert await lock.acquire(timeout=0)
+                return applied
+
+            monkeypatch.setattr(client._backend, "extend", answered_late)
+            await lock.extend(60)
+            assert await other.lock("async-job", ttl=30).acquire(timeout=10)
+            assert not lock.owned()
+
+    asyncio.run(main())
+
+
+def test_an_extend_answered_after_a_release_does_not_renew_the_lock_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend() is applied, then another user of the lock object releases it before
+    extend's answer is handled: the released lock must not go back to the renewer, which
+    would find the lease gone and tell a loss of a lock released cleanly."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        told: list[object] = []
+        lock = client.lock("job", ttl=1, on_lost=told.append)
+        assert lock.acquire(timeout=0)
+        real_extend = client._backend.extend
+
+        def answered_late(name: str, token: str, ttl: float) -> bool:
+            applied = real_extend(name, token, ttl)
+            lock.release()
+            return applied
+
+        monkeypatch.setattr(client._backend, "extend", answered_late)
+        lock.extend()
+        assert lock not in client._renewer._locks
+        client._renewer.renew_now()
+        time.sleep(0.3)
+        assert not told and not lock.lost
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client:
+            told: list[object] = []
+            lock = client.lock("async-job", ttl=1, on_lost=told.append)
+            assert await lock.acquire(timeout=0)
+            real_extend = client._backend.extend
+
+            async def answered_late(name: str, token: str, ttl: float) -> bool:
+                applied = await real_extend(name, token, ttl)
+                await lock.release()
+                return applied
+
+            monkeypatch.setattr(client._backend, "extend", answered_late)
+            await lock.extend()
+            assert lock not in client._renewer._locks
+            client._renewer.renew_now()
+            await asyncio.sleep(0.3)
+            assert not told and not lock.lost
+
+    asyncio.run(main())

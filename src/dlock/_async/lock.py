@@ -417,6 +417,7 @@ class AsyncLock:
         if self.lost:
             self._declare_lost("the lease ran out before it could be extended", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+        generation = self._generation
         started = self._client._clock()
         write = self._write_started(started, seconds)
         try:
@@ -425,6 +426,14 @@ class AsyncLock:
             self._lease_unsure(started, seconds, self._write_done(write))
             raise
         cap = self._write_done(write)
+        if not self._count or self._generation != generation:
+            # Released meanwhile by another user of this object (and perhaps acquired
+            # again): the answer is not about the hold there is now, if any. The write
+            # may have reached that one all the same, under the same owner token.
+            self._lease_unsure(started, seconds, cap)
+            if not extended:
+                raise NotOwner(f"lock {self.name!r} was released while it was being extended")
+            return
         if not extended:
             self._declare_lost("the lease had expired or been taken over before extend", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")

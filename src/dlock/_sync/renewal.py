@@ -159,7 +159,10 @@ class Renewer:
         caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
         for (lock, generation), ok, cap in zip(due, renewed, caps, strict=True):
             if lock not in self._locks or lock._generation != generation:
-                continue  # released (or released and re-acquired) while we were renewing
+                # Released (and perhaps re-acquired) while we were renewing: the answer
+                # is not about the hold there is now, which the write may have reached.
+                lock._lease_unsure(started, lock.ttl, cap)
+                continue
             if ok:
                 lock._lease_renewed(started, lock.ttl, cap)
             else:
