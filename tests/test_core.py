@@ -929,3 +929,75 @@ def test_an_extend_answered_after_a_release_does_not_renew_the_lock_again(
             assert not told and not lock.lost
 
     asyncio.run(main())
+
+
+def test_a_renewal_overlapping_the_last_release_tells_no_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend applies the release, then a renewal, which finds the lease gone, and
+    the release's answer comes back last: the lock was released cleanly, not lost."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        told: list[object] = []
+        lock = client.lock("job", ttl=30, on_lost=told.append)
+        keeper = client.lock("keeper", ttl=30)  # so that every renewal round calls out
+        assert keeper.acquire(timeout=0)
+        real_release, real_extend_many = client._backend.release, client._backend.extend_many
+        renewals: list[object] = []
+
+        def counted(leases: list[Any]) -> list[bool]:
+            renewed = real_extend_many(leases)
+            renewals.append(leases)
+            return renewed
+
+        def answered_after_a_renewal(name: str, token: str) -> int | None:
+            remaining = real_release(name, token)
+            if name == "job":
+                before = len(renewals)
+                client._renewer.renew_now()
+                give_up = time.monotonic() + 5
+                while len(renewals) == before:
+                    assert time.monotonic() < give_up, "the renewal did not happen"
+                    time.sleep(0.01)
+                time.sleep(0.1)  # its answer handled
+            return remaining
+
+        monkeypatch.setattr(client._backend, "extend_many", counted)
+        monkeypatch.setattr(client._backend, "release", answered_after_a_renewal)
+        with lock:
+            pass
+        assert not told and not lock.lost
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client:
+            told: list[object] = []
+            lock = client.lock("async-job", ttl=30, on_lost=told.append)
+            keeper = client.lock("async-keeper", ttl=30)
+            assert await keeper.acquire(timeout=0)
+            real_release, real_extend_many = client._backend.release, client._backend.extend_many
+            renewals: list[object] = []
+
+            async def counted(leases: list[Any]) -> list[bool]:
+                renewed = await real_extend_many(leases)
+                renewals.append(leases)
+                return renewed
+
+            async def answered_after_a_renewal(name: str, token: str) -> int | None:
+                remaining = await real_release(name, token)
+                if name == "async-job":
+                    before = len(renewals)
+                    client._renewer.renew_now()
+                    give_up = time.monotonic() + 5
+                    while len(renewals) == before:
+                        assert time.monotonic() < give_up, "the renewal did not happen"
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.1)
+                return remaining
+
+            monkeypatch.setattr(client._backend, "extend_many", counted)
+            monkeypatch.setattr(client._backend, "release", answered_after_a_renewal)
+            async with lock:
+                pass
+            assert not told and not lock.lost
+
+    asyncio.run(main())

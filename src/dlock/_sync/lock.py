@@ -396,6 +396,10 @@ class Lock:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
             raise self._give_up_lost(told=True)
+        if self._count == 1:
+            # Renewal stops before the last release is sent: a renewal applied after it
+            # would find the lease gone and tell a loss of a lock released cleanly.
+            self._client._renewer.discard(self)
         try:
             remaining = self._client._backend.release(self.name, self._token)
         except BaseException:
