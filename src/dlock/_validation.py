@@ -20,6 +20,10 @@ MAX_BATCH: Final = 100_000
 #: character takes 6 or 12): with the host name and pid it fits every backend's
 #: 1024-character holder column.
 MAX_LABEL_LENGTH: Final = 512
+#: Longest TTL, in seconds (about 31 years). Every backend stores it: Redis refuses an
+#: expiry past 2**63 ms from now, and a thread's wait (the ZooKeeper reaper's, sleeping
+#: until an unrenewed lease ends) overflows past about 9.2e9 s.
+MAX_TTL: Final = 1e9
 
 
 def check_name(name: object) -> str:
@@ -86,6 +90,8 @@ def check_ttl(ttl: object) -> float:
         raise InvalidTTL(f"ttl must be a number of seconds, not {type(ttl).__name__}")
     if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidTTL(f"ttl must be a positive, finite number of seconds, not {ttl!r}")
+    if seconds > MAX_TTL:
+        raise InvalidTTL(f"ttl is {ttl!r} seconds; the limit is {MAX_TTL:g} (about 31 years)")
     return seconds
 
 

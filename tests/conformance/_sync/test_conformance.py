@@ -609,7 +609,9 @@ def test_bad_names_are_refused(url: str, bad_name: object, message: str) -> None
             client.force_release(bad_name)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad_ttl", [0, -1, math.nan, math.inf, -math.inf, "5", True, None])
+@pytest.mark.parametrize(
+    "bad_ttl", [0, -1, math.nan, math.inf, -math.inf, 1e17, 10**400, "5", True, None]
+)
 def test_bad_ttls_are_refused(url: str, name: str, bad_ttl: object) -> None:
     with dlock.connect(url) as client:
         with pytest.raises(dlock.InvalidTTL, match="ttl"):
@@ -620,6 +622,23 @@ def test_bad_ttls_are_refused(url: str, name: str, bad_ttl: object) -> None:
             with pytest.raises(ValueError, match="ttl"):
                 lock.extend(bad_ttl)  # type: ignore[arg-type]
         lock.release()
+
+
+def test_the_longest_ttl_is_stored(url: str, name: str) -> None:
+    """Every backend keeps a lease of MAX_TTL, unrenewed; one beyond is refused here, not
+    by the backend (Redis refused 1e17 s with a BackendError)."""
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=dlock.MAX_TTL, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        lock.extend(dlock.MAX_TTL)
+        info = client.inspect(name)
+        assert info is not None and info.expires_in is not None
+        assert info.expires_in > dlock.MAX_TTL - 3600
+        with pytest.raises(dlock.InvalidTTL, match="limit"):
+            lock.extend(dlock.MAX_TTL * 1.001)
+        assert lock.owned()
+        lock.release()
+        assert client.inspect(name) is None
 
 
 @pytest.mark.parametrize("bad_timeout", [-1, -0.001, math.nan, "1", True])
