@@ -229,3 +229,38 @@ def test_a_lease_outside_a_stuck_renewal_is_told_lost_at_its_own_deadline(
                 blocker.close()
 
     asyncio.run(main())
+
+
+def test_an_on_lost_that_releases_does_not_hold_up_other_losses(tmp_path: Path) -> None:
+    """While a renewal is stuck on a write-locked file, the watchdog tells the first
+    loss; its on_lost releases the lock, which must not make the watchdog wait for the
+    file (up to busy_timeout) before telling the next loss at its own deadline."""
+    db = tmp_path / "locks.sqlite3"
+    other = dlock.connect(f"sqlite://{db}")
+    released: list[BaseException] = []
+    told = threading.Event()
+
+    def releasing(lock: dlock.Lock) -> None:
+        try:
+            lock.release()
+        except dlock.LockLost as exc:  # its contract holds from on_lost too
+            released.append(exc)
+
+    with dlock.connect(f"sqlite://{db}?busy_timeout=20") as client:
+        first = client.lock("first", ttl=1.0, on_lost=releasing)
+        second = client.lock("second", ttl=2.0, on_lost=lambda _: told.set())
+        assert first.acquire(timeout=0) and second.acquire(timeout=0)
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            assert told.wait(8), "the second loss waited for the first one's release"
+            assert released and first.lost and not first.owned()
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        # Given back in the background once the file is free again.
+        deadline = time.monotonic() + 15
+        while other.inspect("first") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert other.inspect("first") is None
+    other.close()

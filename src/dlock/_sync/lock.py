@@ -473,6 +473,7 @@ class Lock:
             self._client._renewer.discard(self)
             logger.warning("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
+                telling = _WATCHDOG_TELLING.set(watchdog)
                 try:
                     self.on_lost(self)
                 except Exception:
@@ -483,6 +484,8 @@ class Lock:
                     if not watchdog:
                         raise
                     logger.exception("dlock: on_lost callback for %r raised", self.name)
+                finally:
+                    _WATCHDOG_TELLING.reset(telling)
             if self.cancel_on_lost:
                 running = current_task() if told else None
                 for task in dict.fromkeys(self._body_tasks):
@@ -518,7 +521,13 @@ class Lock:
         entries = self._count
         self._forget()
         self._declare_lost("the lease ran out before it could be renewed", told)
-        self._release_quietly(entries)
+        if _WATCHDOG_TELLING.get():
+            # An on_lost run by the watchdog releases: the watchdog must not wait for the
+            # backend (it may be stuck behind the very renewal the watchdog gave up on),
+            # or the losses of the client's other leases would be told late.
+            self._abandon(entries)
+        else:
+            self._release_quietly(entries)
         return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
 
     def _release_quietly(self, entries: int = 1) -> None:
@@ -573,6 +582,12 @@ class Lock:
             raise lost from exc
         self.release()
 
+
+#: True while the watchdog (renewer, alarm) runs an on_lost callback in this thread or
+#: task: a release from there gives back in the background (see _give_up_lost).
+_WATCHDOG_TELLING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dlock_watchdog_telling", default=False
+)
 
 #: The acquire() call running in this thread or task, which a grant is recorded for.
 _ACQUIRE_CALL: contextvars.ContextVar[object] = contextvars.ContextVar(
