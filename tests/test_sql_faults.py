@@ -128,6 +128,36 @@ def test_session_lock_freed_at_once_when_its_connection_is_killed(
             successor.release()
 
 
+def test_a_grant_answered_as_the_client_closes_is_given_back(server: SQLServer, name: str) -> None:
+    """close() while an acquire's attempt is in flight: the grant comes back after close
+    began. The acquire must give it back before close shuts the backend, which would
+    refuse the give-back and leave the lease held for its TTL."""
+
+    async def main() -> None:
+        async with dlock.aio.connect(server.url()) as other:
+            client = dlock.aio.connect(server.url())
+            backend = client._backend
+            real_acquire = backend.acquire
+            granted, closing = asyncio.Event(), asyncio.Event()
+
+            async def answered_late(*args: Any) -> Any:
+                result = await real_acquire(*args)
+                granted.set()
+                await closing.wait()
+                return result
+
+            backend.acquire = answered_late  # type: ignore[method-assign,assignment]
+            task = asyncio.create_task(client.lock(name, ttl=60).acquire())
+            await asyncio.wait_for(granted.wait(), 10)
+            closing.set()
+            await client.aclose()
+            with pytest.raises(dlock.BackendError, match="closed"):
+                await task
+            assert await other.inspect(name) is None
+
+    asyncio.run(main())
+
+
 def test_lease_survives_its_connection_being_killed(server: SQLServer, name: str) -> None:
     with dlock.connect(server.url()) as first, dlock.connect(server.url()) as second:
         lock = first.lock(name, ttl=1.5, auto_renew=False)

@@ -25,12 +25,14 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import serving, wait_done
+from ._primitives import serving, sleep, wait_done
 from .backend import AsyncBackend
 from .lock import AsyncLock
 from .renewal import AsyncRenewer
 
 DEFAULT_TTL = 30.0
+#: Longest that close() waits for acquires in flight to end (see aclose).
+CLOSE_WAIT = 5.0
 
 #: The clock a holder measures its lease by. On Linux, the boot clock: like
 #: ``time.monotonic`` it never steps, and unlike it, it keeps counting while the host is
@@ -76,6 +78,9 @@ class AsyncClient:
         self._clock = clock
         self._renewer = AsyncRenewer(backend, clock)
         backend.watch_leases(self._renewer.renew_now)
+        #: Acquire calls in flight, each with its pid (after a fork, the parent's are not
+        #: the child's to wait for), or 0 while it waits for a release.
+        self._acquiring: dict[object, int] = {}
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
         #: Every lock of this client holding a lease, renewed or not: close() gives them
@@ -192,6 +197,13 @@ class AsyncClient:
         """Stop renewing, give back every lock still held, and close the backend.
         Its locks cannot be acquired afterwards: nothing would renew them."""
         self._closed = True
+        # An attempt in flight may yet be granted: its acquire sees the client closed and
+        # gives the lease back, which needs the backend open, so let it end first;
+        # bounded, as a server that stopped answering would hold it up.
+        until = self._clock() + CLOSE_WAIT
+        pid = os.getpid()
+        while pid in self._acquiring.values() and self._clock() < until:
+            await sleep(0.01)
         for give_back in self._give_backs:
             await wait_done(give_back)
         await self._renewer.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import math
+import os
 import secrets
 import threading
 from collections.abc import Callable
@@ -164,7 +165,11 @@ class AsyncLock:
         entries = self._count
         call = object()
         context = _ACQUIRE_CALL.set(call)
+        self._client._acquiring[call] = os.getpid()
         try:
+            # Again, now that close() waits for this call: either it sees the call and
+            # lets it end first, or the call sees the client closed.
+            self._check_open()
             acquired = await self._acquire(wait, deadline, cancels, entries > 0)
             await self._still_wanted(cancels)
         except BaseException:
@@ -176,6 +181,7 @@ class AsyncLock:
                 await self._undo_entry(entries)
             raise
         finally:
+            del self._client._acquiring[call]
             _ACQUIRE_CALL.reset(context)
         return acquired
 
@@ -240,7 +246,14 @@ class AsyncLock:
                 delay = self._delay(attempt, busy.retry_after, waiter.notifies, remaining)
                 if waiter.notifies and delay < waiter.shortest_wait:
                     delay = self._delay(attempt, busy.retry_after, False, remaining)
-                handed = await waiter.wait(delay)
+                # Parked: close() does not wait for this call meanwhile (a notifying
+                # wait may last seconds); it stops at its next wake, seeing it closed.
+                acquiring, call = self._client._acquiring, _ACQUIRE_CALL.get()
+                acquiring[call] = 0
+                try:
+                    handed = await waiter.wait(delay)
+                finally:
+                    acquiring[call] = os.getpid()
                 if handed is not None and await self._take_handed(handed):
                     return True
                 attempt += 1
