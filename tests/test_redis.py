@@ -4,6 +4,7 @@ misconfiguration, TLS, URLs. The shared semantics are in the conformance suite."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import os
@@ -1041,3 +1042,39 @@ def test_a_cancellation_lost_while_waiting_for_a_release_stops_the_wait(
             await holder.release()
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def out_of_memory(*servers: RedisServer) -> Iterator[None]:
+    """Servers that refuse every script that may write (maxmemory reached, noeviction):
+    one command failing on a real server, while the others answer."""
+    admins = [redis.Redis(port=server.port) for server in servers]
+    for admin in admins:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+    try:
+        yield
+    finally:
+        for admin in admins:
+            admin.config_set("maxmemory", "0")
+            admin.close()
+
+
+def test_redlock_reentry_refused_by_every_master_keeps_the_outer_hold(
+    own_masters: list[RedisServer],
+) -> None:
+    """A re-entry that no master ran gives nothing back: a release there would take the
+    outer hold's only entry, and another client would get the lock while it is held."""
+    url = make_redlock_url(own_masters)
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(unique(), ttl=30, reentrant=True)
+        assert lock.acquire(timeout=0)
+        with out_of_memory(*own_masters), pytest.raises(dlock.BackendError):
+            lock.acquire(timeout=0)
+        lease = Keys(b"dlock", lock.name).lease
+        for master in own_masters:
+            with redis.Redis(port=master.port) as raw:
+                assert raw.exists(lease), "the outer hold's lease was given back"
+        assert lock.owned()
+        assert other.lock(lock.name, ttl=30).acquire(timeout=0) is False
+        lock.release()

@@ -135,11 +135,10 @@ class AsyncRedlockBackend(AsyncBackend):
                 return Acquired(fencing_token=fence, count=1)
         # No majority in time: give back what we got, so others are not blocked; on a
         # master that failed too, as the call may have reached it and been granted. Not
-        # on a re-entry, though: there a release where nothing was granted would take
-        # an entry of the outer hold.
-        reentry = any(result.count > 1 for _, result in granted)
+        # on a re-entry, though (whatever the masters that answered said): there a
+        # release where nothing was granted would take an entry of the outer hold.
         for master, result in zip(self._masters, results, strict=True):
-            if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentry):
+            if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentrant):
                 with suppress(BackendError):
                     await master.release(name, token)
         failed = sum(isinstance(r, BackendError) for r in results)
