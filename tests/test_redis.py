@@ -1078,3 +1078,28 @@ def test_redlock_reentry_refused_by_every_master_keeps_the_outer_hold(
         assert lock.owned()
         assert other.lock(lock.name, ttl=30).acquire(timeout=0) is False
         lock.release()
+
+
+def test_redlock_counts_the_entries_a_majority_holds(own_masters: list[RedisServer]) -> None:
+    """A release that one master missed leaves it an entry more than the others; the
+    count told is what a majority holds, and the last release frees every master.
+    Taking the largest count, the lock object went on holding a lock that a majority
+    had freed, and another client could take."""
+    name, token, holder = unique(), "a" * 32, Holder.current()
+    backend = RedlockBackend.from_url(make_redlock_url(own_masters), {})
+    try:
+        for count, reentrant in ((1, False), (2, True)):
+            entered = backend.acquire(name, token, 30, holder, reentrant)
+            assert isinstance(entered, Acquired) and entered.count == count
+        with out_of_memory(own_masters[2]):
+            assert backend.release(name, token) == 1  # entries now 1, 1, 2
+        again = backend.acquire(name, token, 30, holder, True)  # 2, 2, 3
+        assert isinstance(again, Acquired) and again.count == 2
+        assert backend.release(name, token) == 1
+        assert backend.release(name, token) == 0
+        lease = Keys(b"dlock", name).lease
+        for master in own_masters:
+            with redis.Redis(port=master.port) as raw:
+                assert not raw.exists(lease), "a master kept the lease after the last release"
+    finally:
+        backend.close()

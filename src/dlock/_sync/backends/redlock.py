@@ -168,7 +168,7 @@ class RedlockBackend(Backend):
         if validity > 0:
             return Acquired(
                 fencing_token=max(result.fencing_token for _, result in reentered),
-                count=max(result.count for _, result in reentered),
+                count=self._majority_count([result.count for _, result in reentered]),
             )
         for master, _ in reentered:  # too late: take this entry back
             with suppress(BackendError):
@@ -188,14 +188,35 @@ class RedlockBackend(Backend):
                 lifted += master.raise_fence(name, token, fence)
         return lifted >= self._quorum
 
+    def _majority_count(self, counts: list[int]) -> int:
+        """The entries a majority of masters hold at least. Counts differ where a call
+        failed on some master (a release it missed, a re-entry it ran unanswered); the
+        largest would keep the lock object holding what a majority has freed."""
+        return sorted(counts, reverse=True)[self._quorum - 1]
+
     def release(self, name: str, token: str) -> int | None:
         results = self._each(lambda m: m.release(name, token))
         counts = [r for r in results if isinstance(r, int)]
         if len(counts) >= self._quorum:
-            return max(counts)
+            left = self._majority_count(counts)
+            if left == 0:
+                # Free on a majority, so free: a master that kept entries from a missed
+                # release must not keep the lease (and one vote for it) until its TTL.
+                for master, count in zip(self._masters, results, strict=True):
+                    if isinstance(count, int):
+                        self._release_all(master, name, token, count)
+            return left
         if len(results) - sum(isinstance(r, BackendError) for r in results) < self._quorum:
             raise self._no_quorum(results, "release")
         return None
+
+    @staticmethod
+    def _release_all(master: RedisBackend, name: str, token: str, count: int) -> None:
+        """Release ``token``'s ``count`` entries left on ``master``, owner-checked."""
+        with suppress(BackendError):
+            for _ in range(count):
+                if not master.release(name, token):
+                    return
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
         return (self.extend_many([Lease(name, token, ttl)]))[0]
