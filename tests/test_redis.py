@@ -1103,3 +1103,31 @@ def test_redlock_counts_the_entries_a_majority_holds(own_masters: list[RedisServ
                 assert not raw.exists(lease), "a master kept the lease after the last release"
     finally:
         backend.close()
+
+
+def test_a_redlock_waiter_giving_back_a_minority_grant_does_not_wake_itself(
+    own_masters: list[RedisServer],
+) -> None:
+    """The holder's lease is gone from master 0 only (lost there: expired while it was
+    paused, say). The waiter heads master 0's queue, so master 0 grants its attempts and
+    the majority refuses them; the give-back there must not wake the waiter (it keeps its
+    place meanwhile, and listens on master 0), or it retries at once, in a loop."""
+    url = make_redlock_url(own_masters)
+    first = redis.Redis(port=own_masters[0].port)
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        holder = client.lock(unique(), ttl=30)
+        assert holder.acquire(timeout=0)
+        keys = Keys(b"dlock", holder.name)
+        acquired = acquire_in_thread(other.lock(holder.name, ttl=30), timeout=3)
+        deadline = time.monotonic() + 5
+        while not first.exists(keys.queue):  # the waiter is queued on master 0
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        first.config_resetstat()
+        first.delete(keys.lease)
+        assert acquired() is False
+        calls = first.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+        # A retry every fallback period (2 s) and the give-backs, not thousands.
+        assert calls < 30, f"{calls} scripts run on master 0 in 3 s"
+        holder.release()
+    first.close()

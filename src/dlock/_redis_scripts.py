@@ -99,13 +99,15 @@ end
 -- granted to the head here and its message carries the grant (attempt number, fencing
 -- token, lease ms), saving it a round trip; otherwise (Redlock, where one master cannot
 -- grant alone) the message only wakes it. Each waiter has its own channel: no herd.
-local function hand_on(lease, fence, queue, qexp, info, wake, hand_over)
+-- ``releaser`` is not woken: a Redlock waiter keeps its place while it gives back a
+-- minority's grant, and waking itself, it would retry at once, in a loop.
+local function hand_on(lease, fence, queue, qexp, info, wake, hand_over, releaser)
     prune(queue, qexp, info)
     local head = redis.call('ZRANGE', queue, 0, 0)[1]
     if not head then return end
     local entry = redis.call('HGET', info, head)
     if hand_over ~= '1' or not entry then
-        redis.call('PUBLISH', wake .. head, '')
+        if head ~= releaser then redis.call('PUBLISH', wake .. head, '') end
         return
     end
     local ttl_ms, attempt, holder = string.match(entry, '^(%d+) (%d+) (.*)$')
@@ -206,7 +208,7 @@ if redis.call('EXISTS', queue) == 1 then
     + _MINT
     + _QUEUE
     + """
-    hand_on(lease, KEYS[2], queue, KEYS[4], KEYS[5], ARGV[2], ARGV[3])
+    hand_on(lease, KEYS[2], queue, KEYS[4], KEYS[5], ARGV[2], ARGV[3], token)
 end
 return 0
 """
