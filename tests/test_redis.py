@@ -1131,3 +1131,28 @@ def test_a_redlock_waiter_giving_back_a_minority_grant_does_not_wake_itself(
         assert calls < 30, f"{calls} scripts run on master 0 in 3 s"
         holder.release()
     first.close()
+
+
+def test_a_lease_handed_over_lasts_the_ttl_without_auto_renew(redis_server: RedisServer) -> None:
+    """A lease handed to a waiter lasts only its place's length (queue_ttl) on the
+    server; with auto_renew=False nothing would renew it, so it must be set to the
+    lock's TTL before the waiter holds it, or it ends long before the TTL."""
+    name = unique()
+    url = url_of(redis_server)
+    with dlock.connect(url) as first, dlock.connect(url + "?queue_ttl=2") as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        waiter = second.lock(name, ttl=30, auto_renew=False)
+        acquired = acquire_in_thread(waiter, timeout=5)
+        with redis.Redis(port=redis_server.port) as admin:
+            deadline = time.monotonic() + 5
+            while not admin.exists(Keys(b"dlock", name).queue):  # the waiter is queued
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        holder.release()
+        assert acquired() is True
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == waiter.fencing_token
+        assert info.expires_in is not None and info.expires_in > 20, info
+        assert waiter.owned()
+        waiter.release()

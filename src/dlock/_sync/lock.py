@@ -270,10 +270,12 @@ class Lock:
 
         It was granted after our latest attempt was sent, so it lasts at least its TTL
         from then. If little of that is left (a long wait since), confirm it with an
-        owner-checked renewal first; if it has lapsed meanwhile, keep waiting.
+        owner-checked renewal first; if it has lapsed meanwhile, keep waiting. So too
+        when it is shorter than ours (Redis: a place's length) and nothing renews it.
         """
         ttl = self.ttl if handed.ttl is None else handed.ttl
-        if self._client._clock() < self._attempt_sent + ttl * RENEW_AFTER:
+        renewed = self.auto_renew or ttl >= self.ttl
+        if renewed and self._client._clock() < self._attempt_sent + ttl * RENEW_AFTER:
             self._granted(handed, self._attempt_sent)
             return True
         started = self._client._clock()
