@@ -1156,3 +1156,35 @@ def test_a_lease_handed_over_lasts_the_ttl_without_auto_renew(redis_server: Redi
         assert info.expires_in is not None and info.expires_in > 20, info
         assert waiter.owned()
         waiter.release()
+
+
+def test_a_forked_child_does_not_share_the_parents_idle_subscriptions(
+    redis_server: RedisServer,
+) -> None:
+    """An idle pub/sub connection stays subscribed to the channel of its last wait. A
+    forked child that waits must not take it: subscribed to the child's channel, the
+    parent's socket would no longer hear the parent's own wake-ups."""
+    name = unique()
+    url = url_of(redis_server)
+    admin = redis.Redis(port=redis_server.port)
+    channels = Keys(b"dlock", name).wake + b"*"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        assert client.lock(name, ttl=30).acquire(timeout=0.2) is False  # waits, subscribed
+        assert len(admin.pubsub_channels(channels)) == 1
+        pid = os.fork()
+        if pid == 0:  # the child waits too, on a name of its own
+            code = 1
+            try:
+                own = unique()
+                assert client.lock(own, ttl=5).acquire(timeout=0)
+                assert client.lock(own, ttl=5).acquire(timeout=0.2) is False
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(admin.pubsub_channels(channels)) == 1, "the child took the parent's socket"
+        holder.release()
+    admin.close()

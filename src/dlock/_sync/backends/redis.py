@@ -446,6 +446,8 @@ class RedisBackend(Backend):
         self._loop: Any = None
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
+        #: The process that made the pub/sub connections above (see _follow_fork).
+        self._pid = os.getpid()
         #: The tokens waiting through this backend (the sync face: from several threads).
         self._waiting: dict[str, _Waiting] = {}
         self._attempt_numbers = itertools.count(1)
@@ -549,6 +551,14 @@ class RedisBackend(Backend):
                 else:
                     self._connections = _own_connections(self._client)
             self._loop = loop
+
+    def _follow_fork(self) -> None:
+        """Drop the pub/sub connections of the process this one was forked from: their
+        sockets are the parent's, to neither use nor close (a child subscribing one to
+        its own channel would take the parent's wake-ups away). Command connections
+        check for a fork themselves (_Connections, redis-py's pools)."""
+        if self._pid != os.getpid():
+            self._idle, self._subscriber, self._pid = [], None, os.getpid()
 
     def _get_client(self) -> Any:
         self._check_open()
@@ -738,6 +748,7 @@ class RedisBackend(Backend):
         """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
         a plain connection to one node hears releases of every slot."""
         self._follow_loop()
+        self._follow_fork()
         with self._creating:
             self._check_open()
             return self._create_pubsub()
@@ -815,6 +826,7 @@ class RedisBackend(Backend):
     def _take_idle(self, channel: bytes, subscribed_only: bool = False) -> tuple[Any, bytes | None]:
         """An idle pub/sub connection, preferably one still subscribed to ``channel``."""
         self._follow_loop()
+        self._follow_fork()
         with self._creating:
             index = next((i for i, entry in enumerate(self._idle) if entry[1] == channel), None)
             if index is None:
@@ -841,6 +853,7 @@ class RedisBackend(Backend):
         stops waiting keeps up to IDLE_SUBSCRIBERS subscribed until it waits again or
         closes the client."""
         self._follow_loop()
+        self._follow_fork()
         cutoff = time.monotonic() - LINGER
         with self._creating:
             stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
@@ -924,6 +937,7 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         self._follow_loop()  # what an earlier loop made cannot be closed in this one
+        self._follow_fork()  # nor what a parent process made, in its child
         self._closed = True
         connections, self._connections = self._connections, None
         if connections is not None:
