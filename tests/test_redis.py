@@ -1188,3 +1188,25 @@ def test_a_forked_child_does_not_share_the_parents_idle_subscriptions(
         assert len(admin.pubsub_channels(channels)) == 1, "the child took the parent's socket"
         holder.release()
     admin.close()
+
+
+def test_a_dead_waiters_queue_keys_expire(redis_server: RedisServer) -> None:
+    """A holder and a waiter of a name used once both die (a host crash): the queue's
+    keys must not stay behind for good, as the lease and the fencing counter do not."""
+    name = unique()
+    raw = redis.Redis(port=redis_server.port)
+    keys = Keys(b"dlock", name)
+    backend = RedisBackend.from_url(url_of(redis_server) + "?queue_ttl=0.5", {})
+    try:
+        assert isinstance(backend.acquire(name, "a" * 32, 1, Holder.current(), False), Acquired)
+        backend.enqueue(name, "b" * 32, "now")
+        assert not isinstance(backend.acquire(name, "b" * 32, 1, Holder.current(), False), Acquired)
+        for key in (keys.queue, keys.qexp, keys.info):
+            assert 0 < raw.pttl(key) <= 1000, key  # twice the place's length
+        deadline = time.monotonic() + 5
+        while raw.exists(keys.lease, keys.queue, keys.qexp, keys.info):
+            assert time.monotonic() < deadline, raw.keys(b"*" + name.encode() + b"*")
+            time.sleep(0.05)
+    finally:
+        backend.close()
+        raw.close()

@@ -15,6 +15,8 @@ Redlock master. Keys of a name (``P`` is the configured prefix)::
     P:{n:NAME}:qexp    zset of the same tokens, scored by when their place lapses
     P:{n:NAME}:info    hash token -> "lease_ms attempt holder": what a grant on the
                        waiter's behalf needs
+                       (the queue's three keys expire twice a place's length after
+                       the latest join, so a name's dead waiters leave nothing behind)
     P:{n:NAME}:wake:T  the pub/sub channel of waiter T (a channel, not a key)
 
 Leases live on the server's clock (PEXPIRE), never on the client's. Waiters queue so a
@@ -156,6 +158,13 @@ if joining then
     redis.call('ZADD', queue, 'NX', arrival, token)
     redis.call('ZADD', qexp, now + tonumber(ARGV[5]), token)
     redis.call('HSET', info, token, ARGV[9] .. ' ' .. ARGV[8] .. ' ' .. ARGV[3])
+    -- The queue's keys outlive every place in them, and go once every waiter is gone
+    -- (killed with the holder): a name used once leaves nothing behind. Only lengthened,
+    -- as another waiter's place may be longer (PEXPIRE GT needs Redis 7).
+    local keep = 2 * tonumber(ARGV[5])
+    for _, key in ipairs({queue, qexp, info}) do
+        if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
+    end
 end
 local value = redis.call('GET', lease)
 local owner, count, f, holder
