@@ -27,7 +27,7 @@ import dlock
 import dlock.aio
 from dlock._redis_scripts import FENCE_KEPT_MS
 from dlock._sync.backends.redis import Keys, RedisBackend, wrap
-from dlock._sync.backends.redlock import RedlockBackend
+from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.servers.redis import (
     RedisServer,
@@ -1210,3 +1210,24 @@ def test_a_dead_waiters_queue_keys_expire(redis_server: RedisServer) -> None:
     finally:
         backend.close()
         raw.close()
+
+
+def test_a_redlock_lease_is_counted_less_the_clock_drift(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """Redlock holds a lease only for its validity, the TTL less an allowance for masters
+    whose clocks run fast: the core, which counts the lease from when it sent the
+    attempt, is told that length, for a grant and a re-entry alike, so owned() turns
+    false before a fast master lets another holder in."""
+    name, token, holder = unique(), "d" * 32, Holder.current()
+    backend = RedlockBackend.from_url(make_redlock_url(redlock_servers), {})
+    try:
+        for count, reentrant in ((1, False), (2, True)):
+            granted = backend.acquire(name, token, 10, holder, reentrant)
+            assert isinstance(granted, Acquired) and granted.count == count
+            assert granted.ttl is not None and granted.ttl <= 10 * (1 - DRIFT_FACTOR), granted
+            assert granted.ttl > 9.5
+        assert backend.release(name, token) == 1
+        assert backend.release(name, token) == 0
+    finally:
+        backend.close()

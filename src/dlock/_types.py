@@ -61,7 +61,8 @@ class Acquired:
     fencing_token: int
     count: int = 1
     #: The lease's length when it differs from the TTL asked for (a lease handed to a
-    #: waiter by the previous holder's release lasts at most as long as its queue place).
+    #: waiter by the previous holder's release lasts at most as long as its queue place;
+    #: Redlock's, the TTL less the clock drift it allows for).
     ttl: float | None = None
 
 

@@ -23,6 +23,12 @@ from .redis import AsyncRedisBackend
 
 #: Clock drift allowance, as a share of the TTL (plus 2 ms), per the Redlock description.
 DRIFT_FACTOR = 0.01
+
+
+def _drift(ttl: float) -> float:
+    return ttl * DRIFT_FACTOR + 0.002
+
+
 #: Per-master timeouts are short: a slow master must not eat the lease's validity.
 MASTER_TIMEOUT = 0.5
 
@@ -128,11 +134,13 @@ class AsyncRedlockBackend(AsyncBackend):
             fence = max(result.fencing_token for _, result in granted)
             lifted = await self._lift(name, token, fence, granted)
             # Validity counts every round trip made before the caller is told, lift included.
-            validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
+            validity = ttl - (time.monotonic() - started) - _drift(ttl)
             if lifted and validity > 0:
                 # A fresh grant. Also when a minority re-entered: the lease was not held
-                # by a majority all along, and count 1 tells the core so.
-                return Acquired(fencing_token=fence, count=1)
+                # by a majority all along, and count 1 tells the core so. The core counts
+                # the lease from when it sent the attempt: less the drift, not the votes'
+                # time, so that the holder's clock does not outlast masters' fast clocks.
+                return Acquired(fencing_token=fence, count=1, ttl=ttl - _drift(ttl))
         # No majority in time: give back what we got, so others are not blocked; on a
         # master that failed too, as the call may have reached it and been granted. Not
         # on a re-entry, though (whatever the masters that answered said): there a
@@ -165,11 +173,12 @@ class AsyncRedlockBackend(AsyncBackend):
             if result.count == 1:
                 with suppress(BackendError):
                     await master.release(name, token)
-        validity = ttl - (time.monotonic() - started) - (ttl * DRIFT_FACTOR + 0.002)
+        validity = ttl - (time.monotonic() - started) - _drift(ttl)
         if validity > 0:
             return Acquired(
                 fencing_token=max(result.fencing_token for _, result in reentered),
                 count=self._majority_count([result.count for _, result in reentered]),
+                ttl=ttl - _drift(ttl),
             )
         for master, _ in reentered:  # too late: take this entry back
             with suppress(BackendError):
