@@ -890,6 +890,40 @@ def test_redlock_failed_quorum_gives_back_on_a_master_that_timed_out(
         raw.close()
 
 
+def test_closing_the_client_under_a_thread_waiting_on_its_subscription(
+    redis_server: RedisServer,
+) -> None:
+    """close() from another thread shuts the socket that a parked waiter's redis-py is
+    polling: the waiter gets the closed client's error, not redis-py's TypeError."""
+    name, url = unique(), url_of(redis_server)
+    with dlock.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        client = dlock.connect(url)
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                client.lock(name, ttl=30).acquire(timeout=30)
+            except BaseException as exc:
+                errors.append(exc)
+
+        waiting = threading.Thread(target=wait)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        admin = redis.Redis(port=redis_server.port)
+        while not any(name.encode() in channel for channel in admin.pubsub_channels()):
+            assert time.monotonic() < deadline, "the waiter never subscribed"
+            time.sleep(0.01)
+        time.sleep(0.2)  # parked in its read of the subscription
+        client.close()
+        waiting.join(10)
+        assert not waiting.is_alive()
+        assert len(errors) == 1
+        assert isinstance(errors[0], dlock.BackendError), repr(errors[0])
+        assert "closed" in str(errors[0])
+
+
 def test_a_closed_backend_refuses_calls_and_keeps_no_connection(
     redis_server: RedisServer,
 ) -> None:

@@ -337,6 +337,12 @@ class _PubSubWaiter(Waiter):
                 # The subscription is gone: the core's timer still lets us in.
                 self.broken = True
                 continue
+            except (TypeError, ValueError):
+                # The client closed under this wait (the sync face: from another thread)
+                # and redis-py polled the socket it shut: the core now sees it closed.
+                if not self._backend._closed:
+                    raise
+                return None
             if (
                 message is None
                 or message.get("type") != "message"
