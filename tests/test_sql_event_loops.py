@@ -1,16 +1,20 @@
-"""One asyncio client of MariaDB or PostgreSQL used by two ``asyncio.run`` calls.
+"""One client of MariaDB or PostgreSQL used by two ``asyncio.run`` calls (asyncio), or
+in both processes of an ``os.fork()`` (either face).
 
 What the first event loop made (pooled connections, those kept for waiting, a
 turnstile's, a session lock's) can be neither used nor closed in the second: the
-backend drops it and makes new connections. These run against the private servers of
-tests/servers/sql.py.
+backend drops it and makes new connections. So does a forked child with what its
+parent made. These run against the private servers of tests/servers/sql.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
+import os
 import time
+import traceback
 import uuid
 from typing import Any
 
@@ -95,3 +99,88 @@ def test_an_async_client_works_in_a_second_event_loop(server: SQLServer, mode: s
         assert time.monotonic() < deadline, "sessions of the first loop are still open"
         time.sleep(0.01)
     gc.collect()  # and were closed without warnings
+
+
+async def _done(result: Any) -> Any:
+    """A call's result in either face: awaited if it is the asyncio face's."""
+    return await result if inspect.isawaitable(result) else result
+
+
+def _connections(backend: Any) -> list[Any]:
+    """The driver connections a backend keeps: pooled, for waiting, holding a lock."""
+    kept = [*backend._idle, *backend._queueing, *(gate.conn for gate in backend._gates.values())]
+    kept += [held.conn for held in (*backend._held.values(), *backend._parked.values())]
+    return [conn.raw for conn in kept]
+
+
+#: What the forked child's exit status says went wrong.
+CHILD_FAILED = {
+    1: "the child failed (its traceback is in the captured output)",
+    2: "the child was granted the lock its parent holds",
+    3: "the child could not take a free name",
+    4: "the child used its parent's connections",
+}
+
+
+async def _in_child(client: Any, name: str, parents: list[Any]) -> int:
+    """The forked child's part, in either face; its exit status."""
+    if await _done(client.lock(name, ttl=30).acquire(timeout=0)):
+        return 2
+    own = client.lock(f"{name}-child", ttl=30)
+    if not await _done(own.acquire(timeout=0)):
+        return 3
+    used = _connections(client._backend)
+    await _done(own.release())
+    used += _connections(client._backend)
+    if any(conn is parents_conn for conn in used for parents_conn in parents):
+        return 4
+    await _done(client.aclose() if isinstance(client, dlock.aio.AsyncClient) else client.close())
+    return 0
+
+
+async def _fork_while_holding(url: str, name: str, face: str) -> None:
+    client: Any = dlock.connect(url) if face == "sync" else dlock.aio.connect(url)
+    held = client.lock(name, ttl=30)
+    try:
+        assert await _done(held.acquire(timeout=0))
+        backend = client._backend
+        parents = _connections(backend)
+        assert parents
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                status = asyncio.run(_in_child(client, name, parents))
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(status)
+        _, wait_status = await asyncio.to_thread(os.waitpid, pid, 0)
+        status = os.waitstatus_to_exitcode(wait_status)
+        assert status == 0, CHILD_FAILED.get(status, f"the child ended with {status}")
+        # The child's close ended neither the parent's sessions nor its lock.
+        assert not any(backend._driver_idle_dead(raw) for raw in parents)
+        await _done(held.extend())
+        assert held.owned()
+        with dlock.connect(url) as other:
+            assert not other.lock(name, ttl=5).acquire(timeout=0), "the parent's lock was freed"
+            await _done(held.release())
+            assert other.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        await _done(client.aclose() if face == "asyncio" else client.close())
+
+
+# From Python 3.12, forking while the renewer's thread runs warns (it is what is tested).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_forked_child_makes_connections_of_its_own(
+    server: SQLServer, mode: str, face: str
+) -> None:
+    """A child after ``os.fork()`` sent its statements on its parent's pooled
+    connections: replies crossed, and the child was once granted a lock its parent
+    held; its close would have ended the parent's sessions, session locks with them.
+    The child must find its parent's lock busy, take and free one of its own on
+    connections of its own, and close without touching its parent's."""
+    url = server.url("mode=session" if mode == "session" else "")
+    asyncio.run(_fork_while_holding(url, f"fork-{uuid.uuid4().hex}", face))

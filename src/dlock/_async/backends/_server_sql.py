@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import select
+import threading
 import time
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
@@ -143,6 +145,10 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._gates: dict[str, Gate] = {}
         #: The event loop that made the connections kept above (``_follow_loop``).
         self._loop: Any = None
+        #: The process that made them, and what a forked child's threads take to
+        #: forget them once (``_follow_fork``).
+        self._pid = os.getpid()
+        self._fork_lock = threading.Lock()
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -193,6 +199,10 @@ class AsyncServerSQLBackend(AsyncBackend):
     def _driver_abandon(self, raw: Any) -> None:
         """Close a connection made in an event loop that has ended, without that loop;
         where the driver cannot, leave it to the garbage collector."""
+
+    @abstractmethod
+    def _driver_fileno(self, raw: Any) -> int:
+        """The file descriptor of the connection's socket."""
 
     @abstractmethod
     def _driver_idle_dead(self, raw: Any) -> bool:
@@ -458,6 +468,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         turnstile (a lease lives on in its row) are abandoned, and new ones are made in
         this loop. A session lock's connection stays, or the lock would go with it,
         until its release (``_session_release``). The sync face has no loop."""
+        self._follow_fork()
         loop = _running_loop()
         if loop is self._loop:
             return
@@ -469,6 +480,51 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._loop = loop
         for conn in stale:
             self._abandon(conn)
+
+    def _follow_fork(self) -> None:
+        """In a child after ``os.fork()``, on first use: forget every connection the
+        parent made, and connect afresh. They are the parent's database sessions: the
+        child's statements on them would cross replies with the parent's, and a session
+        lock or turnstile kept on one is the parent's, never the child's to release.
+        Each is let go without a word to the server (``_disown``). One borrowed with
+        ``client=`` is only forgotten: after a fork, the application's pool is the
+        application's business."""
+        if self._pid == os.getpid():
+            return
+        with self._fork_lock:
+            if self._pid == os.getpid():
+                return  # another thread of this child was first
+            inherited = [*self._idle, *self._queueing, *(g.conn for g in self._gates.values())]
+            inherited += [held.conn for held in (*self._held.values(), *self._parked.values())]
+            self._idle, self._queueing = [], []
+            self._gates.clear()
+            self._held.clear()
+            self._parked.clear()
+            self._loop = _running_loop()
+            for conn in inherited:
+                if conn.loan is None:
+                    self._disown(conn.raw)
+            # Last: the child's other threads wait until this is done, and a file
+            # descriptor is never replaced twice (it may be another file's by then).
+            self._pid = os.getpid()
+
+    def _disown(self, raw: Any) -> None:
+        """Close this process's copy of a connection its parent made, sending nothing.
+
+        A driver's close says goodbye to the server (psycopg's Terminate, PyMySQL's
+        COM_QUIT), which ends the parent's session; aiomysql's unhooks the socket from
+        the parent's event loop, whose epoll instance the child shares. So the socket is
+        first replaced, in this process only, by /dev/null, which the goodbye then goes
+        to. Merely dropped, the connection would keep the parent's session open after
+        the parent dies, for as long as the child lives, and aiomysql's finalizer would
+        still unhook it."""
+        with contextlib.suppress(Exception):
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, self._driver_fileno(raw))
+            finally:
+                os.close(null)
+            self._driver_abandon(raw)
 
     def _abandon(self, conn: Conn) -> None:
         """Let go of a connection of an event loop that has ended, without awaiting it.

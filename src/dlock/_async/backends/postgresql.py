@@ -329,6 +329,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         # libpq closes the connection itself, without the event loop.
         raw.pgconn.finish()
 
+    def _driver_fileno(self, raw: Any) -> int:
+        return int(raw.fileno())
+
     def _driver_idle_dead(self, raw: Any) -> bool:
         return bool(raw.closed) or self._readable(raw.fileno())
 

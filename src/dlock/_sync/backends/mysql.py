@@ -303,6 +303,11 @@ class MySQLBackend(ServerSQLBackend):
             transport._sock = None
             own.close()
 
+    def _driver_fileno(self, raw: Any) -> int:
+        if IS_ASYNC:
+            return int(raw._writer.get_extra_info("socket").fileno())
+        return int(raw._sock.fileno())
+
     def _driver_idle_dead(self, raw: Any) -> bool:
         if IS_ASYNC:
             # The event loop reads the socket as data comes, into the stream reader.
