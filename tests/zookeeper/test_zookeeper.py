@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -873,3 +875,79 @@ def test_clients_racing_on_a_new_root_all_get_the_lock(
         url = zookeeper_ensemble.url(f"/dlock-race-{time.monotonic_ns()}", session_timeout=1.5)
         acquired = race_for_a_lock(url, clients=8)
         assert acquired == [True] * 8, f"round {round_}: {acquired}"
+
+
+def _forked(child: Callable[[], int]) -> int:
+    """Run ``child`` in a forked process; its exit status (1: it raised)."""
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = child()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(wait_status)
+
+
+# From Python 3.12, forking while kazoo's threads run warns (it is what is tested).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_starts_a_session_of_its_own(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """A child after ``os.fork()`` kept its parent's kazoo client, whose connection
+    thread stayed in the parent: every operation timed out. The child must find its
+    parent's lock busy (waiting in the queue and leaving it), take and free one of its
+    own, and close without ending its parent's session."""
+    url = zookeeper_server.url(f"/dlock-fork-{time.monotonic_ns()}")
+    with dlock.connect(url) as client:
+        held = client.lock("parent", ttl=30)
+        assert held.acquire(timeout=0)
+
+        def child() -> int:
+            if client.lock("parent", ttl=30).acquire(timeout=0.2):
+                return 2
+            own = client.lock("child", ttl=30)
+            if not own.acquire(timeout=0):
+                return 3
+            own.release()
+            client.close()
+            return 0
+
+        status = _forked(child)
+        assert status == 0, {1: "the child failed", 2: "the child took its parent's lock"}.get(
+            status, status
+        )
+        held.extend()
+        assert held.owned()
+        with dlock.connect(url) as other:
+            assert not other.lock("parent", ttl=5).acquire(timeout=0), "the parent's lock was freed"
+            held.release()
+            assert other.lock("parent", ttl=5).acquire(timeout=0)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_passed_in_client_is_refused_in_a_forked_child(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A caller's kazoo client cannot start a session of its own in a child: using it
+    there is a clear error at once, not a timeout per operation."""
+    existing = KazooClient(hosts=zookeeper_server.hosts)
+    existing.start()
+    try:
+        with dlock.connect("zookeeper:///dlock-fork", client=existing) as client:
+            assert client.lock("parent", ttl=30).acquire(timeout=0)
+
+            def child() -> int:
+                try:
+                    client.lock("child", ttl=30).acquire(timeout=0)
+                except dlock.ConfigurationError as exc:
+                    client.close()
+                    return 0 if "os.fork()" in str(exc) else 2
+                return 3
+
+            assert _forked(child) == 0
+            assert client.inspect("parent") is not None, "the child's close freed it"
+    finally:
+        existing.stop()
+        existing.close()

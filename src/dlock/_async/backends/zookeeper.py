@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import math
+import os
 import re
 import select
 import socket
@@ -342,6 +343,18 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._tls = tls or {}
         self._owns_client = client is None
         self._zk: KazooClient | None = client
+        #: The process whose session this is, and what a forked child's threads take to
+        #: start over once (``_follow_fork``).
+        self._pid = os.getpid()
+        self._fork_lock = threading.Lock()
+        self._parents: set[str] = set()
+        self._payloads: dict[tuple[Holder, float], tuple[dict[str, Any], bytes]] = {}
+        self._renew_now: Callable[[], None] = lambda: None
+        self._closed = False
+        self._start_over()
+
+    def _start_over(self) -> None:
+        """What one process keeps of its session, before the first connection."""
         #: What went wrong connecting, as kazoo reports it (for the clients we create).
         self._diagnosis: _Diagnosis | None = None
         self._start_lock = threading.Lock()
@@ -351,8 +364,6 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
-        self._parents: set[str] = set()
-        self._payloads: dict[tuple[Holder, float], tuple[dict[str, Any], bytes]] = {}
         #: Paths we gave up but did not delete yet: the reaper deletes them.
         self._orphans: set[str] = set()
         #: The reaper should try deleting orphans (one was added, or a connection is back).
@@ -360,7 +371,6 @@ class AsyncZooKeeperBackend(AsyncBackend):
         #: Waits in progress per (name, token): more than one when threads or tasks
         #: share a lock object, and then they share its node in the queue.
         self._waiters: dict[tuple[str, str], list[AsyncZooKeeperWaiter]] = {}
-        self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
         #: Before the latest request that was answered: the server heard us after this.
         self._heard_at = 0.0
@@ -377,7 +387,26 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._reaper_wakeup = WakeupEvent()
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
         self._reaper_next = float("inf")
-        self._closed = False
+
+    def _follow_fork(self) -> None:
+        """In a child after ``os.fork()``, on first use: start a session of its own.
+
+        kazoo's connection thread stayed in the parent, so the inherited client would
+        only queue requests that nobody sends; and its session is the parent's, whose
+        nodes (the parent's locks) the child must neither renew nor delete. That client
+        is dropped as it is: stopping it would wake the parent's thread (through the
+        socket pair they share), then wait 10 s for a thread that is not here. A
+        caller's client (``client=``) cannot be made again here: using it is refused.
+        """
+        if self._pid == os.getpid():
+            return
+        with self._fork_lock:
+            if self._pid == os.getpid():
+                return  # another thread of this child was first
+            self._zk = None
+            self._start_over()
+            # Last: the child's other threads wait until this is done.
+            self._pid = os.getpid()
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncZooKeeperBackend:
@@ -438,6 +467,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
         with self._start_lock:
             if self._closed:
                 raise BackendError("the ZooKeeper backend is closed")
+            if self._zk is None and not self._owns_client:
+                raise ConfigurationError(
+                    "the ZooKeeper client given as client= was made before os.fork(): its "
+                    "connection thread stayed in the parent process, and its session is "
+                    "the parent's; in this process, connect with a KazooClient made here"
+                )
             if self._zk is None:
                 acl = None
                 if self._auth is not None:
@@ -958,10 +993,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
     async def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        self._follow_fork()
         return await self._acquire(name, token, ttl, holder, reentrant)
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncZooKeeperWaiter]:
+        self._follow_fork()
         key = (name, token)
         waiter = AsyncZooKeeperWaiter()
         self._waiters.setdefault(key, []).append(waiter)
@@ -1105,6 +1142,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return remaining
 
     async def release(self, name: str, token: str) -> int | None:
+        self._follow_fork()
         return await self._release(name, token)
 
     async def _extend_all(self, leases: list[Lease]) -> list[bool]:
@@ -1186,10 +1224,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._start_reaper(orphans=True)
 
     async def extend(self, name: str, token: str, ttl: float) -> bool:
+        self._follow_fork()
         result = await self._extend_all([Lease(name, token, ttl)])
         return result[0]
 
     async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        self._follow_fork()
         return await self._extend_all(list(leases))
 
     async def _delete_orphans(self) -> None:
@@ -1295,6 +1335,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         return infos[0] if infos else None
 
     async def inspect(self, name: str) -> LockInfo | None:
+        self._follow_fork()
         info: LockInfo | None = await self._guarded(partial(self._inspect, name=name))
         return info
 
@@ -1311,6 +1352,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         return await self._infos(zk, names)
 
     async def list(self, prefix: str) -> list[LockInfo]:
+        self._follow_fork()
         infos: list[LockInfo] = await self._guarded(partial(self._list, prefix=prefix))
         return infos
 
@@ -1345,6 +1387,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         return 0
 
     async def force_release(self, name: str) -> bool:
+        self._follow_fork()
         freed: bool = await self._guarded(partial(self._force_release, name=name))
         return freed
 
@@ -1381,6 +1424,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     async def aclose(self) -> None:
+        self._follow_fork()
         await self._close()
 
 

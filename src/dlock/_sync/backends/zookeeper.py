@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import math
+import os
 import re
 import select
 import socket
@@ -343,6 +344,18 @@ class ZooKeeperBackend(Backend):
         self._tls = tls or {}
         self._owns_client = client is None
         self._zk: KazooClient | None = client
+        #: The process whose session this is, and what a forked child's threads take to
+        #: start over once (``_follow_fork``).
+        self._pid = os.getpid()
+        self._fork_lock = threading.Lock()
+        self._parents: set[str] = set()
+        self._payloads: dict[tuple[Holder, float], tuple[dict[str, Any], bytes]] = {}
+        self._renew_now: Callable[[], None] = lambda: None
+        self._closed = False
+        self._start_over()
+
+    def _start_over(self) -> None:
+        """What one process keeps of its session, before the first connection."""
         #: What went wrong connecting, as kazoo reports it (for the clients we create).
         self._diagnosis: _Diagnosis | None = None
         self._start_lock = threading.Lock()
@@ -352,8 +365,6 @@ class ZooKeeperBackend(Backend):
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
-        self._parents: set[str] = set()
-        self._payloads: dict[tuple[Holder, float], tuple[dict[str, Any], bytes]] = {}
         #: Paths we gave up but did not delete yet: the reaper deletes them.
         self._orphans: set[str] = set()
         #: The reaper should try deleting orphans (one was added, or a connection is back).
@@ -361,7 +372,6 @@ class ZooKeeperBackend(Backend):
         #: Waits in progress per (name, token): more than one when threads or tasks
         #: share a lock object, and then they share its node in the queue.
         self._waiters: dict[tuple[str, str], list[ZooKeeperWaiter]] = {}
-        self._renew_now: Callable[[], None] = lambda: None
         self._suspended_at: float | None = None
         #: Before the latest request that was answered: the server heard us after this.
         self._heard_at = 0.0
@@ -378,7 +388,26 @@ class ZooKeeperBackend(Backend):
         self._reaper_wakeup = WakeupEvent()
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
         self._reaper_next = float("inf")
-        self._closed = False
+
+    def _follow_fork(self) -> None:
+        """In a child after ``os.fork()``, on first use: start a session of its own.
+
+        kazoo's connection thread stayed in the parent, so the inherited client would
+        only queue requests that nobody sends; and its session is the parent's, whose
+        nodes (the parent's locks) the child must neither renew nor delete. That client
+        is dropped as it is: stopping it would wake the parent's thread (through the
+        socket pair they share), then wait 10 s for a thread that is not here. A
+        caller's client (``client=``) cannot be made again here: using it is refused.
+        """
+        if self._pid == os.getpid():
+            return
+        with self._fork_lock:
+            if self._pid == os.getpid():
+                return  # another thread of this child was first
+            self._zk = None
+            self._start_over()
+            # Last: the child's other threads wait until this is done.
+            self._pid = os.getpid()
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> ZooKeeperBackend:
@@ -439,6 +468,12 @@ class ZooKeeperBackend(Backend):
         with self._start_lock:
             if self._closed:
                 raise BackendError("the ZooKeeper backend is closed")
+            if self._zk is None and not self._owns_client:
+                raise ConfigurationError(
+                    "the ZooKeeper client given as client= was made before os.fork(): its "
+                    "connection thread stayed in the parent process, and its session is "
+                    "the parent's; in this process, connect with a KazooClient made here"
+                )
             if self._zk is None:
                 acl = None
                 if self._auth is not None:
@@ -955,10 +990,12 @@ class ZooKeeperBackend(Backend):
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        self._follow_fork()
         return self._acquire(name, token, ttl, holder, reentrant)
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[ZooKeeperWaiter]:
+        self._follow_fork()
         key = (name, token)
         waiter = ZooKeeperWaiter()
         self._waiters.setdefault(key, []).append(waiter)
@@ -1102,6 +1139,7 @@ class ZooKeeperBackend(Backend):
             return remaining
 
     def release(self, name: str, token: str) -> int | None:
+        self._follow_fork()
         return self._release(name, token)
 
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
@@ -1183,10 +1221,12 @@ class ZooKeeperBackend(Backend):
         self._start_reaper(orphans=True)
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
+        self._follow_fork()
         result = self._extend_all([Lease(name, token, ttl)])
         return result[0]
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        self._follow_fork()
         return self._extend_all(list(leases))
 
     def _delete_orphans(self) -> None:
@@ -1292,6 +1332,7 @@ class ZooKeeperBackend(Backend):
         return infos[0] if infos else None
 
     def inspect(self, name: str) -> LockInfo | None:
+        self._follow_fork()
         info: LockInfo | None = self._guarded(partial(self._inspect, name=name))
         return info
 
@@ -1308,6 +1349,7 @@ class ZooKeeperBackend(Backend):
         return self._infos(zk, names)
 
     def list(self, prefix: str) -> list[LockInfo]:
+        self._follow_fork()
         infos: list[LockInfo] = self._guarded(partial(self._list, prefix=prefix))
         return infos
 
@@ -1342,6 +1384,7 @@ class ZooKeeperBackend(Backend):
         return 0
 
     def force_release(self, name: str) -> bool:
+        self._follow_fork()
         freed: bool = self._guarded(partial(self._force_release, name=name))
         return freed
 
@@ -1378,6 +1421,7 @@ class ZooKeeperBackend(Backend):
                 logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     def close(self) -> None:
+        self._follow_fork()
         self._close()
 
 
