@@ -644,14 +644,14 @@ def test_an_interrupt_as_a_with_block_enters_gives_the_lock_back(
     url = f"sqlite://{tmp_path}/locks.sqlite3"
     with dlock.connect(url) as client, dlock.connect(url) as other:
         lock = client.lock("job", ttl=30)
-        real_acquire = lock.acquire
+        real_enter = lock._enter
 
-        def acquire_then_interrupted(timeout: float | None = None) -> bool:
-            assert real_acquire(timeout)
+        def acquire_then_interrupted(timeout: float | None, call: Any) -> bool:
+            assert real_enter(timeout, call)
             raise KeyboardInterrupt
 
         with monkeypatch.context() as patch:
-            patch.setattr(lock, "acquire", acquire_then_interrupted)
+            patch.setattr(lock, "_enter", acquire_then_interrupted)
             with pytest.raises(KeyboardInterrupt), lock:
                 pytest.fail("the body ran")
         assert not lock.owned()
@@ -666,15 +666,15 @@ def test_a_cancellation_as_a_nested_block_enters_leaves_the_outer_hold(
     async def main() -> None:
         async with dlock.aio.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
             lock = client.lock("job", ttl=30, reentrant=True)
-            real_acquire = lock.acquire
+            real_enter = lock._enter
 
-            async def acquire_then_cancelled(timeout: float | None = None) -> bool:
-                assert await real_acquire(timeout)
+            async def acquire_then_cancelled(timeout: float | None, call: Any) -> bool:
+                assert await real_enter(timeout, call)
                 raise asyncio.CancelledError
 
             async with lock:
                 with monkeypatch.context() as patch:
-                    patch.setattr(lock, "acquire", acquire_then_cancelled)
+                    patch.setattr(lock, "_enter", acquire_then_cancelled)
                     with pytest.raises(asyncio.CancelledError):
                         async with lock:
                             pytest.fail("the body ran")
@@ -1002,3 +1002,47 @@ def test_a_renewal_overlapping_the_last_release_tells_no_loss(
             assert not told and not lock.lost
 
     asyncio.run(main())
+
+
+def test_a_reentry_cut_off_after_another_users_is_undone(tmp_path: Path) -> None:
+    """A reentrant lock object shared by two users who both re-enter it: the one cut
+    off after its grant undoes its own entry, although the other's came later; the
+    other's stays."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    def sync_face() -> None:
+        with dlock.connect(url) as client:
+            lock = client.lock("job", ttl=30, reentrant=True)
+
+            def another_user_enters_then_interrupted(cancels: int) -> None:
+                del lock._still_wanted
+                assert lock.acquire(timeout=0)
+                raise KeyboardInterrupt
+
+            with lock:
+                lock._still_wanted = another_user_enters_then_interrupted  # type: ignore[method-assign]
+                with pytest.raises(KeyboardInterrupt):
+                    lock.acquire(timeout=0)
+                assert lock._count == 2
+                lock.release()
+            assert client.inspect("job") is None
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client:
+            lock = client.lock("job", ttl=30, reentrant=True)
+
+            async def another_user_enters_then_cancelled(cancels: int) -> None:
+                del lock._still_wanted
+                assert await lock.acquire(timeout=0)
+                raise asyncio.CancelledError
+
+            async with lock:
+                lock._still_wanted = another_user_enters_then_cancelled  # type: ignore[method-assign]
+                with pytest.raises(asyncio.CancelledError):
+                    await lock.acquire(timeout=0)
+                assert lock._count == 2
+                await lock.release()
+            assert await client.inspect("job") is None
+
+    sync_face()
+    asyncio.run(async_face())

@@ -100,9 +100,6 @@ class AsyncLock:
         self._body_tasks: list[Any] = []
         #: The body tasks that a loss cancelled, each to be uncancelled once on exit.
         self._cancelled: set[Any] = set()
-        #: Who (thread, task) took the latest entry: another caller sharing this object
-        #: must not undo it (see acquire).
-        self._entered_by: object = None
         #: The give-back of an attempt cut off in flight, while it runs (see _attempt).
         self._give_back: Any = None
 
@@ -134,6 +131,10 @@ class AsyncLock:
         ``None`` waits forever, ``0`` tries once. A reentrant lock that this object holds
         is entered again; a non-reentrant one raises :class:`AlreadyAcquired`.
         """
+        return await self._enter(timeout, _Call())
+
+    async def _enter(self, timeout: float | None, call: _Call) -> bool:
+        """acquire(), its grant recorded in ``call`` (see _undo_entry)."""
         wait = check_timeout(timeout)
         self._check_open()
         if cancel_requests():
@@ -163,7 +164,6 @@ class AsyncLock:
         # Decided once: while this call waits, another thread or task sharing the object
         # may take the lock, and that is not a re-entry of ours (see _attempt).
         entries = self._count
-        call = object()
         context = _ACQUIRE_CALL.set(call)
         self._client._acquiring[call] = os.getpid()
         try:
@@ -175,10 +175,8 @@ class AsyncLock:
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
             # the wait, or the client closed meanwhile): the caller is told it did not
-            # get the lock, so it must not stay held and renewed. Only if this call took
-            # the entry: another user of this object may have, meanwhile.
-            if self._count > entries and self._entered_by is call:
-                await self._undo_entry(entries)
+            # get the lock, so it must not stay held and renewed.
+            await self._undo_entry(call)
             raise
         finally:
             del self._client._acquiring[call]
@@ -198,14 +196,19 @@ class AsyncLock:
         if cancel_requests() > cancels:
             await lost_cancel()
 
-    async def _undo_entry(self, entries: int) -> None:
-        """Give back what this acquire was granted but does not return. A fresh lease
-        goes as a failed release's does (in the background); a re-entry leaves its own
-        entry only, the outer hold stays, unless the client closed meanwhile.
+    async def _undo_entry(self, call: _Call) -> None:
+        """Give back the entry that ``call`` was granted but does not return, if it
+        still counts: other users of this object may have entered it as well (a
+        reentrant lock), or ended that hold, meanwhile. One entry among others leaves
+        alone, and the hold stays theirs, unless the client closed meanwhile; the only
+        one ends the hold, given back as a failed release's lease is (in the background).
 
         A release that fails ends the whole hold (see :meth:`release`), the outer one
         too, which its holder still believes in: that is a loss, and told as one."""
-        if entries and not self._client._closed:
+        if call.generation != self._generation or not self._count:
+            return
+        call.generation = None
+        if self._count > 1 and not self._client._closed:
             try:
                 await self.release()
             except LockLost:
@@ -352,17 +355,23 @@ class AsyncLock:
         return None
 
     def _granted(self, result: Acquired, started: float) -> None:
-        self._entered_by = _ACQUIRE_CALL.get()
         if self._count == 0:
             self._generation += 1
             self._lost = False
             self._lost_reason = ""
             self._client._hold(self)
+        self._note_entry()
         self._fencing_token = result.fencing_token
         self._count = result.count
         self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
         if self.auto_renew:
             self._client._renewer.add(self)
+
+    def _note_entry(self) -> None:
+        """Record in the running acquire call that it entered the current hold."""
+        call = _ACQUIRE_CALL.get()
+        if call is not None:
+            call.generation = self._generation
 
     def _write_started(self, started: float, ttl: float) -> int:
         """Note a lease write (extend, renewal) about to be sent; see _write_done."""
@@ -557,22 +566,21 @@ class AsyncLock:
                 return
 
     async def __aenter__(self) -> AsyncLock:
-        entries = self._count
+        call = _Call()
         task: Any = None
-        entered: object = None
         try:
-            if not await self.acquire(self.timeout):
+            if not await self._enter(self.timeout, call):
                 raise LockTimeout(f"lock {self.name!r} not acquired within {self.timeout} s")
-            entered = self._entered_by
             task = current_task()
             self._body_tasks.append(task)
         except BaseException:
-            # Interrupted after acquire() returned (Ctrl-C): the block raises before its
-            # body, so __exit__ never runs and nobody would release what was taken.
-            if self._count > entries and entered in (None, self._entered_by):
-                if task is not None and task in self._body_tasks:
-                    self._body_tasks.remove(task)
-                await self._undo_entry(entries)
+            # Interrupted after the acquire returned (Ctrl-C): the block raises before its
+            # body, so __exit__ never runs and nobody would release what was taken. Only
+            # what this block took: an AlreadyAcquired or a timeout took nothing, and the
+            # hold is another user's of this object.
+            if task is not None and task in self._body_tasks:
+                self._body_tasks.remove(task)
+            await self._undo_entry(call)
             raise
         return self
 
@@ -603,7 +611,20 @@ _WATCHDOG_TELLING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "dlock_watchdog_telling", default=False
 )
 
-#: The acquire() call running in this thread or task, which a grant is recorded for.
-_ACQUIRE_CALL: contextvars.ContextVar[object] = contextvars.ContextVar(
+
+class _Call:
+    """One acquire call (or ``with`` entry) of a lock object that threads or tasks may
+    share: what it took is its own to undo, never another user's entry."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        #: The hold (see AsyncLock._generation) that this call entered, if it did and
+        #: has not undone the entry.
+        self.generation: int | None = None
+
+
+#: The acquire call running in this thread or task, which a grant is recorded for.
+_ACQUIRE_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
     "dlock_acquire_call", default=None
 )

@@ -861,6 +861,28 @@ async def test_holder_that_lost_by_its_own_clock_gives_the_lease_back(url: str, 
         finish(holder)
 
 
+def taken_while_waiting(
+    client: dlock.aio.AsyncClient, holder: dlock.aio.AsyncLock, shared: dlock.aio.AsyncLock
+) -> None:
+    """Make ``client``'s next wait for a release be where another user of ``shared``
+    (this same task, for the test) sees ``holder`` release and takes ``shared``."""
+    real_waiter = client._backend.waiter
+
+    @asynccontextmanager
+    async def taken_by_the_other_user(lock_name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        async with real_waiter(lock_name, token) as waiter:
+
+            async def freed_and_taken(timeout: float) -> Acquired | None:
+                await holder.release()
+                assert await shared.acquire(timeout=5)
+                return None
+
+            waiter.wait = freed_and_taken  # type: ignore[method-assign]
+            yield waiter
+
+    client._backend.waiter = taken_by_the_other_user  # type: ignore[method-assign,assignment]
+
+
 async def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(
     url: str, name: str
 ) -> None:
@@ -872,24 +894,29 @@ async def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(
         assert await holder.acquire(timeout=0)
         told: list[dlock.aio.AsyncLock] = []
         shared = client.lock(name, ttl=30, on_lost=told.append)
-        real_waiter = client._backend.waiter
-
-        @asynccontextmanager
-        async def taken_by_the_other_user(lock_name: str, token: str) -> AsyncIterator[AsyncWaiter]:
-            async with real_waiter(lock_name, token) as waiter:
-
-                async def freed_and_taken(timeout: float) -> Acquired | None:
-                    # What the other user does while this one waits.
-                    await holder.release()
-                    assert await shared.acquire(timeout=5)
-                    return None
-
-                waiter.wait = freed_and_taken  # type: ignore[method-assign]
-                yield waiter
-
-        client._backend.waiter = taken_by_the_other_user  # type: ignore[method-assign,assignment]
+        taken_while_waiting(client, holder, shared)
         with pytest.raises(dlock.AlreadyAcquired):
             await shared.acquire(timeout=10)
+        assert shared.owned() and not shared.lost and told == []
+        await assert_held_by(other, name, shared)
+        await shared.release()
+        assert await other.inspect(name) is None
+
+
+async def test_a_with_block_sharing_the_lock_object_leaves_the_other_users_hold(
+    url: str, name: str
+) -> None:
+    """The same, for a waiter entering a ``with`` block: the block that failed to
+    enter undoes nothing, as the hold is not its own."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        told: list[dlock.aio.AsyncLock] = []
+        shared = client.lock(name, ttl=30, timeout=10, on_lost=told.append)
+        taken_while_waiting(client, holder, shared)
+        with pytest.raises(dlock.AlreadyAcquired):
+            async with shared:
+                pytest.fail("entered a block while another user held the lock")
         assert shared.owned() and not shared.lost and told == []
         await assert_held_by(other, name, shared)
         await shared.release()

@@ -854,6 +854,26 @@ def test_holder_that_lost_by_its_own_clock_gives_the_lease_back(url: str, name: 
         finish(holder)
 
 
+def taken_while_waiting(client: dlock.Client, holder: dlock.Lock, shared: dlock.Lock) -> None:
+    """Make ``client``'s next wait for a release be where another user of ``shared``
+    (this same task, for the test) sees ``holder`` release and takes ``shared``."""
+    real_waiter = client._backend.waiter
+
+    @contextmanager
+    def taken_by_the_other_user(lock_name: str, token: str) -> Iterator[Waiter]:
+        with real_waiter(lock_name, token) as waiter:
+
+            def freed_and_taken(timeout: float) -> Acquired | None:
+                holder.release()
+                assert shared.acquire(timeout=5)
+                return None
+
+            waiter.wait = freed_and_taken  # type: ignore[method-assign]
+            yield waiter
+
+    client._backend.waiter = taken_by_the_other_user  # type: ignore[method-assign,assignment]
+
+
 def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(url: str, name: str) -> None:
     """Two threads or tasks share one non-reentrant lock object and both wait; when
     one gets it, the other is told AlreadyAcquired: it neither takes the hold for a
@@ -863,24 +883,29 @@ def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(url: str, 
         assert holder.acquire(timeout=0)
         told: list[dlock.Lock] = []
         shared = client.lock(name, ttl=30, on_lost=told.append)
-        real_waiter = client._backend.waiter
-
-        @contextmanager
-        def taken_by_the_other_user(lock_name: str, token: str) -> Iterator[Waiter]:
-            with real_waiter(lock_name, token) as waiter:
-
-                def freed_and_taken(timeout: float) -> Acquired | None:
-                    # What the other user does while this one waits.
-                    holder.release()
-                    assert shared.acquire(timeout=5)
-                    return None
-
-                waiter.wait = freed_and_taken  # type: ignore[method-assign]
-                yield waiter
-
-        client._backend.waiter = taken_by_the_other_user  # type: ignore[method-assign,assignment]
+        taken_while_waiting(client, holder, shared)
         with pytest.raises(dlock.AlreadyAcquired):
             shared.acquire(timeout=10)
+        assert shared.owned() and not shared.lost and told == []
+        assert_held_by(other, name, shared)
+        shared.release()
+        assert other.inspect(name) is None
+
+
+def test_a_with_block_sharing_the_lock_object_leaves_the_other_users_hold(
+    url: str, name: str
+) -> None:
+    """The same, for a waiter entering a ``with`` block: the block that failed to
+    enter undoes nothing, as the hold is not its own."""
+    with dlock.connect(url) as other, dlock.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        told: list[dlock.Lock] = []
+        shared = client.lock(name, ttl=30, timeout=10, on_lost=told.append)
+        taken_while_waiting(client, holder, shared)
+        with pytest.raises(dlock.AlreadyAcquired):
+            with shared:
+                pytest.fail("entered a block while another user held the lock")
         assert shared.owned() and not shared.lost and told == []
         assert_held_by(other, name, shared)
         shared.release()
