@@ -1046,3 +1046,38 @@ def test_a_reentry_cut_off_after_another_users_is_undone(tmp_path: Path) -> None
 
     sync_face()
     asyncio.run(async_face())
+
+
+def test_an_interrupt_just_after_a_reentrys_grant_undoes_that_entry(tmp_path: Path) -> None:
+    """A KeyboardInterrupt between the backend's grant of a re-entry and its counting
+    (here: raised where the grant is counted): the entry is counted and then undone,
+    so the holder's own release frees the lock (not held and renewed until close)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    with dlock.connect(url) as client:
+        lock = client.lock("job", ttl=30, reentrant=True)
+        assert lock.acquire(timeout=0)
+        lock._granted = interrupted  # type: ignore[method-assign,assignment]
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire(timeout=0)
+        del lock._granted
+        assert lock._count == 1
+        lock.release()
+        assert client.inspect("job") is None
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client:
+            lock = client.lock("job", ttl=30, reentrant=True)
+            assert await lock.acquire(timeout=0)
+            lock._granted = interrupted  # type: ignore[method-assign,assignment]
+            with pytest.raises(KeyboardInterrupt):
+                await lock.acquire(timeout=0)
+            del lock._granted
+            assert lock._count == 1
+            await lock.release()
+            assert await client.inspect("job") is None
+
+    asyncio.run(async_face())

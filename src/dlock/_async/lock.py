@@ -333,8 +333,10 @@ class AsyncLock:
                 and result.fencing_token == self._fencing_token
                 and result.count > self._count
             ):
-                # The same, for a re-entry: counted now, acquire() undoes just this entry.
+                # The same, for a re-entry: counted now, and recorded as this call's
+                # entry, so that acquire() undoes just this entry.
                 self._count = result.count
+                self._note_entry()
             raise
 
     def _answered(self, result: Acquired | Busy, reentry: bool, started: float) -> Busy | None:
