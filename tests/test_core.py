@@ -1081,3 +1081,52 @@ def test_an_interrupt_just_after_a_reentrys_grant_undoes_that_entry(tmp_path: Pa
             assert await client.inspect("job") is None
 
     asyncio.run(async_face())
+
+
+def test_a_sharers_attempt_cut_off_in_flight_leaves_the_others_grant(tmp_path: Path) -> None:
+    """Two users share one lock object: while one user's attempt is in flight, the
+    other acquires it; the first attempt is then cut off (times out, or its task is
+    cancelled). Its give-back, owner-checked under the same owner token, must not
+    release the other user's lease: that lease is the only one under the token."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        shared = client.lock("job", ttl=30)
+        real_acquire = client._backend.acquire
+
+        def other_user_acquires_then_no_answer(*args: Any) -> Any:
+            client._backend.acquire = real_acquire  # type: ignore[method-assign]
+            assert shared.acquire(timeout=0)
+            raise dlock.BackendUnavailable("no answer in time")
+
+        client._backend.acquire = other_user_acquires_then_no_answer  # type: ignore[method-assign,assignment]
+        with pytest.raises(dlock.BackendUnavailable):
+            shared.acquire(timeout=0)
+        for give_back in client._give_backs:
+            give_back.join()
+        info = other.inspect("job")
+        assert shared.owned() and info is not None
+        assert info.fencing_token == shared.fencing_token
+        shared.release()
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            shared = client.lock("job", ttl=30)
+            real_acquire = client._backend.acquire
+
+            async def other_user_acquires_then_cancelled(*args: Any) -> Any:
+                client._backend.acquire = real_acquire  # type: ignore[method-assign]
+                assert await shared.acquire(timeout=0)
+                raise asyncio.CancelledError
+
+            client._backend.acquire = other_user_acquires_then_cancelled  # type: ignore[method-assign,assignment]
+            with pytest.raises(asyncio.CancelledError):
+                await shared.acquire(timeout=0)
+            if client._give_backs:
+                await asyncio.wait(client._give_backs)
+            info = await other.inspect("job")
+            assert shared.owned() and info is not None
+            assert info.fencing_token == shared.fencing_token
+            await shared.release()
+
+    asyncio.run(async_face())

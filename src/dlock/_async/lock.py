@@ -30,6 +30,7 @@ from ._primitives import (
     cancel_task,
     current_task,
     lost_cancel,
+    serving,
     sleep,
     spawn,
     uncancel,
@@ -100,8 +101,14 @@ class AsyncLock:
         self._body_tasks: list[Any] = []
         #: The body tasks that a loss cancelled, each to be uncancelled once on exit.
         self._cancelled: set[Any] = set()
-        #: The give-back of an attempt cut off in flight, while it runs (see _attempt).
+        #: The give-back of a lease this object may have on the backend but does not
+        #: hold (an attempt cut off in flight, a failed release), while it runs.
         self._give_back: Any = None
+        #: Entries to give back once no attempt is in flight, and the attempts in flight
+        #: (see _give_back_later); under _sharing, as threads may share this object.
+        self._to_give_back = 0
+        self._attempts = 0
+        self._sharing = threading.Lock()
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self._count else "free"
@@ -157,10 +164,6 @@ class AsyncLock:
             raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
         clock = self._client._clock
         deadline = None if wait is None else clock() + wait
-        if self._give_back is not None:
-            # It releases under our owner token: it must not release what we take now.
-            await wait_done(self._give_back)
-            self._give_back = None
         # Decided once: while this call waits, another thread or task sharing the object
         # may take the lock, and that is not a re-entry of ours (see _attempt).
         entries = self._count
@@ -296,13 +299,14 @@ class AsyncLock:
         ``reentry``: the object was held when this acquire began. If it was not, and it
         is now, another thread or task sharing it took the lock meanwhile: that hold is
         theirs, not one to re-enter (nor to declare lost on a busy answer)."""
-        if not reentry and self._count and not self.reentrant:
-            raise AlreadyAcquired(
-                f"lock {self.name!r} was acquired by another user of this object meanwhile"
-            )
-        started = self._attempt_sent = self._client._clock()
+        await self._attempt_starts()
         result: Acquired | Busy | None = None
         try:
+            if not reentry and self._count and not self.reentrant:
+                raise AlreadyAcquired(
+                    f"lock {self.name!r} was acquired by another user of this object meanwhile"
+                )
+            started = self._attempt_sent = self._client._clock()
             # A fresh acquire never re-enters: a lease under our token that we do not
             # hold is an orphan of an attempt cut off mid-flight, not ours to count.
             result = await self._client._backend.acquire(
@@ -320,8 +324,7 @@ class AsyncLock:
                 if not reentry and (
                     isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError)
                 ):
-                    self._give_back = spawn(self._release_quietly, name="dlock-give-back")
-                    self._client._keep_give_back(self._give_back)
+                    self._give_back_later(1)
             elif isinstance(result, Acquired) and not reentry and self._count == 0:
                 # Interrupted (a signal's KeyboardInterrupt) after the backend granted but
                 # before the grant was counted: acquire() cannot see an entry to undo, and
@@ -338,6 +341,47 @@ class AsyncLock:
                 self._count = result.count
                 self._note_entry()
             raise
+        finally:
+            self._attempt_ends()
+
+    async def _attempt_starts(self) -> None:
+        """Count an attempt in flight, once no give-back runs: that releases under this
+        object's owner token, and must not release what the attempt is granted."""
+        while True:
+            with self._sharing:
+                give_back = self._give_back
+                if not serving(give_back):
+                    self._attempts += 1
+                    return
+            await wait_done(give_back)
+
+    def _attempt_ends(self) -> None:
+        with self._sharing:
+            self._attempts -= 1
+            self._settle_give_back()
+
+    def _give_back_later(self, entries: int) -> None:
+        """Give back up to ``entries`` entries of a lease that this object may have on
+        the backend but does not hold: owner-checked, in the background.
+
+        Not while another user of this object has an attempt in flight: under the same
+        owner token, the release would free what that attempt is granted. The last
+        attempt to end gives it back, or drops it if this object then holds the lock:
+        a fresh attempt never re-enters, so the backend keeps one lease per owner token
+        and that lease is the holder's. A hold declared lost is not: its lease is gone.
+        """
+        with self._sharing:
+            self._to_give_back = max(self._to_give_back, entries)
+            self._settle_give_back()
+
+    def _settle_give_back(self) -> None:
+        if self._attempts or not self._to_give_back:
+            return
+        entries, self._to_give_back = self._to_give_back, 0
+        if self._count and not self._lost:
+            return
+        self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
+        self._client._keep_give_back(self._give_back)
 
     def _answered(self, result: Acquired | Busy, reentry: bool, started: float) -> Busy | None:
         if isinstance(result, Busy):
@@ -349,8 +393,7 @@ class AsyncLock:
             # A fresh grant, not a re-entry: our lease had ended on the backend (force-
             # released, expired by its clock) and the name was free again, perhaps after
             # another holder. The hold we re-entered was lost; the new lease is nobody's.
-            self._give_back = spawn(self._release_quietly, name="dlock-give-back")
-            self._client._keep_give_back(self._give_back)
+            self._give_back_later(1)
             self._declare_lost("the lease was gone when re-entering", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._granted(result, started)
@@ -532,8 +575,7 @@ class AsyncLock:
         grant not yet counted (see _attempt)."""
         entries = self._count if entries is None else entries
         self._forget()
-        self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
-        self._client._keep_give_back(self._give_back)
+        self._give_back_later(entries)
 
     async def _give_up_lost(self, told: bool) -> LockLost:
         """Forget a lost lease and return the error to raise. A lease that ran out on our
