@@ -302,10 +302,15 @@ class AsyncLock:
         await self._attempt_starts()
         result: Acquired | Busy | None = None
         try:
-            if not reentry and self._count and not self.reentrant:
-                raise AlreadyAcquired(
-                    f"lock {self.name!r} was acquired by another user of this object meanwhile"
-                )
+            if not reentry and self._count:
+                if not self.reentrant:
+                    raise AlreadyAcquired(
+                        f"lock {self.name!r} was acquired by another user of this object meanwhile"
+                    )
+                # Theirs: not ours to re-enter, and a fresh attempt under the owner token
+                # we share could be granted the very lease they hold (Redis takes over a
+                # lease of its token as an orphan). Wait for their release instead.
+                return Busy()
             started = self._attempt_sent = self._client._clock()
             # A fresh acquire never re-enters: a lease under our token that we do not
             # hold is an orphan of an attempt cut off mid-flight, not ours to count.

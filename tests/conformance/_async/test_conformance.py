@@ -871,8 +871,10 @@ def taken_while_waiting(
     @asynccontextmanager
     async def taken_by_the_other_user(lock_name: str, token: str) -> AsyncIterator[AsyncWaiter]:
         async with real_waiter(lock_name, token) as waiter:
+            real_wait = waiter.wait
 
             async def freed_and_taken(timeout: float) -> Acquired | None:
+                waiter.wait = real_wait  # type: ignore[method-assign]
                 await holder.release()
                 assert await shared.acquire(timeout=5)
                 return None
@@ -897,6 +899,25 @@ async def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(
         taken_while_waiting(client, holder, shared)
         with pytest.raises(dlock.AlreadyAcquired):
             await shared.acquire(timeout=10)
+        assert shared.owned() and not shared.lost and told == []
+        await assert_held_by(other, name, shared)
+        await shared.release()
+        assert await other.inspect(name) is None
+
+
+async def test_a_reentrant_waiter_sharing_the_lock_object_waits_for_the_other_user(
+    url: str, name: str
+) -> None:
+    """The same with a reentrant lock object: the waiter, whose acquire began before the
+    other user took the lock, does not enter their hold nor take the lease afresh under
+    the owner token they share; it waits for their release (here: times out)."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        told: list[dlock.aio.AsyncLock] = []
+        shared = client.lock(name, ttl=30, reentrant=True, on_lost=told.append)
+        taken_while_waiting(client, holder, shared)
+        assert not await shared.acquire(timeout=1), "entered while another user held it"
         assert shared.owned() and not shared.lost and told == []
         await assert_held_by(other, name, shared)
         await shared.release()

@@ -862,8 +862,10 @@ def taken_while_waiting(client: dlock.Client, holder: dlock.Lock, shared: dlock.
     @contextmanager
     def taken_by_the_other_user(lock_name: str, token: str) -> Iterator[Waiter]:
         with real_waiter(lock_name, token) as waiter:
+            real_wait = waiter.wait
 
             def freed_and_taken(timeout: float) -> Acquired | None:
+                waiter.wait = real_wait  # type: ignore[method-assign]
                 holder.release()
                 assert shared.acquire(timeout=5)
                 return None
@@ -886,6 +888,25 @@ def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(url: str, 
         taken_while_waiting(client, holder, shared)
         with pytest.raises(dlock.AlreadyAcquired):
             shared.acquire(timeout=10)
+        assert shared.owned() and not shared.lost and told == []
+        assert_held_by(other, name, shared)
+        shared.release()
+        assert other.inspect(name) is None
+
+
+def test_a_reentrant_waiter_sharing_the_lock_object_waits_for_the_other_user(
+    url: str, name: str
+) -> None:
+    """The same with a reentrant lock object: the waiter, whose acquire began before the
+    other user took the lock, does not enter their hold nor take the lease afresh under
+    the owner token they share; it waits for their release (here: times out)."""
+    with dlock.connect(url) as other, dlock.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        told: list[dlock.Lock] = []
+        shared = client.lock(name, ttl=30, reentrant=True, on_lost=told.append)
+        taken_while_waiting(client, holder, shared)
+        assert not shared.acquire(timeout=1), "entered while another user held it"
         assert shared.owned() and not shared.lost and told == []
         assert_held_by(other, name, shared)
         shared.release()
