@@ -1195,6 +1195,47 @@ async def test_a_waiter_cancelled_in_the_turnstile_takes_nothing_later(
         assert await later.lock(name, ttl=30).acquire(timeout=0)
 
 
+async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_once(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """Cancelling a lease waiter queued in the turnstile ended its wait in the server
+    (KILL QUERY) and gave its take back in the cancelled task: with the server paused,
+    the cancellation waited for both to time out (timeout, then connect_timeout + 1).
+    That clean-up runs in the background now, and close() waits for it."""
+    server = mariadb_server
+    url = server.url("timeout=2&connect_timeout=2")
+    try:
+        async with (
+            dlock.aio.connect(url) as holding,
+            dlock.aio.connect(url) as front,
+            dlock.aio.connect(url) as behind,
+        ):
+            holder = holding.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            in_front = asyncio.create_task(front.lock(name, ttl=30).acquire(timeout=20))
+            deadline = time.monotonic() + 5
+            while not _turnstile_held(server, name):
+                assert time.monotonic() < deadline, "the first waiter never got in front"
+                await asyncio.sleep(0.01)
+            cancelled = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=20))
+            while not _turnstile_waiters(server, name):
+                assert time.monotonic() < deadline, "the second waiter never queued"
+                await asyncio.sleep(0.01)
+            server.process.pause()
+            started = time.monotonic()
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert time.monotonic() - started < 1.5, "the cancellation waited for the server"
+            server.process.resume()
+            in_front.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await in_front
+            await holder.release()
+    finally:
+        server.process.resume()
+
+
 def test_session_wait_timeout_does_not_stay_on_pooled_connections(
     postgresql_server: SQLServer, name: str
 ) -> None:

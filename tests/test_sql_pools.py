@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -337,6 +338,81 @@ async def test_a_give_back_cut_off_still_returns_the_connection(
     finally:
         # aiomysql's close waits for every connection lent, a lost one for ever.
         await asyncio.wait_for(close(), 10)
+
+
+async def test_a_waiter_cancelled_with_the_pool_exhausted_keeps_nothing(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """A lease waiter borrowed the last connection of the application's pool, queued in
+    the turnstile and was cancelled: its clean-up ran in the cancelled task and waited
+    for the pool (connect_timeout + 1) to KILL the wait, with its own connection, which
+    would have made room, not yet given back. The cancellation waited that long, and
+    when the turnstile was handed over meanwhile, the dead session took the lease,
+    held by nobody until then. Now the connection goes back first, in the background."""
+    server = mariadb_server
+    pool = await aiomysql.create_pool(
+        host="127.0.0.1",
+        port=server.port,
+        user=server.user,
+        password=server.password,
+        db=server.database,
+        minsize=0,
+        maxsize=2,
+        client_flag=CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS,
+    )
+    try:
+        async with (
+            dlock.aio.connect(server.url()) as holding,
+            dlock.aio.connect(server.url()) as front,
+            dlock.aio.connect("mysql://", client=pool.acquire) as pooled,
+        ):
+            turnstile = holding._backend._turnstile_key(name)  # type: ignore[attr-defined]
+
+            def queued() -> tuple[bool, int]:
+                conn = server.connect()
+                try:
+                    cursor = conn.cursor()
+                    cursor.execute("SELECT IS_USED_LOCK(%s)", (turnstile,))
+                    held = cursor.fetchone()[0] is not None
+                    cursor.execute(
+                        "SELECT count(*) FROM information_schema.processlist"
+                        " WHERE state = 'User lock' AND info LIKE %s",
+                        (f"%{turnstile}%",),
+                    )
+                    return held, int(cursor.fetchone()[0])
+                finally:
+                    conn.close()
+
+            holder = holding.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            first = front.lock(name, ttl=30)
+            in_front = asyncio.create_task(first.acquire(timeout=20))
+            deadline = time.monotonic() + 5
+            while not queued()[0]:
+                assert time.monotonic() < deadline, "the first waiter never got in front"
+                await asyncio.sleep(0.01)
+            await holder.release()
+            assert await in_front  # it keeps the turnstile while it holds the lease
+            cancelled = asyncio.create_task(pooled.lock(name, ttl=30).acquire(timeout=20))
+            while not queued()[1]:
+                assert time.monotonic() < deadline, "the pooled waiter never queued"
+                await asyncio.sleep(0.01)
+            app = await pool.acquire()  # the pool's last connection
+            started = time.monotonic()
+            cancelled.cancel()
+            await first.release()  # hands the turnstile over inside the server
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            assert time.monotonic() - started < 3, "the cancellation waited for the pool"
+            # A take by the dead session is given back well before its TTL.
+            later = holding.lock(name, ttl=30)
+            assert await later.acquire(timeout=3)
+            await later.release()
+            pool.release(app)
+        assert not pool._used, "the pool's connection was kept"
+    finally:
+        pool.close()
+        await asyncio.wait_for(pool.wait_closed(), 5)
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mariadb"])

@@ -26,13 +26,14 @@ from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import SHORTEST_PRUNE_AGE
-from .._primitives import call_with_timeout, current_task, sleep
+from .._primitives import call_with_timeout, current_task, serving, sleep, spawn, wait_done
 from ..backend import AsyncBackend, AsyncWaiter
 
 #: Idle connections kept per backend, for statements and (apart) for lease waits; more
@@ -48,6 +49,9 @@ KNOWN_NAMES = 10_000
 #: How long a name seen held stays known to have a row (its busy answers then need no
 #: second query), in seconds: far less than the shortest age ``prune`` accepts.
 KNOWN_FOR = SHORTEST_PRUNE_AGE / 10
+#: Seconds between the give-backs of a turnstile wait cut off in flight, until its own
+#: bound has passed (``_give_back_cut_off``).
+CUT_OFF_RETRY = 0.1
 
 
 @dataclass
@@ -143,6 +147,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         #: Leases taken in front of the turnstile, by owner token: the turnstile stays
         #: held on their connection until they end.
         self._gates: dict[str, Gate] = {}
+        #: Clean-ups of lease waiters cut off, running in the background, with their
+        #: owner tokens: the token's next acquire and ``aclose`` wait for them.
+        self._clean_ups: list[tuple[str, Any]] = []
         #: The event loop that made the connections kept above (``_follow_loop``).
         self._loop: Any = None
         #: The process that made them, and what a forked child's threads take to
@@ -615,6 +622,8 @@ class AsyncServerSQLBackend(AsyncBackend):
 
     async def aclose(self) -> None:
         self._follow_loop()
+        for _, clean_up in self._clean_ups:
+            await wait_done(clean_up)
         self._closed = True
         conns = [*self._idle, *self._queueing, *(gate.conn for gate in self._gates.values())]
         conns += [held.conn for held in (*self._held.values(), *self._parked.values())]
@@ -1086,16 +1095,12 @@ class AsyncServerSQLBackend(AsyncBackend):
         try:
             yield waiter
         except BaseException:
-            if waiter.cut_off:
-                # Before the give-back: a wait that went on in the server could take the
-                # lease after it.
-                with contextlib.suppress(Exception):
-                    await self._end_cut_off_wait(waiter)
-            await self._drop(waiter.conn)  # frees the turnstile
-            if waiter.cut_off:
-                # A take cut off in flight may have committed: give it back.
-                with contextlib.suppress(Exception):
-                    await self._lease_release(name, token)
+            # In the background, and nothing awaited here: a second cancellation would
+            # cut a clean-up short (keeping a borrowed connection, skipping the
+            # give-back), and a hung server or an exhausted pool would hold up this one.
+            clean_up = spawn(partial(self._clean_up_waiter, waiter), name="dlock-waiter-clean-up")
+            self._clean_ups = [x for x in self._clean_ups if serving(x[1])]
+            self._clean_ups.append((token, clean_up))
             raise
         finally:
             self._front.pop(token, None)
@@ -1108,10 +1113,59 @@ class AsyncServerSQLBackend(AsyncBackend):
             # The waiter may have replaced a connection that died while idle (restart).
             await self._keep_for_waiting(waiter.conn)
 
-    async def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> None:
-        """A turnstile wait cut off by the client (cancelled, interrupted) must end in
-        the server too, with the take after it, before the give-back runs. psycopg
-        cancels the query on the server itself."""
+    async def _clean_up_waiter(self, waiter: TurnstileWaiter) -> None:
+        """End a lease waiter left by an error, a cancellation or an interrupt.
+
+        Its connection is closed first, which leaves the turnstile and gives a borrowed
+        one back to its pool, so that the statements below can borrow one even from a
+        pool the waiter exhausted. A turnstile wait cut off in flight may go on in the
+        server and take the lease for the dead session: it is ended there where the
+        backend can, and the take is given back (``_give_back_cut_off``).
+        """
+        ended = waiter.cut_off and self._cut_off_wait_ended(waiter.conn)
+        await self._drop(waiter.conn)
+        if not waiter.cut_off:
+            return
+        if not ended:
+            with contextlib.suppress(Exception):
+                ended = await self._end_cut_off_wait(waiter)
+        await self._give_back_cut_off(waiter, ended)
+
+    async def _give_back_cut_off(self, waiter: TurnstileWaiter, ended: bool) -> None:
+        """Give back what a turnstile wait cut off in flight may have taken: once if
+        the server said the wait is over (``ended``), else again every
+        ``CUT_OFF_RETRY`` until its own bound has passed, by when the dead session's
+        wait has ended and its take with it; a take is then held by nobody for that long
+        at most, not for its whole TTL. Failing give-backs are tried for an operation
+        timeout more; then the lease, if taken, ends by its TTL."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self._plain_release(waiter.name, waiter.token)
+            except Exception:
+                if started >= waiter.wait_ends + self._settings.timeout:
+                    return
+            else:
+                if ended or started >= waiter.wait_ends:
+                    return
+            await sleep(CUT_OFF_RETRY)
+
+    def _cut_off_wait_ended(self, conn: Conn) -> bool:
+        """True when the connection of a turnstile wait cut off in flight shows that
+        its query has ended in the server (the driver cancelled it there itself)."""
+        return False
+
+    async def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> bool:
+        """End a turnstile wait cut off in flight in the server too, its connection
+        closed already; True once the server says it has ended (with the take after it)."""
+        return False
+
+    async def _cut_offs_done(self, token: str) -> None:
+        """Wait for the clean-ups of ``token``'s waiters cut off: their give-backs
+        release under the token, and must not release a lease it takes anew."""
+        for owner, clean_up in self._clean_ups:
+            if owner == token:
+                await wait_done(clean_up)
 
     async def _lease_waiter_of(
         self, token: str, reentrant: bool, params: dict[str, Any]
@@ -1122,6 +1176,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         waiter = self._front.get(token)
         if waiter is None:
             if not reentrant:
+                await self._cut_offs_done(token)
                 await self._drop_gate(token)
             return None
         waiter.params = params
@@ -1144,6 +1199,8 @@ class AsyncServerSQLBackend(AsyncBackend):
             # Too brief a wait for the server: back off here, then only try the turnstile.
             await sleep(timeout)
         sql, params = await self._queue_sql(waiter, wait)
+        # By then the wait has ended in the server, and the take after it too.
+        waiter.wait_ends = time.monotonic() + wait + BACKSTOP
         try:
             # A waiter's borrowed connection goes back closed (_keep_for_waiting).
             await self._exempt_from_idle_timeout(waiter.conn, returned_open=False)
@@ -1317,6 +1374,8 @@ class TurnstileWaiter(AsyncWaiter):
         self.granted = False
         #: A take failed in flight: it may have committed.
         self.cut_off = False
+        #: When (``time.monotonic``) the latest wait and take are over in the server.
+        self.wait_ends = 0.0
         #: The latest attempt's parameters (owner, ttl, holder), for the take.
         self.params: dict[str, Any] = {}
 

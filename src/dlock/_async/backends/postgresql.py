@@ -491,6 +491,12 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             return True, None
         return True, Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
 
+    def _cut_off_wait_ended(self, conn: Conn) -> bool:
+        # psycopg cancels an interrupted query on the server and reads on to its end;
+        # it closes the connection if the server does not answer that in time.
+        raw = conn.raw
+        return not raw.closed and raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
     async def _wait_in_front(self, waiter: TurnstileWaiter, timeout: float) -> None:
         channel = notify_channel(self._table, waiter.name)
         try:
