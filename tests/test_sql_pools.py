@@ -415,6 +415,44 @@ async def test_a_waiter_cancelled_with_the_pool_exhausted_keeps_nothing(
         await asyncio.wait_for(pool.wait_closed(), 5)
 
 
+async def test_a_lease_waiter_whose_pooler_check_fails_gives_its_connection_back(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A lease waiter asks a connection borrowed from the application's pool whether a
+    pooler stands in front (a round trip) before it queues; when that failed (a server
+    that stopped answering, a cancellation), the connection was never given back."""
+    server = postgresql_server
+    apool = psycopg_pool.AsyncConnectionPool(server.url(), min_size=1, max_size=1, open=False)
+    await apool.open()
+    try:
+        async with (
+            dlock.aio.connect(server.url()) as holding,
+            dlock.aio.connect("postgresql://", client=apool.connection) as pooled,
+        ):
+            holder = holding.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            backend: Any = pooled._backend
+            ask = backend._behind_proxy
+            # Kept alive: a lost connection would otherwise go back when the garbage
+            # collector finalizes the pool's context manager, by chance.
+            asked: list[Any] = []
+
+            async def failing(conn: Any) -> bool:
+                if conn.loan is not None and conn.behind_proxy is None:
+                    asked.append(conn)
+                    raise dlock.BackendUnavailable("no answer (injected)")
+                return bool(await ask(conn))
+
+            backend._behind_proxy = failing
+            with pytest.raises(dlock.BackendUnavailable, match="injected"):
+                await pooled.lock(name, ttl=30).acquire(timeout=5)
+            async with apool.connection(timeout=2):
+                pass
+            await holder.release()
+    finally:
+        await apool.close()
+
+
 @pytest.mark.parametrize("database", ["postgresql", "mariadb"])
 def test_client_that_is_no_connection_is_refused_by_name(
     database: str, request: pytest.FixtureRequest, name: str

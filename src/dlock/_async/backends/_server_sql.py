@@ -1086,7 +1086,13 @@ class AsyncServerSQLBackend(AsyncBackend):
             conn = self._queueing.pop()
         except IndexError:
             conn = await self._connect()
-        if not self._queues_on(conn) or await self._behind_proxy(conn):
+        try:
+            # A borrowed connection is asked (a round trip) before it can queue.
+            queues = self._queues_on(conn) and not await self._behind_proxy(conn)
+        except BaseException:
+            await self._drop(conn)
+            raise
+        if not queues:
             await self._give(conn)
             yield AsyncWaiter()
             return

@@ -1081,7 +1081,13 @@ class ServerSQLBackend(Backend):
             conn = self._queueing.pop()
         except IndexError:
             conn = self._connect()
-        if not self._queues_on(conn) or self._behind_proxy(conn):
+        try:
+            # A borrowed connection is asked (a round trip) before it can queue.
+            queues = self._queues_on(conn) and not self._behind_proxy(conn)
+        except BaseException:
+            self._drop(conn)
+            raise
+        if not queues:
             self._give(conn)
             yield Waiter()
             return
