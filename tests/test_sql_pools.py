@@ -454,6 +454,60 @@ async def test_a_lease_waiter_whose_pooler_check_fails_gives_its_connection_back
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+def test_an_exhausted_sqlalchemy_pool_is_unavailable(
+    database: str, request: pytest.FixtureRequest, name: str
+) -> None:
+    """SQLAlchemy's pool timeout is not a driver error: it was a plain BackendError,
+    where the other pools' are BackendUnavailable (worth retrying)."""
+    server: SQLServer = request.getfixturevalue(f"{database}_server")
+    driver = "psycopg" if server.scheme == "postgresql" else "pymysql"
+    engine = sqlalchemy.create_engine(
+        server.url().replace("://", f"+{driver}://", 1),
+        pool_size=1,
+        max_overflow=0,
+        pool_timeout=0.2,
+    )
+    busy = engine.raw_connection()
+    try:
+        with (
+            dlock.connect(f"{server.scheme}://", client=engine.raw_connection) as client,
+            pytest.raises(dlock.BackendUnavailable, match="pool lent no connection"),
+        ):
+            client.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        busy.close()
+        engine.dispose()
+
+
+async def test_an_exhausted_aiomysql_pool_names_the_bound_that_applied(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """aiomysql's pool waits for ever; dlock's bound (connect_timeout + 1) ends the
+    wait, and was reported as the operation timeout's: "no answer within 10.0 s"."""
+    server = mariadb_server
+    pool = await aiomysql.create_pool(
+        host="127.0.0.1",
+        port=server.port,
+        user=server.user,
+        password=server.password,
+        db=server.database,
+        minsize=1,
+        maxsize=1,
+        client_flag=CLIENT.FOUND_ROWS,
+    )
+    busy = await pool.acquire()
+    try:
+        url = "mysql://?connect_timeout=0.5"
+        async with dlock.aio.connect(url, client=pool.acquire) as client:
+            with pytest.raises(dlock.BackendUnavailable, match=r"no connection within 1\.5 s"):
+                await client.lock(name, ttl=5).acquire(timeout=0)
+    finally:
+        pool.release(busy)
+        pool.close()
+        await asyncio.wait_for(pool.wait_closed(), 5)
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
 def test_client_that_is_no_connection_is_refused_by_name(
     database: str, request: pytest.FixtureRequest, name: str
 ) -> None:

@@ -20,6 +20,7 @@ import inspect
 import math
 import os
 import select
+import sys
 import threading
 import time
 from abc import abstractmethod
@@ -273,11 +274,25 @@ class AsyncServerSQLBackend(AsyncBackend):
     async def _connect(self) -> Conn:
         if self._closed:
             raise BackendError("this dlock client is closed")
+        bound = self._settings.connect_timeout + 1
         try:
-            raw, loan = await call_with_timeout(self._open(), self._settings.connect_timeout + 1)
+            raw, loan = await call_with_timeout(self._open(), bound)
         except ConfigurationError:
             raise
         except Exception as exc:
+            # A pool that has nothing to lend (SQLAlchemy's own timeout, or ours on a
+            # pool that waits for ever) is a server out of reach for now, as a
+            # connection that does not come is.
+            address = self._settings.address
+            if isinstance(exc, TimeoutError):
+                raise BackendUnavailable(
+                    f"{address}: cannot connect: no connection within {bound:g} s"
+                    " (connect_timeout + 1)"
+                ) from exc
+            if _pool_timed_out(exc):
+                raise BackendUnavailable(
+                    f"{address}: cannot connect: the client= pool lent no connection in time: {exc}"
+                ) from exc
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw, loan=loan, loop=_running_loop())
         try:
@@ -579,12 +594,13 @@ class AsyncServerSQLBackend(AsyncBackend):
         except (OSError, ValueError):
             return True
 
-    def _wrap(self, exc: BaseException, what: str = "") -> BackendError:
+    def _wrap(self, exc: BaseException, what: str = "", bound: float | None = None) -> BackendError:
         if isinstance(exc, BackendError):
             return exc
         prefix = self._settings.address
         if isinstance(exc, TimeoutError):
-            return BackendUnavailable(f"{prefix}: no answer within {self._settings.timeout} s")
+            seconds = self._settings.timeout if bound is None else bound
+            return BackendUnavailable(f"{prefix}: no answer within {seconds:g} s")
         error = self._driver_error(exc)
         if error is None:
             return BackendError(f"{prefix}: {what or 'failed'}: {exc!r}")
@@ -597,7 +613,7 @@ class AsyncServerSQLBackend(AsyncBackend):
                 self._driver_execute(conn.raw, sql, params, bound), bound + BACKSTOP
             )
         except Exception as exc:
-            error = self._wrap(exc)
+            error = self._wrap(exc, bound=bound)
             if isinstance(error, BackendUnavailable):
                 self._connection_died()
             raise error from exc
@@ -1323,6 +1339,12 @@ def _running_loop() -> Any:
     """The running event loop (asyncio face), or None (sync face)."""
     task = current_task()
     return None if task is None else task.get_loop()
+
+
+def _pool_timed_out(exc: BaseException) -> bool:
+    """SQLAlchemy's pool found no connection to lend within its ``pool_timeout``."""
+    errors = sys.modules.get("sqlalchemy.exc")
+    return errors is not None and isinstance(exc, errors.TimeoutError)
 
 
 def _timed_out(exc: BaseException) -> bool:
