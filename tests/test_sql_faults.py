@@ -1236,6 +1236,20 @@ async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_o
         server.process.resume()
 
 
+@pytest.mark.parametrize("table", ["order", "public.order", "Public.Dlock_Locks"])
+def test_printed_schema_of_a_reserved_word_table_runs(
+    postgresql_server: SQLServer, table: str
+) -> None:
+    """`dlock init --print` printed the table as given, unquoted: for a reserved word
+    that dlock itself accepts (table=order) the DDL was a syntax error."""
+    with dlock.connect(postgresql_server.url(f"table={table}")) as client:
+        statements = client._backend.schema_sql()  # type: ignore[attr-defined]
+        admin(postgresql_server)(statements[0], ())
+        lock = client.lock("printed", ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+
+
 def test_session_wait_timeout_does_not_stay_on_pooled_connections(
     postgresql_server: SQLServer, name: str
 ) -> None:

@@ -229,6 +229,15 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             POSTGRESQL.schema(table, session=self._session_mode),
         )
 
+    def schema_sql(self) -> list[str]:
+        """Before a connection has named the table (``dlock init --print``), each part
+        is quoted as PostgreSQL reads it unquoted (lower case): a reserved word such as
+        ``order`` is then valid, and any other name means the same table."""
+        if self._table_pinned:
+            return super().schema_sql()
+        table = ".".join(f'"{part.lower()}"' for part in self._table.split("."))
+        return [POSTGRESQL.schema(table, session=self._session_mode)]
+
     def _use_table(self, table: str) -> None:
         super()._use_table(table)
         self._prepare_take = _prepare(TAKE, TAKE_PARAMETERS, self._sql["turnstile_take"])
