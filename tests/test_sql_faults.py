@@ -1195,6 +1195,69 @@ async def test_a_waiter_cancelled_in_the_turnstile_takes_nothing_later(
         assert await later.lock(name, ttl=30).acquire(timeout=0)
 
 
+async def test_a_turnstile_waiter_whose_session_died_leaves_that_session_id_alone(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """A turnstile waiter whose connection died (a restart, here a KILL) and could not
+    connect again: its clean-up asked the server about, and would KILL QUERY, the dead
+    session's id, which after a restart may be another client's waiter on the same
+    turnstile; and it gave the dead connection back a second time."""
+    server = mariadb_server
+    url = server.url("timeout=5&connect_timeout=2")
+    async with (
+        dlock.aio.connect(url) as holding,
+        dlock.aio.connect(url) as front,
+        dlock.aio.connect(url) as behind,
+    ):
+        holder = holding.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        in_front = asyncio.create_task(front.lock(name, ttl=30).acquire(timeout=20))
+        deadline = time.monotonic() + 5
+        while not _turnstile_held(server, name):
+            assert time.monotonic() < deadline, "the first waiter never got in front"
+            await asyncio.sleep(0.01)
+        backend: Any = behind._backend
+        waiting = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=20))
+        turnstile = named_lock_key(_default_table(server) + ":turnstile", name)
+        sessions: list[tuple[Any, ...]] = []
+        while not sessions:
+            assert time.monotonic() < deadline, "the second waiter never queued"
+            await asyncio.sleep(0.01)
+            sessions = admin(server)(
+                "SELECT id FROM information_schema.processlist"
+                " WHERE state = 'User lock' AND info LIKE %s",
+                (f"%{turnstile}%",),
+            )
+        dead = int(sessions[0][0])
+        asked: list[Any] = []
+        real_call, real_give_back = backend._call, backend._give_back
+
+        async def recording_call(key: str, params: dict[str, Any], sql: str | None = None) -> Any:
+            asked.append(params.get("id"))
+            return await real_call(key, params, sql)
+
+        async def no_server() -> Any:
+            raise dlock.BackendUnavailable("no server, for the test")
+
+        given_back: list[Any] = []
+
+        async def counting_give_back(raw: Any, loan: Any, keep: bool) -> None:
+            given_back.append(raw)
+            await real_give_back(raw, loan, keep)
+
+        backend._call, backend._connect = recording_call, no_server
+        backend._give_back = counting_give_back
+        admin(server)(f"KILL CONNECTION {dead}", ())
+        with pytest.raises(dlock.BackendUnavailable):
+            await waiting
+        for _, clean_up in list(backend._clean_ups):
+            await clean_up
+        assert dead not in asked, "the clean-up asked about the dead session's id"
+        assert len(given_back) == len(set(map(id, given_back))), "given back twice"
+        await holder.release()
+        assert await in_front
+
+
 async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_once(
     mariadb_server: SQLServer, name: str
 ) -> None:

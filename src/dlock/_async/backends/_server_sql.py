@@ -85,6 +85,8 @@ class Conn:
     #: The event loop it was made in (asyncio face; None in the sync face): it can be
     #: neither used nor closed in another.
     loop: Any = None
+    #: Closed, or given back closed (``_drop``).
+    dropped: bool = False
 
 
 @dataclass
@@ -578,6 +580,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         # A broken connection may fail to close; it is gone either way. A borrowed one
         # goes back to its pool closed: it may hold a lock, a LISTEN, a statement cut
         # off in flight.
+        if conn.dropped:
+            return  # a borrowed connection goes back to its pool once
+        conn.dropped = True
         if conn.loop is not _running_loop():
             self._abandon(conn)
             return
@@ -1236,7 +1241,10 @@ class AsyncServerSQLBackend(AsyncBackend):
             if not isinstance(exc, BackendUnavailable):
                 raise
             # The connection died (server restart): start over on a new one; the core
-            # simply tries again.
+            # simply tries again. Its session is gone, its wait with it, and after a
+            # restart its id may be another's: if no new connection comes, the clean-up
+            # must not end that session's wait.
+            waiter.conn.session_id = None
             await self._drop(waiter.conn)
             waiter.conn = await self._connect()
             with contextlib.suppress(Exception):
