@@ -520,3 +520,23 @@ def test_client_that_is_no_connection_is_refused_by_name(
     client = dlock.connect(f"{server.scheme}://", client=lambda: object())
     with client, pytest.raises(dlock.ConfigurationError, match=r"builtins\.object"):
         client.lock(name, ttl=5).acquire(timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("url", "ignored"),
+    [
+        ("postgresql://app:secret@db.example:5433/", "host, port or credentials"),
+        ("postgresql:///appdb", "database"),
+        ("postgresql://?sslmode=verify-full", "sslmode"),
+        ("mysql://root@localhost/", "host, port or credentials"),
+        ("mysql://?ssl_ca=/etc/ca.pem&mode=session", "ssl_ca"),
+        ("mysql://?unix_socket=/run/mysqld/mysqld.sock", "unix_socket"),
+    ],
+)
+def test_a_url_setting_client_would_ignore_is_refused(url: str, ignored: str) -> None:
+    """With ``client=`` the connections bring their own server, database, credentials
+    and TLS: a URL that names others is refused, not silently ignored."""
+    with pytest.raises(dlock.ConfigurationError, match=f"would be ignored: {ignored}"):
+        dlock.connect(url, client=lambda: None)
+    scheme = url.split("//")[0]
+    dlock.connect(f"{scheme}//?mode=session&table=app_locks", client=print).close()

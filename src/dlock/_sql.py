@@ -13,7 +13,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from ._errors import ConfigurationError
 from ._options import flag, query_options, seconds
@@ -177,6 +177,8 @@ def parse_server_url(
     if empty:
         # The URL's query refuses these already; a keyword must not slip one through.
         raise ConfigurationError(f"empty {parts.scheme} option(s): {', '.join(empty)}")
+    if settings.get("client") is not None:
+        _check_given_client_url(parts, set(settings) & (passthrough | {socket_option}))
     mode = str(settings.get("mode", "lease")).lower()
     if mode not in MODES:
         raise ConfigurationError(f"mode must be one of {MODES}, not {mode!r}")
@@ -203,6 +205,22 @@ def parse_server_url(
         client=_client_factory(settings.get("client")),
         socket=str(settings[socket_option]) if settings.get(socket_option) else None,
     )
+
+
+def _check_given_client_url(parts: SplitResult, ignored_options: set[str]) -> None:
+    """With ``client=``, the connections bring their server, database, credentials and
+    TLS: a URL that says otherwise would be ignored without a word."""
+    ignored = sorted(ignored_options)
+    if parts.path not in ("", "/"):
+        ignored.insert(0, "database")
+    if parts.netloc:
+        ignored.insert(0, "host, port or credentials")
+    if ignored:
+        raise ConfigurationError(
+            f"with client=, the connections' own settings apply; the URL's would be "
+            f"ignored: {', '.join(ignored)} (use {parts.scheme}:// with only dlock's "
+            f"options: mode, table, create_table, timeout, connect_timeout)"
+        )
 
 
 def _client_factory(value: Any) -> Any:
