@@ -1265,3 +1265,25 @@ def test_a_redlock_lease_is_counted_less_the_clock_drift(
         assert backend.release(name, token) == 0
     finally:
         backend.close()
+
+
+def test_a_cluster_url_for_a_plain_server_is_refused_not_unavailable(
+    redis_server: RedisServer,
+) -> None:
+    """``cluster=true`` naming a server that is not in a cluster is a wrong URL:
+    retrying will not mend it, so it must not be BackendUnavailable."""
+
+    async def asynchronously() -> BaseException:
+        async with dlock.aio.connect(f"{url_of(redis_server)}?cluster=true") as client:
+            with pytest.raises(dlock.BackendError) as caught:
+                await client.lock(unique()).acquire(timeout=0)
+        return caught.value
+
+    with (
+        dlock.connect(f"{url_of(redis_server)}?cluster=true") as client,
+        pytest.raises(dlock.BackendError) as caught,
+    ):
+        client.lock(unique()).acquire(timeout=0)
+    for error in (caught.value, asyncio.run(asynchronously())):
+        assert not isinstance(error, dlock.BackendUnavailable), error
+        assert "not enabled" in str(error)

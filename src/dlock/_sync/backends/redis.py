@@ -228,6 +228,10 @@ def _file_missing(error: BaseException) -> bool:
     return False
 
 
+#: How redis-py says that a node asked for the cluster's layout is a plain server.
+CLUSTER_MODE_OFF = "Cluster mode is not enabled"
+
+
 def wrap(exc: Exception, where: str) -> BackendError:
     """A redis-py error as dlock's: unreachable, slow or busy servers and clusters between
     states are BackendUnavailable; a server that refuses this client (password, ACL,
@@ -237,6 +241,8 @@ def wrap(exc: Exception, where: str) -> BackendError:
         isinstance(exc, (AuthenticationError, AuthorizationError))
         or certificate_refused(exc)
         or _file_missing(exc)
+        # cluster=true against a server that is not in a cluster: a wrong URL.
+        or (isinstance(exc, RedisClusterException) and CLUSTER_MODE_OFF in str(exc))
     ):
         return BackendError(f"Redis {where}: refused: {type(exc).__name__}: {exc}")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
