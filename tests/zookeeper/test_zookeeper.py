@@ -347,6 +347,50 @@ def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
         partition.close()
 
 
+def test_a_renewal_behind_a_busy_stripe_still_tells_the_loss_in_time(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """Cut off, the holder's client tries another lock whose (name, token) shares the
+    held lock's stripe: that attempt holds the stripe while it waits for a connection.
+    The renewal must not wait behind it to tell the loss."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"stripe-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=4"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+            backend: Any = far._backend
+            lost_at: list[float] = []
+            held = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
+            assert held.acquire(timeout=5)
+            stripe = hash((held.name, held._token)) % 64
+            index = 0
+            while True:
+                other = far.lock(f"{name}-{index}", ttl=60)
+                if hash((other.name, other._token)) % 64 == stripe:
+                    break
+                index += 1
+            partition.cut.set()
+            wait_until(lambda: backend._suspended_at is not None)
+
+            def collide() -> None:
+                with contextlib.suppress(dlock.BackendError):
+                    other.acquire(timeout=10)
+
+            colliding = threading.Thread(target=collide, daemon=True)
+            colliding.start()
+            successor = near.lock(name, ttl=60)
+            assert successor.acquire(timeout=15)
+            acquired_at = time.monotonic()
+            assert lost_at, "the holder still believes it holds the lock"
+            assert lost_at[0] <= acquired_at
+            partition.cut.clear()
+            colliding.join(15)
+            successor.release()
+    finally:
+        partition.cut.clear()
+        partition.close()
+
+
 def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> None:
     root = f"/dlock-auth-{time.monotonic_ns()}"
     authed = f"zookeeper://alice:s3cret@{zookeeper_server.hosts}{root}"

@@ -85,6 +85,15 @@ async def run_blocking(func: Callable[..., T], *args: Any) -> T:
 Mutex = asyncio.Lock
 
 
+async def acquire_within(mutex: asyncio.Lock, timeout: float) -> bool:
+    """Take ``mutex`` if it comes free within ``timeout``; False (not taken) if not."""
+    try:
+        await _bounded(mutex.acquire(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
 async def wait_result(result: Any, timeout: float) -> Any:
     """The value of a result that another thread sets (kazoo's: ``ready``, ``rawlink``,
     ``unlink``, ``get``), waiting at most ``timeout``, then as its own ``get`` would:

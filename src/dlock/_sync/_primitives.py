@@ -49,6 +49,10 @@ def run_blocking(func: Callable[..., T], *args: Any) -> T:
 Mutex = threading.Lock
 
 
+def acquire_within(mutex: threading.Lock, timeout: float) -> bool:
+    return mutex.acquire(timeout=timeout)
+
+
 def wait_result(result: Any, timeout: float) -> Any:
     """Twin of the asyncio wait_result: block on the result's own ``get``."""
     return result.get(timeout=timeout)

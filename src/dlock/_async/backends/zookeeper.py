@@ -62,6 +62,7 @@ from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import (
     Mutex,
     WakeupEvent,
+    acquire_within,
     current_task,
     join,
     run_blocking,
@@ -1153,26 +1154,66 @@ class AsyncZooKeeperBackend(AsyncBackend):
         """
         zk = await self._client()
         started = time.monotonic()
-        # Hold the stripes of the whole batch (in one order, and no other operation
-        # holds two) so a re-entry or release cannot interleave with the rewrite.
+        answers = [False] * len(leases)
+        while True:
+            alive = self._alive_leases(leases)
+            if not alive:
+                return answers
+            batch = [leases[index] for index in alive]
+            taken = await self._take_stripes(batch)
+            if taken is not None:
+                break
+        try:
+            extended = await self._extend_locked(zk, batch)
+        finally:
+            for stripe in reversed(taken):
+                stripe.release()
+        for index, answer in zip(alive, extended, strict=True):
+            answers[index] = answer
+        if any(extended):
+            self._heard(started)
+        return answers
+
+    def _alive_leases(self, leases: list[Lease]) -> list[int]:
+        """The indexes of the leases not known to be lost; the others are given up."""
+        alive = []
+        for index, lease in enumerate(leases):
+            key = (lease.name, lease.token)
+            node = self._nodes.get(key)
+            if node is not None and node.held and not self._session_alive(node):
+                self._give_up(key, node)
+            else:
+                alive.append(index)
+        return alive
+
+    async def _take_stripes(self, leases: list[Lease]) -> list[Mutex] | None:
+        """Hold the stripes of the whole batch (in one order, and no other operation
+        holds two) so a re-entry or release cannot interleave with the rewrite.
+
+        None, holding none, once a lease's session is given up meanwhile: another
+        operation may hold a stripe while it waits for a connection or an answer, and
+        the loss must be told before the server lets another client take the lock.
+        """
         all_stripes = self._stripes_here()
         stripes = [
             all_stripes[i] for i in sorted({hash((x.name, x.token)) % STRIPES for x in leases})
         ]
         taken: list[Mutex] = []
         try:
-            # Each stripe counts as taken only once acquired: a renewal cancelled (timed
-            # out) while waiting for the next one must still give back those it holds.
             for stripe in stripes:
-                await stripe.acquire()
+                while not await acquire_within(stripe, POLL):
+                    if len(self._alive_leases(leases)) < len(leases):
+                        for held in reversed(taken):
+                            held.release()
+                        return None
+                # Counted as taken only once acquired: a renewal cancelled (timed out)
+                # while waiting for the next one must still give back those it holds.
                 taken.append(stripe)
-            answers = await self._extend_locked(zk, leases)
-        finally:
-            for stripe in reversed(taken):
-                stripe.release()
-        if any(answers):
-            self._heard(started)
-        return answers
+        except BaseException:
+            for held in reversed(taken):
+                held.release()
+            raise
+        return taken
 
     async def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
         answers: list[bool] = [False] * len(leases)
