@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -995,3 +996,60 @@ def test_a_passed_in_client_is_refused_in_a_forked_child(
     finally:
         existing.stop()
         existing.close()
+
+
+def test_a_holder_resumed_after_a_long_pause_is_not_told_it_renewed(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """Paused past its session timeout, then resumed cut off: the server last heard it
+    before the pause, whatever kazoo has noticed yet."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"paused-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3"
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "tests.zookeeper.paused_holder", cut_off, name],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        with dlock.connect(zookeeper_server.url()) as near:
+            successor = near.lock(name, ttl=60)
+            assert successor.acquire(timeout=20)  # the holder's session expired
+            partition.cut.set()
+            os.kill(holder.pid, signal.SIGCONT)
+            assert holder.stdout.readline().strip() == "lost"
+            successor.release()
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        partition.cut.clear()
+        holder.wait(30)
+        holder.stdout.close()  # type: ignore[union-attr]
+        partition.close()
+
+
+def test_a_short_server_pause_does_not_lose_an_idle_lease(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """One request timing out while the server pauses briefly: kazoo's pings were
+    answered until the pause, so the session is far from expiring."""
+    name = f"short-pause-{time.monotonic_ns()}"
+    url = zookeeper_server.url(session_timeout=4, operation_timeout=1)
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=60)
+        assert lock.acquire(timeout=5)
+        time.sleep(3.5)  # idle past the stall grace: only kazoo's pings are answered
+        zookeeper_server.nodes[0].pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable):
+                client.inspect(f"{name}-other")
+        finally:
+            zookeeper_server.nodes[0].resume()
+        time.sleep(0.5)
+        assert not lock.lost and lock.owned()
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()

@@ -97,6 +97,13 @@ SUSPEND_SHARE = 1 / 4
 #: Share of the session timeout after the last answered request at which a client whose
 #: requests go unanswered (while kazoo still thinks it is connected) gives up its locks.
 STALL_SHARE = 3 / 4
+#: Share of the session timeout after the server was last heard (our own clients: any
+#: reply, kazoo's pings too) at which locks are given up: the server may expire the
+#: session a session timeout after it last heard from us; the rest is a margin for
+#: scheduling and for the reply's way back.
+HEARD_SHARE = 3 / 4
+#: The start of what kazoo logs for each message read from the server.
+READ_MESSAGES = ("Received ", "Session created")
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
 #: Encoded node data kept for reuse (one per holder and TTL in use).
@@ -551,10 +558,34 @@ class ZooKeeperBackend(Backend):
     def watch_leases(self, renew_now: Callable[[], None]) -> None:
         self._renew_now = renew_now
 
-    def _grace(self, share: float) -> float:
-        """How long locks are kept after a suspension or stall begins (none if the
-        policy is to declare them lost at once)."""
-        return 0.0 if self._on_suspend == "lost" else self._session_timeout * share
+    def _alive_until(self) -> float:
+        """Until when the session surely lives (inf: nothing casts doubt on it).
+
+        Our own client's log tells when the server last sent anything, and that counts
+        even while kazoo reports no trouble: a process paused past the session timeout
+        must not be told its leases were renewed when it resumes, before kazoo notices
+        its connection is dead. And a request that timed out during a short server
+        pause costs nothing while kazoo's pings were answered just before it.
+        A caller's client (``client=``) shows only dlock's own requests: the grace
+        then counts from when the suspension or stall was noticed.
+        """
+        suspended, stalled = self._suspended_at, self._stalled_since
+        if self._on_suspend == "lost" and (suspended is not None or stalled is not None):
+            return -math.inf
+        diagnosis = self._diagnosis
+        if diagnosis is not None:
+            heard = max(diagnosis.read_at, self._answered_at)
+            return heard + self._session_timeout * HEARD_SHARE
+        until = math.inf
+        if stalled is not None:
+            until = stalled + self._session_timeout * STALL_SHARE
+        if suspended is not None:
+            until = min(until, suspended + self._session_timeout * SUSPEND_SHARE)
+        return until
+
+    def _renew_at_grace_end(self) -> None:
+        """Wake the renewer now, and again when the session may be gone."""
+        self._renew_now_and_after(max(0.0, self._alive_until() - time.monotonic()))
 
     def _renew_now_and_after(self, delay: float) -> None:
         """Wake the renewer now, and again when a grace ends (it decides then)."""
@@ -570,7 +601,7 @@ class ZooKeeperBackend(Backend):
         if state == KazooState.SUSPENDED:
             self._suspended_at = time.monotonic()
             logger.warning("dlock: ZooKeeper connection suspended; held locks may be lost")
-            self._renew_now_and_after(self._grace(SUSPEND_SHARE))
+            self._renew_at_grace_end()
         elif state == KazooState.LOST:
             self._suspended_at = None
             self._end_session(self._session_id)
@@ -609,11 +640,7 @@ class ZooKeeperBackend(Backend):
         """False once the node's session ended or was suspended or stalled for too long."""
         if node.gone or node.session != self._session_id:
             return False
-        now = time.monotonic()
-        suspended, stalled = self._suspended_at, self._stalled_since
-        if stalled is not None and now >= stalled + self._grace(STALL_SHARE):
-            return False
-        return suspended is None or now < suspended + self._grace(SUSPEND_SHARE)
+        return time.monotonic() < self._alive_until()
 
     def _heard(self, since: float) -> None:
         """The session was alive at ``since`` if a reply arrived after it; an operation
@@ -637,8 +664,7 @@ class ZooKeeperBackend(Backend):
             return
         self._stalled_since = self._heard_at
         logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
-        delay = self._heard_at + self._grace(STALL_SHARE) - time.monotonic()
-        self._renew_now_and_after(max(0.0, delay))
+        self._renew_at_grace_end()
 
     def _call(self, result: Any, timeout: float | None = None) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout,
@@ -1484,6 +1510,8 @@ class _Diagnosis:
         self.errors: dict[tuple[str, int], BaseException] = {}
         #: Servers that refused the TLS certificates at least once.
         self.refused: set[tuple[str, int]] = set()
+        #: When kazoo last read a message from the server (monotonic).
+        self.read_at = 0.0
 
     def reset(self, servers: Sequence[tuple[str, int]]) -> None:
         self.servers = {(host.strip(), int(port)) for host, port in servers}
@@ -1524,14 +1552,17 @@ def _cause(error: BaseException) -> BaseException | None:
 class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """kazoo's own logger, which also hands each error kazoo warns about (a failed
     connection attempt, mostly) to a :class:`_Diagnosis`: kazoo's ``start`` only ever
-    says "Connection time-out", and its log is the one place that says why."""
+    says "Connection time-out", and its log is the one place that says why. It is also
+    the one place that says when the server last sent something (a ping's answer)."""
 
     def __init__(self, diagnosis: _Diagnosis) -> None:
         super().__init__(logging.getLogger("kazoo.client"), {})
         self._diagnosis = diagnosis
 
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
-        if level >= logging.WARNING:
+        if isinstance(msg, str) and msg.startswith(READ_MESSAGES):
+            self._diagnosis.read_at = time.monotonic()
+        elif level >= logging.WARNING:
             for arg in args:
                 if isinstance(arg, BaseException):
                     self._diagnosis.failed(arg)

@@ -1,0 +1,27 @@
+"""A holder in its own process, to be paused (SIGSTOP) while it holds: once resumed, it
+asks for its lease to be renewed and reports the answer."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import dlock
+
+url, name = sys.argv[1], sys.argv[2]
+with dlock.connect(url) as client:
+    lock = client.lock(name, ttl=60, auto_renew=False)
+    assert lock.acquire(timeout=5)
+    print("held", flush=True)
+    # The pause shows as a jump of the clock between two polls.
+    last = time.monotonic()
+    while time.monotonic() - last < 2:
+        last = time.monotonic()
+        time.sleep(0.01)
+    try:
+        lock.extend()
+        print("renewed", flush=True)
+    except dlock.LockLost:
+        print("lost", flush=True)
+    except dlock.LockError as exc:
+        print(f"failed: {exc!r}", flush=True)
