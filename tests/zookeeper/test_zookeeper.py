@@ -1053,3 +1053,37 @@ def test_a_short_server_pause_does_not_lose_an_idle_lease(
         info = client.inspect(name)
         assert info is not None and info.fencing_token == lock.fencing_token
         lock.release()
+
+
+def test_making_a_new_root_is_bounded_by_the_operation_timeout(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The first acquisition under a new root makes the root: if the server stops
+    answering then, the acquisition still ends within about its operation timeout."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    root = f"/fresh-{time.monotonic_ns()}/locks"
+    url = f"zookeeper://127.0.0.1:{partition.port}{root}?operation_timeout=1&session_timeout=20"
+    try:
+        with dlock.connect(url) as client:
+            assert client.inspect("warm-up") is None  # connected; the root is not made
+            zk: Any = client._backend._zk  # type: ignore[attr-defined]
+            listing = zk.get_children_async
+
+            def cut_after_the_answers(*args: Any, **kwargs: Any) -> Any:
+                # The lock node's and our node's creates are answered (no root), then
+                # the server goes silent.
+                zk.get_children_async = listing
+                result = listing(*args, **kwargs)
+                result.wait(5)
+                partition.cut.set()
+                return result
+
+            zk.get_children_async = cut_after_the_answers
+            started = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable):
+                client.lock("x").acquire(timeout=1)
+            assert time.monotonic() - started < 5
+            partition.cut.clear()
+    finally:
+        partition.cut.clear()
+        partition.close()

@@ -889,7 +889,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 path, stat = await self._call(created)
             except NoNodeError:
                 if no_root:
-                    await run_blocking(zk.ensure_path, self._root or "/")  # first use of this root
+                    await self._make_root(zk)  # first use of this root
                 known = False  # deleted once empty (by the server, or pruned): make it again
                 continue
             if len(self._parents) >= MAX_KNOWN_PARENTS:
@@ -897,6 +897,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._parents.add(parent)
             return path, stat, listing
         raise BackendError(f"cannot create a lock node under {parent!r}")
+
+    async def _make_root(self, zk: KazooClient) -> None:
+        """Make the root and its missing ancestors (pipelined). Not kazoo's
+        ``ensure_path``: it waits for its answers with no bound, with the stripe held."""
+        segments = self._root.split("/")[1:]
+        paths = ["/" + "/".join(segments[: i + 1]) for i in range(len(segments))]
+        for result in [zk.create_async(path, b"") for path in paths]:
+            with suppress(NodeExistsError):
+                await self._call(result)
 
     async def _find_own(
         self, zk: KazooClient, parent: str, token: str

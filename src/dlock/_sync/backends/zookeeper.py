@@ -888,7 +888,7 @@ class ZooKeeperBackend(Backend):
                 path, stat = self._call(created)
             except NoNodeError:
                 if no_root:
-                    run_blocking(zk.ensure_path, self._root or "/")  # first use of this root
+                    self._make_root(zk)  # first use of this root
                 known = False  # deleted once empty (by the server, or pruned): make it again
                 continue
             if len(self._parents) >= MAX_KNOWN_PARENTS:
@@ -896,6 +896,15 @@ class ZooKeeperBackend(Backend):
             self._parents.add(parent)
             return path, stat, listing
         raise BackendError(f"cannot create a lock node under {parent!r}")
+
+    def _make_root(self, zk: KazooClient) -> None:
+        """Make the root and its missing ancestors (pipelined). Not kazoo's
+        ``ensure_path``: it waits for its answers with no bound, with the stripe held."""
+        segments = self._root.split("/")[1:]
+        paths = ["/" + "/".join(segments[: i + 1]) for i in range(len(segments))]
+        for result in [zk.create_async(path, b"") for path in paths]:
+            with suppress(NodeExistsError):
+                self._call(result)
 
     def _find_own(self, zk: KazooClient, parent: str, token: str) -> tuple[str, ZnodeStat] | None:
         """Our node whose create's reply was lost, if the create went through.
