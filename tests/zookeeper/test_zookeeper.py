@@ -51,6 +51,9 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
     try:
         with pytest.raises(dlock.ConfigurationError, match="TLS"):
             dlock.connect("zookeeper:///dlock-existing?tls=1", client=existing)
+        # They would be ignored: the nodes would be open to everyone.
+        with pytest.raises(dlock.ConfigurationError, match="credentials"):
+            dlock.connect("zookeeper://alice:s3cret@/dlock-existing", client=existing)
         with (
             dlock.connect("zookeeper:///dlock-existing", client=existing) as client,
             client.lock("shared", ttl=5) as lock,

@@ -340,6 +340,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
             _check_hosts(hosts)
         if auth is not None and not auth[0]:
             raise ConfigurationError("zookeeper credentials need a user name (user:password@)")
+        if auth is not None and client is not None:
+            # Applying them would change the caller's session for good (add_auth), and
+            # our nodes would need an ACL other than the client's default_acl.
+            raise ConfigurationError(
+                "with client=, credentials are the kazoo client's own (its auth_data and"
+                " default_acl): user:password@ in the URL is refused"
+            )
         self._root = "" if root == "/" else root
         self._hosts = hosts
         self._session_timeout = session_timeout
