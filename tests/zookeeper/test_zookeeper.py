@@ -102,6 +102,10 @@ def test_bad_option_values_are_refused(options: dict[str, Any]) -> None:
     [
         "zookeeper://127.0.0.1:notaport/dlock",
         "zookeeper://127.0.0.1:99999/dlock",
+        # kazoo would take these for the default port, 2181.
+        "zookeeper://127.0.0.1:0/dlock",
+        "zookeeper://127.0.0.1:/dlock",
+        "zookeeper://[::1]:/dlock",
         "zookeeper://127.0.0.1:1,,127.0.0.1:2/dlock",
         "zookeeper://127.0.0.1:1/a/./b",
         "zookeeper://127.0.0.1:1/a/../b",

@@ -198,6 +198,11 @@ def _check_hosts(hosts: str) -> None:
     by a bare ValueError then."""
     try:
         collect_hosts(hosts)
+        for host in hosts.split(","):
+            # kazoo takes port 0 and an empty port for the default, 2181.
+            port = urlsplit(f"//{host}").port
+            if port == 0 or (port is None and host.rstrip().endswith(":")):
+                raise ValueError(f"bad port in {host!r}")
     except ValueError as exc:
         raise ConfigurationError(f"bad ZooKeeper host list {hosts!r}: {exc}") from exc
 
