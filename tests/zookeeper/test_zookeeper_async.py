@@ -119,3 +119,28 @@ def test_a_client_serves_a_second_event_loop(zookeeper_server: ZooKeeperEnsemble
 
     asyncio.run(unrenewed_lease_ends(last=False))
     asyncio.run(unrenewed_lease_ends(last=True))
+
+
+def test_a_lease_left_by_an_ended_loop_ends_once_another_loop_inspects(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The reaper of an unrenewed lease is a task of the loop that took it: once that
+    loop ended, any operation in a new loop (here only inspection) starts it again."""
+    url = zookeeper_server.url()
+    name = f"ended-loop-{time.monotonic_ns()}"
+    client = dlock.aio.connect(url)
+
+    async def take() -> None:
+        assert await client.lock(name, ttl=0.5, auto_renew=False).acquire(timeout=0)
+
+    async def inspect_until_freed() -> None:
+        try:
+            deadline = time.monotonic() + 5
+            while await client.inspect(name) is not None:
+                assert time.monotonic() < deadline, "the lease outlived its ttl"
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+
+    asyncio.run(take())
+    asyncio.run(inspect_until_freed())

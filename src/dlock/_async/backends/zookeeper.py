@@ -477,6 +477,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         renew or reap what we made with it then."""
         if self._closed:
             raise BackendError("the ZooKeeper backend is closed")
+        # Any operation in a new event loop restarts the reaper there (see _stripes_here).
+        self._stripes_here()
         zk = self._zk
         if zk is not None and zk.connected and self._session_id:
             return zk
@@ -722,7 +724,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
         """The stripes, made again in a new event loop (a client used by two
         ``asyncio.run`` calls): an asyncio lock that once had to wait stays bound to
         its loop and refuses to wait in another. That loop has ended, so nothing holds
-        the old ones. The reaper was a task of that loop: it is started again here."""
+        the old ones. The reaper was a task of that loop: it is started again here.
+        Until then (no operation in a running loop), a lease not renewed outlives its
+        ``ttl``: kazoo's thread keeps the session, and with it the node."""
         task = current_task()  # always None on the sync face
         loop = None if task is None else task.get_loop()
         if loop is not self._stripes_loop:
