@@ -1094,3 +1094,32 @@ def test_making_a_new_root_is_bounded_by_the_operation_timeout(
     finally:
         partition.cut.clear()
         partition.close()
+
+
+def reapers() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "dlock-zookeeper-reaper")
+
+
+def test_concurrent_first_grants_start_one_reaper(zookeeper_server: ZooKeeperEnsemble) -> None:
+    """Threads granted their first locks at once each see no reaper running yet."""
+    name = f"reapers-{time.monotonic_ns()}"
+    for _ in range(30):  # a race: not lost every time
+        before = reapers()
+        with dlock.connect(zookeeper_server.url()) as client:
+            client.inspect(name)  # connected: the grants race only for the reaper
+            barrier = threading.Barrier(8)
+
+            def take(
+                index: int, client: dlock.Client = client, barrier: threading.Barrier = barrier
+            ) -> None:
+                lock = client.lock(f"{name}-{index}", ttl=5)
+                barrier.wait()
+                lock.acquire()
+                lock.release()
+
+            threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert reapers() - before <= 1

@@ -404,6 +404,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._connected = threading.Event()
         self._session_id = 0
         self._reaper: Any = None
+        self._reaper_lock = threading.Lock()
         self._reaper_wakeup = WakeupEvent()
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
         self._reaper_next = float("inf")
@@ -1347,13 +1348,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
         (its loop ended: a client used by two ``asyncio.run`` calls)."""
         if orphans:
             self._orphans_due = True
-        if not serving(self._reaper) and not self._closed:
-            # The old wake-up event is bound to the old loop too.
-            self._reaper_wakeup = WakeupEvent()
-            self._reaper_next = float("inf")
-            self._orphans_due = self._orphans_due or bool(self._orphans)
-            self._reaper = spawn(self._reap, name="dlock-zookeeper-reaper")
-        self._reaper_wakeup.set()
+        # Threads granted their first locks at once would each start one.
+        with self._reaper_lock:
+            if not serving(self._reaper) and not self._closed:
+                # The old wake-up event is bound to the old loop too.
+                self._reaper_wakeup = WakeupEvent()
+                self._reaper_next = float("inf")
+                self._orphans_due = self._orphans_due or bool(self._orphans)
+                self._reaper = spawn(self._reap, name="dlock-zookeeper-reaper")
+            self._reaper_wakeup.set()
 
     async def _reap(self) -> None:
         """Delete held nodes whose lease ran out unrenewed (``auto_renew=False``), and
