@@ -298,8 +298,11 @@ def test_init_prints_or_creates_a_sql_schema(
     db = request.getfixturevalue(server).url(f"mode={mode}&table={table}&create_table=false")
     printed = dlock_cmd(db, "init", "--print")
     assert printed.returncode == 0, printed.stderr
-    # Named as dlock will use it: on MySQL in the URL's database.
-    assert re.search(rf"CREATE (UNLOGGED )?TABLE IF NOT EXISTS (\w+\.)?{table} ", printed.stdout)
+    # Named as dlock will use it: on MySQL in the URL's database; on PostgreSQL quoted,
+    # as a reserved word would need.
+    assert re.search(
+        rf'CREATE (UNLOGGED )?TABLE IF NOT EXISTS ("?\w+"?\.)?"?{table}"? ', printed.stdout
+    )
     with dlock.connect(db) as client, pytest.raises(dlock.BackendError):
         client.lock(name, ttl=5).acquire(timeout=0)  # no table: --print created nothing
     assert dlock_cmd(db, "init").returncode == 0
