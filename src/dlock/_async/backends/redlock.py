@@ -98,14 +98,22 @@ class AsyncRedlockBackend(AsyncBackend):
             seen.add(master.server())
         return cls(masters)
 
-    async def _each(self, call: Any) -> list[Any]:
-        """Run ``call(master)`` on every master; a failure becomes the exception itself."""
-        results: list[Any] = []
-        for master in self._masters:
+    async def _each(self, call: Any, waking_last: bool = False) -> list[Any]:
+        """Run ``call(master)`` on every master; a failure becomes the exception itself.
+
+        ``waking_last``: for a release, the master whose wake-ups waiters listen to goes
+        last. A waiter woken there then finds the name free on the others too; woken
+        first, it would find a minority free, give that back, and (not woken by its
+        own give-back) wait for the fallback timer."""
+        order = list(range(len(self._masters)))
+        if waking_last:
+            order = order[1:] + order[:1]
+        results: list[Any] = [None] * len(order)
+        for i in order:
             try:
-                results.append(await call(master))
+                results[i] = await call(self._masters[i])
             except BackendError as exc:
-                results.append(exc)
+                results[i] = exc
         return results
 
     def _no_quorum(self, results: list[Any], what: str) -> BackendError:
@@ -205,7 +213,7 @@ class AsyncRedlockBackend(AsyncBackend):
         return sorted(counts, reverse=True)[self._quorum - 1]
 
     async def release(self, name: str, token: str) -> int | None:
-        results = await self._each(lambda m: m.release(name, token))
+        results = await self._each(lambda m: m.release(name, token), waking_last=True)
         counts = [r for r in results if isinstance(r, int)]
         if len(counts) >= self._quorum:
             left = self._majority_count(counts)
@@ -296,7 +304,7 @@ class AsyncRedlockBackend(AsyncBackend):
         return 0
 
     async def force_release(self, name: str) -> bool:
-        results = await self._each(lambda m: m.force_release(name))
+        results = await self._each(lambda m: m.force_release(name), waking_last=True)
         if all(isinstance(r, BackendError) for r in results):
             raise self._no_quorum(results, "force release")
         return any(r is True for r in results)
