@@ -1123,3 +1123,35 @@ def test_concurrent_first_grants_start_one_reaper(zookeeper_server: ZooKeeperEns
             for thread in threads:
                 thread.join()
             assert reapers() - before <= 1
+
+
+def test_the_grace_follows_the_session_timeout_the_server_granted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server with ZooKeeper's default tickTime (2 s) grants at least 4 s, whatever the
+    client asks: kazoo then pings every 4/3 s. The grace counted from the last read
+    was 3/4 of the 1.5 s asked for, so a healthy idle holder was told its lease lost
+    between two pings, and another client took the lock."""
+    monkeypatch.setattr("tests.servers.zookeeper.TICK_MS", 2000)
+    server = ZooKeeperEnsemble(1)
+    server.start()
+    try:
+        url = server.url("/granted", session_timeout=1.5)
+        with dlock.connect(url) as holding, dlock.connect(url) as other:
+            told: list[object] = []
+            held = holding.lock("x", ttl=30, auto_renew=False, on_lost=told.append)
+            assert held.acquire(timeout=5)
+            diagnosis = holding._backend._diagnosis  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 20
+            for _ in range(3):
+                # Between two pings (kazoo's come 0.93-1.33 s apart here), once past
+                # 3/4 of the 1.5 s asked for since the server was last heard.
+                while time.monotonic() - diagnosis.read_at < 1.15:
+                    assert time.monotonic() < deadline, "no gap between pings that long"
+                    time.sleep(0.002)
+                held.extend()
+            assert told == [] and held.owned(), "a healthy idle holder was told it lost"
+            assert not other.lock("x", ttl=30).acquire(timeout=0)
+            held.release()
+    finally:
+        server.stop()

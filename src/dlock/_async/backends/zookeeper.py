@@ -589,7 +589,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
         diagnosis = self._diagnosis
         if diagnosis is not None:
             heard = max(diagnosis.read_at, self._answered_at)
-            return heard + self._session_timeout * HEARD_SHARE
+            # The server's clock runs the session it granted, longer or shorter than
+            # the one asked for: kazoo pings a third of the way through that one.
+            session_timeout = diagnosis.negotiated or self._session_timeout
+            return heard + session_timeout * HEARD_SHARE
         until = math.inf
         if stalled is not None:
             until = stalled + self._session_timeout * STALL_SHARE
@@ -1543,6 +1546,9 @@ class _Diagnosis:
         self.refused: set[tuple[str, int]] = set()
         #: When kazoo last read a message from the server (monotonic).
         self.read_at = 0.0
+        #: The session timeout the server granted (seconds), once a session is made: a
+        #: server clamps the one asked for to its own range (2 to 20 ticks by default).
+        self.negotiated: float | None = None
 
     def reset(self, servers: Sequence[tuple[str, int]]) -> None:
         self.servers = {(host.strip(), int(port)) for host, port in servers}
@@ -1593,6 +1599,9 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         if isinstance(msg, str) and msg.startswith(READ_MESSAGES):
             self._diagnosis.read_at = time.monotonic()
+            if msg.startswith("Session created") and len(args) > 2:
+                with suppress(TypeError, ValueError):
+                    self._diagnosis.negotiated = float(args[2]) / 1000  # type: ignore[arg-type]
         elif level >= logging.WARNING:
             for arg in args:
                 if isinstance(arg, BaseException):
