@@ -1293,3 +1293,25 @@ def test_a_cluster_url_for_a_plain_server_is_refused_not_unavailable(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+def test_a_redlock_reentry_missed_on_two_masters_keeps_every_entry(
+    own_masters: list[RedisServer],
+) -> None:
+    """Entries that failed on different masters leave them at 3, 2, 2 after three: the
+    count a majority holds (2) was told, and the lock was freed by the second release
+    while its holder was still inside its outermost block, without a word. The count
+    is the caller's; a release that frees a majority early is a loss, and told."""
+    url = make_redlock_url(own_masters)
+    name = unique()
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        held = client.lock(name, ttl=30, reentrant=True, auto_renew=False)
+        assert held.acquire(timeout=0)
+        for master in own_masters[1:]:
+            with out_of_memory(master):
+                assert held.acquire(timeout=0)
+        assert held._count == 3
+        held.release()
+        assert held.owned() and not other.lock(name, ttl=30).acquire(timeout=0)
+        with pytest.raises(dlock.LockLost):
+            held.release()  # freed on masters 1 and 2: the entries they missed

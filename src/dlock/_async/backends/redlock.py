@@ -45,6 +45,10 @@ class AsyncRedlockBackend(AsyncBackend):
             # One master's release cannot grant a Redlock lease: it only wakes the next.
             master.hand_over = False
         self._quorum = len(masters) // 2 + 1
+        #: The entries of each lease held here, (name, token) -> count, as the caller
+        #: made them. Masters that missed a call (failed there) disagree with each other
+        #: in either direction, and no count among theirs need be the caller's.
+        self._entries: dict[tuple[str, str], int] = {}
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncRedlockBackend:
@@ -148,6 +152,7 @@ class AsyncRedlockBackend(AsyncBackend):
                 # by a majority all along, and count 1 tells the core so. The core counts
                 # the lease from when it sent the attempt: less the drift, not the votes'
                 # time, so that the holder's clock does not outlast masters' fast clocks.
+                self._entries[(name, token)] = 1
                 return Acquired(fencing_token=fence, count=1, ttl=ttl - _drift(ttl))
         # No majority in time: give back what we got, so others are not blocked; on a
         # master that failed too, as the call may have reached it and been granted. Not
@@ -183,9 +188,17 @@ class AsyncRedlockBackend(AsyncBackend):
                     await master.release(name, token)
         validity = ttl - (time.monotonic() - started) - _drift(ttl)
         if validity > 0:
+            # Made on a majority, so one entry more than the caller had.
+            made = self._entries.get((name, token))
+            count = (
+                made + 1
+                if made is not None
+                else self._majority_count([result.count for _, result in reentered])
+            )
+            self._entries[(name, token)] = count
             return Acquired(
                 fencing_token=max(result.fencing_token for _, result in reentered),
-                count=self._majority_count([result.count for _, result in reentered]),
+                count=count,
                 ttl=ttl - _drift(ttl),
             )
         for master, _ in reentered:  # too late: take this entry back
@@ -216,14 +229,21 @@ class AsyncRedlockBackend(AsyncBackend):
         results = await self._each(lambda m: m.release(name, token), waking_last=True)
         counts = [r for r in results if isinstance(r, int)]
         if len(counts) >= self._quorum:
-            left = self._majority_count(counts)
-            if left == 0:
-                # Free on a majority, so free: a master that kept entries from a missed
-                # release must not keep the lease (and one vote for it) until its TTL.
-                for master, count in zip(self._masters, results, strict=True):
-                    if isinstance(count, int):
-                        await self._release_all(master, name, token, count)
-            return left
+            on_majority = self._majority_count(counts)
+            made = self._entries.pop((name, token), None)
+            left = on_majority if made is None else made - 1
+            if left > 0 and on_majority > 0:
+                self._entries[(name, token)] = left
+                return left
+            # Free on a majority, so free: a master that kept entries from a missed
+            # release must not keep the lease (and one vote for it) until its TTL.
+            for master, count in zip(self._masters, results, strict=True):
+                if isinstance(count, int):
+                    await self._release_all(master, name, token, count)
+            # Freed on a majority while the caller still had entries (entries missed on
+            # different masters): another client may take it now, so it is lost.
+            return 0 if left <= 0 else None
+        self._entries.pop((name, token), None)
         if len(results) - sum(isinstance(r, BackendError) for r in results) < self._quorum:
             raise self._no_quorum(results, "release")
         return None
