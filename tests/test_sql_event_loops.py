@@ -13,6 +13,7 @@ import asyncio
 import gc
 import inspect
 import os
+import threading
 import time
 import traceback
 import uuid
@@ -184,3 +185,42 @@ def test_a_forked_child_makes_connections_of_its_own(
     connections of its own, and close without touching its parent's."""
     url = server.url("mode=session" if mode == "session" else "")
     asyncio.run(_fork_while_holding(url, f"fork-{uuid.uuid4().hex}", face))
+
+
+def test_a_waiter_cut_off_as_the_event_loop_ends_gives_back(mariadb_server: SQLServer) -> None:
+    """A lease waiter queued in MariaDB's turnstile and cut off just before
+    ``asyncio.run`` ended was cleaned up by a task that the run cancelled before it gave
+    back: the dead GET_LOCK wait took the lease when the turnstile was handed over, for
+    nobody, and another client waited its whole TTL."""
+    url = mariadb_server.url()
+    name = f"loops-{uuid.uuid4().hex}"
+    ttl = 30
+    client = dlock.aio.connect(url)
+    with dlock.connect(url) as holding, dlock.connect(url) as queued:
+        holder = holding.lock(name, ttl=ttl)
+        assert holder.acquire(timeout=0)
+        front = queued.lock(name, ttl=ttl)
+        in_front = threading.Thread(target=front.acquire, kwargs={"timeout": 60})
+        in_front.start()
+        try:
+            deadline = time.monotonic() + 5
+            while not _waits_in_the_server(mariadb_server, client._backend, False, name):
+                assert time.monotonic() < deadline, "no waiter in front of the turnstile"
+                time.sleep(0.01)
+
+            async def cut_off() -> None:
+                with pytest.raises(asyncio.TimeoutError):
+                    # Queued behind the waiter in front, in flight.
+                    await asyncio.wait_for(client.lock(name, ttl=ttl).acquire(timeout=30), 0.3)
+
+            asyncio.run(cut_off())
+            holder.release()
+        finally:
+            in_front.join()
+        assert front.owned()
+        front.release()  # hands the turnstile over
+        with dlock.connect(url) as other:
+            another = other.lock(name, ttl=ttl)
+            assert another.acquire(timeout=ttl / 3), "the dead wait took the lease"
+            another.release()
+    asyncio.run(client.aclose())

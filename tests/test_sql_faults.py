@@ -1250,7 +1250,7 @@ async def test_a_turnstile_waiter_whose_session_died_leaves_that_session_id_alon
         admin(server)(f"KILL CONNECTION {dead}", ())
         with pytest.raises(dlock.BackendUnavailable):
             await waiting
-        for _, clean_up in list(backend._clean_ups):
+        for clean_up in list(backend._clean_ups.values()):
             await clean_up
         assert dead not in asked, "the clean-up asked about the dead session's id"
         assert len(given_back) == len(set(map(id, given_back))), "given back twice"

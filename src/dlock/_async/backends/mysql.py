@@ -488,6 +488,14 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             waiter.conn.session_id = int(rows[0][0])
         return self._sql["turnstile_take"], {**waiter.params, "wait": wait}
 
+    def _hang_up(self, conn: Conn) -> None:
+        # The socket is shut down, not closed: aiomysql's close leaves that to the event
+        # loop, which may end first (asyncio.run), and the clean-up still closes it. The
+        # sync face's clean-up thread closes it at once.
+        if IS_ASYNC:
+            with contextlib.suppress(Exception):
+                conn.raw._writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+
     async def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> bool:
         """Closing the connection ends a ``GET_LOCK`` wait only once the server notices
         (MariaDB 10.11: about half a second later); a turnstile handed over before

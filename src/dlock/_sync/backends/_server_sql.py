@@ -35,7 +35,15 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import SHORTEST_PRUNE_AGE
-from .._primitives import call_with_timeout, current_task, serving, sleep, spawn, wait_done
+from .._primitives import (
+    Cancelled,
+    call_with_timeout,
+    current_task,
+    sleep,
+    spawn,
+    uncancel,
+    wait_done,
+)
 from ..backend import Backend, Waiter
 
 #: Idle connections kept per backend, for statements and (apart) for lease waits; more
@@ -151,9 +159,10 @@ class ServerSQLBackend(Backend):
         #: Leases taken in front of the turnstile, by owner token: the turnstile stays
         #: held on their connection until they end.
         self._gates: dict[str, Gate] = {}
-        #: Clean-ups of lease waiters cut off, running in the background, with their
-        #: owner tokens: the token's next acquire and ``close`` wait for them.
-        self._clean_ups: list[tuple[str, Any]] = []
+        #: Clean-ups of lease waiters cut off, running in the background, until each
+        #: is done: the token's next acquire and ``close`` wait for them, and one an
+        #: event loop ended before it was done runs again in the next (``_follow_loop``).
+        self._clean_ups: dict[TurnstileWaiter, Any] = {}
         #: The event loop that made the connections kept above (``_follow_loop``).
         self._loop: Any = None
         #: The process that made them, and what a forked child's threads take to
@@ -503,6 +512,10 @@ class ServerSQLBackend(Backend):
         self._loop = loop
         for conn in stale:
             self._abandon(conn)
+        # asyncio.run cancels the tasks left when it ends, a clean-up with them, maybe
+        # before it ever ran: what a turnstile wait cut off may have taken is given back.
+        for waiter in list(self._clean_ups):
+            self._spawn_clean_up(waiter)
 
     def _follow_fork(self) -> None:
         """In a child after ``os.fork()``, on first use: forget every connection the
@@ -523,6 +536,7 @@ class ServerSQLBackend(Backend):
             self._gates.clear()
             self._held.clear()
             self._parked.clear()
+            self._clean_ups.clear()  # the parent's to finish
             self._loop = _running_loop()
             for conn in inherited:
                 if conn.loan is None:
@@ -642,7 +656,7 @@ class ServerSQLBackend(Backend):
 
     def close(self) -> None:
         self._follow_loop()
-        for _, clean_up in self._clean_ups:
+        for clean_up in list(self._clean_ups.values()):
             wait_done(clean_up)
         self._closed = True
         conns = [*self._idle, *self._queueing, *(gate.conn for gate in self._gates.values())]
@@ -1120,9 +1134,11 @@ class ServerSQLBackend(Backend):
             # In the background, and nothing awaited here: a second cancellation would
             # cut a clean-up short (keeping a borrowed connection, skipping the
             # give-back), and a hung server or an exhausted pool would hold up this one.
-            clean_up = spawn(partial(self._clean_up_waiter, waiter), name="dlock-waiter-clean-up")
-            self._clean_ups = [x for x in self._clean_ups if serving(x[1])]
-            self._clean_ups.append((token, clean_up))
+            # The session is hung up on first, here, in case the loop ends before the
+            # clean-up runs.
+            waiter.ended = waiter.cut_off and self._cut_off_wait_ended(waiter.conn)
+            self._hang_up(waiter.conn)
+            self._spawn_clean_up(waiter)
             raise
         finally:
             self._front.pop(token, None)
@@ -1135,7 +1151,25 @@ class ServerSQLBackend(Backend):
             # The waiter may have replaced a connection that died while idle (restart).
             self._keep_for_waiting(waiter.conn)
 
+    def _spawn_clean_up(self, waiter: TurnstileWaiter) -> None:
+        clean_up = spawn(partial(self._clean_up_waiter, waiter), name="dlock-waiter-clean-up")
+        self._clean_ups[waiter] = clean_up
+
     def _clean_up_waiter(self, waiter: TurnstileWaiter) -> None:
+        """Run ``_end_waiter`` to its end. Cancelled, it starts over: asyncio.run cancels
+        the tasks left when it ends, then waits for them, and a turnstile wait cut off
+        just before may take the lease for nobody once the loop is gone. A clean-up
+        cancelled before it began runs in the next loop (``_follow_loop``)."""
+        while True:
+            try:
+                self._end_waiter(waiter)
+            except Cancelled:
+                uncancel(current_task())
+                continue
+            self._clean_ups.pop(waiter, None)
+            return
+
+    def _end_waiter(self, waiter: TurnstileWaiter) -> None:
         """End a lease waiter left by an error, a cancellation or an interrupt.
 
         Its connection is closed first, which leaves the turnstile and gives a borrowed
@@ -1144,14 +1178,13 @@ class ServerSQLBackend(Backend):
         server and take the lease for the dead session: it is ended there where the
         backend can, and the take is given back (``_give_back_cut_off``).
         """
-        ended = waiter.cut_off and self._cut_off_wait_ended(waiter.conn)
         self._drop(waiter.conn)
-        if not waiter.cut_off:
-            return
-        if not ended:
-            with contextlib.suppress(Exception):
-                ended = self._end_cut_off_wait(waiter)
-        self._give_back_cut_off(waiter, ended)
+        if waiter.cut_off:
+            ended = waiter.ended
+            if not ended:
+                with contextlib.suppress(Exception):
+                    ended = self._end_cut_off_wait(waiter)
+            self._give_back_cut_off(waiter, ended)
 
     def _give_back_cut_off(self, waiter: TurnstileWaiter, ended: bool) -> None:
         """Give back what a turnstile wait cut off in flight may have taken: once if
@@ -1172,6 +1205,10 @@ class ServerSQLBackend(Backend):
                     return
             sleep(CUT_OFF_RETRY)
 
+    def _hang_up(self, conn: Conn) -> None:
+        """End the session of a lease waiter left at once, without awaiting: the server
+        then ends a wait that goes on in it sooner."""
+
     def _cut_off_wait_ended(self, conn: Conn) -> bool:
         """True when the connection of a turnstile wait cut off in flight shows that
         its query has ended in the server (the driver cancelled it there itself)."""
@@ -1185,8 +1222,8 @@ class ServerSQLBackend(Backend):
     def _cut_offs_done(self, token: str) -> None:
         """Wait for the clean-ups of ``token``'s waiters cut off: their give-backs
         release under the token, and must not release a lease it takes anew."""
-        for owner, clean_up in self._clean_ups:
-            if owner == token:
+        for waiter, clean_up in list(self._clean_ups.items()):
+            if waiter.token == token:
                 wait_done(clean_up)
 
     def _lease_waiter_of(
@@ -1405,6 +1442,8 @@ class TurnstileWaiter(Waiter):
         self.cut_off = False
         #: When (``time.monotonic``) the latest wait and take are over in the server.
         self.wait_ends = 0.0
+        #: Cut off, the server has ended the wait already (``_cut_off_wait_ended``).
+        self.ended = False
         #: The latest attempt's parameters (owner, ttl, holder), for the take.
         self.params: dict[str, Any] = {}
 
