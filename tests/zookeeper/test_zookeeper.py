@@ -22,6 +22,7 @@ from kazoo.client import KazooClient
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
 from dlock._types import Acquired, Busy, Holder
+from tests.conformance.helpers import read_line
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -1020,15 +1021,14 @@ def test_a_holder_resumed_after_a_long_pause_is_not_told_it_renewed(
         cwd=ROOT,
     )
     try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "held"
+        assert read_line(holder) == "held"
         os.kill(holder.pid, signal.SIGSTOP)
         with dlock.connect(zookeeper_server.url()) as near:
             successor = near.lock(name, ttl=60)
             assert successor.acquire(timeout=20)  # the holder's session expired
             partition.cut.set()
             os.kill(holder.pid, signal.SIGCONT)
-            assert holder.stdout.readline().strip() == "lost"
+            assert read_line(holder) == "lost"
             successor.release()
     finally:
         os.kill(holder.pid, signal.SIGCONT)
