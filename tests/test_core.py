@@ -1130,3 +1130,58 @@ def test_a_sharers_attempt_cut_off_in_flight_leaves_the_others_grant(tmp_path: P
             await shared.release()
 
     asyncio.run(async_face())
+
+
+def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> None:
+    """A re-entry that the backend applied but whose answer was cut off leaves the
+    backend counting one entry more than the object. The release of the object's last
+    entry is then answered "one left": the hold goes on, and renewal with it (not
+    stopped for good, the lease running out untold while the object holds it)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    def cut_off(real: Any) -> Any:
+        def acquire(*args: Any) -> Any:
+            real(*args)
+            raise KeyboardInterrupt
+
+        return acquire
+
+    with dlock.connect(url) as client:
+        told: list[object] = []
+        lock = client.lock("job", ttl=1, reentrant=True, on_lost=told.append)
+        assert lock.acquire(timeout=0)
+        real = client._backend.acquire
+        client._backend.acquire = cut_off(real)  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire(timeout=0)
+        client._backend.acquire = real  # type: ignore[method-assign]
+        lock.release()
+        assert lock._count == 1
+        time.sleep(2)
+        assert lock.owned() and not told
+        info = client.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client:
+            told: list[object] = []
+            lock = client.lock("job", ttl=1, reentrant=True, on_lost=told.append)
+            assert await lock.acquire(timeout=0)
+            real = client._backend.acquire
+
+            async def cut_off(*args: Any) -> Any:
+                await real(*args)
+                raise asyncio.CancelledError
+
+            client._backend.acquire = cut_off  # type: ignore[method-assign,assignment]
+            with pytest.raises(asyncio.CancelledError):
+                await lock.acquire(timeout=0)
+            client._backend.acquire = real  # type: ignore[method-assign]
+            await lock.release()
+            assert lock._count == 1
+            await asyncio.sleep(2)
+            assert lock.owned() and not told
+            info = await client.inspect("job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+
+    asyncio.run(async_face())

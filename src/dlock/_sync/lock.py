@@ -487,6 +487,11 @@ class Lock:
         if remaining == 0:
             self._client._renewer.discard(self)
             self._client._let_go(self)
+        elif self.auto_renew and not self._lost:
+            # Entries left where this object counted none (a re-entry the backend applied
+            # but whose answer was cut off, or one another user of this object has in
+            # flight): the hold goes on, so renewal must too.
+            self._client._renewer.add(self)
 
     def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
