@@ -1185,3 +1185,51 @@ def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> 
             assert info is not None and info.fencing_token == lock.fencing_token
 
     asyncio.run(async_face())
+
+
+def test_closing_the_client_from_an_on_lost_told_by_an_acquire(tmp_path: Path) -> None:
+    """An on_lost that closes the client, told by a re-entry that finds the lease gone
+    (granted afresh): close() does not wait for the acquire that it runs inside, and
+    gives the fresh lease back before the backend closes (not later, reopening it)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    took: list[float] = []
+
+    with dlock.connect(url) as admin:
+        client = dlock.connect(url)
+
+        def close_on_loss(lock: object) -> None:
+            start = time.monotonic()
+            client.close()
+            took.append(time.monotonic() - start)
+
+        lock = client.lock("job", ttl=30, reentrant=True, on_lost=close_on_loss)
+        assert lock.acquire(timeout=0)
+        assert admin.force_release("job")
+        with pytest.raises(dlock.LockLost):
+            lock.acquire(timeout=0)
+        for give_back in client._give_backs:
+            give_back.join()
+        assert took[0] < 2.5
+        assert admin.inspect("job") is None
+        assert client._backend._connection is None  # type: ignore[attr-defined]
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as admin:
+            client = dlock.aio.connect(url)
+            closes: list[asyncio.Task[None]] = []
+
+            def close_on_loss(lock: object) -> None:
+                closes.append(asyncio.ensure_future(client.aclose()))
+
+            lock = client.lock("job", ttl=30, reentrant=True, on_lost=close_on_loss)
+            assert await lock.acquire(timeout=0)
+            assert await admin.force_release("job")
+            with pytest.raises(dlock.LockLost):
+                await lock.acquire(timeout=0)
+            await asyncio.wait(closes)
+            if client._give_backs:
+                await asyncio.wait(client._give_backs)
+            assert await admin.inspect("job") is None
+            assert client._backend._connection is None  # type: ignore[attr-defined]
+
+    asyncio.run(async_face())

@@ -27,7 +27,7 @@ from .._validation import (
 )
 from ._primitives import serving, sleep, wait_done
 from .backend import AsyncBackend
-from .lock import AsyncLock
+from .lock import _ACQUIRE_CALL, AsyncLock
 from .renewal import AsyncRenewer
 
 DEFAULT_TTL = 30.0
@@ -200,9 +200,18 @@ class AsyncClient:
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;
         # bounded, as a server that stopped answering would hold it up.
+        # Not for the calls that this close runs inside (an on_lost told by an acquire):
+        # they go on only once it returns.
         until = self._clock() + CLOSE_WAIT
         pid = os.getpid()
-        while pid in self._acquiring.values() and self._clock() < until:
+        mine = set()
+        call = _ACQUIRE_CALL.get()
+        while call is not None:
+            mine.add(call)
+            call = call.outer
+        while self._clock() < until and any(
+            owner == pid and call not in mine for call, owner in list(self._acquiring.items())
+        ):
             await sleep(0.01)
         for give_back in self._give_backs:
             await wait_done(give_back)
@@ -210,7 +219,11 @@ class AsyncClient:
         for lock in self._still_held():
             # A reentrant lock is freed by its last release. A lock declared lost is
             # given back too: the backend may still keep state for it (SQL sessions).
-            entries = lock._count
+            # With its pending give-back (a fresh grant found by a re-entry that this
+            # close runs inside): once the backend is closed it could only reopen it.
+            with lock._sharing:
+                entries = max(lock._count, lock._to_give_back)
+                lock._to_give_back = 0
             lock._forget()
             await lock._release_quietly(entries)
         await self._backend.aclose()

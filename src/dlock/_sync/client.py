@@ -28,7 +28,7 @@ from .._validation import (
 )
 from ._primitives import serving, sleep, wait_done
 from .backend import Backend
-from .lock import Lock
+from .lock import _ACQUIRE_CALL, Lock
 from .renewal import Renewer
 
 DEFAULT_TTL = 30.0
@@ -201,9 +201,18 @@ class Client:
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;
         # bounded, as a server that stopped answering would hold it up.
+        # Not for the calls that this close runs inside (an on_lost told by an acquire):
+        # they go on only once it returns.
         until = self._clock() + CLOSE_WAIT
         pid = os.getpid()
-        while pid in self._acquiring.values() and self._clock() < until:
+        mine = set()
+        call = _ACQUIRE_CALL.get()
+        while call is not None:
+            mine.add(call)
+            call = call.outer
+        while self._clock() < until and any(
+            owner == pid and call not in mine for call, owner in list(self._acquiring.items())
+        ):
             sleep(0.01)
         for give_back in self._give_backs:
             wait_done(give_back)
@@ -211,7 +220,11 @@ class Client:
         for lock in self._still_held():
             # A reentrant lock is freed by its last release. A lock declared lost is
             # given back too: the backend may still keep state for it (SQL sessions).
-            entries = lock._count
+            # With its pending give-back (a fresh grant found by a re-entry that this
+            # close runs inside): once the backend is closed it could only reopen it.
+            with lock._sharing:
+                entries = max(lock._count, lock._to_give_back)
+                lock._to_give_back = 0
             lock._forget()
             lock._release_quietly(entries)
         self._backend.close()

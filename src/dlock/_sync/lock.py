@@ -168,6 +168,7 @@ class Lock:
         # Decided once: while this call waits, another thread or task sharing the object
         # may take the lock, and that is not a re-entry of ours (see _attempt).
         entries = self._count
+        call.outer = _ACQUIRE_CALL.get()
         context = _ACQUIRE_CALL.set(call)
         self._client._acquiring[call] = os.getpid()
         try:
@@ -671,12 +672,14 @@ class _Call:
     """One acquire call (or ``with`` entry) of a lock object that threads or tasks may
     share: what it took is its own to undo, never another user's entry."""
 
-    __slots__ = ("generation",)
+    __slots__ = ("generation", "outer")
 
     def __init__(self) -> None:
         #: The hold (see Lock._generation) that this call entered, if it did and
         #: has not undone the entry.
         self.generation: int | None = None
+        #: The acquire call that this one runs inside (from an on_lost it told), if any.
+        self.outer: _Call | None = None
 
 
 #: The acquire call running in this thread or task, which a grant is recorded for.
