@@ -27,6 +27,7 @@ from .._types import Acquired, Busy, Lease
 from .._validation import check_timeout, check_ttl
 from ._primitives import (
     Cancelled,
+    WakeupEvent,
     cancel_requests,
     cancel_task,
     current_task,
@@ -110,6 +111,9 @@ class Lock:
         self._to_give_back = 0
         self._attempts = 0
         self._sharing = threading.Lock()
+        #: Set (and dropped) when this object's hold ends: what a waiter that another
+        #: user of this object kept out waits for (see _wait_for_sharer); under _sharing.
+        self._freed: WakeupEvent | None = None
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self._count else "free"
@@ -258,13 +262,37 @@ class Lock:
                 # wait may last seconds); it stops at its next wake, seeing it closed.
                 acquiring, call = self._client._acquiring, _ACQUIRE_CALL.get()
                 acquiring[call] = 0
+                handed = None
                 try:
-                    handed = waiter.wait(delay)
+                    if busy is _SHARER_HOLDS:
+                        self._wait_for_sharer(delay)
+                    else:
+                        handed = waiter.wait(delay)
                 finally:
                     acquiring[call] = os.getpid()
                 if handed is not None and self._take_handed(handed):
                     return True
                 attempt += 1
+
+    def _wait_for_sharer(self, delay: float) -> None:
+        """Wait (up to ``delay``) for the end of the hold that another user of this
+        object has. Not the backend's waiter: our attempt made no round trip, so took no
+        place that its release would wake (Redis), and a SQL session waiter would find
+        the lock held by this very owner token and return at once (a busy loop)."""
+        with self._sharing:
+            if self._freed is None:
+                self._freed = WakeupEvent()
+            freed = self._freed
+        if self._count:
+            freed.wait(delay)
+
+    def _wake_sharers(self) -> None:
+        """This object's hold ended: wake the users of it that wait for that."""
+        if self._freed is not None:
+            with self._sharing:
+                freed, self._freed = self._freed, None
+            if freed is not None:
+                freed.set()
 
     def _delay(
         self, attempt: int, retry_after: float | None, notifies: bool, remaining: float | None
@@ -312,7 +340,7 @@ class Lock:
                 # Theirs: not ours to re-enter, and a fresh attempt under the owner token
                 # we share could be granted the very lease they hold (Redis takes over a
                 # lease of its token as an orphan). Wait for their release instead.
-                return Busy()
+                return _SHARER_HOLDS
             started = self._attempt_sent = self._client._clock()
             # A fresh acquire never re-enters: a lease under our token that we do not
             # hold is an orphan of an attempt cut off mid-flight, not ours to count.
@@ -488,6 +516,7 @@ class Lock:
         if remaining == 0:
             self._client._renewer.discard(self)
             self._client._let_go(self)
+            self._wake_sharers()
         elif self.auto_renew and not self._lost:
             # Entries left where this object counted none (a re-entry the backend applied
             # but whose answer was cut off, or one another user of this object has in
@@ -578,6 +607,7 @@ class Lock:
         self._count = 0
         self._client._renewer.discard(self)
         self._client._let_go(self)
+        self._wake_sharers()
 
     def _abandon(self, entries: int | None = None) -> None:
         """A release that did not complete (failed, cancelled, interrupted) still ends
@@ -660,6 +690,9 @@ class Lock:
             raise lost from exc
         self.release()
 
+
+#: An attempt's answer when another user of the lock object holds it (no round trip).
+_SHARER_HOLDS = Busy()
 
 #: True while the watchdog (renewer, alarm) runs an on_lost callback in this thread or
 #: task: a release from there gives back in the background (see _give_up_lost).

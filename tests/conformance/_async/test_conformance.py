@@ -12,15 +12,23 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import dlock.aio
-from dlock._async._primitives import IS_ASYNC, cancel_requests, run_blocking, sleep
+from dlock._async._primitives import (
+    IS_ASYNC,
+    cancel_requests,
+    run_blocking,
+    sleep,
+    spawn,
+    wait_done,
+)
 from dlock._async.backend import AsyncWaiter
 from dlock._types import Acquired, Lease
 from tests.conformance._async.worker import STUCK_AFTER
@@ -862,10 +870,15 @@ async def test_holder_that_lost_by_its_own_clock_gives_the_lease_back(url: str, 
 
 
 def taken_while_waiting(
-    client: dlock.aio.AsyncClient, holder: dlock.aio.AsyncLock, shared: dlock.aio.AsyncLock
-) -> None:
+    client: dlock.aio.AsyncClient,
+    holder: dlock.aio.AsyncLock,
+    shared: dlock.aio.AsyncLock,
+    then: Callable[[], Any] | None = None,
+) -> list[Any]:
     """Make ``client``'s next wait for a release be where another user of ``shared``
-    (this same task, for the test) sees ``holder`` release and takes ``shared``."""
+    (this same task, for the test) sees ``holder`` release and takes ``shared``; that
+    user then runs ``then`` in the background (returned, once started)."""
+    started: list[Any] = []
     real_waiter = client._backend.waiter
 
     @asynccontextmanager
@@ -877,12 +890,15 @@ def taken_while_waiting(
                 waiter.wait = real_wait  # type: ignore[method-assign]
                 await holder.release()
                 assert await shared.acquire(timeout=5)
+                if then is not None:
+                    started.append(spawn(then, name="the-other-user"))
                 return None
 
             waiter.wait = freed_and_taken  # type: ignore[method-assign]
             yield waiter
 
     client._backend.waiter = taken_by_the_other_user  # type: ignore[method-assign,assignment]
+    return started
 
 
 async def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(
@@ -920,6 +936,33 @@ async def test_a_reentrant_waiter_sharing_the_lock_object_waits_for_the_other_us
         assert not await shared.acquire(timeout=1), "entered while another user held it"
         assert shared.owned() and not shared.lost and told == []
         await assert_held_by(other, name, shared)
+        await shared.release()
+        assert await other.inspect(name) is None
+
+
+async def test_a_reentrant_waiter_sharing_the_lock_object_gets_it_when_the_other_leaves(
+    url: str, name: str
+) -> None:
+    """The same, the other user releasing soon: the waiter gets the lock then, not at
+    a fallback seconds later (its attempts made no round trip, so took no place in a
+    queue that the release wakes), nor busy-looping meanwhile (a SQL session waiter
+    finds the lock held by the owner token they share: asyncio froze)."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        shared = client.lock(name, ttl=30, reentrant=True)
+        released: list[float] = []
+
+        async def release_soon() -> None:
+            await sleep(0.2)
+            released.append(time.monotonic())
+            await shared.release()
+
+        started = taken_while_waiting(client, holder, shared, then=release_soon)
+        assert await shared.acquire(timeout=5)
+        got = time.monotonic()
+        await wait_done(started[0])
+        assert got - released[0] < 1.0, "not woken by the other user's release"
         await shared.release()
         assert await other.inspect(name) is None
 

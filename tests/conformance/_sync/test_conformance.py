@@ -13,15 +13,23 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import dlock
-from dlock._sync._primitives import IS_ASYNC, cancel_requests, run_blocking, sleep
+from dlock._sync._primitives import (
+    IS_ASYNC,
+    cancel_requests,
+    run_blocking,
+    sleep,
+    spawn,
+    wait_done,
+)
 from dlock._sync.backend import Waiter
 from dlock._types import Acquired, Lease
 from tests.conformance._sync.worker import STUCK_AFTER
@@ -854,9 +862,16 @@ def test_holder_that_lost_by_its_own_clock_gives_the_lease_back(url: str, name: 
         finish(holder)
 
 
-def taken_while_waiting(client: dlock.Client, holder: dlock.Lock, shared: dlock.Lock) -> None:
+def taken_while_waiting(
+    client: dlock.Client,
+    holder: dlock.Lock,
+    shared: dlock.Lock,
+    then: Callable[[], Any] | None = None,
+) -> list[Any]:
     """Make ``client``'s next wait for a release be where another user of ``shared``
-    (this same task, for the test) sees ``holder`` release and takes ``shared``."""
+    (this same task, for the test) sees ``holder`` release and takes ``shared``; that
+    user then runs ``then`` in the background (returned, once started)."""
+    started: list[Any] = []
     real_waiter = client._backend.waiter
 
     @contextmanager
@@ -868,12 +883,15 @@ def taken_while_waiting(client: dlock.Client, holder: dlock.Lock, shared: dlock.
                 waiter.wait = real_wait  # type: ignore[method-assign]
                 holder.release()
                 assert shared.acquire(timeout=5)
+                if then is not None:
+                    started.append(spawn(then, name="the-other-user"))
                 return None
 
             waiter.wait = freed_and_taken  # type: ignore[method-assign]
             yield waiter
 
     client._backend.waiter = taken_by_the_other_user  # type: ignore[method-assign,assignment]
+    return started
 
 
 def test_a_waiter_sharing_the_lock_object_leaves_the_other_users_hold(url: str, name: str) -> None:
@@ -909,6 +927,33 @@ def test_a_reentrant_waiter_sharing_the_lock_object_waits_for_the_other_user(
         assert not shared.acquire(timeout=1), "entered while another user held it"
         assert shared.owned() and not shared.lost and told == []
         assert_held_by(other, name, shared)
+        shared.release()
+        assert other.inspect(name) is None
+
+
+def test_a_reentrant_waiter_sharing_the_lock_object_gets_it_when_the_other_leaves(
+    url: str, name: str
+) -> None:
+    """The same, the other user releasing soon: the waiter gets the lock then, not at
+    a fallback seconds later (its attempts made no round trip, so took no place in a
+    queue that the release wakes), nor busy-looping meanwhile (a SQL session waiter
+    finds the lock held by the owner token they share: asyncio froze)."""
+    with dlock.connect(url) as other, dlock.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        shared = client.lock(name, ttl=30, reentrant=True)
+        released: list[float] = []
+
+        def release_soon() -> None:
+            sleep(0.2)
+            released.append(time.monotonic())
+            shared.release()
+
+        started = taken_while_waiting(client, holder, shared, then=release_soon)
+        assert shared.acquire(timeout=5)
+        got = time.monotonic()
+        wait_done(started[0])
+        assert got - released[0] < 1.0, "not woken by the other user's release"
         shared.release()
         assert other.inspect(name) is None
 

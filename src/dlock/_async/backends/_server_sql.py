@@ -962,7 +962,12 @@ class AsyncServerSQLBackend(AsyncBackend):
         that the core makes next, which records it: no polling either way.
         """
         name, token = waiter.name, waiter.token
-        if token in self._parked or token in self._held:
+        if token in self._parked:
+            return None  # obtained already: the core's next attempt records it
+        if token in self._held:
+            # Held under this owner token by another user of the lock object: nothing
+            # to wait for in the server, and returning at once would make a busy loop.
+            await sleep(timeout)
             return None
         conn = await self._take()
         # Bounded by the operation timeout, so a dead server is noticed in time.
