@@ -363,6 +363,48 @@ def test_a_forked_child_closing_the_client_leaves_the_parents_locks(tmp_path: Pa
             lock.release()
 
 
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_forked_child_gives_back_with_a_parents_attempt_in_flight(tmp_path: Path) -> None:
+    """A thread of the parent has an attempt in flight on a lock object when the
+    process forks: in the child, that attempt never ends, and must not hold up the
+    give-back of the child's own attempt, granted but cut off."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        shared = client.lock("job", ttl=30)
+        real_acquire = client._backend.acquire
+        parent = os.getpid()
+        in_flight, forked = threading.Event(), threading.Event()
+
+        def acquire(*args: Any) -> Any:
+            if os.getpid() == parent:
+                in_flight.set()
+                forked.wait(10)
+                return real_acquire(*args)
+            real_acquire(*args)
+            raise dlock.BackendUnavailable("no answer in time")
+
+        client._backend.acquire = acquire  # type: ignore[method-assign,assignment]
+        thread = threading.Thread(target=shared.acquire, kwargs={"timeout": 0})
+        thread.start()
+        assert in_flight.wait(10)
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                with pytest.raises(dlock.BackendUnavailable):
+                    shared.acquire(timeout=0)
+                for give_back in client._give_backs:
+                    give_back.join(10)
+                code = 0 if other.inspect("job") is None else 2
+            finally:
+                os._exit(code)
+        forked.set()
+        _, status = os.waitpid(child, 0)
+        thread.join()
+        assert os.waitstatus_to_exitcode(status) == 0, "2: the child's lease not given back"
+        client._backend.acquire = real_acquire  # type: ignore[method-assign]
+
+
 def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:
     """A client made once (at module level, say) and used by two asyncio.run calls: the
     first loop's renewer task ended with that loop, so the second needs its own."""

@@ -222,6 +222,7 @@ class Client:
             # given back too: the backend may still keep state for it (SQL sessions).
             # With its pending give-back (a fresh grant found by a re-entry that this
             # close runs inside): once the backend is closed it could only reopen it.
+            lock._check_forked()
             with lock._sharing:
                 entries = max(lock._count, lock._to_give_back)
                 lock._to_give_back = 0

@@ -114,6 +114,7 @@ class Lock:
         #: Set (and dropped) when this object's hold ends: what a waiter that another
         #: user of this object kept out waits for (see _wait_for_sharer); under _sharing.
         self._freed: WakeupEvent | None = None
+        self._forks = _forks
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self._count else "free"
@@ -279,6 +280,7 @@ class Lock:
         object has. Not the backend's waiter: our attempt made no round trip, so took no
         place that its release would wake (Redis), and a SQL session waiter would find
         the lock held by this very owner token and return at once (a busy loop)."""
+        self._check_forked()
         with self._sharing:
             if self._freed is None:
                 self._freed = WakeupEvent()
@@ -289,6 +291,7 @@ class Lock:
     def _wake_sharers(self) -> None:
         """This object's hold ended: wake the users of it that wait for that."""
         if self._freed is not None:
+            self._check_forked()
             with self._sharing:
                 freed, self._freed = self._freed, None
             if freed is not None:
@@ -382,6 +385,7 @@ class Lock:
     def _attempt_starts(self) -> None:
         """Count an attempt in flight, once no give-back runs: that releases under this
         object's owner token, and must not release what the attempt is granted."""
+        self._check_forked()
         while True:
             with self._sharing:
                 give_back = self._give_back
@@ -389,6 +393,16 @@ class Lock:
                     self._attempts += 1
                     return
             wait_done(give_back)
+
+    def _check_forked(self) -> None:
+        """In a forked child, the sharing state copied is the parent's: attempts that
+        its other threads had in flight (never to end here, so the child's give-backs
+        would wait for them for ever), its give-back, and a lock one of them may hold."""
+        if self._forks != _forks:
+            self._forks = _forks
+            self._sharing = threading.Lock()
+            self._attempts = self._to_give_back = 0
+            self._give_back = self._freed = None
 
     def _attempt_ends(self) -> None:
         with self._sharing:
@@ -405,6 +419,7 @@ class Lock:
         a fresh attempt never re-enters, so the backend keeps one lease per owner token
         and that lease is the holder's. A hold declared lost is not: its lease is gone.
         """
+        self._check_forked()
         with self._sharing:
             self._to_give_back = max(self._to_give_back, entries)
             self._settle_give_back()
@@ -690,6 +705,19 @@ class Lock:
             raise lost from exc
         self.release()
 
+
+#: Forks of this process so far (in this process's line): a lock object made before
+#: the latest one has its parent's sharing state (see Lock._check_forked).
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
 _SHARER_HOLDS = Busy()
