@@ -174,7 +174,7 @@ class AsyncLock:
         entries = self._count
         call.outer = _ACQUIRE_CALL.get()
         context = _ACQUIRE_CALL.set(call)
-        self._client._acquiring[call] = os.getpid()
+        self._client._acquiring[call] = _pid
         try:
             # Again, now that close() waits for this call: either it sees the call and
             # lets it end first, or the call sees the client closed.
@@ -269,7 +269,7 @@ class AsyncLock:
                     else:
                         handed = await waiter.wait(delay)
                 finally:
-                    acquiring[call] = os.getpid()
+                    acquiring[call] = _pid
                 if handed is not None and await self._take_handed(handed):
                     return True
                 attempt += 1
@@ -289,12 +289,11 @@ class AsyncLock:
 
     def _wake_sharers(self) -> None:
         """This object's hold ended: wake the users of it that wait for that."""
-        if self._freed is not None:
-            self._check_forked()
-            with self._sharing:
-                freed, self._freed = self._freed, None
-            if freed is not None:
-                freed.set()
+        self._check_forked()
+        with self._sharing:
+            freed, self._freed = self._freed, None
+        if freed is not None:
+            freed.set()
 
     def _delay(
         self, attempt: int, retry_after: float | None, notifies: bool, remaining: float | None
@@ -331,7 +330,8 @@ class AsyncLock:
         ``reentry``: the object was held when this acquire began. If it was not, and it
         is now, another thread or task sharing it took the lock meanwhile: that hold is
         theirs, not one to re-enter (nor to declare lost on a busy answer)."""
-        await self._attempt_starts()
+        while (give_back := self._attempt_starts()) is not None:
+            await wait_done(give_back)
         result: Acquired | Busy | None = None
         try:
             if not reentry and self._count:
@@ -381,17 +381,19 @@ class AsyncLock:
         finally:
             self._attempt_ends()
 
-    async def _attempt_starts(self) -> None:
-        """Count an attempt in flight, once no give-back runs: that releases under this
-        object's owner token, and must not release what the attempt is granted."""
-        self._check_forked()
-        while True:
-            with self._sharing:
-                give_back = self._give_back
-                if not serving(give_back):
-                    self._attempts += 1
-                    return
-            await wait_done(give_back)
+    def _attempt_starts(self) -> Any:
+        """Count an attempt in flight, unless a give-back runs: that releases under this
+        object's owner token, and must not release what the attempt is granted. Returns
+        the give-back to wait for before trying again, or None once counted. Not a
+        coroutine: this is on every acquire's path, and rarely has anything to wait for."""
+        if self._forks != _forks:
+            self._check_forked()
+        with self._sharing:
+            give_back = self._give_back
+            if give_back is not None and serving(give_back):
+                return give_back
+            self._attempts += 1
+            return None
 
     def _check_forked(self) -> None:
         """In a forked child, the sharing state copied is the parent's: attempts that
@@ -406,7 +408,8 @@ class AsyncLock:
     def _attempt_ends(self) -> None:
         with self._sharing:
             self._attempts -= 1
-            self._settle_give_back()
+            if self._to_give_back:
+                self._settle_give_back()
 
     def _give_back_later(self, entries: int) -> None:
         """Give back up to ``entries`` entries of a lease that this object may have on
@@ -513,7 +516,8 @@ class AsyncLock:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
             raise await self._give_up_lost(told=True)
-        if self._count == 1:
+        last = self._count == 1
+        if last:
             # Renewal stops before the last release is sent: a renewal applied after it
             # would find the lease gone and tell a loss of a lock released cleanly.
             self._client._renewer.discard(self)
@@ -528,9 +532,11 @@ class AsyncLock:
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._count = remaining
         if remaining == 0:
-            self._client._renewer.discard(self)
+            if not last:
+                self._client._renewer.discard(self)
             self._client._let_go(self)
-            self._wake_sharers()
+            if self._freed is not None:
+                self._wake_sharers()
         elif self.auto_renew and not self._lost:
             # Entries left where this object counted none (a re-entry the backend applied
             # but whose answer was cut off, or one another user of this object has in
@@ -621,7 +627,8 @@ class AsyncLock:
         self._count = 0
         self._client._renewer.discard(self)
         self._client._let_go(self)
-        self._wake_sharers()
+        if self._freed is not None:
+            self._wake_sharers()
 
     def _abandon(self, entries: int | None = None) -> None:
         """A release that did not complete (failed, cancelled, interrupted) still ends
@@ -708,11 +715,14 @@ class AsyncLock:
 #: Forks of this process so far (in this process's line): a lock object made before
 #: the latest one has its parent's sharing state (see AsyncLock._check_forked).
 _forks = 0
+#: This process's id, kept up to date across forks (cheaper than os.getpid()).
+_pid = os.getpid()
 
 
 def _forked() -> None:
-    global _forks
+    global _forks, _pid
     _forks += 1
+    _pid = os.getpid()
 
 
 if hasattr(os, "register_at_fork"):

@@ -175,7 +175,7 @@ class Lock:
         entries = self._count
         call.outer = _ACQUIRE_CALL.get()
         context = _ACQUIRE_CALL.set(call)
-        self._client._acquiring[call] = os.getpid()
+        self._client._acquiring[call] = _pid
         try:
             # Again, now that close() waits for this call: either it sees the call and
             # lets it end first, or the call sees the client closed.
@@ -270,7 +270,7 @@ class Lock:
                     else:
                         handed = waiter.wait(delay)
                 finally:
-                    acquiring[call] = os.getpid()
+                    acquiring[call] = _pid
                 if handed is not None and self._take_handed(handed):
                     return True
                 attempt += 1
@@ -290,12 +290,11 @@ class Lock:
 
     def _wake_sharers(self) -> None:
         """This object's hold ended: wake the users of it that wait for that."""
-        if self._freed is not None:
-            self._check_forked()
-            with self._sharing:
-                freed, self._freed = self._freed, None
-            if freed is not None:
-                freed.set()
+        self._check_forked()
+        with self._sharing:
+            freed, self._freed = self._freed, None
+        if freed is not None:
+            freed.set()
 
     def _delay(
         self, attempt: int, retry_after: float | None, notifies: bool, remaining: float | None
@@ -332,7 +331,8 @@ class Lock:
         ``reentry``: the object was held when this acquire began. If it was not, and it
         is now, another thread or task sharing it took the lock meanwhile: that hold is
         theirs, not one to re-enter (nor to declare lost on a busy answer)."""
-        self._attempt_starts()
+        while (give_back := self._attempt_starts()) is not None:
+            wait_done(give_back)
         result: Acquired | Busy | None = None
         try:
             if not reentry and self._count:
@@ -382,17 +382,19 @@ class Lock:
         finally:
             self._attempt_ends()
 
-    def _attempt_starts(self) -> None:
-        """Count an attempt in flight, once no give-back runs: that releases under this
-        object's owner token, and must not release what the attempt is granted."""
-        self._check_forked()
-        while True:
-            with self._sharing:
-                give_back = self._give_back
-                if not serving(give_back):
-                    self._attempts += 1
-                    return
-            wait_done(give_back)
+    def _attempt_starts(self) -> Any:
+        """Count an attempt in flight, unless a give-back runs: that releases under this
+        object's owner token, and must not release what the attempt is granted. Returns
+        the give-back to wait for before trying again, or None once counted. Not a
+        coroutine: this is on every acquire's path, and rarely has anything to wait for."""
+        if self._forks != _forks:
+            self._check_forked()
+        with self._sharing:
+            give_back = self._give_back
+            if give_back is not None and serving(give_back):
+                return give_back
+            self._attempts += 1
+            return None
 
     def _check_forked(self) -> None:
         """In a forked child, the sharing state copied is the parent's: attempts that
@@ -407,7 +409,8 @@ class Lock:
     def _attempt_ends(self) -> None:
         with self._sharing:
             self._attempts -= 1
-            self._settle_give_back()
+            if self._to_give_back:
+                self._settle_give_back()
 
     def _give_back_later(self, entries: int) -> None:
         """Give back up to ``entries`` entries of a lease that this object may have on
@@ -514,7 +517,8 @@ class Lock:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
             raise self._give_up_lost(told=True)
-        if self._count == 1:
+        last = self._count == 1
+        if last:
             # Renewal stops before the last release is sent: a renewal applied after it
             # would find the lease gone and tell a loss of a lock released cleanly.
             self._client._renewer.discard(self)
@@ -529,9 +533,11 @@ class Lock:
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._count = remaining
         if remaining == 0:
-            self._client._renewer.discard(self)
+            if not last:
+                self._client._renewer.discard(self)
             self._client._let_go(self)
-            self._wake_sharers()
+            if self._freed is not None:
+                self._wake_sharers()
         elif self.auto_renew and not self._lost:
             # Entries left where this object counted none (a re-entry the backend applied
             # but whose answer was cut off, or one another user of this object has in
@@ -622,7 +628,8 @@ class Lock:
         self._count = 0
         self._client._renewer.discard(self)
         self._client._let_go(self)
-        self._wake_sharers()
+        if self._freed is not None:
+            self._wake_sharers()
 
     def _abandon(self, entries: int | None = None) -> None:
         """A release that did not complete (failed, cancelled, interrupted) still ends
@@ -709,11 +716,14 @@ class Lock:
 #: Forks of this process so far (in this process's line): a lock object made before
 #: the latest one has its parent's sharing state (see Lock._check_forked).
 _forks = 0
+#: This process's id, kept up to date across forks (cheaper than os.getpid()).
+_pid = os.getpid()
 
 
 def _forked() -> None:
-    global _forks
+    global _forks, _pid
     _forks += 1
+    _pid = os.getpid()
 
 
 if hasattr(os, "register_at_fork"):
