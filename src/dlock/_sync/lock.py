@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from ._primitives import (
 )
 
 if TYPE_CHECKING:
+    from .backend import Waiter
     from .client import Client
 
 logger = logging.getLogger("dlock")
@@ -259,21 +261,38 @@ class Lock:
                 delay = self._delay(attempt, busy.retry_after, waiter.notifies, remaining)
                 if waiter.notifies and delay < waiter.shortest_wait:
                     delay = self._delay(attempt, busy.retry_after, False, remaining)
-                # Parked: close() does not wait for this call meanwhile (a notifying
-                # wait may last seconds); it stops at its next wake, seeing it closed.
-                acquiring, call = self._client._acquiring, _ACQUIRE_CALL.get()
-                acquiring[call] = 0
-                handed = None
-                try:
-                    if busy is _SHARER_HOLDS:
+                if busy is _SHARER_HOLDS:
+                    with self._parked():
                         self._wait_for_sharer(delay)
-                    else:
-                        handed = waiter.wait(delay)
-                finally:
-                    acquiring[call] = _pid
-                if handed is not None and self._take_handed(handed):
+                elif self._wait_for_release(waiter, delay):
                     return True
                 attempt += 1
+
+    @contextlib.contextmanager
+    def _parked(self) -> Iterator[None]:
+        """Waiting for a release: meanwhile close() does not wait for this call (a
+        notifying wait may last seconds); it stops at its next wake, seeing it closed."""
+        acquiring, call = self._client._acquiring, _ACQUIRE_CALL.get()
+        acquiring[call] = 0
+        try:
+            yield
+        finally:
+            acquiring[call] = _pid
+
+    def _wait_for_release(self, waiter: Waiter, delay: float) -> bool:
+        """Wait for the holder's release; True if the backend handed us the lease then.
+
+        Counted as an attempt in flight, until the lease handed over is held: it is
+        granted to this object's owner token with no attempt of ours, and a give-back
+        of another user's attempt cut off meanwhile would release it."""
+        while (give_back := self._attempt_starts()) is not None:
+            wait_done(give_back)
+        try:
+            with self._parked():
+                handed = waiter.wait(delay)
+            return handed is not None and self._take_handed(handed)
+        finally:
+            self._attempt_ends()
 
     def _wait_for_sharer(self, delay: float) -> None:
         """Wait (up to ``delay``) for the end of the hold that another user of this

@@ -24,6 +24,7 @@ import dlock.aio
 from dlock._async._primitives import (
     IS_ASYNC,
     cancel_requests,
+    current_task,
     run_blocking,
     sleep,
     spawn,
@@ -965,6 +966,53 @@ async def test_a_reentrant_waiter_sharing_the_lock_object_gets_it_when_the_other
         assert got - released[0] < 1.0, "not woken by the other user's release"
         await shared.release()
         assert await other.inspect(name) is None
+
+
+async def test_a_give_back_leaves_the_lease_handed_to_a_waiting_user_of_the_object(
+    url: str, name: str
+) -> None:
+    """One user of a lock object waits (queued, where the backend queues) while another
+    object holds the name; a second user's attempt is cut off in flight, which gives
+    back what it may have been granted (owner-checked, in the background; slowed here).
+    The lease that the holder's release hands to the waiting user, under the owner
+    token the two users share, is not freed by that give-back."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        shared = client.lock(name, ttl=30)
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        me = (current_task(), threading.get_ident())
+
+        async def acquire(*args: Any) -> Any:
+            if (current_task(), threading.get_ident()) == me:
+                raise dlock.BackendUnavailable("no answer in time")
+            return await real_acquire(*args)
+
+        async def release(*args: Any) -> Any:
+            await sleep(0.5)  # the give-back's, on a slow network
+            return await real_release(*args)
+
+        client._backend.acquire = acquire  # type: ignore[method-assign,assignment]
+        client._backend.release = release  # type: ignore[method-assign,assignment]
+        got: list[bool] = []
+
+        async def wait_for_it() -> None:
+            got.append(await shared.acquire(timeout=10))
+
+        waiting = spawn(wait_for_it, name="the-waiting-user")
+        await sleep(0.3)  # parked
+        with pytest.raises(dlock.BackendUnavailable):
+            await shared.acquire(timeout=0)
+        await holder.release()
+        await wait_done(waiting)
+        assert got == [True]
+        for give_back in list(client._give_backs):
+            await wait_done(give_back)
+        client._backend.acquire, client._backend.release = real_acquire, real_release  # type: ignore[method-assign]
+        assert shared.owned()
+        await assert_held_by(other, name, shared)
+        assert not await other.lock(name, ttl=30).acquire(timeout=0)
+        await shared.release()
 
 
 async def test_a_with_block_sharing_the_lock_object_leaves_the_other_users_hold(
