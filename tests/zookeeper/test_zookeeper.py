@@ -400,6 +400,38 @@ def test_a_renewal_behind_a_busy_stripe_still_tells_the_loss_in_time(
         partition.close()
 
 
+def test_a_renewal_that_gave_up_behind_a_held_stripe_tells_the_loss_at_once(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The renewer waiting for a stripe gives the lease up when the grace ends: it must
+    answer then, not count the forgotten lease alive and wait for the stripe again.
+    Here the stripe stays taken (as by another operation of the client that waits for
+    the connection) until the successor holds the lock, so a late loss is never told
+    in time."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"held-stripe-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=4"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+            backend: Any = far._backend
+            lost_at: list[float] = []
+            held = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
+            assert held.acquire(timeout=5)
+            stripe = backend._stripe((held.name, held._token))
+            successor = near.lock(name, ttl=60)
+            with stripe:  # given back before closing: closing takes the stripes too
+                partition.cut.set()
+                assert successor.acquire(timeout=15)
+                acquired_at = time.monotonic()
+            assert lost_at, "the holder still believes it holds the lock"
+            assert lost_at[0] <= acquired_at
+            partition.cut.clear()
+            successor.release()
+    finally:
+        partition.cut.clear()
+        partition.close()
+
+
 def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> None:
     root = f"/dlock-auth-{time.monotonic_ns()}"
     authed = f"zookeeper://alice:s3cret@{zookeeper_server.hosts}{root}"

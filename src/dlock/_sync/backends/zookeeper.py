@@ -1227,15 +1227,20 @@ class ZooKeeperBackend(Backend):
         return answers
 
     def _alive_leases(self, leases: list[Lease]) -> list[int]:
-        """The indexes of the leases not known to be lost; the others are given up."""
+        """The indexes of the leases still held in a live session; those whose session is
+        gone are given up. A lease with no held node is lost too: one given up while
+        waiting for a stripe is forgotten, and counting it alive then would wait for the
+        stripe again, telling the loss only once the stripe is free."""
         alive = []
         for index, lease in enumerate(leases):
             key = (lease.name, lease.token)
             node = self._nodes.get(key)
-            if node is not None and node.held and not self._session_alive(node):
-                self._give_up(key, node)
-            else:
+            if node is None or not node.held:
+                continue
+            if self._session_alive(node):
                 alive.append(index)
+            else:
+                self._give_up(key, node)
         return alive
 
     def _take_stripes(self, leases: list[Lease]) -> list[Mutex] | None:
