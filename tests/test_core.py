@@ -20,6 +20,7 @@ import dlock
 import dlock.aio
 from dlock import _registry
 from dlock._backoff import Backoff
+from dlock._fork import ForkFollower
 
 
 def test_backoff_grows_with_jitter_up_to_the_cap() -> None:
@@ -403,6 +404,51 @@ def test_a_forked_child_gives_back_with_a_parents_attempt_in_flight(tmp_path: Pa
         thread.join()
         assert os.waitstatus_to_exitcode(status) == 0, "2: the child's lease not given back"
         client._backend.acquire = real_acquire  # type: ignore[method-assign]
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_forked_child_starts_over_once_before_its_threads_go_on() -> None:
+    """What a process keeps (connections, renewer, held locks) starts over once in a
+    forked child, whichever of its threads comes first; the others wait for it. Even if
+    a thread that stayed in the parent was starting over at the fork (in a child's
+    child): its lock is not left taken for ever."""
+    starts: list[int] = []
+
+    def start_over() -> None:
+        time.sleep(0.05)  # long enough for the child's other threads to come in
+        starts.append(os.getpid())
+
+    follower = ForkFollower(start_over)
+    follower()
+    assert starts == []
+    holding, forked = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with follower._lock:
+            holding.set()
+            forked.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert holding.wait(10)
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            users = [threading.Thread(target=follower) for _ in range(4)]
+            for user in users:
+                user.start()
+            for user in users:
+                user.join(5)
+            stuck = any(user.is_alive() for user in users)
+            code = 2 if stuck else 0 if starts == [os.getpid()] else 3
+        finally:
+            os._exit(code)
+    forked.set()
+    thread.join()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "2: deadlocked, 3: not started over once"
+    assert starts == []
 
 
 def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError
+from .._fork import ForkFollower
 from ._primitives import WakeupEvent, alarm, call_with_timeout, join, serving, spawn
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class AsyncRenewer:
         self._runner: Any = None
         #: Bumped whenever a new runner starts; an older runner that resumes stops.
         self._epoch = 0
-        self._pid = os.getpid()
+        self._follow_fork = ForkFollower(self._forget_parent)
         self._closed = False
         self._urgent = False
         #: When the loop will next wake by itself (inf: it is busy right now).
@@ -54,12 +54,14 @@ class AsyncRenewer:
         #: about as much as the acquire's own round trip on a small machine.
         self._sleeping_until = math.inf
 
+    def _forget_parent(self) -> None:
+        """In a forked child: the leases in the set are its parent's to renew (renewing
+        them here would keep them alive after the parent died), and the renewer thread
+        or task stayed behind in the parent."""
+        self._locks, self._runner = set(), None
+
     def add(self, lock: AsyncLock) -> None:
-        if self._pid != os.getpid():
-            # A forked child: the leases in the set are its parent's to renew (renewing
-            # them here would keep them alive after the parent died), and the renewer
-            # thread or task stayed behind in the parent.
-            self._pid, self._locks, self._runner = os.getpid(), set(), None
+        self._follow_fork()
         self._locks.add(lock)
         if self._closed:
             return

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -12,8 +11,10 @@ from functools import partial
 from types import TracebackType
 from typing import Any
 
+from .. import _fork
 from .._backoff import Backoff
 from .._errors import InvalidArgument
+from .._fork import ForkFollower
 from .._registry import default_url, load_backend
 from .._types import Holder, LockInfo
 from .._validation import (
@@ -87,15 +88,15 @@ class Client:
         #: Every lock of this client holding a lease, renewed or not: close() gives them
         #: back. Weakly: an unrenewed lock dropped while held ends by its TTL, and the
         #: client must not keep it alive until it closes. After a fork, those held so
-        #: far are the parent's (``_held_pid``): a child's close must not free them.
+        #: far are the parent's: a child's close must not free them.
         self._held: weakref.WeakSet[Lock] = weakref.WeakSet()
-        self._held_pid = os.getpid()
         self._held_guard = threading.Lock()
+        self._follow_fork = ForkFollower(self._forget_parent)
 
     @property
     def _holder(self) -> Holder:
         """Who acquires: after a fork, the child, not the parent that made the client."""
-        if self._holder_now.pid != os.getpid():
+        if self._holder_now.pid != _fork.pid:
             self._holder_now = Holder.current(self._label)
         return self._holder_now
 
@@ -168,23 +169,23 @@ class Client:
             if deleted < batch:
                 return removed
 
+    def _forget_parent(self) -> None:
+        """In a forked child: the locks held so far are its parent's to give back, and
+        the guard may have been taken by a thread that stayed in the parent."""
+        self._held, self._held_guard = weakref.WeakSet(), threading.Lock()
+
     def _hold(self, lock: Lock) -> None:
-        if self._held_pid != os.getpid():
-            # A forked child: the locks held so far are its parent's to give back, and
-            # the guard may have been taken by a thread that stayed in the parent.
-            self._held, self._held_guard = weakref.WeakSet(), threading.Lock()
-            self._held_pid = os.getpid()
+        self._follow_fork()
         with self._held_guard:
             self._held.add(lock)
 
     def _let_go(self, lock: Lock) -> None:
-        if self._held_pid == os.getpid():
-            with self._held_guard:
-                self._held.discard(lock)
+        self._follow_fork()
+        with self._held_guard:
+            self._held.discard(lock)
 
     def _still_held(self) -> tuple[Lock, ...]:
-        if self._held_pid != os.getpid():
-            return ()
+        self._follow_fork()
         with self._held_guard:
             return tuple(self._held)
 
@@ -204,7 +205,7 @@ class Client:
         # Not for the calls that this close runs inside (an on_lost told by an acquire):
         # they go on only once it returns.
         until = self._clock() + CLOSE_WAIT
-        pid = os.getpid()
+        pid = _fork.pid
         mine = set()
         call = _ACQUIRE_CALL.get()
         while call is not None:

@@ -7,7 +7,6 @@ import contextlib
 import contextvars
 import logging
 import math
-import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .. import _fork
 from .._errors import (
     AlreadyAcquired,
     BackendError,
@@ -116,7 +116,8 @@ class Lock:
         #: Set (and dropped) when this object's hold ends: what a waiter that another
         #: user of this object kept out waits for (see _wait_for_sharer); under _sharing.
         self._freed: WakeupEvent | None = None
-        self._forks = _forks
+        #: The process generation (see dlock._fork) that the sharing state is from.
+        self._fork_generation = _fork.generation
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self._count else "free"
@@ -177,7 +178,7 @@ class Lock:
         entries = self._count
         call.outer = _ACQUIRE_CALL.get()
         context = _ACQUIRE_CALL.set(call)
-        self._client._acquiring[call] = _pid
+        self._client._acquiring[call] = _fork.pid
         try:
             # Again, now that close() waits for this call: either it sees the call and
             # lets it end first, or the call sees the client closed.
@@ -277,7 +278,7 @@ class Lock:
         try:
             yield
         finally:
-            acquiring[call] = _pid
+            acquiring[call] = _fork.pid
 
     def _wait_for_release(self, waiter: Waiter, delay: float) -> bool:
         """Wait for the holder's release; True if the backend handed us the lease then.
@@ -406,7 +407,7 @@ class Lock:
         object's owner token, and must not release what the attempt is granted. Returns
         the give-back to wait for before trying again, or None once counted. Not a
         coroutine: this is on every acquire's path, and rarely has anything to wait for."""
-        if self._forks != _forks:
+        if self._fork_generation != _fork.generation:
             self._check_forked()
         with self._sharing:
             give_back = self._give_back
@@ -419,8 +420,8 @@ class Lock:
         """In a forked child, the sharing state copied is the parent's: attempts that
         its other threads had in flight (never to end here, so the child's give-backs
         would wait for them for ever), its give-back, and a lock one of them may hold."""
-        if self._forks != _forks:
-            self._forks = _forks
+        if self._fork_generation != _fork.generation:
+            self._fork_generation = _fork.generation
             self._sharing = threading.Lock()
             self._attempts = self._to_give_back = 0
             self._give_back = self._freed = None
@@ -731,22 +732,6 @@ class Lock:
             raise lost from exc
         self.release()
 
-
-#: Forks of this process so far (in this process's line): a lock object made before
-#: the latest one has its parent's sharing state (see Lock._check_forked).
-_forks = 0
-#: This process's id, kept up to date across forks (cheaper than os.getpid()).
-_pid = os.getpid()
-
-
-def _forked() -> None:
-    global _forks, _pid
-    _forks += 1
-    _pid = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
 _SHARER_HOLDS = Busy()

@@ -22,7 +22,6 @@ import math
 import os
 import select
 import sys
-import threading
 import time
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
@@ -32,6 +31,7 @@ from functools import partial
 from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._fork import ForkFollower
 from ..._sql import ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import SHORTEST_PRUNE_AGE
@@ -165,10 +165,8 @@ class ServerSQLBackend(Backend):
         self._clean_ups: dict[TurnstileWaiter, Any] = {}
         #: The event loop that made the connections kept above (``_follow_loop``).
         self._loop: Any = None
-        #: The process that made them, and what a forked child's threads take to
-        #: forget them once (``_follow_fork``).
-        self._pid = os.getpid()
-        self._fork_lock = threading.Lock()
+        #: A forked child forgets them on first use (``_forget_parent``).
+        self._follow_fork = ForkFollower(self._forget_parent)
         self._closed = False
 
     # -- driver hooks ----------------------------------------------------------------
@@ -517,7 +515,7 @@ class ServerSQLBackend(Backend):
         for waiter in list(self._clean_ups):
             self._spawn_clean_up(waiter)
 
-    def _follow_fork(self) -> None:
+    def _forget_parent(self) -> None:
         """In a child after ``os.fork()``, on first use: forget every connection the
         parent made, and connect afresh. They are the parent's database sessions: the
         child's statements on them would cross replies with the parent's, and a session
@@ -525,25 +523,17 @@ class ServerSQLBackend(Backend):
         Each is let go without a word to the server (``_disown``). One borrowed with
         ``client=`` is only forgotten: after a fork, the application's pool is the
         application's business."""
-        if self._pid == os.getpid():
-            return
-        with self._fork_lock:
-            if self._pid == os.getpid():
-                return  # another thread of this child was first
-            inherited = [*self._idle, *self._queueing, *(g.conn for g in self._gates.values())]
-            inherited += [held.conn for held in (*self._held.values(), *self._parked.values())]
-            self._idle, self._queueing = [], []
-            self._gates.clear()
-            self._held.clear()
-            self._parked.clear()
-            self._clean_ups.clear()  # the parent's to finish
-            self._loop = _running_loop()
-            for conn in inherited:
-                if conn.loan is None:
-                    self._disown(conn.raw)
-            # Last: the child's other threads wait until this is done, and a file
-            # descriptor is never replaced twice (it may be another file's by then).
-            self._pid = os.getpid()
+        inherited = [*self._idle, *self._queueing, *(g.conn for g in self._gates.values())]
+        inherited += [held.conn for held in (*self._held.values(), *self._parked.values())]
+        self._idle, self._queueing = [], []
+        self._gates.clear()
+        self._held.clear()
+        self._parked.clear()
+        self._clean_ups.clear()  # the parent's to finish
+        self._loop = _running_loop()
+        for conn in inherited:
+            if conn.loan is None:
+                self._disown(conn.raw)
 
     def _disown(self, raw: Any) -> None:
         """Close this process's copy of a connection its parent made, sending nothing.

@@ -52,6 +52,7 @@ from redis.retry import Retry
 
 from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._fork import ForkFollower
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
@@ -378,12 +379,14 @@ class _Connections:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._idle: list[Any] = []
-        self._pid = os.getpid()
+        self._follow_fork = ForkFollower(self._forget_parent)
+
+    def _forget_parent(self) -> None:
+        """A forked child must not use its parent's sockets (nor close them)."""
+        self._idle = []
 
     def take(self) -> Any:
-        if self._pid != os.getpid():
-            # A forked child must not use its parent's sockets (nor close them).
-            self._idle, self._pid = [], os.getpid()
+        self._follow_fork()
         try:
             connection = self._idle.pop()
         except IndexError:
@@ -458,8 +461,8 @@ class RedisBackend(Backend):
         self._loop: Any = None
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
-        #: The process that made the pub/sub connections above (see _follow_fork).
-        self._pid = os.getpid()
+        #: A forked child drops the pub/sub connections above (``_forget_parent``).
+        self._follow_fork = ForkFollower(self._forget_parent)
         #: The tokens waiting through this backend (the sync face: from several threads).
         self._waiting: dict[str, _Waiting] = {}
         self._attempt_numbers = itertools.count(1)
@@ -564,13 +567,12 @@ class RedisBackend(Backend):
                     self._connections = _own_connections(self._client)
             self._loop = loop
 
-    def _follow_fork(self) -> None:
+    def _forget_parent(self) -> None:
         """Drop the pub/sub connections of the process this one was forked from: their
         sockets are the parent's, to neither use nor close (a child subscribing one to
         its own channel would take the parent's wake-ups away). Command connections
         check for a fork themselves (_Connections, redis-py's pools)."""
-        if self._pid != os.getpid():
-            self._idle, self._subscriber, self._pid = [], None, os.getpid()
+        self._idle, self._subscriber = [], None
 
     def _get_client(self) -> Any:
         self._check_open()

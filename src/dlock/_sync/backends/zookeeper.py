@@ -21,7 +21,6 @@ import errno
 import json
 import logging
 import math
-import os
 import re
 import select
 import socket
@@ -57,6 +56,7 @@ from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._fork import ForkFollower
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
@@ -364,10 +364,8 @@ class ZooKeeperBackend(Backend):
         self._tls = tls or {}
         self._owns_client = client is None
         self._zk: KazooClient | None = client
-        #: The process whose session this is, and what a forked child's threads take to
-        #: start over once (``_follow_fork``).
-        self._pid = os.getpid()
-        self._fork_lock = threading.Lock()
+        #: A forked child starts a session of its own (``_forget_parent``).
+        self._follow_fork = ForkFollower(self._forget_parent)
         self._parents: set[str] = set()
         self._payloads: dict[tuple[Holder, float], tuple[dict[str, Any], bytes]] = {}
         self._renew_now: Callable[[], None] = lambda: None
@@ -410,7 +408,7 @@ class ZooKeeperBackend(Backend):
         #: When the reaper wakes next by itself: a lease ending later needs no wake-up.
         self._reaper_next = float("inf")
 
-    def _follow_fork(self) -> None:
+    def _forget_parent(self) -> None:
         """In a child after ``os.fork()``, on first use: start a session of its own.
 
         kazoo's connection thread stayed in the parent, so the inherited client would
@@ -420,15 +418,8 @@ class ZooKeeperBackend(Backend):
         socket pair they share), then wait 10 s for a thread that is not here. A
         caller's client (``client=``) cannot be made again here: using it is refused.
         """
-        if self._pid == os.getpid():
-            return
-        with self._fork_lock:
-            if self._pid == os.getpid():
-                return  # another thread of this child was first
-            self._zk = None
-            self._start_over()
-            # Last: the child's other threads wait until this is done.
-            self._pid = os.getpid()
+        self._zk = None
+        self._start_over()
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> ZooKeeperBackend:
