@@ -192,6 +192,7 @@ class AsyncLock:
             raise
         finally:
             del self._client._acquiring[call]
+            self._client._acquire_settled()
             _ACQUIRE_CALL.reset(context)
         return acquired
 
@@ -274,6 +275,7 @@ class AsyncLock:
         notifying wait may last seconds); it stops at its next wake, seeing it closed."""
         acquiring, call = self._client._acquiring, _ACQUIRE_CALL.get()
         acquiring[call] = 0
+        self._client._acquire_settled()
         try:
             yield
         finally:

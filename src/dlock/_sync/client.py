@@ -27,7 +27,7 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import serving, sleep, wait_done
+from ._primitives import WakeupEvent, serving, wait_done
 from .backend import Backend
 from .lock import _ACQUIRE_CALL, Lock
 from .renewal import Renewer
@@ -83,6 +83,8 @@ class Client:
         #: Acquire calls in flight, each with its pid (after a fork, the parent's are not
         #: the child's to wait for), or 0 while it waits for a release.
         self._acquiring: dict[object, int] = {}
+        #: Set when one of them ends or parks, while close() waits for them.
+        self._acquires_settling: WakeupEvent | None = None
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
         #: Every lock of this client holding a lease, renewed or not: close() gives them
@@ -189,6 +191,12 @@ class Client:
         with self._held_guard:
             return tuple(self._held)
 
+    def _acquire_settled(self) -> None:
+        """An acquire call ended or parked: wake close(), if it waits for them."""
+        settling = self._acquires_settling
+        if settling is not None:
+            settling.set()
+
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's
         run in daemon threads, which the end of the process would cut short). Those of
@@ -211,10 +219,15 @@ class Client:
         while call is not None:
             mine.add(call)
             call = call.outer
-        while self._clock() < until and any(
-            owner == pid and call not in mine for call, owner in list(self._acquiring.items())
-        ):
-            sleep(0.01)
+        self._acquires_settling = settling = WakeupEvent()
+        while True:
+            settling.clear()
+            left = until - self._clock()
+            if left <= 0 or not any(
+                owner == pid and call not in mine for call, owner in list(self._acquiring.items())
+            ):
+                break
+            settling.wait(left)
         for give_back in self._give_backs:
             wait_done(give_back)
         self._renewer.close()

@@ -193,6 +193,7 @@ class Lock:
             raise
         finally:
             del self._client._acquiring[call]
+            self._client._acquire_settled()
             _ACQUIRE_CALL.reset(context)
         return acquired
 
@@ -275,6 +276,7 @@ class Lock:
         notifying wait may last seconds); it stops at its next wake, seeing it closed."""
         acquiring, call = self._client._acquiring, _ACQUIRE_CALL.get()
         acquiring[call] = 0
+        self._client._acquire_settled()
         try:
             yield
         finally:
