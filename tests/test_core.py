@@ -11,6 +11,7 @@ import sqlite3
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -492,6 +493,34 @@ def test_give_backs_left_by_an_ended_event_loop_are_not_waited_for(tmp_path: Pat
     asyncio.run(use_again())
 
 
+def losing_cancellations(
+    backend_call: Callable[..., Awaitable[Any]], expire_at_answer: list[Any]
+) -> Callable[..., Awaitable[Any]]:
+    """``backend_call`` sent as redis-py sends every command, under ``asyncio.wait_for``:
+    before Python 3.12 that returns its inner task's result when a cancellation races
+    that task's end, and the cancellation is lost. The caller's deadline (an
+    ``asyncio.Timeout`` put in ``expire_at_answer``) passes just as the answer comes in."""
+
+    async def answer_then_expire(*args: Any) -> Any:
+        answer = await backend_call(*args)
+        if expire_at_answer:
+            # The caller's task is cancelled before the task waiting for this one resumes.
+            expire_at_answer.pop().reschedule(asyncio.get_running_loop().time())
+        return answer
+
+    async def sent_as_wait_for_did(*args: Any) -> Any:
+        call = asyncio.ensure_future(answer_then_expire(*args))
+        try:
+            await asyncio.wait([call])
+        except asyncio.CancelledError:
+            if not call.done():
+                call.cancel()
+                raise
+        return call.result()  # the cancellation is lost (Python < 3.12)
+
+    return sent_as_wait_for_did
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
 def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: Path) -> None:
     """Before Python 3.12, ``asyncio.wait_for`` returns its inner task's result when a
@@ -508,28 +537,9 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: P
     async def main() -> None:
         async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
             backend = client._backend
-            real_acquire = backend.acquire
             expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
-
-            async def answer_then_expire(*args: Any) -> Any:
-                answer = await real_acquire(*args)
-                if expire_at_answer:
-                    # The caller's deadline passes as the answer comes in: its task is
-                    # cancelled before the task waiting for this one resumes.
-                    expire_at_answer.pop().reschedule(asyncio.get_running_loop().time())
-                return answer
-
-            async def sent_as_wait_for_did(*args: Any) -> Any:
-                call = asyncio.ensure_future(answer_then_expire(*args))
-                try:
-                    await asyncio.wait([call])
-                except asyncio.CancelledError:
-                    if not call.done():
-                        call.cancel()
-                        raise
-                return call.result()  # the cancellation is lost (Python < 3.12)
-
-            backend.acquire = sent_as_wait_for_did  # type: ignore[method-assign,unused-ignore]
+            lossy = losing_cancellations(backend.acquire, expire_at_answer)
+            backend.acquire = lossy  # type: ignore[method-assign,unused-ignore]
             task = asyncio.current_task()
             assert task is not None
             lock = client.lock("job", ttl=30)
@@ -566,6 +576,51 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: P
             assert outer.owned()
             await outer.release()
             assert await other.inspect("again") is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_cancellation_lost_by_a_client_library_still_stops_release_and_extend(
+    tmp_path: Path,
+) -> None:
+    """As for acquire above: a release or extend that the backend carried out while the
+    caller's ``asyncio.timeout`` expired, the cancellation lost on the way, still raises
+    TimeoutError (the caller would otherwise go on past its deadline), with the work done:
+    the lock released, the lease extended."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend = client._backend
+            expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
+            lossy_extend = losing_cancellations(backend.extend, expire_at_answer)
+            lossy_release = losing_cancellations(backend.release, expire_at_answer)
+            backend.extend = lossy_extend  # type: ignore[method-assign,unused-ignore]
+            backend.release = lossy_release  # type: ignore[method-assign,unused-ignore]
+            task = asyncio.current_task()
+            assert task is not None
+            lock = client.lock("job", ttl=2, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    expire_at_answer.append(deadline)
+                    await lock.extend(60)
+            assert task.cancelling() == 0
+            info = await other.inspect("job")
+            assert info is not None and info.expires_in is not None and info.expires_in > 30
+            assert lock.owned() and lock._deadline - client._clock() > 30
+
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    expire_at_answer.append(deadline)
+                    await lock.release()
+            assert task.cancelling() == 0
+            assert not lock.owned()
+            assert await other.inspect("job") is None
 
     asyncio.run(main())
 

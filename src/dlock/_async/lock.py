@@ -543,6 +543,7 @@ class AsyncLock:
             # Renewal stops before the last release is sent: a renewal applied after it
             # would find the lease gone and tell a loss of a lock released cleanly.
             self._client._renewer.discard(self)
+        cancels = cancel_requests()
         try:
             remaining = await self._client._backend.release(self.name, self._token)
         except BaseException:
@@ -564,6 +565,9 @@ class AsyncLock:
             # but whose answer was cut off, or one another user of this object has in
             # flight): the hold goes on, so renewal must too.
             self._client._renewer.add(self)
+        if cancel_requests() > cancels:
+            # Released, and the caller's cancellation lost by a client library meanwhile.
+            await lost_cancel()
 
     async def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
@@ -576,6 +580,7 @@ class AsyncLock:
         generation = self._generation
         started = self._client._clock()
         write = self._write_started(started, seconds)
+        cancels = cancel_requests()
         try:
             extended = await self._client._backend.extend(self.name, self._token, seconds)
         except BaseException:
@@ -597,6 +602,8 @@ class AsyncLock:
         if self.auto_renew:
             # A shorter lease is due sooner than the renewer's sleep ends: wake it.
             self._client._renewer.add(self)
+        if cancel_requests() > cancels:
+            await lost_cancel()  # extended, and the cancellation lost meanwhile
 
     def _lease(self) -> Lease:
         return Lease(self.name, self._token, self.ttl)
