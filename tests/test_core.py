@@ -5,13 +5,14 @@ database's write lock), on both faces."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -879,6 +880,42 @@ def test_an_on_lost_calling_sys_exit_does_not_stop_the_renewer(tmp_path: Path) -
         assert info is not None and info.fencing_token == keeper.fencing_token
 
 
+@contextlib.contextmanager
+def _held(
+    url: str, name: str, **options: Any
+) -> Iterator[tuple[dlock.Client, dlock.Client, dlock.Lock]]:
+    """A client holding ``name`` (acquired with ``options``), and a second client of the
+    same file that will try to take the name after a fault."""
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        lock = client.lock(name, **options)
+        assert lock.acquire(timeout=0)
+        yield client, rival, lock
+
+
+@contextlib.asynccontextmanager
+async def _async_held(
+    url: str, name: str, **options: Any
+) -> AsyncIterator[tuple[dlock.aio.AsyncClient, dlock.aio.AsyncClient, dlock.aio.AsyncLock]]:
+    """``_held`` on the asyncio face."""
+    async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as rival:
+        lock = client.lock(name, **options)
+        assert await lock.acquire(timeout=0)
+        yield client, rival, lock
+
+
+def _assert_taken_over(rival: dlock.Client, lock: dlock.Lock) -> None:
+    """The holder's lease has run out: the rival takes the name, and the holder does not
+    still claim it."""
+    assert rival.lock(lock.name, ttl=30).acquire(timeout=10)
+    assert not lock.owned()
+
+
+async def _async_assert_taken_over(rival: dlock.aio.AsyncClient, lock: dlock.aio.AsyncLock) -> None:
+    """``_assert_taken_over`` on the asyncio face."""
+    assert await rival.lock(lock.name, ttl=30).acquire(timeout=10)
+    assert not lock.owned()
+
+
 def test_an_extend_cut_off_after_it_was_applied_shortens_the_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -886,9 +923,7 @@ def test_an_extend_cut_off_after_it_was_applied_shortens_the_deadline(
     (it fails, or is cancelled): the lease may now end in 1 s, and owned() must not stay
     true once another client can take the lock."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
-    with dlock.connect(url) as client, dlock.connect(url) as other:
-        lock = client.lock("job", ttl=30, auto_renew=False)
-        assert lock.acquire(timeout=0)
+    with _held(url, "job", ttl=30, auto_renew=False) as (client, other, lock):
         real_extend = client._backend.extend
 
         def applied_then_failed(name: str, token: str, ttl: float) -> bool:
@@ -898,13 +933,10 @@ def test_an_extend_cut_off_after_it_was_applied_shortens_the_deadline(
         monkeypatch.setattr(client._backend, "extend", applied_then_failed)
         with pytest.raises(dlock.BackendUnavailable):
             lock.extend(1)
-        assert other.lock("job", ttl=30).acquire(timeout=10)
-        assert not lock.owned()
+        _assert_taken_over(other, lock)
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            lock = client.lock("async-job", ttl=30, auto_renew=False)
-            assert await lock.acquire(timeout=0)
+        async with _async_held(url, "async-job", ttl=30, auto_renew=False) as (client, other, lock):
             real_extend = client._backend.extend
             applied = asyncio.Event()
 
@@ -920,8 +952,7 @@ def test_an_extend_cut_off_after_it_was_applied_shortens_the_deadline(
             extend.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await extend
-            assert await other.lock("async-job", ttl=30).acquire(timeout=10)
-            assert not lock.owned()
+            await _async_assert_taken_over(other, lock)
 
     asyncio.run(main())
 
@@ -933,10 +964,8 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
     the backend stays unreachable: the lease ends 1 s after that renewal, so the holder
     must be told then, not when the extend's 30 s run out."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
-    with dlock.connect(url) as client, dlock.connect(url) as other:
-        told = threading.Event()
-        lock = client.lock("job", ttl=1, on_lost=lambda _: told.set())
-        assert lock.acquire(timeout=0)
+    told = threading.Event()
+    with _held(url, "job", ttl=1, on_lost=lambda _: told.set()) as (client, other, lock):
         lock.extend(30)
         real_extend_many = client._backend.extend_many
         calls: list[object] = []
@@ -953,15 +982,16 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
         while not calls:
             assert time.monotonic() < give_up, "the renewal did not happen"
             time.sleep(0.01)
-        assert other.lock("job", ttl=30).acquire(timeout=10)
-        assert not lock.owned()
+        _assert_taken_over(other, lock)
         assert told.wait(5), "not told when the renewed lease ran out"
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            told = asyncio.Event()
-            lock = client.lock("async-job", ttl=1, on_lost=lambda _: told.set())
-            assert await lock.acquire(timeout=0)
+        told = asyncio.Event()
+        async with _async_held(url, "async-job", ttl=1, on_lost=lambda _: told.set()) as (
+            client,
+            other,
+            lock,
+        ):
             await lock.extend(30)
             real_extend_many = client._backend.extend_many
             calls: list[object] = []
@@ -978,8 +1008,7 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
             while not calls:
                 assert time.monotonic() < give_up, "the renewal did not happen"
                 await asyncio.sleep(0.01)
-            assert await other.lock("async-job", ttl=30).acquire(timeout=10)
-            assert not lock.owned()
+            await _async_assert_taken_over(other, lock)
             await asyncio.wait_for(told.wait(), 5)
 
     asyncio.run(main())
@@ -992,9 +1021,7 @@ def test_an_extend_answered_after_a_release_leaves_the_next_hold_alone(
     it again (ttl 1) before extend's answer is handled: that answer is not about the new
     hold, whose lease ends in 1 s, so owned() must not stay true for 60 s."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
-    with dlock.connect(url) as client, dlock.connect(url) as other:
-        lock = client.lock("job", ttl=1, auto_renew=False)
-        assert lock.acquire(timeout=0)
+    with _held(url, "job", ttl=1, auto_renew=False) as (client, other, lock):
         real_extend = client._backend.extend
 
         def answered_late(name: str, token: str, ttl: float) -> bool:
@@ -1005,13 +1032,10 @@ def test_an_extend_answered_after_a_release_leaves_the_next_hold_alone(
 
         monkeypatch.setattr(client._backend, "extend", answered_late)
         lock.extend(60)
-        assert other.lock("job", ttl=30).acquire(timeout=10)
-        assert not lock.owned()
+        _assert_taken_over(other, lock)
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            lock = client.lock("async-job", ttl=1, auto_renew=False)
-            assert await lock.acquire(timeout=0)
+        async with _async_held(url, "async-job", ttl=1, auto_renew=False) as (client, other, lock):
             real_extend = client._backend.extend
 
             async def answered_late(name: str, token: str, ttl: float) -> bool:
@@ -1022,8 +1046,7 @@ def test_an_extend_answered_after_a_release_leaves_the_next_hold_alone(
 
             monkeypatch.setattr(client._backend, "extend", answered_late)
             await lock.extend(60)
-            assert await other.lock("async-job", ttl=30).acquire(timeout=10)
-            assert not lock.owned()
+            await _async_assert_taken_over(other, lock)
 
     asyncio.run(main())
 
