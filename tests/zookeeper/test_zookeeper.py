@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -356,48 +357,74 @@ def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
         partition.close()
 
 
+@dataclass
+class CutOffHolder:
+    """A lock held by ``far``, whose connection to the server runs through ``partition``;
+    ``near`` reaches the server directly. ``lost_at``: when the holder was told of the
+    loss."""
+
+    partition: Partition
+    far: dlock.Client
+    near: dlock.Client
+    lock: dlock.Lock
+    lost_at: list[float]
+
+    def assert_told_by(self, acquired_at: float) -> None:
+        """The holder was told of the loss no later than its successor acquired."""
+        assert self.lost_at, "the holder still believes it holds the lock"
+        assert self.lost_at[0] <= acquired_at
+
+
+@contextlib.contextmanager
+def held_behind_a_partition(server: ZooKeeperEnsemble, prefix: str) -> Iterator[CutOffHolder]:
+    """A lock (ttl 60) acquired through a relay to ``server`` that can be cut, on a 4 s
+    session; the relay is uncut and closed after the clients."""
+    partition = Partition(server.client_ports[0])
+    name = f"{prefix}-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=4"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(server.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
+            assert lock.acquire(timeout=5)
+            yield CutOffHolder(partition, far, near, lock, lost_at)
+    finally:
+        partition.cut.clear()
+        partition.close()
+
+
 def test_a_renewal_behind_a_busy_stripe_still_tells_the_loss_in_time(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:
     """Cut off, the holder's client tries another lock whose (name, token) shares the
     held lock's stripe: that attempt holds the stripe while it waits for a connection.
     The renewal must not wait behind it to tell the loss."""
-    partition = Partition(zookeeper_server.client_ports[0])
-    name = f"stripe-{time.monotonic_ns()}"
-    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=4"
-    try:
-        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
-            backend: Any = far._backend
-            lost_at: list[float] = []
-            held = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
-            assert held.acquire(timeout=5)
-            stripe = hash((held.name, held._token)) % 64
-            index = 0
-            while True:
-                other = far.lock(f"{name}-{index}", ttl=60)
-                if hash((other.name, other._token)) % 64 == stripe:
-                    break
-                index += 1
-            partition.cut.set()
-            wait_until(lambda: backend._suspended_at is not None)
+    with held_behind_a_partition(zookeeper_server, "stripe") as holder:
+        backend: Any = holder.far._backend
+        held = holder.lock
+        stripe = hash((held.name, held._token)) % 64
+        index = 0
+        while True:
+            other = holder.far.lock(f"{held.name}-{index}", ttl=60)
+            if hash((other.name, other._token)) % 64 == stripe:
+                break
+            index += 1
+        holder.partition.cut.set()
+        wait_until(lambda: backend._suspended_at is not None)
 
-            def collide() -> None:
-                with contextlib.suppress(dlock.BackendError):
-                    other.acquire(timeout=10)
+        def collide() -> None:
+            with contextlib.suppress(dlock.BackendError):
+                other.acquire(timeout=10)
 
-            colliding = threading.Thread(target=collide, daemon=True)
-            colliding.start()
-            successor = near.lock(name, ttl=60)
-            assert successor.acquire(timeout=15)
-            acquired_at = time.monotonic()
-            assert lost_at, "the holder still believes it holds the lock"
-            assert lost_at[0] <= acquired_at
-            partition.cut.clear()
-            colliding.join(15)
-            successor.release()
-    finally:
-        partition.cut.clear()
-        partition.close()
+        colliding = threading.Thread(target=collide, daemon=True)
+        colliding.start()
+        successor = holder.near.lock(held.name, ttl=60)
+        assert successor.acquire(timeout=15)
+        acquired_at = time.monotonic()
+        holder.assert_told_by(acquired_at)
+        holder.partition.cut.clear()
+        colliding.join(15)
+        successor.release()
 
 
 def test_a_renewal_that_gave_up_behind_a_held_stripe_tells_the_loss_at_once(
@@ -408,28 +435,18 @@ def test_a_renewal_that_gave_up_behind_a_held_stripe_tells_the_loss_at_once(
     Here the stripe stays taken (as by another operation of the client that waits for
     the connection) until the successor holds the lock, so a late loss is never told
     in time."""
-    partition = Partition(zookeeper_server.client_ports[0])
-    name = f"held-stripe-{time.monotonic_ns()}"
-    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=4"
-    try:
-        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
-            backend: Any = far._backend
-            lost_at: list[float] = []
-            held = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
-            assert held.acquire(timeout=5)
-            stripe = backend._stripe((held.name, held._token))
-            successor = near.lock(name, ttl=60)
-            with stripe:  # given back before closing: closing takes the stripes too
-                partition.cut.set()
-                assert successor.acquire(timeout=15)
-                acquired_at = time.monotonic()
-            assert lost_at, "the holder still believes it holds the lock"
-            assert lost_at[0] <= acquired_at
-            partition.cut.clear()
-            successor.release()
-    finally:
-        partition.cut.clear()
-        partition.close()
+    with held_behind_a_partition(zookeeper_server, "held-stripe") as holder:
+        backend: Any = holder.far._backend
+        held = holder.lock
+        stripe = backend._stripe((held.name, held._token))
+        successor = holder.near.lock(held.name, ttl=60)
+        with stripe:  # given back before closing: closing takes the stripes too
+            holder.partition.cut.set()
+            assert successor.acquire(timeout=15)
+            acquired_at = time.monotonic()
+        holder.assert_told_by(acquired_at)
+        holder.partition.cut.clear()
+        successor.release()
 
 
 def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> None:
