@@ -240,6 +240,23 @@ def test_a_killed_session_lock_connection_goes_back_closed(pool: Pool, name: str
                 conn.rollback()
 
 
+async def _aiomysql_pool(
+    server: SQLServer, *, minsize: int, maxsize: int, client_flag: int = CLIENT.FOUND_ROWS
+) -> Any:
+    """An aiomysql pool of ``server``'s test database, as an application makes one for
+    dlock (which needs FOUND_ROWS of a lent MySQL connection)."""
+    return await aiomysql.create_pool(
+        host="127.0.0.1",
+        port=server.port,
+        user=server.user,
+        password=server.password,
+        db=server.database,
+        minsize=minsize,
+        maxsize=maxsize,
+        client_flag=client_flag,
+    )
+
+
 async def _async_pool(
     server: SQLServer,
 ) -> tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]:
@@ -253,16 +270,7 @@ async def _async_pool(
         lend: Callable[[], Any] = apool.connection
         close = apool.close
     else:
-        apool = await aiomysql.create_pool(
-            host="127.0.0.1",
-            port=server.port,
-            user=server.user,
-            password=server.password,
-            db=server.database,
-            minsize=2,
-            maxsize=2,
-            client_flag=CLIENT.FOUND_ROWS,
-        )
+        apool = await _aiomysql_pool(server, minsize=2, maxsize=2)
         lend = apool.acquire
 
         async def close() -> None:
@@ -350,15 +358,8 @@ async def test_a_waiter_cancelled_with_the_pool_exhausted_keeps_nothing(
     when the turnstile was handed over meanwhile, the dead session took the lease,
     held by nobody until then. Now the connection goes back first, in the background."""
     server = mariadb_server
-    pool = await aiomysql.create_pool(
-        host="127.0.0.1",
-        port=server.port,
-        user=server.user,
-        password=server.password,
-        db=server.database,
-        minsize=0,
-        maxsize=2,
-        client_flag=CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS,
+    pool = await _aiomysql_pool(
+        server, minsize=0, maxsize=2, client_flag=CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS
     )
     try:
         async with (
@@ -484,17 +485,7 @@ async def test_an_exhausted_aiomysql_pool_names_the_bound_that_applied(
 ) -> None:
     """aiomysql's pool waits for ever; dlock's bound (connect_timeout + 1) ends the
     wait, and was reported as the operation timeout's: "no answer within 10.0 s"."""
-    server = mariadb_server
-    pool = await aiomysql.create_pool(
-        host="127.0.0.1",
-        port=server.port,
-        user=server.user,
-        password=server.password,
-        db=server.database,
-        minsize=1,
-        maxsize=1,
-        client_flag=CLIENT.FOUND_ROWS,
-    )
+    pool = await _aiomysql_pool(mariadb_server, minsize=1, maxsize=1)
     busy = await pool.acquire()
     try:
         url = "mysql://?connect_timeout=0.5"
