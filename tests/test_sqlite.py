@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +266,133 @@ def test_an_on_lost_that_releases_does_not_hold_up_other_losses(tmp_path: Path) 
             time.sleep(0.05)
         assert other.inspect("first") is None
     other.close()
+
+
+# Python 3.12+ warns about fork() in a process with threads; these tests fork on purpose.
+FORKS = pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+
+# Tries a lock once and leaves at once, as a holder that crashed: a lease taken stays.
+TRY_ONCE = """
+import os, sys
+import dlock
+client = dlock.connect(sys.argv[1])
+lock = client.lock(sys.argv[2], ttl=float(sys.argv[3]))
+try:
+    print(lock.acquire(timeout=0), lock.fencing_token, flush=True)
+except dlock.BackendError as exc:
+    print(type(exc).__name__, exc, flush=True)
+os._exit(0)
+"""
+
+
+def _try_once(url: str, name: str, ttl: float = 60, prefix: Sequence[str] = ()) -> str:
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", TRY_ONCE, url, name, str(ttl)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-1000:]
+    return done.stdout.strip()
+
+
+@FORKS
+def test_a_forked_child_does_not_share_its_parents_sqlite_state(tmp_path: Path) -> None:
+    """A forked child of a process that had used the client (a pre-fork server's
+    worker) went on with the parent's SQLite connection; and a connection of its own,
+    opened while the parent's was open, found SQLite's record of the parent's file
+    locks in the memory it inherited, so it took none (fcntl locks are not inherited).
+    The parent's close, holding the only locks on the file, then checkpointed and
+    deleted the WAL that the child went on writing to: another process got a lock the
+    child held, with the same fencing token, and the child was never told."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    client = dlock.connect(url)
+    with client.lock("warmup", ttl=30):
+        pass
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.close(go_w)
+            os.close(done_r)
+            first = client.lock("first", ttl=60)
+            code = 0 if first.acquire(timeout=0) else 2
+            os.write(done_w, b"x")
+            os.read(go_r, 1)  # until the parent has closed its client
+            job = client.lock("job", ttl=60)
+            code = code or (0 if job.acquire(timeout=0) else 2)
+            os.write(done_w, b"x")
+            os.read(go_r, 1)  # until the other process has tried
+            if not (first.owned() and job.owned()):
+                code = code or 3
+            first.release()
+            job.release()
+        finally:
+            os._exit(code)
+    os.close(go_r)
+    os.close(done_w)
+    try:
+        os.read(done_r, 1)
+        client.close()
+        os.write(go_w, b"x")
+        os.read(done_r, 1)
+        other = [_try_once(url, name) for name in ("first", "job")]
+        os.write(go_w, b"x")
+    finally:
+        os.close(go_w)
+        os.close(done_r)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "2: not acquired, 3: not owned"
+    assert other == ["False None"] * 2, "another process got a lock the child held"
+
+
+# Holds the file's write lock for argv[2] seconds.
+HOLD_WRITE_LOCK = """
+import sqlite3, sys, time
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+conn.execute("ROLLBACK")
+"""
+
+
+@FORKS
+def test_a_child_forked_during_a_statement_does_not_wait_for_it_for_ever(
+    tmp_path: Path,
+) -> None:
+    """Another thread ran a statement on the client's connection as the process
+    forked: the child got the mutex that guards the connection held, by a thread that
+    is not in the child, and its first acquire (even with timeout=0) hung for ever."""
+    path = tmp_path / "locks.sqlite3"
+    with dlock.connect(f"sqlite://{path}") as client:
+        client.inspect("x")  # creates the file
+        blocker = subprocess.Popen(
+            [sys.executable, "-c", HOLD_WRITE_LOCK, str(path), "1"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert blocker.stdout is not None and blocker.stdout.readline() == "locked\n"
+        # A write: it waits for the write lock, its statement in flight, mutex held.
+        writer = threading.Thread(target=client.force_release, args=("x",))
+        writer.start()
+        time.sleep(0.3)
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(10)  # a hang ends the child
+                code = 0 if client.lock("in-child", ttl=5).acquire(timeout=0) else 2
+            finally:
+                os._exit(code)
+        try:
+            _, status = os.waitpid(child, 0)
+        finally:
+            writer.join()
+            blocker.communicate(timeout=10)
+        assert not os.WIFSIGNALED(status), "the child hung"
+        assert os.waitstatus_to_exitcode(status) == 0

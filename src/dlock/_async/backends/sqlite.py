@@ -6,10 +6,13 @@ jitter. Every statement runs in a worker thread under the asyncio face.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,6 +69,51 @@ def _busy(exc: sqlite3.Error) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
 
+#: Every SQLite backend of this process (of this face): closed before a fork.
+_backends: weakref.WeakSet[AsyncSQLiteBackend] = weakref.WeakSet()
+#: Guards ``_backends``; held across a fork, with every backend's mutex.
+_backends_guard = threading.Lock()
+#: What ``_before_fork`` took, let go of on both sides once the fork is done.
+_taken_over_fork: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    """Close every connection of this process's backends before it forks, and let none
+    open or run a statement until the fork is done; each side opens anew on first use.
+
+    A child cannot go on with, nor drop, a connection it inherits: fcntl locks are not
+    inherited, but SQLite's record of them is (kept per process for each file, shared
+    by its connections). On the parent's connection, or on one of the child's own
+    opened while the inherited record says the file is locked already, the child holds
+    no lock at all, so the parent's close, holding the only ones, checkpoints and
+    deletes the WAL the child goes on writing to, where no other process looks: two
+    holders of one lock, with one fencing token. Closed before the fork, the record is
+    gone. A statement in flight on another thread ends first (within about
+    ``busy_timeout``): the child would get its mutex held by a thread that is not there.
+    """
+    _backends_guard.acquire()
+    _taken_over_fork.append(_backends_guard)
+    for backend in list(_backends):
+        backend._mutex.acquire()
+        _taken_over_fork.append(backend._mutex)
+        connection, backend._connection = backend._connection, None
+        if connection is not None:
+            with contextlib.suppress(sqlite3.Error):
+                connection.close()
+
+
+def _after_fork() -> None:
+    """In the parent and in the child (taken by the thread that forked, which is there)."""
+    while _taken_over_fork:
+        _taken_over_fork.pop().release()
+
+
+if hasattr(os, "register_at_fork"):  # Windows cannot fork
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork
+    )
+
+
 class AsyncSQLiteBackend(AsyncBackend):
     def __init__(
         self,
@@ -85,6 +133,8 @@ class AsyncSQLiteBackend(AsyncBackend):
         # One connection shared by the caller's thread and the renewer's, one at a time.
         self._mutex = threading.Lock()
         self._sql = sqlite_statements(self._table)
+        with _backends_guard:
+            _backends.add(self)  # its connection is closed before a fork
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncSQLiteBackend:
