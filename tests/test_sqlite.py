@@ -396,3 +396,52 @@ def test_a_child_forked_during_a_statement_does_not_wait_for_it_for_ever(
             blocker.communicate(timeout=10)
         assert not os.WIFSIGNALED(status), "the child hung"
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _runs(command: Sequence[str]) -> None:
+    """Skip unless this host lets us run ``command`` (namespaces may need root)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        pytest.skip(f"cannot run {command[0]}: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"{' '.join(command)} is refused here: {done.stderr.strip()[-300:]}")
+
+
+def test_leases_are_timed_by_the_hosts_boot_clock_in_a_time_namespace(tmp_path: Path) -> None:
+    """A time namespace (``unshare --time``, as CRIU-restored containers use) offsets
+    CLOCK_BOOTTIME. Timed by that clock, a process there saw a live lease as expired
+    long ago and took it over, and its own leases looked days long to everyone else."""
+    ahead = ["unshare", "--time", "--boottime", "1000000"]
+    _runs([*ahead, "true"])
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        held = client.lock("job", ttl=60)
+        assert held.acquire(timeout=0)
+        assert _try_once(url, "job", prefix=ahead) == "False None", "a live lease taken over"
+        assert _try_once(url, "crashed", ttl=5, prefix=ahead) == "True 1"
+        info = client.inspect("crashed")
+        assert info is not None and info.expires_in is not None, info
+        assert 0 < info.expires_in <= 5, info
+        assert held.owned()
+        held.release()
+
+
+def test_a_process_that_cannot_read_the_boot_id_is_refused(tmp_path: Path) -> None:
+    """Leases are tagged with the host's boot id: one of another boot is dead. A process
+    that could not read it (no /proc: a chroot, a sandbox) timed its leases by the wall
+    clock with no boot id, so every other process's lease looked dead to it: it took a
+    live lease over. It must refuse instead, saying why."""
+    empty = tmp_path / "empty"
+    empty.touch()
+    hidden = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"']
+    hidden += [str(empty), "/proc/sys/kernel/random/boot_id"]
+    _runs([*hidden, "true"])
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        held = client.lock("job", ttl=60)
+        assert held.acquire(timeout=0)
+        answer = _try_once(url, "job", prefix=hidden)
+        assert answer.startswith("BackendError") and "boot id" in answer, answer
+        assert held.owned()
+        held.release()

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import os
 import sqlite3
+import sys
 import threading
 import time
 import weakref
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from ... import _fork
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import query_options, seconds
@@ -33,29 +35,78 @@ from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import run_blocking
 from ..backend import Backend
 
+#: Only Linux has a boot clock and a boot id: elsewhere, leases are timed by the wall clock.
+LINUX = sys.platform.startswith("linux")
 SYNCHRONOUS_MODES = ("off", "normal", "full", "extra")
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+TIME_NAMESPACE_OFFSETS = "/proc/self/timens_offsets"
+
+
 def _read_boot_id() -> str:
+    with open(BOOT_ID) as f:
+        boot = f.read().strip()
+    if not boot:
+        raise ValueError(f"{BOOT_ID} is empty")
+    return boot
+
+
+def _read_boot_clock_offset() -> float:
+    """How far this process's boot clock runs ahead of the host's: a time namespace
+    (Linux 5.6+: ``unshare --time``, CRIU restoring a container) offsets it."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+        with open(TIME_NAMESPACE_OFFSETS) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:  # a kernel without time namespaces
+        return 0.0
+    for line in lines:
+        clock, seconds, nanoseconds = line.split()
+        # Named since Linux 5.6; the clock's number is accepted on writing.
+        if clock in ("boottime", str(time.CLOCK_BOOTTIME)):
+            return int(seconds) + int(nanoseconds) / 1e9
+    return 0.0
 
 
-_BOOT_ID = _read_boot_id()
+#: The host's boot id and this process's boot clock offset, and the process generation
+#: (see dlock._fork) they were read in: a forked child may be in another time namespace.
+_boot_clock: tuple[int, str, float] | None = None
+
+
+def _host_boot_clock() -> tuple[str, float]:
+    global _boot_clock
+    clock = _boot_clock
+    if clock is None or clock[0] != _fork.generation:
+        generation = _fork.generation
+        try:
+            clock = (generation, _read_boot_id(), _read_boot_clock_offset())
+        except (OSError, ValueError) as exc:
+            # Falling back to the wall clock, untagged, would make every other
+            # process's lease look like one of an earlier boot, dead: taken over.
+            raise BackendError(
+                "SQLite leases are timed by the host's boot clock, tagged with its boot"
+                f" id, and this process cannot read the boot id ({BOOT_ID}) or its time"
+                f" namespace's clock offset ({TIME_NAMESPACE_OFFSETS}): {exc}. Without"
+                " them it cannot tell a live lease from one of an earlier boot; make"
+                " /proc available, or use a server backend"
+            ) from exc
+        _boot_clock = clock
+    return clock[1], clock[2]
 
 
 def _boot_and_now() -> tuple[str, float]:
     """The host's clock for leases: time since boot, tagged with the boot's identity.
 
     Wall-clock steps (NTP, a VM resumed) would shorten or stretch leases; the boot
-    clock does not step, and a lease from an earlier boot is dead by definition.
-    Where there is no boot clock (not Linux), the wall clock it is.
+    clock does not step, and a lease from an earlier boot is dead by definition. Every
+    process on the host must read the same clock: in a time namespace, the host's is
+    this process's less the namespace's offset. Where there is no boot clock (not
+    Linux), the wall clock it is; on Linux, a process that cannot read the boot id
+    is refused (``BackendError``) rather than timed by another clock than the others.
     """
-    if _BOOT_ID and hasattr(time, "CLOCK_BOOTTIME"):
-        return _BOOT_ID, time.clock_gettime(time.CLOCK_BOOTTIME)
+    if LINUX:
+        boot, offset = _host_boot_clock()
+        return boot, time.clock_gettime(time.CLOCK_BOOTTIME) - offset
     return "", time.time()
 
 
