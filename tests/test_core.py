@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import sqlite3
@@ -31,6 +32,36 @@ def test_backoff_grows_with_jitter_up_to_the_cap() -> None:
         delays = {backoff.delay(attempt, None, notifies=False) for _ in range(50)}
         assert all(cap / 2 <= delay <= cap for delay in delays), (attempt, delays)
         assert len(delays) > 1, "jittered"
+
+
+# Python 3.12+ warns about fork() in a process with threads; this test forks on purpose.
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_forked_waiters_do_not_back_off_in_lockstep() -> None:
+    """Workers forked from one process share its client's backoff: each drew the same
+    jitter (a generator copied by the fork), so waiters started together retried
+    together, the very thing jitter is for. A seeded generator stays as given."""
+    shared, seeded = Backoff(), Backoff(rng=random.Random(1))
+
+    def in_child(backoff: Backoff) -> list[float]:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                delays = [backoff.delay(attempt, None, notifies=False) for attempt in range(8)]
+                os.write(write, json.dumps(delays).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as answer:
+            written = answer.read()
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        return list(json.loads(written))
+
+    assert in_child(shared) != in_child(shared)
+    assert in_child(seeded) == in_child(seeded)
 
 
 def test_backoff_never_sleeps_past_the_current_lease() -> None:
