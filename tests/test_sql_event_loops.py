@@ -24,7 +24,7 @@ import pytest
 import dlock
 import dlock.aio
 from tests.servers.sql import SQLServer
-from tests.test_sql_faults import _sessions, admin
+from tests.test_sql_faults import _own_sessions, admin
 
 
 def _waits_in_the_server(server: SQLServer, backend: Any, session: bool, name: str) -> bool:
@@ -60,8 +60,8 @@ def test_an_async_client_works_in_a_second_event_loop(server: SQLServer, mode: s
     session = mode == "session"
     url = server.url("mode=session" if session else "")
     name = f"loops-{uuid.uuid4().hex}"
-    before = _sessions(server)
     client = dlock.aio.connect(url)
+    made, still_open = _own_sessions(server, client)
     backend: Any = client._backend
     across = client.lock(f"{name}-across", ttl=30)
 
@@ -93,10 +93,11 @@ def test_an_async_client_works_in_a_second_event_loop(server: SQLServer, mode: s
         await client.aclose()
 
     asyncio.run(first())
+    assert made, "the first loop made no connection"
     asyncio.run(second())
     # The first loop's connections were closed, not left to the garbage collector.
     deadline = time.monotonic() + 5
-    while _sessions(server) > before:  # a closed PostgreSQL session leaves a moment later
+    while still_open():  # a closed PostgreSQL session leaves a moment later
         assert time.monotonic() < deadline, "sessions of the first loop are still open"
         time.sleep(0.01)
     gc.collect()  # and were closed without warnings
