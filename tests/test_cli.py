@@ -9,11 +9,13 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +30,15 @@ def db(tmp_path: Path) -> str:
     return f"sqlite://{tmp_path}/cli.sqlite3"
 
 
-def dlock_cmd(db: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def dlock_cmd(
+    db: str, *args: str, timeout: float = 30, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [DLOCK, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "DLOCK_URL": db},
+        env={**(os.environ if env is None else env), "DLOCK_URL": db},
     )
 
 
@@ -107,6 +111,140 @@ def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path) -> Non
         os.kill(child_pid, 0)
 
 
+#: A worker that a shell-wrapped command starts: it writes its pid once it handles TERM;
+#: on TERM it waits a moment (time enough for a dlock that did not wait for it to give
+#: the lock back), records whether its lock is still held, and ends.
+WORKER = """
+import os, signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+deadline = time.monotonic() + 60
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)
+import dlock
+with dlock.connect(os.environ["DLOCK_URL"]) as client:
+    info = client.inspect(os.environ["DLOCK_NAME"])
+held = info is not None and info.fencing_token == int(os.environ["DLOCK_FENCING_TOKEN"])
+with open(sys.argv[2], "w") as f:
+    f.write("held" if held else "free")
+"""
+
+
+def wait_for_pid(pidfile: Path, process: subprocess.Popen[str], timeout: float = 20) -> int:
+    deadline = time.monotonic() + timeout
+    while not pidfile.exists():
+        assert process.poll() is None, "dlock ended before the worker started"
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.05)
+    return int(pidfile.read_text())
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def killing(pidfile: Path) -> Iterator[None]:
+    """Leave no worker behind when a test fails."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_lost_lease_stops_what_the_command_started(db: str, name: str, tmp_path: Path) -> None:
+    """On a lost lease dlock stops the command's whole process group, not only its own
+    child: a worker that a shell started (and that ignores TERM) ran on without the lock
+    while another holder had it, and the shell's next step ran too."""
+    pidfile, after = tmp_path / "worker.pid", tmp_path / "after"
+    stubborn = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+        "time.sleep(60)\n"
+    )
+    # The worker's output goes to a file: one holding dlock's pipes open would hide when
+    # dlock ends.
+    script = f'"$PYTHON" -c "$STUBBORN" {pidfile} >{tmp_path}/out 2>&1; touch {after}'
+    env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "STUBBORN": stubborn}
+    with killing(pidfile):
+        process = subprocess.Popen(
+            [DLOCK, "run", "--ttl", "1", "--grace", "0.5", name, "--", "sh", "-c", script],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        worker = wait_for_pid(pidfile, process)
+        with dlock.connect(db) as client:
+            assert client.force_release(name)
+        _, stderr = process.communicate(timeout=15)
+        assert process.returncode == 75, stderr
+        assert gone(worker), "the worker outlived dlock, without the lock"
+        assert not after.exists(), "the shell went on to its next step"
+
+
+def test_terminate_stops_what_the_command_started_before_the_release(
+    db: str, name: str, tmp_path: Path
+) -> None:
+    """A TERM to dlock reaches every process of the command's group, and the lock is
+    released only once they have all ended: it went to the shell alone, dlock released
+    the lock as the shell died, and the shell's worker ran on."""
+    pidfile, marker = tmp_path / "worker.pid", tmp_path / "marker"
+    script = f'"$PYTHON" -c "$WORKER" {pidfile} {marker} >{tmp_path}/out 2>&1; echo step2'
+    env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "WORKER": WORKER}
+    with killing(pidfile):
+        process = subprocess.Popen(
+            [DLOCK, "run", name, "--", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        worker = wait_for_pid(pidfile, process)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
+        assert process.returncode == 128 + signal.SIGTERM, stderr
+        assert marker.exists(), "the worker never got the TERM"
+        assert marker.read_text() == "held", "the lock was released before the worker ended"
+        assert gone(worker)
+        assert "step2" not in stdout
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
+def test_what_the_command_leaves_running_is_stopped_before_the_release(
+    db: str, name: str, tmp_path: Path
+) -> None:
+    """A command that ends leaving a process of its group running (``worker &``): that
+    process is stopped (TERM, then KILL after --grace) while the lock is still held, and
+    the command's status is passed on. It ran on after the release, without the lock."""
+    pidfile, marker = tmp_path / "worker.pid", tmp_path / "marker"
+    script = (
+        f'"$PYTHON" -c "$WORKER" {pidfile} {marker} >{tmp_path}/out 2>&1 & '
+        f"until [ -s {pidfile} ]; do sleep 0.05; done; exit 3"
+    )
+    env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "WORKER": WORKER}
+    with killing(pidfile):
+        result = dlock_cmd(db, "run", name, "--", "sh", "-c", script, env=env)
+        assert result.returncode == 3, result.stderr
+        assert pidfile.exists() and marker.exists(), "the worker never got the TERM"
+        assert marker.read_text() == "held", "the lock was released before the worker ended"
+        assert gone(int(pidfile.read_text()))
+        assert "left running" in result.stderr
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
 def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
     process = subprocess.Popen(
         [DLOCK, "run", name, "--", "sh", "-c", "echo started; exec sleep 60"],
@@ -171,9 +309,10 @@ def read_until(fd: int, text: bytes, timeout: float = 20) -> None:
 
 
 def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_path: Path) -> None:
-    """In its terminal's foreground, dlock does not pass SIGINT on: the terminal's
-    Ctrl-C reaches the command directly (same process group), and a second SIGINT
-    would make a program that handles the first one gracefully give up."""
+    """The terminal's Ctrl-C reaches the command once: a second SIGINT would make a
+    program that handles the first one gracefully give up. (The command has a process
+    group of its own; a Ctrl-C reaches either dlock's group, which passes it on, or,
+    once the command has taken the terminal, the command's group alone.)"""
     marker = tmp_path / "interrupts"
     child = (
         "import signal, time\n"
@@ -197,6 +336,91 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_p
         os.kill(pid, signal.SIGTERM)  # passed on: the command ends, dlock with it
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
+def test_a_command_reads_the_terminal(db: str, name: str) -> None:
+    """The command runs in a process group of its own, in the background; when it reads
+    the terminal dlock, in the terminal's foreground, hands the terminal to it (a read
+    from the background would stop it for good)."""
+    child = "print('ready', flush=True)\nprint('got', input())\n"
+    env = {**os.environ, "DLOCK_URL": db}
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(DLOCK, [DLOCK, "run", name, "--", sys.executable, "-c", child], env)
+    try:
+        read_until(fd, b"ready")
+        os.write(fd, b"hello\n")
+        read_until(fd, b"got hello")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
+class Screen:
+    """A pseudo-terminal's output, read as it comes, each expected text consumed."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.seen = b""
+
+    def expect(self, text: bytes, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            assert time.monotonic() < deadline, (text, self.seen)
+            if select.select([self.fd], [], [], 0.1)[0]:
+                self.seen += os.read(self.fd, 1024)
+        self.seen = self.seen[self.seen.index(text) + len(text) :]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_job_control_in_an_interactive_shell(db: str, name: str) -> None:
+    """Under an interactive shell: Ctrl-Z while the command has the terminal stops the
+    command and dlock (the shell gets its prompt back, the lock stays held), ``fg``
+    continues both and gives the command the terminal again."""
+    child = "print('ready', flush=True)\nprint('got', input())\n"
+    env = {
+        **os.environ,
+        "DLOCK_URL": db,
+        "PS1": "prompt$ ",
+        "HISTFILE": "/dev/null",
+        "CHILD": child,
+        "CHILD_PYTHON": sys.executable,
+        "PATH": f"{Path(DLOCK).parent}:{os.environ['PATH']}",
+    }
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve("/bin/sh", ["sh", "-c", "exec bash --norc --noprofile -i"], env)
+    screen = Screen(fd)
+    try:
+        screen.expect(b"prompt$ ")
+        os.write(fd, f'dlock run {name} -- "$CHILD_PYTHON" -c "$CHILD"\n'.encode())
+        screen.expect(b"ready")
+        time.sleep(0.5)  # into input(): the command has the terminal
+        os.write(fd, b"\x1a")  # Ctrl-Z
+        screen.expect(b"Stopped")
+        screen.expect(b"prompt$ ")
+        with dlock.connect(db) as client:
+            assert client.inspect(name) is not None, "a stopped job keeps its lock"
+        os.write(fd, b"fg\n")
+        time.sleep(0.5)
+        os.write(fd, b"hello\n")
+        screen.expect(b"got hello")
+        screen.expect(b"prompt$ ")
+        os.write(fd, b"echo status=$?.\n")
+        screen.expect(b"status=0.")
+        os.write(fd, b"exit\n")
+        os.waitpid(pid, 0)
     finally:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(pid, signal.SIGKILL)

@@ -7,6 +7,8 @@ wait, ``-E CODE`` sets the exit status for "lock not acquired" (default 1, as fl
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import math
 import os
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -32,8 +35,16 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend could not be used
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost while the command ran
 
-#: Signals that ``dlock run`` passes on to the command instead of dying of them.
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+#: Signals that ``dlock run`` passes on to the command's process group instead of dying
+#: of them.
+FORWARDED_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,10 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command while holding a lock",
         description=(
             "Run COMMAND while holding the lock NAME, renewing its lease. The command "
-            "sees DLOCK_NAME and DLOCK_FENCING_TOKEN in its environment. Exit status: the "
-            f"command's; the conflict code if the lock was not acquired; {EXIT_LOST} if the "
-            f"lease was lost (the command is stopped: TERM, then KILL); {EXIT_UNAVAILABLE} if "
-            "the backend failed."
+            "sees DLOCK_NAME and DLOCK_FENCING_TOKEN in its environment. It runs in a "
+            "process group of its own: signals to dlock are passed to the whole group, and "
+            "the lock is released only once no process of the group is left (what the "
+            "command leaves running is stopped: TERM, then KILL after --grace). Exit "
+            "status: the command's; the conflict code if the lock was not acquired; "
+            f"{EXIT_LOST} if the lease was lost (the group is stopped the same way); "
+            f"{EXIT_UNAVAILABLE} if the backend failed."
         ),
     )
     run.add_argument(
@@ -114,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="after a lost lease, time between TERM and KILL (%(default)s)",
+        help=(
+            "time between TERM and KILL when the command's processes are stopped after a "
+            "lost lease, or left running when it ends (%(default)s)"
+        ),
     )
     run.add_argument("name", metavar="NAME")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
@@ -220,7 +237,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     timeout = 0 if args.nonblock else args.wait
     # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile
     # is given back at once, not left to its TTL); once the lock is held, signals are
-    # kept for the child and passed on as soon as it runs.
+    # kept for the command and passed on as soon as it runs.
     with forwarding_signals() as forwarder:
         try:
             acquired = lock.acquire(timeout=timeout)
@@ -243,29 +260,39 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             "DLOCK_TTL": str(args.ttl),
         }
         try:
-            child = subprocess.Popen(command, env=env)
+            job = Job(command, env, done)
         except OSError as exc:
             lock.release()
             print(f"dlock: cannot run {command[0]!r}: {exc}", file=sys.stderr)
             return 127 if isinstance(exc, FileNotFoundError) else 126
-        forwarder.attach(child)
+        try:
+            forwarder.attach(job)
+            # In slices: a signal whose handler is due as the main thread goes back to
+            # sleep in a lock's wait runs only when it wakes.
+            while not done.wait(0.1):
+                pass
+            if lost.is_set() and (not job.ended.is_set() or job.running()):
+                return stop_after_loss(job, lock, args.grace)
+            # Still under the handlers: a signal now goes to what is left of the group,
+            # and cannot kill dlock halfway through the release.
+            return finish(job, lock, args.grace)
+        finally:
+            job.close()
 
-        def wait_for_child() -> None:
-            child.wait()
-            done.set()
 
-        threading.Thread(target=wait_for_child, daemon=True).start()
-        done.wait()
-        if lost.is_set() and child.poll() is None:
-            return stop_after_loss(child, lock, args.grace)
-        # Still under the handlers: a signal now goes to the ended child (nowhere), and
-        # cannot kill dlock halfway through the release.
-        return finish(child, lock)
-
-
-def finish(child: subprocess.Popen[bytes], lock: Lock) -> int:
-    """The command ended on its own: give the lock back and pass its status on."""
-    status = child.wait()
+def finish(job: Job, lock: Lock, grace: float) -> int:
+    """The command's own process ended: stop what it left running in its process group
+    (the lock covers it until then), give the lock back, pass the command's status on."""
+    # A moment first for processes that are ending anyway (a signal to the group ends
+    # them together with the command's own process).
+    if not job.wait_gone(0.2):
+        print(
+            f"dlock: the command has ended; stopping what it left running (process group "
+            f"{job.pgid}) before releasing {lock.name!r}",
+            file=sys.stderr,
+        )
+        job.stop(grace)
+    status = job.status()
     try:
         lock.release()
     except LockLost as exc:
@@ -274,18 +301,220 @@ def finish(child: subprocess.Popen[bytes], lock: Lock) -> int:
     return 128 - status if status < 0 else status
 
 
-def stop_after_loss(child: subprocess.Popen[bytes], lock: Lock, grace: float) -> int:
+def stop_after_loss(job: Job, lock: Lock, grace: float) -> int:
     print(
         f"dlock: lost the lock {lock.name!r} ({lock._lost_reason}); stopping the command",
         file=sys.stderr,
     )
-    child.terminate()
-    try:
-        child.wait(grace)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+    job.stop(grace)
     return EXIT_LOST
+
+
+#: Stops the terminal causes (Ctrl-Z, reading or configuring it from the background).
+TERMINAL_STOPS = frozenset({signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+
+#: Forwarded signals that ask the command to end: followed by SIGCONT, so that a stopped
+#: process acts on them at once rather than when someone continues it (as GNU timeout).
+ENDING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT})
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+
+
+class Job:
+    """The command, run in a process group of its own so that every process it starts
+    (and does not move elsewhere with setsid or setpgid) can be signalled and waited for:
+    a lost lease stops them all, not only the command's own process, and the lock is
+    given back only once the group is empty.
+
+    Towards that group dlock does what a shell's job control does for a job. The group
+    starts in the background; when it stops on touching the terminal (SIGTTIN, SIGTTOU)
+    while dlock's own group has the terminal, dlock hands the terminal over
+    (``tcsetpgrp``) and continues it, so interactive and full-screen programs work, and
+    takes it back when the group is gone. A command that never touches the terminal
+    leaves it with dlock's group: pipeline neighbours (``dlock run x -- cmd | less``)
+    and the script that called dlock keep it, and the terminal's Ctrl-C reaches them
+    as before (dlock passes it on). A stop of the command (Ctrl-Z while it has the
+    terminal, or a read from the background) is passed to dlock's own group, so the
+    shell sees its job stopped; a stop of dlock is passed to the command, and a
+    SIGCONT too."""
+
+    def __init__(self, command: list[str], env: dict[str, str], done: threading.Event) -> None:
+        become_subreaper()
+        self.process = spawn_in_new_group(command, env)
+        self.pgid = self.process.pid  # the group's leader: its id is the group's
+        self.done = done
+        #: The command's own process has ended (and been reaped).
+        self.ended = threading.Event()
+        #: The group is being ended: its stops are undone rather than passed on.
+        self.stopping = False
+        self.terminal = controlling_terminal()
+        self.pgrp = os.getpgrp()  # dlock's own group
+        threading.Thread(target=self.watch, daemon=True, name="dlock-run-waiter").start()
+
+    def watch(self) -> None:
+        """Reap children until the command's process ends, and act on its stops.
+
+        As a subreaper dlock also adopts the orphans of the command's processes;
+        reaping them matters: an unreaped zombie keeps the group from looking empty.
+        """
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WUNTRACED)
+            except ChildProcessError:  # cannot happen: this thread alone reaps before the end
+                break
+            if pid != self.process.pid:
+                continue  # an adopted orphan, now reaped
+            if os.WIFSTOPPED(status):
+                self.stopped(os.WSTOPSIG(status))
+                continue
+            self.process.returncode = os.waitstatus_to_exitcode(status)
+            break
+        self.ended.set()
+        self.done.set()
+
+    def status(self) -> int:
+        """The command's status as ``subprocess`` gives it (-N: died of signal N)."""
+        code = self.process.returncode
+        return 255 if code is None else code
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every process of the command's group."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signum)
+
+    def forward(self, signum: int) -> None:
+        self.signal(signum)
+        if signum in ENDING_SIGNALS:
+            self.signal(signal.SIGCONT)
+
+    def running(self) -> bool:
+        """Whether a process of the command's group is left (its leader included, until
+        reaped). The group's id cannot be reused while any of them lives."""
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # there, if not ours to signal (setuid)
+        return True
+
+    def wait_gone(self, timeout: float | None) -> bool:
+        """Wait until the whole group has ended (True), at most ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            if self.ended.is_set():
+                reap_children()  # orphans adopted since the waiter thread ended
+                if not self.running():
+                    return True
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                pause = min(pause, left)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    def stop(self, grace: float) -> None:
+        """End every process of the group: TERM, then KILL after ``grace`` seconds.
+        Returns once none is left."""
+        self.stopping = True
+        self.forward(signal.SIGTERM)
+        if not self.wait_gone(grace):
+            self.signal(signal.SIGKILL)
+            self.wait_gone(None)
+
+    def stopped(self, signum: int) -> None:
+        """The command's process stopped (waiter thread)."""
+        if self.stopping:
+            self.signal(signal.SIGCONT)  # let it act on the TERM
+            return
+        if signum not in TERMINAL_STOPS:
+            return  # SIGSTOP, sent by someone on purpose: theirs to continue
+        if signum != signal.SIGTSTP and self.give_terminal():
+            self.signal(signal.SIGCONT)
+            return
+        # As the terminal would have, had the command stayed in our group: stop it,
+        # and with it the shell's job (or the calling script); SIGCONT brings us back.
+        # (In an orphaned group, with no shell left to continue it, the kernel drops
+        # that stop, and the command stays stopped: one in dlock's group would have
+        # had its read fail instead.)
+        self.take_terminal()
+        with contextlib.suppress(OSError):
+            os.killpg(self.pgrp, signum)
+
+    def give_terminal(self) -> bool:
+        """Hand the terminal to the command's group if dlock's group has it."""
+        if self.terminal is None:
+            return False
+        try:
+            if os.tcgetpgrp(self.terminal) != self.pgrp:
+                return False
+            set_foreground(self.terminal, self.pgid)
+        except OSError:
+            return False
+        return True
+
+    def take_terminal(self) -> None:
+        """Take the terminal back from the command's group if it has it."""
+        if self.terminal is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.tcgetpgrp(self.terminal) == self.pgid:
+                set_foreground(self.terminal, self.pgrp)
+
+    def close(self) -> None:
+        self.take_terminal()
+        if self.terminal is not None:
+            os.close(self.terminal)
+            self.terminal = None
+
+
+def spawn_in_new_group(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    if sys.version_info >= (3, 11):
+        return subprocess.Popen(command, env=env, process_group=0)
+    # 3.10 has no process_group=; setpgrp is one system call, made before exec.
+    return subprocess.Popen(command, env=env, preexec_fn=os.setpgrp)
+
+
+def become_subreaper() -> None:
+    """On Linux, have the orphans of the command's processes re-parented to dlock rather
+    than to PID 1, which in a container may never reap them: a zombie left in the
+    command's group would keep dlock waiting for the group to end."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_children() -> None:
+    """Reap whatever children have ended (orphans adopted as a subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def controlling_terminal() -> int | None:
+    """A descriptor of dlock's controlling terminal, if it has one."""
+    try:
+        return os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        return None
+
+
+def set_foreground(terminal: int, pgid: int) -> None:
+    """``tcsetpgrp`` with SIGTTOU blocked in this thread: from a background group the
+    call would otherwise stop dlock, and the kernel lets it through when it is blocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        os.tcsetpgrp(terminal, pgid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Interrupted(BaseException):
@@ -298,57 +527,63 @@ class Interrupted(BaseException):
 
 
 class forwarding_signals:
-    """Termination signals end the wait for the lock, then go to the child while it
-    runs. SIGINT is passed on too, unless dlock runs in its terminal's foreground: the
-    terminal's Ctrl-C then reaches the child already (it shares our process group),
-    and twice would be one too many."""
+    """Termination signals end the wait for the lock, then go to the command's process
+    group while it runs: INT too, since a Ctrl-C that reaches dlock's group does not
+    reach the command's (and one typed while the command has the terminal reaches only
+    the command). Once the command runs, a stop of dlock (SIGTSTP) stops the command's
+    group too, and SIGCONT continues it."""
 
     def __init__(self) -> None:
-        self.child: subprocess.Popen[bytes] | None = None
+        self.job: Job | None = None
         self.waiting = True
         self.pending: list[int] = []
         self.saved: dict[int, Any] = {}
 
     def __enter__(self) -> forwarding_signals:
-        self.saved[signal.SIGINT] = signal.signal(signal.SIGINT, self.interrupt)
         for signum in FORWARDED_SIGNALS:
             self.saved[signum] = signal.signal(signum, self.forward)
         return self
 
-    def interrupt(self, signum: int, frame: object) -> None:
-        if self.waiting or not in_terminal_foreground():
-            self.forward(signum, frame)
-
-    def attach(self, child: subprocess.Popen[bytes]) -> None:
-        self.child = child
+    def attach(self, job: Job) -> None:
+        self.job = job
+        self.saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self.suspend)
+        self.saved[signal.SIGCONT] = signal.signal(signal.SIGCONT, self.resume)
         for signum in self.pending:
-            child.send_signal(signum)
+            job.forward(signum)
 
     def forward(self, signum: int, frame: object) -> None:
         if self.waiting:
             raise Interrupted(signum)
-        if self.child is None:
+        if self.job is None:
             self.pending.append(signum)
-        elif self.child.poll() is None:
-            self.child.send_signal(signum)
+        else:
+            self.job.forward(signum)
+
+    def suspend(self, signum: int, frame: object) -> None:
+        assert self.job is not None
+        # SIGSTOP, not SIGTSTP: the waiter thread ignores that stop rather than taking
+        # it for one of the command's own, to pass on to dlock's group (perhaps after
+        # dlock has been continued already).
+        self.job.signal(signal.SIGSTOP)
+        self.job.take_terminal()
+        # Stop as the default action would. The signal is sent from the main thread to
+        # dlock's pid, so the kernel delivers it to this thread on its way out of kill():
+        # stopped there, or dropped if dlock's group is orphaned (no shell to continue
+        # it), in which case the command goes on too, as the kernel's rule intends.
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        try:
+            os.kill(os.getpid(), signal.SIGTSTP)
+        finally:
+            signal.signal(signal.SIGTSTP, self.suspend)
+        self.job.signal(signal.SIGCONT)
+
+    def resume(self, signum: int, frame: object) -> None:
+        assert self.job is not None
+        self.job.signal(signal.SIGCONT)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
-
-
-def in_terminal_foreground() -> bool:
-    """Whether our process group is the foreground one of our controlling terminal."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
-    except OSError:
-        return False  # no controlling terminal: no Ctrl-C from one either
-    try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def shown(text: str) -> str:
