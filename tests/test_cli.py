@@ -31,15 +31,23 @@ def db(tmp_path: Path) -> str:
 
 
 def dlock_cmd(
-    db: str, *args: str, timeout: float = 30, env: dict[str, str] | None = None
+    db: str,
+    *args: str,
+    timeout: float = 30,
+    env: dict[str, str] | None = None,
+    stdout_to: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [DLOCK, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**(os.environ if env is None else env), "DLOCK_URL": db},
-    )
+    """Run ``dlock ARGS``, its output captured (or its stdout sent to ``stdout_to``)."""
+    with contextlib.ExitStack() as stack:
+        stdout = subprocess.PIPE if stdout_to is None else stack.enter_context(open(stdout_to, "w"))
+        return subprocess.run(
+            [DLOCK, *args],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+            env={**(os.environ if env is None else env), "DLOCK_URL": db},
+        )
 
 
 def test_run_passes_name_token_and_exit_status(db: str, name: str) -> None:
@@ -571,6 +579,72 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     for code in ("256", "-1", "x"):
         bad_code = dlock_cmd(db, "run", "-n", "-E", code, "x", "--", "true")
         assert bad_code.returncode == 2 and "--conflict-exit-code" in bad_code.stderr, code
+
+
+def closing_stdout(*args: str) -> list[str]:
+    """``dlock ARGS`` run with its stdout closed (``>&-``)."""
+    return ["sh", "-c", 'exec "$@" >&-', "sh", DLOCK, *args]
+
+
+def test_run_passes_the_status_on_whatever_its_stdout(url: str, name: str) -> None:
+    """With its stdout closed, ``dlock run`` passes the command's status on: it failed
+    with a traceback and status 1, which reads as "lock busy". On every backend (``url``)
+    the command finds its stdout closed, as it would without dlock: not a connection to
+    the backend that dlock opened on the free descriptor number."""
+    script = "if echo written 2>/dev/null; then exit 1; fi; exit 5"
+    result = subprocess.run(
+        closing_stdout("run", name, "--", "sh", "-c", script),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DLOCK_URL": url},
+    )
+    assert result.returncode == 5, result.stderr
+    assert result.stderr == ""
+    full = dlock_cmd(url, "run", name, "--", "sh", "-c", "exit 6", stdout_to="/dev/full")
+    assert full.returncode == 6, full.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["list"], ["list", "--json"], ["status"], ["status", "--json"], ["release", "--force"]]
+)
+@pytest.mark.parametrize("where", ["closed", "/dev/full"])
+def test_output_that_cannot_be_written(db: str, name: str, args: list[str], where: str) -> None:
+    """A closed or full stdout ends with status 74 (EX_IOERR) and one line on stderr:
+    it gave a traceback and status 1, which reads as "free" or "not held"."""
+    if args[0] != "list":
+        args = [*args, name]
+    with dlock.connect(db) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        if where == "closed":
+            result = subprocess.run(
+                closing_stdout(*args),
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={**os.environ, "DLOCK_URL": db},
+            )
+        else:
+            result = dlock_cmd(db, *args, stdout_to=where)
+        with contextlib.suppress(dlock.LockLost):  # released by ``release --force``
+            lock.release()
+    assert result.returncode == 74, result.stderr
+    assert result.stderr.startswith("dlock: cannot write to standard output: ")
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_nothing_to_write_to_a_closed_stdout(db: str) -> None:
+    """Nothing to print, nothing to fail: an empty ``list`` with its stdout closed
+    succeeds (as GNU tools do)."""
+    result = subprocess.run(
+        closing_stdout("list"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DLOCK_URL": db},
+    )
+    assert (result.returncode, result.stderr) == (0, "")
 
 
 @pytest.mark.parametrize("args", [["list"], ["list", "--json"], ["status", "--json"]])

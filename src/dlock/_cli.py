@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
+import io
 import json
 import math
 import os
@@ -20,7 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TextIO
 
 from . import __version__
 from ._errors import BackendError, LockError, LockLost
@@ -33,6 +35,7 @@ from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE
 EXIT_CONFLICT = 1  # flock's default; -E changes it
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend could not be used
+EXIT_IOERR = 74  # EX_IOERR: the output could not be written (closed, disk full)
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost while the command ran
 
 #: Signals that ``dlock run`` passes on to the command's process group instead of dying
@@ -50,15 +53,17 @@ FORWARDED_SIGNALS = (
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    stdout = sys.stdout  # None if the caller closed it (>&-)
+    # What a command prints is written once it is done: a failure to write it is then
+    # told apart from the backend's, and ends with a status of its own. (``run`` prints
+    # nothing there: its command writes to the descriptor itself.)
+    output = io.StringIO()
     try:
-        with connect(args.url, label=getattr(args, "label", None)) as client:
+        with (
+            connect(args.url, label=getattr(args, "label", None)) as client,
+            contextlib.redirect_stdout(output),
+        ):
             status: int = args.handler(client, args)
-            sys.stdout.flush()  # a reader that went away shows here, not at exit
-            return status
-    except BrokenPipeError:
-        # ``dlock list | head``: end quietly, as a command killed by SIGPIPE would.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
     except BackendError as exc:
         print(f"dlock: backend error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -67,6 +72,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    return write_output(stdout, output.getvalue(), status)
+
+
+def write_output(stream: TextIO | None, text: str, status: int) -> int:
+    if not text:
+        return status  # nothing to write: a closed stdout is no error (as GNU tools)
+    try:
+        if stream is None:
+            raise OSError(errno.EBADF, "it is closed")
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        # ``dlock list | head``: end quietly, as a command killed by SIGPIPE would.
+        discard_stdout()
+        return 128 + signal.SIGPIPE
+    except OSError as exc:  # /dev/full, a closed descriptor, an I/O error
+        discard_stdout()
+        if sys.stderr is not None:
+            with contextlib.suppress(OSError):
+                print(f"dlock: cannot write to standard output: {exc.strerror}", file=sys.stderr)
+        return EXIT_IOERR
+    return status
+
+
+def discard_stdout() -> None:
+    """Point descriptor 1 at /dev/null: what stays in Python's buffer after a failed
+    write is flushed again at exit, and would fail again (status 120, a traceback)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1, inheritable=False)
+    os.close(null)
 
 
 def exit_status(text: str) -> int:
@@ -141,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         parents=[common],
         help="show who holds a lock",
-        description="Show the holder of NAME. Exit status 0 if held, 1 if free.",
+        description=(
+            f"Show the holder of NAME. Exit status 0 if held, 1 if free, {EXIT_IOERR} if "
+            "the output could not be written."
+        ),
     )
     status.add_argument("--json", action="store_true", help="print JSON")
     status.add_argument("name", metavar="NAME")
@@ -151,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
         "list",
         parents=[common],
         help="list held locks",
-        description="List held locks whose names start with PREFIX (default: all).",
+        description=(
+            "List held locks whose names start with PREFIX (default: all). Exit status 0, "
+            f"or {EXIT_IOERR} if the output could not be written."
+        ),
     )
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.add_argument("prefix", nargs="?", default="", metavar="PREFIX")
