@@ -64,6 +64,20 @@ def test_forked_waiters_do_not_back_off_in_lockstep() -> None:
     assert in_child(seeded) == in_child(seeded)
 
 
+def test_backoff_leaves_the_applications_random_numbers_alone() -> None:
+    """Two workers that seed the random module alike (reproducible jobs) must still
+    draw different jitter, and dlock's draws must not change what they draw next."""
+    random.seed(42)
+    first = [Backoff().delay(attempt, None, notifies=False) for attempt in range(8)]
+    after_first = random.random()
+    random.seed(42)
+    second = [Backoff().delay(attempt, None, notifies=False) for attempt in range(8)]
+    assert first != second
+    random.seed(42)
+    assert random.random() == after_first
+    random.seed()
+
+
 def test_backoff_never_sleeps_past_the_current_lease() -> None:
     backoff = Backoff(initial=1.0, maximum=10.0)
     assert backoff.delay(5, retry_after=0.05, notifies=False) == pytest.approx(0.051)

@@ -18,10 +18,12 @@ class Backoff:
     maximum: float = 0.1
     #: Longest wait on a notifying backend before trying again regardless.
     notify_fallback: float = 2.0
-    #: The jitter's source; by default the random module's, which Python seeds afresh in
-    #: a forked child: a generator of one's own would be copied by the fork, and workers
-    #: forked from one process, started together, would retry in lockstep.
-    rng: random.Random | None = field(default=None, compare=False)
+    #: The jitter's source; by default the operating system's. A generator of our own
+    #: would be copied by a fork (workers forked from one process, started together,
+    #: would retry in lockstep), and the random module's is the application's: seeded
+    #: alike in two workers (reproducible jobs), they would retry in lockstep too, and
+    #: every draw would change what the application draws next.
+    rng: random.Random = field(default_factory=random.SystemRandom, compare=False)
 
     def delay(self, attempt: int, retry_after: float | None, notifies: bool) -> float:
         if notifies:
@@ -29,7 +31,7 @@ class Backoff:
         else:
             cap = min(self.maximum, self.initial * 2.0 ** min(attempt, 30))
             # Full jitter keeps many waiters from retrying in lockstep.
-            cap = (self.rng or random).uniform(cap / 2, cap)
+            cap = self.rng.uniform(cap / 2, cap)
         if retry_after is not None:
             # Never sleep past the moment the current lease runs out.
             cap = min(cap, retry_after + 0.001)
