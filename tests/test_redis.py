@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import itertools
 import os
@@ -403,6 +404,39 @@ def test_a_forked_child_does_not_share_the_parents_connections(redis_server: Red
             lock.release()
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_child_forked_without_pythons_hooks_is_noticed(redis_server: RedisServer) -> None:
+    """uWSGI forks its workers from C without Python's at-fork hooks (its default). The
+    worker must still renew its own lease (the parent's renewer thread looks alive in
+    it), show itself as the holder, and not give back the parent's lock on close.
+    ``ctypes.PyDLL(None).fork()`` forks that way, keeping the GIL as uWSGI's master does."""
+    url = url_of(redis_server)
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        parents = client.lock(unique(), ttl=30)
+        assert parents.acquire(timeout=0)  # the renewer thread runs from now on
+        name = unique()
+        child = ctypes.PyDLL(None).fork()
+        if child == 0:
+            code = 1
+            try:
+                lock = client.lock(name, ttl=1)
+                assert lock.acquire(timeout=0)
+                info = client.inspect(name)
+                pid = info.holder.pid if info is not None else None
+                time.sleep(2.5)
+                code = 2 if not lock.owned() else 3 if pid != os.getpid() else 0
+                lock.release()
+                client.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "2: not renewed, 3: the parent's pid"
+        info = rival.inspect(parents.name)
+        assert info is not None and info.fencing_token == parents.fencing_token
+        assert parents.owned()
+        parents.release()
 
 
 def test_redlock_survives_one_dead_master_not_two(own_masters: list[RedisServer]) -> None:

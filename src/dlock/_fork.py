@@ -1,11 +1,10 @@
-"""Which process this is, kept current across ``os.fork()`` without a system call.
+"""Which process this is, kept current across ``os.fork()``.
 
 What one process keeps (pooled connections, a renewer thread, acquires in flight, the
 locks a client holds) is copied into a child by ``os.fork()`` but is not the child's.
 Whatever keeps such state notes the ``generation`` it was made in and starts over where
 the generation differs: a process's generation changes only as it is born, so a child's
-always differs from what it inherited. One counter serves every piece, and comparing it
-is cheaper than ``os.getpid()`` (a system call) on every acquire and release.
+always differs from what it inherited. One counter serves every piece.
 """
 
 from __future__ import annotations
@@ -19,6 +18,20 @@ from collections.abc import Callable
 generation = 0
 #: This process's id.
 pid = os.getpid()
+#: Taken to start a lock object's state over in a child (see AsyncLock._check_forked),
+#: and to notice a fork in ``current``; replaced in a child, like ForkFollower's.
+guard = threading.Lock()
+
+
+def current() -> int:
+    """This process's generation. Most forks run the at-fork hook below; one that does
+    not (uWSGI forks its workers from C without Python's hooks, by default) is noticed
+    here, by the pid: a system call, made where state is used, not on every statement."""
+    if os.getpid() != pid:
+        with guard:
+            if os.getpid() != pid:
+                _forked()
+    return generation
 
 
 class ForkFollower:
@@ -32,7 +45,7 @@ class ForkFollower:
         _followers.add(self)
 
     def __call__(self) -> None:
-        if self._generation != generation:
+        if self._generation != current():
             with self._lock:
                 if self._generation != generation:
                     self._start_over()
@@ -44,9 +57,10 @@ _followers: weakref.WeakSet[ForkFollower] = weakref.WeakSet()
 
 
 def _forked() -> None:
-    global generation, pid
+    global generation, pid, guard
     generation += 1
     pid = os.getpid()
+    guard = threading.Lock()
     for follower in _followers:
         # Taken by a thread of the parent that is not here to let it go.
         follower._lock = threading.Lock()

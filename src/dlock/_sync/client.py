@@ -98,6 +98,7 @@ class Client:
     @property
     def _holder(self) -> Holder:
         """Who acquires: after a fork, the child, not the parent that made the client."""
+        _fork.current()  # brings _fork.pid up to date, after a fork that ran no hooks
         if self._holder_now.pid != _fork.pid:
             self._holder_now = Holder.current(self._label)
         return self._holder_now

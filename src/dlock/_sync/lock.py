@@ -409,7 +409,7 @@ class Lock:
         object's owner token, and must not release what the attempt is granted. Returns
         the give-back to wait for before trying again, or None once counted. Not a
         coroutine: this is on every acquire's path, and rarely has anything to wait for."""
-        if self._fork_generation != _fork.generation:
+        if self._fork_generation != _fork.current():
             self._check_forked()
         with self._sharing:
             give_back = self._give_back
@@ -422,11 +422,14 @@ class Lock:
         """In a forked child, the sharing state copied is the parent's: attempts that
         its other threads had in flight (never to end here, so the child's give-backs
         would wait for them for ever), its give-back, and a lock one of them may hold."""
-        if self._fork_generation != _fork.generation:
-            self._fork_generation = _fork.generation
-            self._sharing = threading.Lock()
-            self._attempts = self._to_give_back = 0
-            self._give_back = self._freed = None
+        if self._fork_generation != _fork.current():
+            with _fork.guard:
+                if self._fork_generation != _fork.generation:
+                    self._sharing = threading.Lock()
+                    self._attempts = self._to_give_back = 0
+                    self._give_back = self._freed = None
+                    # Last: another thread of the child goes on only with all of the above.
+                    self._fork_generation = _fork.generation
 
     def _attempt_ends(self) -> None:
         with self._sharing:
