@@ -1398,6 +1398,49 @@ def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> 
     asyncio.run(async_face())
 
 
+def test_two_closes_both_end_when_the_acquire_in_flight_does(tmp_path: Path) -> None:
+    """close() lets an acquire in flight end first; two threads closing at once must
+    both go on when it ends, not one of them after the 5 s bound."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        real_acquire = client._backend.acquire
+        sent, answer = threading.Event(), threading.Event()
+
+        def answered_late(*args: Any) -> Any:
+            sent.set()
+            answer.wait(10)
+            return real_acquire(*args)
+
+        client._backend.acquire = answered_late  # type: ignore[method-assign,assignment]
+        refused: list[Exception] = []
+
+        def acquire() -> None:
+            try:
+                client.lock("job").acquire(timeout=0)
+            except dlock.BackendError as exc:  # granted as the client closed: given back
+                refused.append(exc)
+
+        acquiring = threading.Thread(target=acquire)
+        acquiring.start()
+        assert sent.wait(10)
+        closed: list[float] = []
+
+        def close() -> None:
+            client.close()
+            closed.append(time.monotonic())
+
+        closes = [threading.Thread(target=close) for _ in range(2)]
+        for closer in closes:
+            closer.start()
+            time.sleep(0.2)
+        answered = time.monotonic()
+        answer.set()
+        for closer in closes:
+            closer.join(10)
+        acquiring.join(10)
+        assert len(closed) == 2 and len(refused) == 1
+        assert max(closed) - answered < 2, "a close waited for the bound"
+
+
 def test_closing_the_client_from_an_on_lost_told_by_an_acquire(tmp_path: Path) -> None:
     """An on_lost that closes the client, told by a re-entry that finds the lease gone
     (granted afresh): close() does not wait for the acquire that it runs inside, and

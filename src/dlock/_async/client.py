@@ -82,8 +82,9 @@ class AsyncClient:
         #: Acquire calls in flight, each with its pid (after a fork, the parent's are not
         #: the child's to wait for), or 0 while it waits for a release.
         self._acquiring: dict[object, int] = {}
-        #: Set when one of them ends or parks, while close() waits for them.
-        self._acquires_settling: WakeupEvent | None = None
+        #: What close() calls (more than one, from threads or tasks) wait on: each is set
+        #: when one of those acquires ends or parks.
+        self._acquires_settling: set[WakeupEvent] = set()
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
         #: Every lock of this client holding a lease, renewed or not: close() gives them
@@ -193,9 +194,9 @@ class AsyncClient:
 
     def _acquire_settled(self) -> None:
         """An acquire call ended or parked: wake close(), if it waits for them."""
-        settling = self._acquires_settling
-        if settling is not None:
-            settling.set()
+        if self._acquires_settling:
+            for settling in list(self._acquires_settling):
+                settling.set()
 
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's
@@ -219,15 +220,20 @@ class AsyncClient:
         while call is not None:
             mine.add(call)
             call = call.outer
-        self._acquires_settling = settling = WakeupEvent()
-        while True:
-            settling.clear()
-            left = until - self._clock()
-            if left <= 0 or not any(
-                owner == pid and call not in mine for call, owner in list(self._acquiring.items())
-            ):
-                break
-            await settling.wait(left)
+        settling = WakeupEvent()
+        self._acquires_settling.add(settling)
+        try:
+            while True:
+                settling.clear()
+                left = until - self._clock()
+                if left <= 0 or not any(
+                    owner == pid and call not in mine
+                    for call, owner in list(self._acquiring.items())
+                ):
+                    break
+                await settling.wait(left)
+        finally:
+            self._acquires_settling.discard(settling)
         for give_back in self._give_backs:
             await wait_done(give_back)
         await self._renewer.aclose()
