@@ -445,3 +445,65 @@ def test_a_process_that_cannot_read_the_boot_id_is_refused(tmp_path: Path) -> No
         assert answer.startswith("BackendError") and "boot id" in answer, answer
         assert held.owned()
         held.release()
+
+
+# Unshares a time namespace for its children, which sets their boot clock a day ahead,
+# and tries a lock; its own clock, and namespace, do not change.
+UNSHARE_TIME_FOR_CHILDREN = """
+import ctypes, os, sys
+import dlock
+
+client = dlock.connect(sys.argv[1])
+if sys.argv[2] == "used-before":
+    client.inspect("job")  # reads the clock, and its offset, before unsharing
+libc = ctypes.CDLL(None, use_errno=True)
+try:
+    if libc.unshare(0x80) != 0:  # CLONE_NEWTIME
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    with open("/proc/self/timens_offsets", "w") as f:
+        f.write("boottime 86400 0")
+except OSError as exc:
+    print("cannot unshare a time namespace:", exc, flush=True)
+    os._exit(0)
+lock = client.lock("job", ttl=60)
+try:
+    print(lock.acquire(timeout=0), lock.fencing_token, flush=True)
+except dlock.BackendError as exc:
+    print(type(exc).__name__, exc, flush=True)
+os._exit(0)  # as a holder that crashed: a lease taken stays
+"""
+
+
+def _unshare_time_for_children(url: str, when: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", UNSHARE_TIME_FOR_CHILDREN, url, when],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-1000:]
+    answer = done.stdout.strip()
+    if answer.startswith("cannot unshare"):
+        pytest.skip(answer)
+    return answer
+
+
+def test_a_process_that_unshared_a_time_namespace_for_its_children_is_refused(
+    tmp_path: Path,
+) -> None:
+    """/proc/self/timens_offsets shows the offsets of the namespace the process's
+    children get, its own unless it unshared one for them (as ``unshare --time`` does
+    before it forks). Such a process subtracted its children's offset from its own,
+    unchanged, clock: its 60 s lease was dated a day early, dead to everyone else, who
+    took it over. It cannot learn its own offset, so it must refuse. Having read its
+    clock before it unshared, it keeps the right one."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    answer = _unshare_time_for_children(url, "fresh")
+    assert answer.startswith("BackendError") and "time namespace" in answer, answer
+    assert _unshare_time_for_children(url, "used-before") == "True 1"
+    with dlock.connect(url) as client:
+        info = client.inspect("job")
+        assert info is not None and info.expires_in is not None, info
+        assert 50 < info.expires_in <= 60, info
+        assert not client.lock("job", ttl=5).acquire(timeout=0), "a live lease taken over"

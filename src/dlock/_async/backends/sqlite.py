@@ -41,6 +41,8 @@ SYNCHRONOUS_MODES = ("off", "normal", "full", "extra")
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 TIME_NAMESPACE_OFFSETS = "/proc/self/timens_offsets"
+TIME_NAMESPACE = "/proc/self/ns/time"
+TIME_NAMESPACE_FOR_CHILDREN = "/proc/self/ns/time_for_children"
 
 
 def _read_boot_id() -> str:
@@ -53,12 +55,30 @@ def _read_boot_id() -> str:
 
 def _read_boot_clock_offset() -> float:
     """How far this process's boot clock runs ahead of the host's: a time namespace
-    (Linux 5.6+: ``unshare --time``, CRIU restoring a container) offsets it."""
+    (Linux 5.6+: ``unshare --time``, CRIU restoring a container) offsets it.
+
+    ``timens_offsets`` shows the offsets of the namespace that the process's children
+    get (``time_for_children``), which is its own unless it has unshared one for them
+    and not entered it (``unshare(CLONE_NEWTIME)``, as ``unshare --time`` does before
+    it forks): such a process reads the clock of its own namespace and cannot learn
+    that one's offset, so it is refused rather than timed a day off, say.
+    """
     try:
-        with open(TIME_NAMESPACE_OFFSETS) as f:
-            lines = f.read().splitlines()
+        own = os.readlink(TIME_NAMESPACE)
     except FileNotFoundError:  # a kernel without time namespaces
         return 0.0
+    with open(TIME_NAMESPACE_OFFSETS) as f:
+        lines = f.read().splitlines()
+    # Read after the offsets: the namespace for children is the process's own again
+    # only if it moves into it itself (setns), which a process with threads cannot do.
+    if os.readlink(TIME_NAMESPACE_FOR_CHILDREN) != own:
+        raise BackendError(
+            "SQLite leases are timed by the host's boot clock, and this process has made"
+            " a time namespace for its children (unshare(CLONE_NEWTIME)) without being in"
+            f" it: {TIME_NAMESPACE_OFFSETS} shows the children's clock offsets, not those"
+            " of the clock this process reads, so it cannot tell the host's time. Its"
+            " children, in that namespace, can: use dlock from one of them"
+        )
     for line in lines:
         clock, seconds, nanoseconds = line.split()
         # Named since Linux 5.6; the clock's number is accepted on writing.
@@ -69,6 +89,11 @@ def _read_boot_clock_offset() -> float:
 
 #: The host's boot id and this process's boot clock offset, and the process generation
 #: (see dlock._fork) they were read in: a forked child may be in another time namespace.
+#: Read once per generation (a system call per lease operation would cost more than the
+#: rest of the clock): a process that used dlock and then unshared a time namespace for
+#: its children keeps its own offset, which is right, as its clock has not changed; one
+#: that moves into another namespace itself (setns(), single-threaded only, or
+#: checkpointed and restored by CRIU) would keep a stale offset and boot id.
 _boot_clock: tuple[int, str, float] | None = None
 
 
