@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import sqlite3
@@ -447,6 +448,115 @@ def test_a_process_that_cannot_read_the_boot_id_is_refused(tmp_path: Path) -> No
         held.release()
 
 
+# A signal handler that forks a worker (as a pre-fork server's SIGCHLD or SIGHUP handler
+# may) runs in the main thread at whatever it interrupted; another process holds the
+# file's write lock for a second, so that the statement waits for it meanwhile.
+FORK_IN_A_SIGNAL_HANDLER = """
+import faulthandler, os, signal, subprocess, sys, threading
+import dlock
+
+faulthandler.dump_traceback_later(20, exit=True)  # a hang ends, showing where it hung
+path, hold_write_lock, scenario = sys.argv[1:]
+client = dlock.connect("sqlite://" + path)
+client.inspect("x")  # creates the file
+children = []
+
+
+def say(*words):
+    os.write(1, " ".join(map(str, words)).encode() + b"\\n")  # a line in one write
+
+
+def fork_a_worker(signum, frame):
+    child = os.fork()
+    if child == 0:  # the worker tries the client, then a new one, and never returns
+        try:
+            outcomes = []
+            for user in (client, dlock.connect("sqlite://" + path)):
+                try:
+                    lock = user.lock(f"worker-{os.getpid()}", ttl=5)
+                    outcomes.append("acquired" if lock.acquire(timeout=0) else "busy")
+                    lock.release()
+                except dlock.BackendError as exc:
+                    outcomes.append(f"{type(exc).__name__} {exc}")
+            say("worker:", " | ".join(outcomes))
+        finally:
+            os._exit(0)
+    children.append(child)
+
+
+signal.signal(signal.SIGUSR1, fork_a_worker)
+blocker = subprocess.Popen(
+    [sys.executable, "-c", hold_write_lock, path, "1"], stdout=subprocess.PIPE, text=True
+)
+assert blocker.stdout.readline() == "locked\\n"
+main = threading.get_ident()
+signals = [0.3] if scenario == "in-statement" else [0.2, 0.4]
+for delay in signals:
+    threading.Timer(delay, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+if scenario == "in-statement":
+    # The signal is handled as the statement, which waited for the write lock, returns.
+    lock = client.lock("job", ttl=30)
+    say("acquired", lock.acquire(timeout=10))
+    lock.release()
+else:
+    # Another thread's statement waits for the write lock: the fork waits for it in
+    # turn, and the second signal forks again from inside the first fork.
+    other = threading.Thread(target=client.force_release, args=("x",))
+    other.start()
+    other.join()
+blocker.wait()
+again = client.lock("job", ttl=30)
+say("again", again.acquire(timeout=0))
+again.release()
+client.close()
+say("workers", [os.waitstatus_to_exitcode(os.waitpid(c, 0)[1]) for c in children])
+"""
+
+
+def _fork_in_a_signal_handler(tmp_path: Path, scenario: str) -> list[str]:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FORK_IN_A_SIGNAL_HANDLER,
+            str(tmp_path / "locks.sqlite3"),
+            HOLD_WRITE_LOCK,
+            scenario,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_a_fork_in_a_signal_handler_during_a_statement_does_not_hang(tmp_path: Path) -> None:
+    """A signal handler forked while its own thread was inside a SQLite statement, the
+    connection's mutex held: the before-fork hook waited for that mutex for ever. The
+    connection cannot be closed before such a fork, so the child must refuse it, and the
+    file (SQLite's file locks are not inherited, and a new connection of the child's would
+    take none either); the parent goes on."""
+    lines = _fork_in_a_signal_handler(tmp_path, "in-statement")
+    worker = [line for line in lines if line.startswith("worker: ")]
+    assert len(worker) == 1, lines
+    outcomes = worker[0].removeprefix("worker: ").split(" | ")
+    assert [outcome.split()[0] for outcome in outcomes] == ["BackendError"] * 2, lines
+    assert "signal handler" in outcomes[0] and "fork" in outcomes[0], lines
+    rest = [line for line in lines if line not in worker]
+    assert rest == ["acquired True", "again True", "workers [0]"], lines
+
+
+def test_a_fork_in_a_signal_handler_during_a_fork_does_not_hang(tmp_path: Path) -> None:
+    """A second signal forked from inside the before-fork hook of the first one, as it
+    waited for another thread's statement: the nested hook waited for ever for the lock
+    that the outer one held. Both workers may use the client: nothing was in use on the
+    forking thread."""
+    lines = _fork_in_a_signal_handler(tmp_path, "nested")
+    assert sorted(lines) == ["again True", *["worker: acquired | acquired"] * 2, "workers [0, 0]"]
+
+
 # Unshares a time namespace for its children, which sets their boot clock a day ahead,
 # and tries a lock; its own clock, and namespace, do not change.
 UNSHARE_TIME_FOR_CHILDREN = """
@@ -507,3 +617,42 @@ def test_a_process_that_unshared_a_time_namespace_for_its_children_is_refused(
         assert info is not None and info.expires_in is not None, info
         assert 50 < info.expires_in <= 60, info
         assert not client.lock("job", ttl=5).acquire(timeout=0), "a live lease taken over"
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
+    tmp_path: Path,
+) -> None:
+    """uWSGI forks its workers from C without Python's at-fork hooks (its default), so
+    nothing closes the parent's SQLite connection first: a worker using the file would
+    hold no lock (SQLite's record of the parent's is copied, the locks are not). It must
+    refuse, with a hint; a worker whose parent had no connection open is fine.
+    ``ctypes.PyDLL(None).fork()`` forks that way."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    def in_child(client: dlock.Client) -> str:
+        read, write = os.pipe()
+        child = ctypes.PyDLL(None).fork()
+        if child == 0:
+            try:
+                lock = client.lock("job", ttl=5)
+                answer = f"acquired {lock.acquire(timeout=0)}"
+                lock.release()
+            except dlock.BackendError as exc:
+                answer = f"{type(exc).__name__} {exc}"
+            finally:
+                os.write(write, answer.encode())
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as answered:
+            text = answered.read().decode()
+        os.waitpid(child, 0)
+        return text
+
+    with dlock.connect(url) as unused:
+        assert in_child(unused) == "acquired True"
+    with dlock.connect(url) as used:
+        assert used.inspect("job") is None  # its connection is open from now on
+        answer = in_child(used)
+        assert answer.startswith("BackendError") and "--py-call-osafterfork" in answer, answer
+        assert used.lock("job", ttl=5).acquire(timeout=0)
