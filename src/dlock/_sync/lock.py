@@ -116,6 +116,10 @@ class Lock:
         #: Set (and dropped) when this object's hold ends: what a waiter that another
         #: user of this object kept out waits for (see _wait_for_sharer); under _sharing.
         self._freed: WakeupEvent | None = None
+        #: The acquire call that is this object's seeker (see _take_turn), and what the
+        #: other users waiting for their turn wait on; under _sharing.
+        self._seeker: _Call | None = None
+        self._turn_over: WakeupEvent | None = None
         #: The process generation (see dlock._fork) that the sharing state is from.
         self._fork_generation = _fork.generation
 
@@ -183,7 +187,7 @@ class Lock:
             # Again, now that close() waits for this call: either it sees the call and
             # lets it end first, or the call sees the client closed.
             self._check_open()
-            acquired = self._acquire(wait, deadline, cancels, entries > 0)
+            acquired = self._acquire(call, wait, deadline, cancels, entries > 0)
             self._still_wanted(cancels)
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
@@ -237,6 +241,78 @@ class Lock:
             self._abandon()
 
     def _acquire(
+        self, call: _Call, wait: float | None, deadline: float | None, cancels: int, reentry: bool
+    ) -> bool:
+        """A fresh acquire seeks the lock in its turn (see _take_turn). A re-entry makes
+        no wait (busy means lost): it needs no turn, and never waits for one."""
+        if reentry:
+            return self._seek(wait, deadline, cancels, reentry)
+        if not self._take_turn(call, deadline, cancels):
+            return False
+        try:
+            return self._seek(wait, deadline, cancels, reentry)
+        finally:
+            self._end_turn(call)
+
+    def _take_turn(self, call: _Call, deadline: float | None, cancels: int) -> bool:
+        """Make ``call`` this object's seeker: the one user of it in the backend to take
+        a fresh hold (its attempts, and its stay in the backend's wait). False if that
+        cannot be before ``deadline``; else the caller ends the turn with _end_turn.
+
+        Why: the users of this object share its owner token, so the backend cannot tell
+        them apart. Two of them in it at once are one waiter to it: they share a place
+        and a wake-up, and both may be told they hold the lock (Redis), or one waits
+        for the other's wait to time out (MariaDB's lease mode). So the others wait
+        here, with no round trip: for the seeker's call to end, then for the end of the
+        hold it may have taken; not reentrant, they are told AlreadyAcquired instead,
+        as a call made while the object is held is. A call made inside the seeker's
+        own (its thread or task: an on_lost it told) takes the turn over until it ends.
+        """
+        call.user = (current_task(), threading.get_ident())
+        while True:
+            self._check_forked()
+            with self._sharing:
+                seeker = self._seeker
+                inside = seeker is not None and seeker.user == call.user
+                if inside or (seeker is None and not self._count):
+                    call.within, self._seeker = seeker, call
+                    return True
+                if seeker is None:
+                    turn_over = None  # no turn to wait for: the object is held
+                else:
+                    turn_over = self._turn_over = self._turn_over or WakeupEvent()
+            if turn_over is None and not self.reentrant:
+                raise self._acquired_meanwhile()
+            remaining = None if deadline is None else deadline - self._client._clock()
+            if remaining is not None and remaining <= 0:
+                return False
+            with self._parked():
+                if turn_over is not None:
+                    turn_over.wait(remaining)
+                else:
+                    self._wait_for_sharer(remaining)
+            self._still_wanted(cancels)
+
+    def _end_turn(self, call: _Call) -> None:
+        """``call``'s acquire ended (granted, timed out, failed or cancelled): hand the
+        turn back to the seeker it took it over from, else to the users waiting."""
+        self._check_forked()
+        with self._sharing:
+            if self._seeker is not call:
+                return  # a turn of the parent process, ending in a forked child
+            self._seeker = call.within
+            turn_over = None
+            if self._seeker is None:
+                turn_over, self._turn_over = self._turn_over, None
+        if turn_over is not None:
+            turn_over.set()
+
+    def _acquired_meanwhile(self) -> AlreadyAcquired:
+        return AlreadyAcquired(
+            f"lock {self.name!r} was acquired by another user of this object meanwhile"
+        )
+
+    def _seek(
         self, wait: float | None, deadline: float | None, cancels: int, reentry: bool
     ) -> bool:
         """The attempts of one acquire, and its wait between them."""
@@ -297,7 +373,7 @@ class Lock:
         finally:
             self._attempt_ends()
 
-    def _wait_for_sharer(self, delay: float) -> None:
+    def _wait_for_sharer(self, delay: float | None) -> None:
         """Wait (up to ``delay``) for the end of the hold that another user of this
         object has. Not the backend's waiter: our attempt made no round trip, so took no
         place that its release would wake (Redis), and a SQL session waiter would find
@@ -359,9 +435,7 @@ class Lock:
         try:
             if not reentry and self._count:
                 if not self.reentrant:
-                    raise AlreadyAcquired(
-                        f"lock {self.name!r} was acquired by another user of this object meanwhile"
-                    )
+                    raise self._acquired_meanwhile()
                 # Theirs: not ours to re-enter, and a fresh attempt under the owner token
                 # we share could be granted the very lease they hold (Redis takes over a
                 # lease of its token as an orphan). Wait for their release instead.
@@ -421,13 +495,15 @@ class Lock:
     def _check_forked(self) -> None:
         """In a forked child, the sharing state copied is the parent's: attempts that
         its other threads had in flight (never to end here, so the child's give-backs
-        would wait for them for ever), its give-back, and a lock one of them may hold."""
+        would wait for them for ever), its give-back, and a lock one of them may hold or
+        seek (a seeker that never ends here)."""
         if self._fork_generation != _fork.current():
             with _fork.guard:
                 if self._fork_generation != _fork.generation:
                     self._sharing = threading.Lock()
                     self._attempts = self._to_give_back = 0
                     self._give_back = self._freed = None
+                    self._seeker = self._turn_over = None
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -759,7 +835,7 @@ class _Call:
     """One acquire call (or ``with`` entry) of a lock object that threads or tasks may
     share: what it took is its own to undo, never another user's entry."""
 
-    __slots__ = ("generation", "outer")
+    __slots__ = ("generation", "outer", "user", "within")
 
     def __init__(self) -> None:
         #: The hold (see Lock._generation) that this call entered, if it did and
@@ -767,6 +843,10 @@ class _Call:
         self.generation: int | None = None
         #: The acquire call that this one runs inside (from an on_lost it told), if any.
         self.outer: _Call | None = None
+        #: The thread and task that run this call, and the seeker whose turn it took
+        #: over (see Lock._take_turn), if it is a fresh acquire.
+        self.user: tuple[Any, int] | None = None
+        self.within: _Call | None = None
 
 
 #: The acquire call running in this thread or task, which a grant is recorded for.

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import dlock.aio
 from dlock._async._primitives import (
     IS_ASYNC,
     cancel_requests,
+    cancel_task,
     current_task,
     run_blocking,
     sleep,
@@ -972,19 +974,22 @@ async def test_a_give_back_leaves_the_lease_handed_to_a_waiting_user_of_the_obje
     url: str, name: str
 ) -> None:
     """One user of a lock object waits (queued, where the backend queues) while another
-    object holds the name; a second user's attempt is cut off in flight, which gives
-    back what it may have been granted (owner-checked, in the background; slowed here).
-    The lease that the holder's release hands to the waiting user, under the owner
-    token the two users share, is not freed by that give-back."""
+    object holds the name; an attempt of the lock object is cut off in flight, which
+    gives back what it may have been granted (owner-checked, in the background; slowed
+    here). The lease that the holder's release hands to the waiting user, under the
+    owner token they share, is not freed by that give-back. (Another thread or task of
+    the object waits for its turn, with no attempt, while one waits in the backend: the
+    attempt is made inside that wait here, as by an on_lost told in its thread.)"""
     async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
         holder = other.lock(name, ttl=30)
         assert await holder.acquire(timeout=0)
         shared = client.lock(name, ttl=30)
         real_acquire, real_release = client._backend.acquire, client._backend.release
-        me = (current_task(), threading.get_ident())
+        real_waiter = client._backend.waiter
+        cutting_off: list[bool] = []
 
         async def acquire(*args: Any) -> Any:
-            if (current_task(), threading.get_ident()) == me:
+            if cutting_off:
                 raise dlock.BackendUnavailable("no answer in time")
             return await real_acquire(*args)
 
@@ -992,23 +997,44 @@ async def test_a_give_back_leaves_the_lease_handed_to_a_waiting_user_of_the_obje
             await sleep(0.5)  # the give-back's, on a slow network
             return await real_release(*args)
 
+        @asynccontextmanager
+        async def attempt_cut_off_meanwhile(
+            lock_name: str, token: str
+        ) -> AsyncIterator[AsyncWaiter]:
+            async with real_waiter(lock_name, token) as waiter:
+                real_wait = waiter.wait
+
+                async def wait(timeout: float) -> Acquired | None:
+                    waiter.wait = real_wait  # type: ignore[method-assign]
+                    cutting_off.append(True)
+                    try:
+                        with pytest.raises(dlock.BackendUnavailable):
+                            await shared.acquire(timeout=0)
+                    finally:
+                        cutting_off.clear()
+                    return await real_wait(timeout)
+
+                waiter.wait = wait  # type: ignore[method-assign]
+                yield waiter
+
         client._backend.acquire = acquire  # type: ignore[method-assign,assignment]
         client._backend.release = release  # type: ignore[method-assign,assignment]
+        client._backend.waiter = attempt_cut_off_meanwhile  # type: ignore[method-assign,assignment]
         got: list[bool] = []
 
         async def wait_for_it() -> None:
             got.append(await shared.acquire(timeout=10))
 
         waiting = spawn(wait_for_it, name="the-waiting-user")
-        await sleep(0.3)  # parked
-        with pytest.raises(dlock.BackendUnavailable):
-            await shared.acquire(timeout=0)
+        await sleep(0.3)  # parked, the attempt cut off meanwhile
+        assert await shared.acquire(timeout=0) is False, "not this user's turn"
         await holder.release()
         await wait_done(waiting)
         assert got == [True]
         for give_back in list(client._give_backs):
             await wait_done(give_back)
         client._backend.acquire, client._backend.release = real_acquire, real_release  # type: ignore[method-assign]
+        client._backend.waiter = real_waiter  # type: ignore[method-assign]
         assert shared.owned()
         await assert_held_by(other, name, shared)
         assert not await other.lock(name, ttl=30).acquire(timeout=0)
@@ -1031,5 +1057,200 @@ async def test_a_with_block_sharing_the_lock_object_leaves_the_other_users_hold(
                 pytest.fail("entered a block while another user held the lock")
         assert shared.owned() and not shared.lost and told == []
         await assert_held_by(other, name, shared)
+        await shared.release()
+        assert await other.inspect(name) is None
+
+
+def user_id() -> tuple[object, int]:
+    """The thread or task running: which user of a shared lock object this is."""
+    return current_task(), threading.get_ident()
+
+
+class Sharers:
+    """What the users of one lock object saw: how and when each call ended, whether two
+    ever held the lock at once, and the fencing token each got and the backend named."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+        self.holding: list[str] = []
+        self.overlaps: list[list[str]] = []
+        #: user -> (True, False or the class of what the call raised; when it ended)
+        self.ended: dict[str, tuple[object, float]] = {}
+        self.released: dict[str, float] = {}
+        self.tokens: dict[str, tuple[int | None, int | None]] = {}
+        self.errors: list[BaseException] = []
+
+    async def use(
+        self,
+        user: str,
+        lock: dlock.aio.AsyncLock,
+        inspector: dlock.aio.AsyncClient,
+        timeout: float,
+        hold: float = 0.05,
+    ) -> None:
+        """Acquire ``lock``, then hold it ``hold`` seconds and release it."""
+        try:
+            got = await lock.acquire(timeout=timeout)
+        except BaseException as exc:  # a thread's error would only be printed
+            self.ended[user] = (type(exc), time.monotonic())
+            return
+        self.ended[user] = (got, time.monotonic())
+        if not got:
+            return
+        with self.guard:
+            self.holding.append(user)
+            if len(self.holding) > 1:
+                self.overlaps.append(list(self.holding))
+        info = await inspector.inspect(lock.name)
+        self.tokens[user] = (lock.fencing_token, None if info is None else info.fencing_token)
+        await sleep(hold)
+        with self.guard:
+            self.holding.remove(user)
+            self.released[user] = time.monotonic()
+        try:
+            await lock.release()
+        except BaseException as exc:
+            self.errors.append(exc)
+
+
+@pytest.mark.parametrize("auto_renew", [True, False], ids=["renewed", "unrenewed"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["plain", "reentrant"])
+async def test_two_users_of_a_lock_object_waiting_at_once_hold_it_in_turn(
+    url: str, name: str, reentrant: bool, auto_renew: bool
+) -> None:
+    """Two threads or tasks share one lock object and both wait while another client
+    holds the name. They never hold it at once, and the second's call ends as soon as
+    the first's hold does (granted), or its acquire (not reentrant: AlreadyAcquired),
+    not at a fallback timer or the first's timeout. The backend sees one owner token:
+    both in its wait at once were one waiter to it (Redis: one place and one wake-up,
+    and both were told they held the lock; MariaDB's lease mode: nobody got it before
+    the first's wait timed out; ZooKeeper: the second woke at its fallback timer)."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        assert await client.inspect(name) is not None  # connected before the users start
+        shared = client.lock(name, ttl=30, reentrant=reentrant, auto_renew=auto_renew)
+        seen = Sharers()
+
+        async def use(user: str) -> None:
+            await seen.use(user, shared, other, timeout=10)
+
+        users = [spawn(partial(use, user), name=f"user-{user}") for user in "AB"]
+        await sleep(0.5)  # both wait
+        assert seen.ended == {}
+        await holder.release()
+        for task in users:
+            await wait_done(task)
+        assert seen.overlaps == [], f"two users held the lock at once: {seen.ended}"
+        assert seen.errors == []
+        first = min(seen.released, key=seen.released.__getitem__)
+        second = "B" if first == "A" else "A"
+        assert seen.ended[first][0] is True
+        outcome, ended = seen.ended[second]
+        assert outcome is True or (outcome is dlock.AlreadyAcquired and not reentrant), outcome
+        late = ended - seen.released[first]
+        assert late < 1.0, f"the second user's call ended {late:.2f} s after the first released"
+        for user, (token, named) in seen.tokens.items():
+            assert token == named, f"{user} got token {token}, the backend named {named}"
+        if outcome is True:
+            assert seen.tokens[first][0] != seen.tokens[second][0], "one grant told to both"
+        assert await other.inspect(name) is None
+
+
+async def test_two_users_of_a_lock_object_trying_at_once_get_it_once(url: str, name: str) -> None:
+    """Two threads or tasks share one lock object and try the free lock at once
+    (timeout 0): one of them gets it. (Both reached the backend under the owner token
+    they share, and Redis granted to the second the lease it found under that token:
+    both were told they held the lock, and the first release freed it under the
+    other.) The one that does not get it is told so at once: held in flight here
+    until the other's call has ended."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        shared = client.lock(name, ttl=30)
+        real_acquire = client._backend.acquire
+        arrived: list[object] = []
+        got: list[object] = []
+
+        async def acquire(*args: Any, **kwargs: Any) -> Any:
+            arrived.append(args)
+            deadline = time.monotonic() + 5
+            while len(arrived) + len(got) < 2 and time.monotonic() < deadline:
+                await sleep(0.001)  # both users are in flight, or the other's call ended
+            return await real_acquire(*args, **kwargs)
+
+        client._backend.acquire = acquire  # type: ignore[method-assign]
+
+        async def try_once() -> None:
+            try:
+                got.append(await shared.acquire(timeout=0))
+            except BaseException as exc:
+                got.append(type(exc))
+
+        start = time.monotonic()
+        users = [spawn(try_once, name=f"user-{i}") for i in range(2)]
+        for user in users:
+            await wait_done(user)
+        client._backend.acquire = real_acquire  # type: ignore[method-assign]
+        assert sorted(got, key=str) == [False, True], got
+        assert elapsed_since(start) < 4, "the one told False waited for the other"
+        await assert_held_by(other, name, shared)
+        await shared.release()
+        assert await other.inspect(name) is None
+
+
+async def test_users_of_a_lock_object_waiting_for_their_turn_make_no_round_trip(
+    url: str, name: str
+) -> None:
+    """While one user of a lock object waits in the backend, the others wait for it
+    locally: one that tries once is told False at once; one cancelled (a thread: timed
+    out) while it waits leaves nothing behind; when the one in the backend gives up
+    (cancelled, or timed out), the next becomes the one, and gets the lock as the
+    holder releases it."""
+    async with dlock.aio.connect(url) as other, dlock.aio.connect(url) as client:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        assert await client.inspect(name) is not None  # connected before the users start
+        shared = client.lock(name, ttl=30)
+        real_acquire = client._backend.acquire
+        attempts: list[tuple[object, float]] = []
+        users: dict[object, str] = {}
+        seen = Sharers()
+
+        async def acquire(*args: Any, **kwargs: Any) -> Any:
+            attempts.append((users.get(user_id()), time.monotonic()))
+            return await real_acquire(*args, **kwargs)
+
+        client._backend.acquire = acquire  # type: ignore[method-assign]
+
+        async def use(user: str, timeout: float) -> None:
+            users[user_id()] = user
+            await seen.use(user, shared, other, timeout=timeout)
+
+        first = spawn(partial(use, "first", 1.2), name="first")
+        await sleep(0.3)  # in the backend's wait
+        start = time.monotonic()
+        assert await shared.acquire(timeout=0) is False
+        assert elapsed_since(start) < 0.5
+        quitter = spawn(partial(use, "quitter", 0.6), name="quitter")
+        patient = spawn(partial(use, "patient", 10), name="patient")
+        await sleep(0.3)
+        cancel_task(quitter, "the quitter gives up")
+        await sleep(0.3)
+        cancel_task(first, "the first gives up")
+        await wait_done(first)
+        await wait_done(quitter)
+        assert seen.ended["first"][0] is (INTERRUPT if IS_ASYNC else False)
+        assert seen.ended["quitter"][0] is (INTERRUPT if IS_ASYNC else False)
+        first_ended = seen.ended["first"][1]
+        assert [user for user, _ in attempts if user == "quitter"] == []
+        assert [at for user, at in attempts if user == "patient" and at < first_ended] == []
+        await sleep(0.3)  # the patient one in the backend's wait now
+        released = time.monotonic()
+        await holder.release()
+        await wait_done(patient)
+        assert seen.ended["patient"][0] is True
+        assert seen.ended["patient"][1] - released < 1.0
+        client._backend.acquire = real_acquire  # type: ignore[method-assign]
+        assert seen.errors == []
+        assert await shared.acquire(timeout=0), "a user's turn left behind"
         await shared.release()
         assert await other.inspect(name) is None
