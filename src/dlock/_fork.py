@@ -26,7 +26,8 @@ guard = threading.Lock()
 def current() -> int:
     """This process's generation. Most forks run the at-fork hook below; one that does
     not (uWSGI forks its workers from C without Python's hooks, by default) is noticed
-    here, by the pid: a system call, made where state is used, not on every statement."""
+    here, by the pid: a system call, made once per call of the public API (acquire,
+    release, inspect, ...), after which the state below it compares ``generation``."""
     if os.getpid() != pid:
         with guard:
             if os.getpid() != pid:
@@ -45,7 +46,7 @@ class ForkFollower:
         _followers.add(self)
 
     def __call__(self) -> None:
-        if self._generation != current():
+        if self._generation != generation:
             with self._lock:
                 if self._generation != generation:
                     self._start_over()

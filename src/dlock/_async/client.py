@@ -98,7 +98,6 @@ class AsyncClient:
     @property
     def _holder(self) -> Holder:
         """Who acquires: after a fork, the child, not the parent that made the client."""
-        _fork.current()  # brings _fork.pid up to date, after a fork that ran no hooks
         if self._holder_now.pid != _fork.pid:
             self._holder_now = Holder.current(self._label)
         return self._holder_now
@@ -140,10 +139,12 @@ class AsyncClient:
 
     async def inspect(self, name: str) -> LockInfo | None:
         """Who holds ``name`` now, or None if nobody does."""
+        _fork.current()  # each public call notices a fork made without Python's hooks
         return await self._backend.inspect(check_name(name))
 
     async def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
+        _fork.current()
         return await self._backend.list(check_prefix(prefix))
 
     async def force_release(self, name: str) -> bool:
@@ -151,6 +152,7 @@ class AsyncClient:
 
         The evicted holder finds out at its next renewal, release or extend.
         """
+        _fork.current()
         return await self._backend.force_release(check_name(name))
 
     async def prune(self, older_than: float = DEFAULT_PRUNE_AGE, *, batch: int = 1000) -> int:
@@ -165,6 +167,7 @@ class AsyncClient:
         it, so a table grown large is pruned in short steps.
         """
         older_than, batch = check_prune_age(older_than), check_batch(batch)
+        _fork.current()
         removed = 0
         while True:
             deleted = await self._backend.prune(older_than, batch)
@@ -207,6 +210,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend.
         Its locks cannot be acquired afterwards: nothing would renew them."""
+        _fork.current()
         self._closed = True
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;

@@ -154,6 +154,7 @@ class AsyncLock:
 
     async def _enter(self, timeout: float | None, call: _Call) -> bool:
         """acquire(), its grant recorded in ``call`` (see _undo_entry)."""
+        _fork.current()  # each public call notices a fork made without Python's hooks
         wait = check_timeout(timeout)
         self._check_open()
         if cancel_requests():
@@ -482,7 +483,7 @@ class AsyncLock:
         object's owner token, and must not release what the attempt is granted. Returns
         the give-back to wait for before trying again, or None once counted. Not a
         coroutine: this is on every acquire's path, and rarely has anything to wait for."""
-        if self._fork_generation != _fork.current():
+        if self._fork_generation != _fork.generation:
             self._check_forked()
         with self._sharing:
             give_back = self._give_back
@@ -496,7 +497,7 @@ class AsyncLock:
         its other threads had in flight (never to end here, so the child's give-backs
         would wait for them for ever), its give-back, and a lock one of them may hold or
         seek (a seeker that never ends here)."""
-        if self._fork_generation != _fork.current():
+        if self._fork_generation != _fork.generation:
             with _fork.guard:
                 if self._fork_generation != _fork.generation:
                     self._sharing = threading.Lock()
@@ -613,6 +614,7 @@ class AsyncLock:
         or is cancelled raises too, and this object no longer holds nor renews the lease
         (it is given back in the background, else ends by its TTL).
         """
+        _fork.current()
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
@@ -651,6 +653,7 @@ class AsyncLock:
     async def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
         seconds = self.ttl if ttl is None else check_ttl(ttl)
+        _fork.current()
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:

@@ -99,7 +99,6 @@ class Client:
     @property
     def _holder(self) -> Holder:
         """Who acquires: after a fork, the child, not the parent that made the client."""
-        _fork.current()  # brings _fork.pid up to date, after a fork that ran no hooks
         if self._holder_now.pid != _fork.pid:
             self._holder_now = Holder.current(self._label)
         return self._holder_now
@@ -141,10 +140,12 @@ class Client:
 
     def inspect(self, name: str) -> LockInfo | None:
         """Who holds ``name`` now, or None if nobody does."""
+        _fork.current()  # each public call notices a fork made without Python's hooks
         return self._backend.inspect(check_name(name))
 
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
+        _fork.current()
         return self._backend.list(check_prefix(prefix))
 
     def force_release(self, name: str) -> bool:
@@ -152,6 +153,7 @@ class Client:
 
         The evicted holder finds out at its next renewal, release or extend.
         """
+        _fork.current()
         return self._backend.force_release(check_name(name))
 
     def prune(self, older_than: float = DEFAULT_PRUNE_AGE, *, batch: int = 1000) -> int:
@@ -166,6 +168,7 @@ class Client:
         it, so a table grown large is pruned in short steps.
         """
         older_than, batch = check_prune_age(older_than), check_batch(batch)
+        _fork.current()
         removed = 0
         while True:
             deleted = self._backend.prune(older_than, batch)
@@ -208,6 +211,7 @@ class Client:
     def close(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend.
         Its locks cannot be acquired afterwards: nothing would renew them."""
+        _fork.current()
         self._closed = True
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;
