@@ -154,7 +154,16 @@ class Renewer:
                 if isinstance(exc, (BackendError, TimeoutError))
                 else logger.exception
             )
-            log("dlock: renewal failed, will retry while the leases last: %r", exc)
+            # Say how big and how late the round was: a lease lost this way is told
+            # from this line whether the backend was slow or the renewer started late.
+            log(
+                "dlock: renewing %d lease(s) failed after %.3f s, begun %.3f s before "
+                "the first of them ends; will retry while they last: %r",
+                len(due),
+                self._clock() - started,
+                time_left,
+                exc,
+            )
             for lock, _ in due:
                 lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
             return
