@@ -6,6 +6,10 @@ Adding a backend adds one entry to ``BACKENDS`` (and, for a server, a harness mo
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import types
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +26,23 @@ from tests.servers.redis import (  # noqa: F401
 )
 from tests.servers.sql import SQLServer, mariadb_server, postgresql_server  # noqa: F401
 from tests.servers.zookeeper import zookeeper_ensemble, zookeeper_server  # noqa: F401
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run stopped by SIGTERM (an IDE's stop button, ``timeout``) tears its servers
+    down as Ctrl-C does, instead of leaving a dozen server processes running."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    pytest_pid = os.getpid()
+
+    def interrupt(signum: int, frame: types.FrameType | None) -> None:
+        if os.getpid() != pytest_pid:  # a test's forked child: end as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @dataclass(frozen=True)
