@@ -619,6 +619,28 @@ def test_a_process_that_unshared_a_time_namespace_for_its_children_is_refused(
         assert not client.lock("job", ttl=5).acquire(timeout=0), "a live lease taken over"
 
 
+def _in_a_child_forked_without_hooks(client: dlock.Client) -> str:
+    """Try ``client`` in a child forked as uWSGI forks its workers, from C without
+    Python's at-fork hooks (``ctypes.PyDLL(None).fork()``); what it answered."""
+    read, write = os.pipe()
+    child = ctypes.PyDLL(None).fork()
+    if child == 0:
+        try:
+            lock = client.lock("job", ttl=5)
+            answer = f"acquired {lock.acquire(timeout=0)}"
+            lock.release()
+        except dlock.BackendError as exc:
+            answer = f"{type(exc).__name__} {exc}"
+        finally:
+            os.write(write, answer.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answered:
+        text = answered.read().decode()
+    os.waitpid(child, 0)
+    return text
+
+
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
     tmp_path: Path,
@@ -629,30 +651,33 @@ def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
     refuse, with a hint; a worker whose parent had no connection open is fine.
     ``ctypes.PyDLL(None).fork()`` forks that way."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
-
-    def in_child(client: dlock.Client) -> str:
-        read, write = os.pipe()
-        child = ctypes.PyDLL(None).fork()
-        if child == 0:
-            try:
-                lock = client.lock("job", ttl=5)
-                answer = f"acquired {lock.acquire(timeout=0)}"
-                lock.release()
-            except dlock.BackendError as exc:
-                answer = f"{type(exc).__name__} {exc}"
-            finally:
-                os.write(write, answer.encode())
-                os._exit(0)
-        os.close(write)
-        with os.fdopen(read, "rb") as answered:
-            text = answered.read().decode()
-        os.waitpid(child, 0)
-        return text
-
     with dlock.connect(url) as unused:
-        assert in_child(unused) == "acquired True"
+        assert _in_a_child_forked_without_hooks(unused) == "acquired True"
     with dlock.connect(url) as used:
         assert used.inspect("job") is None  # its connection is open from now on
-        answer = in_child(used)
+        answer = _in_a_child_forked_without_hooks(used)
         assert answer.startswith("BackendError") and "--py-call-osafterfork" in answer, answer
         assert used.lock("job", ttl=5).acquire(timeout=0)
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_child_forked_without_hooks_refuses_sqlite_whichever_face_had_it_open(
+    tmp_path: Path,
+) -> None:
+    """SQLite's record of a file's locks is one per process, shared by the connections
+    of both faces: a child forked without Python's hooks while its parent's asyncio
+    client had a connection open would hold no lock on a new connection of a sync client
+    either. Each face kept a set of its own backends, so the sync face saw none open and
+    went ahead."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as used:
+            assert await used.inspect("job") is None  # its connection is open from now on
+            with dlock.connect(url) as unused:
+                answer = _in_a_child_forked_without_hooks(unused)
+                assert answer.startswith("BackendError"), answer
+                assert "--py-call-osafterfork" in answer, answer
+                assert unused.lock("job", ttl=5).acquire(timeout=0)
+
+    asyncio.run(main())

@@ -13,13 +13,12 @@ import sqlite3
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ... import _fork
+from ... import _fork, _sqlite_fork
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import query_options, seconds
@@ -145,110 +144,6 @@ def _busy(exc: sqlite3.Error) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
 
-#: Every SQLite backend of this process (of this face): closed before a fork.
-_backends: weakref.WeakSet[AsyncSQLiteBackend] = weakref.WeakSet()
-#: Guards ``_backends``; held across a fork, with every backend's mutex. Reentrant: a
-#: signal handler may fork while its thread holds it (in the before-fork hook itself).
-_backends_guard = threading.RLock()
-#: Per fork under way (innermost last: a signal handler may fork within a fork), what its
-#: before-fork hook took, for the after-fork hooks to let go of.
-_forks_under_way: list[list[Any]] = []
-#: Why this process must not use SQLite at all (see _after_fork_in_child, _check_process).
-_refusal: str | None = None
-#: The process generation (dlock._fork) whose fork hooks ran, or this process's own.
-_hooked_generation = _fork.generation
-
-MID_STATEMENT = (
-    "SQLite: this process was forked by a signal handler that had interrupted a SQLite"
-    " statement of the forking thread, whose connection could not be closed before the"
-    " fork; SQLite's file locks are not inherited, so this process would hold none, on"
-    " that connection or any other it opens, and write where other processes do not look."
-    " It refuses SQLite; end it with os._exit(), or use the file from a process it execs"
-)
-FORKED_WITHOUT_HOOKS = (
-    "SQLite: this process was forked without Python's at-fork hooks (uWSGI forks its"
-    " workers so by default: run it with --py-call-osafterfork or --lazy-apps) while its"
-    " parent had a SQLite connection open; SQLite's file locks are not inherited, so this"
-    " process would hold none, and write where other processes do not look. It refuses"
-    " SQLite"
-)
-
-
-def _before_fork() -> None:
-    """Close every connection of this process's backends before it forks, and let none
-    open or run a statement until the fork is done; each side opens anew on first use.
-
-    A child cannot go on with, nor drop, a connection it inherits: fcntl locks are not
-    inherited, but SQLite's record of them is (kept per process for each file, shared
-    by its connections). On the parent's connection, or on one of the child's own
-    opened while the inherited record says the file is locked already, the child holds
-    no lock at all, so the parent's close, holding the only ones, checkpoints and
-    deletes the WAL the child goes on writing to, where no other process looks: two
-    holders of one lock, with one fencing token. Closed before the fork, the record is
-    gone. A statement in flight on another thread ends first (within about
-    ``busy_timeout``): the child would get its mutex held by a thread that is not there.
-
-    One that the forking thread itself is running (a signal handler forks in its middle)
-    cannot end first: waiting would be for ever. Its connection stays open, and the
-    child refuses SQLite. A fork within this hook (a signal handler again) skips what
-    the outer one holds, closed already.
-    """
-    me = threading.get_ident()
-    _backends_guard.acquire()
-    taken: list[Any] = [_backends_guard]
-    _forks_under_way.append(taken)
-    for backend in list(_backends):
-        if backend._user == me:
-            if backend._connection is not None:
-                taken.append(MID_STATEMENT)
-            continue
-        backend._mutex.acquire()
-        backend._user = me
-        taken.append(backend)
-        connection, backend._connection = backend._connection, None
-        if connection is not None:
-            with contextlib.suppress(sqlite3.Error):
-                connection.close()
-
-
-def _after_fork() -> None:
-    """In the parent (and in the child: the thread that forked is there)."""
-    for item in reversed(_forks_under_way.pop()):
-        if isinstance(item, AsyncSQLiteBackend):
-            item._user = None
-            item._mutex.release()
-        elif item is _backends_guard:
-            _backends_guard.release()
-
-
-def _after_fork_in_child() -> None:
-    global _refusal, _hooked_generation
-    if MID_STATEMENT in _forks_under_way[-1]:
-        _refusal = MID_STATEMENT
-    _hooked_generation = _fork.generation
-    _after_fork()
-
-
-def _check_process() -> None:
-    """Refuse SQLite in a process that must not use it. A fork that ran no Python hooks
-    closed nothing first: if the parent had a connection open, the child refuses."""
-    global _refusal, _hooked_generation
-    if _fork.current() != _hooked_generation:
-        with _backends_guard:
-            if _fork.generation != _hooked_generation:
-                if any(backend._connection is not None for backend in list(_backends)):
-                    _refusal = FORKED_WITHOUT_HOOKS
-                _hooked_generation = _fork.generation
-    if _refusal is not None:
-        raise BackendError(_refusal)
-
-
-if hasattr(os, "register_at_fork"):  # Windows cannot fork
-    os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork_in_child
-    )
-
-
 class AsyncSQLiteBackend(AsyncBackend):
     def __init__(
         self,
@@ -266,12 +161,11 @@ class AsyncSQLiteBackend(AsyncBackend):
         self._busy_timeout = seconds(busy_timeout, "busy_timeout")
         self._connection: sqlite3.Connection | None = None
         # One connection shared by the caller's thread and the renewer's, one at a time;
-        # and the thread using it (see _before_fork).
+        # and the thread using it (see dlock._sqlite_fork).
         self._mutex = threading.Lock()
         self._user: int | None = None
         self._sql = sqlite_statements(self._table)
-        with _backends_guard:
-            _backends.add(self)  # its connection is closed before a fork
+        _sqlite_fork.register(self)  # its connection is closed before a fork
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncSQLiteBackend:
@@ -365,7 +259,7 @@ class AsyncSQLiteBackend(AsyncBackend):
 
     def _transaction(self, steps: list[tuple[str, dict[str, Any]]]) -> list[tuple[list[Any], int]]:
         """Run statements in one transaction; each one's rows and changed-row count."""
-        _check_process()
+        _sqlite_fork.check_process()
         with self._using():
             if self._connection is None:
                 self._connection = self._connect()
@@ -486,7 +380,7 @@ class AsyncSQLiteBackend(AsyncBackend):
                 self._user = None
 
     def _close(self) -> None:
-        if _refusal is not None:
+        if _sqlite_fork.refusal is not None:
             return  # left alone: its statement may be the parent's, cut off by the fork
         with self._using():
             if self._connection is not None:
