@@ -132,9 +132,14 @@ def _after_fork_in_child() -> None:
 
 def check_process() -> None:
     """Refuse SQLite in a process that must not use it. A fork that ran no Python hooks
-    closed nothing first: if the parent had a connection open, the child refuses."""
+    closed nothing first: if the parent had a connection open, the child refuses.
+
+    Runs per transaction, so it reads the generation rather than the pid (a system
+    call): the public call that led here has brought it up to date (dlock._fork.current),
+    a hookless fork included, and such a fork shows as a generation whose hooks did not
+    run, as only _after_fork_in_child moves ``_hooked_generation`` on to a new one."""
     global refusal, _hooked_generation
-    if _fork.current() != _hooked_generation:
+    if _fork.generation != _hooked_generation:
         with _backends_guard:
             if _fork.generation != _hooked_generation:
                 if any(backend._connection is not None for backend in list(_backends)):
