@@ -306,6 +306,14 @@ def test_interrupt_is_forwarded_outside_a_terminal(db: str, name: str, tmp_path:
         assert client.inspect(name) is None
 
 
+def wait_for_text(path: Path, text: str, failure: str, timeout: float = 10) -> None:
+    """Wait until the file ``path`` exists and holds ``text``."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
 def read_until(fd: int, text: bytes, timeout: float = 20) -> None:
     """Read a pseudo-terminal's output until ``text`` shows."""
     seen = b""
@@ -325,6 +333,7 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_p
     child = (
         "import signal, time\n"
         f"signal.signal(signal.SIGINT, lambda *_: open({str(marker)!r}, 'a').write('int\\n'))\n"
+        f"signal.signal(signal.SIGUSR1, lambda *_: open({str(marker)!r}, 'a').write('usr1\\n'))\n"
         "print('started', flush=True)\n"
         "while True: time.sleep(0.1)\n"
     )
@@ -335,12 +344,14 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_p
     try:
         read_until(fd, b"started")
         os.write(fd, b"\x03")  # Ctrl-C: SIGINT to the terminal's foreground group
-        deadline = time.monotonic() + 10
-        while not marker.exists():
-            assert time.monotonic() < deadline, "the command never got the Ctrl-C"
-            time.sleep(0.05)
-        time.sleep(1)  # time for a second, forwarded SIGINT to arrive
-        assert marker.read_text() == "int\n"
+        wait_for_text(marker, "int\n", "the command never got the Ctrl-C")
+        # A barrier rather than a pause: the Ctrl-C's SIGINT reached dlock before the
+        # command showed it got one, and dlock passes signals on from its handlers in
+        # turn, so a second SIGINT from dlock goes out before this USR1 does (and the
+        # command, which runs its handlers in signal order too, records it first).
+        os.kill(pid, signal.SIGUSR1)
+        wait_for_text(marker, "usr1\n", "the command never got the forwarded USR1")
+        assert marker.read_text() == "int\nusr1\n"
         os.kill(pid, signal.SIGTERM)  # passed on: the command ends, dlock with it
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
@@ -375,6 +386,22 @@ def test_a_command_reads_the_terminal(db: str, name: str) -> None:
         os.close(fd)
 
 
+def process_state(pid: int) -> str:
+    """One letter from /proc: R running, S sleeping (in a read, say), T stopped..."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def reading_the_terminal(fd: int, pid: int, timeout: float = 20) -> None:
+    """Wait until process ``pid``, which leads its process group, has the foreground of
+    the pseudo-terminal ``fd`` and sleeps in a read of it. (Reading from the background,
+    it stops instead, until dlock hands it the terminal and continues it.)"""
+    deadline = time.monotonic() + timeout
+    while not (os.tcgetpgrp(fd) == pid and process_state(pid) == "S"):
+        assert time.monotonic() < deadline, (os.tcgetpgrp(fd), process_state(pid))
+        time.sleep(0.01)
+
+
 class Screen:
     """A pseudo-terminal's output, read as it comes, each expected text consumed."""
 
@@ -383,12 +410,16 @@ class Screen:
         self.seen = b""
 
     def expect(self, text: bytes, timeout: float = 20) -> None:
+        self.expect_match(re.escape(text), timeout)
+
+    def expect_match(self, pattern: bytes, timeout: float = 20) -> re.Match[bytes]:
         deadline = time.monotonic() + timeout
-        while text not in self.seen:
-            assert time.monotonic() < deadline, (text, self.seen)
+        while (match := re.search(pattern, self.seen)) is None:
+            assert time.monotonic() < deadline, (pattern, self.seen)
             if select.select([self.fd], [], [], 0.1)[0]:
                 self.seen += os.read(self.fd, 1024)
-        self.seen = self.seen[self.seen.index(text) + len(text) :]
+        self.seen = self.seen[match.end() :]
+        return match
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -396,7 +427,7 @@ def test_job_control_in_an_interactive_shell(db: str, name: str) -> None:
     """Under an interactive shell: Ctrl-Z while the command has the terminal stops the
     command and dlock (the shell gets its prompt back, the lock stays held), ``fg``
     continues both and gives the command the terminal again."""
-    child = "print('ready', flush=True)\nprint('got', input())\n"
+    child = "import os\nprint('ready', os.getpid(), flush=True)\nprint('got', input())\n"
     env = {
         **os.environ,
         "DLOCK_URL": db,
@@ -413,15 +444,15 @@ def test_job_control_in_an_interactive_shell(db: str, name: str) -> None:
     try:
         screen.expect(b"prompt$ ")
         os.write(fd, f'dlock run {name} -- "$CHILD_PYTHON" -c "$CHILD"\n'.encode())
-        screen.expect(b"ready")
-        time.sleep(0.5)  # into input(): the command has the terminal
-        os.write(fd, b"\x1a")  # Ctrl-Z
+        command = int(screen.expect_match(rb"ready (\d+)\r?\n")[1])
+        reading_the_terminal(fd, command)
+        os.write(fd, b"\x1a")  # Ctrl-Z, to the command's group
         screen.expect(b"Stopped")
         screen.expect(b"prompt$ ")
         with dlock.connect(db) as client:
             assert client.inspect(name) is not None, "a stopped job keeps its lock"
         os.write(fd, b"fg\n")
-        time.sleep(0.5)
+        reading_the_terminal(fd, command)
         os.write(fd, b"hello\n")
         screen.expect(b"got hello")
         screen.expect(b"prompt$ ")
