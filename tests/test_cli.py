@@ -314,14 +314,73 @@ def wait_for_text(path: Path, text: str, failure: str, timeout: float = 10) -> N
         time.sleep(0.01)
 
 
-def read_until(fd: int, text: bytes, timeout: float = 20) -> None:
-    """Read a pseudo-terminal's output until ``text`` shows."""
-    seen = b""
-    deadline = time.monotonic() + timeout
-    while text not in seen:
-        assert time.monotonic() < deadline, seen
-        if select.select([fd], [], [], 0.1)[0]:
-            seen += os.read(fd, 1024)
+def process_state(pid: int) -> str:
+    """One letter from /proc: R running, S sleeping (in a read, say), T stopped..."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+class Terminal:
+    """A process that leads a session of its own, whose controlling terminal is a
+    pseudo-terminal, and that terminal's output, read as it comes, each expected text
+    consumed."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.seen = b""
+        self.reaped = False
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def expect(self, text: bytes, timeout: float = 20) -> None:
+        self.expect_match(re.escape(text), timeout)
+
+    def expect_match(self, pattern: bytes, timeout: float = 20) -> re.Match[bytes]:
+        deadline = time.monotonic() + timeout
+        while (match := re.search(pattern, self.seen)) is None:
+            assert time.monotonic() < deadline, (pattern, self.seen)
+            if select.select([self.fd], [], [], 0.1)[0]:
+                self.seen += os.read(self.fd, 1024)
+        self.seen = self.seen[match.end() :]
+        return match
+
+    def wait_until_reading(self, pid: int, timeout: float = 20) -> None:
+        """Wait until process ``pid``, which leads its process group, has the terminal's
+        foreground and sleeps in a read of it. (Reading from the background, it stops
+        instead, until dlock hands it the terminal and continues it.)"""
+        deadline = time.monotonic() + timeout
+        while not (os.tcgetpgrp(self.fd) == pid and process_state(pid) == "S"):
+            assert time.monotonic() < deadline, (os.tcgetpgrp(self.fd), process_state(pid))
+            time.sleep(0.01)
+
+    def wait(self) -> int:
+        """Wait for the process to end; its exit status (-N: killed by signal N)."""
+        _, status = os.waitpid(self.pid, 0)
+        self.reaped = True
+        return os.waitstatus_to_exitcode(status)
+
+
+@contextlib.contextmanager
+def in_a_pty(argv: list[str], env: dict[str, str]) -> Iterator[Terminal]:
+    """Run ``argv`` (its first item a path) under a pseudo-terminal of its own; kill it
+    on the way out if it is still there, as when a test fails."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        try:
+            os.execve(argv[0], argv, env)
+        finally:  # reached only if execve failed: never back into pytest
+            os._exit(127)
+    terminal = Terminal(pid, fd)
+    try:
+        yield terminal
+    finally:
+        if not terminal.reaped:  # else the pid may be another process's by now
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        os.close(fd)
 
 
 def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_path: Path) -> None:
@@ -337,29 +396,20 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(db: str, name: str, tmp_p
         "print('started', flush=True)\n"
         "while True: time.sleep(0.1)\n"
     )
-    env = {**os.environ, "DLOCK_URL": db}
-    pid, fd = pty.fork()  # the child leads a session whose terminal is the pty
-    if pid == 0:
-        os.execve(DLOCK, [DLOCK, "run", name, "--", sys.executable, "-c", child], env)
-    try:
-        read_until(fd, b"started")
-        os.write(fd, b"\x03")  # Ctrl-C: SIGINT to the terminal's foreground group
+    argv = [DLOCK, "run", name, "--", sys.executable, "-c", child]
+    with in_a_pty(argv, {**os.environ, "DLOCK_URL": db}) as terminal:
+        terminal.expect(b"started")
+        terminal.type(b"\x03")  # Ctrl-C: SIGINT to the terminal's foreground group
         wait_for_text(marker, "int\n", "the command never got the Ctrl-C")
         # A barrier rather than a pause: the Ctrl-C's SIGINT reached dlock before the
         # command showed it got one, and dlock passes signals on from its handlers in
         # turn, so a second SIGINT from dlock goes out before this USR1 does (and the
         # command, which runs its handlers in signal order too, records it first).
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(terminal.pid, signal.SIGUSR1)
         wait_for_text(marker, "usr1\n", "the command never got the forwarded USR1")
         assert marker.read_text() == "int\nusr1\n"
-        os.kill(pid, signal.SIGTERM)  # passed on: the command ends, dlock with it
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
-    finally:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+        os.kill(terminal.pid, signal.SIGTERM)  # passed on: the command ends, dlock with it
+        assert terminal.wait() == 128 + signal.SIGTERM
     with dlock.connect(db) as client:
         assert client.inspect(name) is None
 
@@ -369,57 +419,12 @@ def test_a_command_reads_the_terminal(db: str, name: str) -> None:
     the terminal dlock, in the terminal's foreground, hands the terminal to it (a read
     from the background would stop it for good)."""
     child = "print('ready', flush=True)\nprint('got', input())\n"
-    env = {**os.environ, "DLOCK_URL": db}
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve(DLOCK, [DLOCK, "run", name, "--", sys.executable, "-c", child], env)
-    try:
-        read_until(fd, b"ready")
-        os.write(fd, b"hello\n")
-        read_until(fd, b"got hello")
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
-
-
-def process_state(pid: int) -> str:
-    """One letter from /proc: R running, S sleeping (in a read, say), T stopped..."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2]
-
-
-def reading_the_terminal(fd: int, pid: int, timeout: float = 20) -> None:
-    """Wait until process ``pid``, which leads its process group, has the foreground of
-    the pseudo-terminal ``fd`` and sleeps in a read of it. (Reading from the background,
-    it stops instead, until dlock hands it the terminal and continues it.)"""
-    deadline = time.monotonic() + timeout
-    while not (os.tcgetpgrp(fd) == pid and process_state(pid) == "S"):
-        assert time.monotonic() < deadline, (os.tcgetpgrp(fd), process_state(pid))
-        time.sleep(0.01)
-
-
-class Screen:
-    """A pseudo-terminal's output, read as it comes, each expected text consumed."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.seen = b""
-
-    def expect(self, text: bytes, timeout: float = 20) -> None:
-        self.expect_match(re.escape(text), timeout)
-
-    def expect_match(self, pattern: bytes, timeout: float = 20) -> re.Match[bytes]:
-        deadline = time.monotonic() + timeout
-        while (match := re.search(pattern, self.seen)) is None:
-            assert time.monotonic() < deadline, (pattern, self.seen)
-            if select.select([self.fd], [], [], 0.1)[0]:
-                self.seen += os.read(self.fd, 1024)
-        self.seen = self.seen[match.end() :]
-        return match
+    argv = [DLOCK, "run", name, "--", sys.executable, "-c", child]
+    with in_a_pty(argv, {**os.environ, "DLOCK_URL": db}) as terminal:
+        terminal.expect(b"ready")
+        terminal.type(b"hello\n")
+        terminal.expect(b"got hello")
+        assert terminal.wait() == 0
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -437,34 +442,25 @@ def test_job_control_in_an_interactive_shell(db: str, name: str) -> None:
         "CHILD_PYTHON": sys.executable,
         "PATH": f"{Path(DLOCK).parent}:{os.environ['PATH']}",
     }
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve("/bin/sh", ["sh", "-c", "exec bash --norc --noprofile -i"], env)
-    screen = Screen(fd)
-    try:
-        screen.expect(b"prompt$ ")
-        os.write(fd, f'dlock run {name} -- "$CHILD_PYTHON" -c "$CHILD"\n'.encode())
-        command = int(screen.expect_match(rb"ready (\d+)\r?\n")[1])
-        reading_the_terminal(fd, command)
-        os.write(fd, b"\x1a")  # Ctrl-Z, to the command's group
-        screen.expect(b"Stopped")
-        screen.expect(b"prompt$ ")
+    with in_a_pty(["/bin/sh", "-c", "exec bash --norc --noprofile -i"], env) as terminal:
+        terminal.expect(b"prompt$ ")
+        terminal.type(f'dlock run {name} -- "$CHILD_PYTHON" -c "$CHILD"\n'.encode())
+        command = int(terminal.expect_match(rb"ready (\d+)\r?\n")[1])
+        terminal.wait_until_reading(command)
+        terminal.type(b"\x1a")  # Ctrl-Z, to the command's group
+        terminal.expect(b"Stopped")
+        terminal.expect(b"prompt$ ")
         with dlock.connect(db) as client:
             assert client.inspect(name) is not None, "a stopped job keeps its lock"
-        os.write(fd, b"fg\n")
-        reading_the_terminal(fd, command)
-        os.write(fd, b"hello\n")
-        screen.expect(b"got hello")
-        screen.expect(b"prompt$ ")
-        os.write(fd, b"echo status=$?.\n")
-        screen.expect(b"status=0.")
-        os.write(fd, b"exit\n")
-        os.waitpid(pid, 0)
-    finally:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+        terminal.type(b"fg\n")
+        terminal.wait_until_reading(command)
+        terminal.type(b"hello\n")
+        terminal.expect(b"got hello")
+        terminal.expect(b"prompt$ ")
+        terminal.type(b"echo status=$?.\n")
+        terminal.expect(b"status=0.")
+        terminal.type(b"exit\n")
+        terminal.wait()
     with dlock.connect(db) as client:
         assert client.inspect(name) is None
 
