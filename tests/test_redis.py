@@ -489,6 +489,26 @@ def test_redlock_master_paused_during_hold(own_masters: list[RedisServer]) -> No
         lock.release()
 
 
+def test_a_redlock_renewal_keeps_the_drift_allowance_on_every_master(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """The holder counts a renewed lease's full TTL from before the call; each master
+    keeps it longer by the drift allowance, so one whose clock runs fast (up to the
+    allowed 1%) does not end it while the holder still counts it held."""
+    ttl = 10.0
+    masters = [redis.Redis(host="127.0.0.1", port=m.port) for m in redlock_servers]
+    with (
+        dlock.connect(make_redlock_url(redlock_servers)) as client,
+        client.lock(unique(), ttl=5, auto_renew=False) as lock,
+    ):
+        lock.extend(ttl)
+        left = [master.pttl(Keys(b"dlock", lock.name).lease) for master in masters]
+        # Read within a few ms of the extend: a PTTL of the TTL alone is too short.
+        assert all(ms > ttl * 1000 * (1 + DRIFT_FACTOR / 2) for ms in left), left
+    for master in masters:
+        master.close()
+
+
 def test_redlock_fencing_token_rises_over_disagreeing_masters(
     own_masters: list[RedisServer],
 ) -> None:

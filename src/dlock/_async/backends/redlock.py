@@ -260,8 +260,12 @@ class AsyncRedlockBackend(AsyncBackend):
         return (await self.extend_many([Lease(name, token, ttl)]))[0]
 
     async def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """Each master keeps a renewed lease the drift allowance longer than asked: the
+        holder counts the full TTL from before the call (the seam's promise), and a
+        master whose clock runs fast would otherwise end it before the holder stops."""
         started = time.monotonic()
-        results = await self._each(lambda m: m.extend_many(leases))
+        padded = [Lease(x.name, x.token, x.ttl + _drift(x.ttl)) for x in leases]
+        results = await self._each(lambda m: m.extend_many(padded))
         answered = [r for r in results if not isinstance(r, BackendError)]
         if len(answered) < self._quorum:
             raise self._no_quorum(results, "extend")
