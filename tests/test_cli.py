@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import dlock
+from tests.servers import free_port
 
 DLOCK = str(Path(sys.executable).with_name("dlock"))
 
@@ -604,8 +605,11 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     assert empty.returncode == 2 and "empty" in empty.stderr
     unknown = dlock_cmd("nosuch://x", "status", "x")
     assert unknown.returncode == 2 and "unknown URL scheme" in unknown.stderr
-    down = dlock_cmd("sqlite:///proc/no-such-dir/x.db", "run", "x", "--", "true")
-    assert down.returncode == 69 and "backend error" in down.stderr
+    unusable = dlock_cmd("sqlite:///proc/no-such-dir/x.db", "run", "x", "--", "true")
+    assert unusable.returncode == 76 and "backend error" in unusable.stderr
+    nobody_there = f"postgresql://dlock@127.0.0.1:{free_port()}/dlock?connect_timeout=1"
+    down = dlock_cmd(nobody_there, "run", "x", "--", "true")
+    assert down.returncode == 69 and "backend error" in down.stderr, down.stderr
     negative_wait = dlock_cmd(db, "run", "-w", "-1", "x", "--", "true")
     assert negative_wait.returncode == 2 and "timeout" in negative_wait.stderr
     negative_grace = dlock_cmd(db, "run", "--grace", "-1", "x", "--", "true")

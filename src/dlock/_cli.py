@@ -22,7 +22,7 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from . import __version__
-from ._errors import BackendError, LockError, LockLost
+from ._errors import BackendError, BackendUnavailable, LockError, LockLost
 from ._job import Interrupted, Job, forwarding_signals
 from ._sync.client import DEFAULT_TTL, Client, connect
 from ._sync.lock import Lock
@@ -32,7 +32,8 @@ from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE
 #: Exit statuses of our own (the child's status passes through ``run`` unchanged).
 EXIT_CONFLICT = 1  # flock's default; -E changes it
 EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend could not be used
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend could not be reached; worth retrying
+EXIT_REFUSED = 76  # EX_PROTOCOL: the backend answered with a refusal or failure
 EXIT_IOERR = 74  # EX_IOERR: the output could not be written (closed, disk full)
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost while the command ran
 
@@ -52,8 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             status: int = args.handler(client, args)
     except BackendError as exc:
+        # Told apart so a script retries only what a retry can mend: a server that is
+        # down, not one that refuses the credentials or is a read-only replica.
         print(f"dlock: backend error: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return EXIT_UNAVAILABLE if isinstance(exc, BackendUnavailable) else EXIT_REFUSED
     except LockError as exc:  # bad URL, name, TTL or timeout
         print(f"dlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -127,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
             "command leaves running is stopped: TERM, then KILL after --grace). Exit "
             "status: the command's; the conflict code if the lock was not acquired; "
             f"{EXIT_LOST} if the lease was lost (the group is stopped the same way); "
-            f"{EXIT_UNAVAILABLE} if the backend failed."
+            f"{EXIT_UNAVAILABLE} if the backend could not be reached, {EXIT_REFUSED} if it "
+            "refused or failed (credentials, privileges, a read-only replica)."
         ),
     )
     run.add_argument(
