@@ -19,6 +19,7 @@ import pytest
 
 import dlock
 import dlock.aio
+from dlock._sync.backends.sqlite import SQLiteBackend
 from tests.conformance.helpers import ROOT
 
 # Imports first, then waits for the start signal, so that every process opens the file
@@ -625,6 +626,9 @@ def _in_a_child_forked_without_hooks(client: dlock.Client) -> str:
     read, write = os.pipe()
     child = ctypes.PyDLL(None).fork()
     if child == 0:
+        # A child that hangs ends at the alarm, answering nothing (not pytest's handler).
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(10)
         try:
             lock = client.lock("job", ttl=5)
             answer = f"acquired {lock.acquire(timeout=0)}"
@@ -658,6 +662,35 @@ def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
         answer = _in_a_child_forked_without_hooks(used)
         assert answer.startswith("BackendError") and "--py-call-osafterfork" in answer, answer
         assert used.lock("job", ttl=5).acquire(timeout=0)
+
+
+def test_a_child_forked_without_hooks_while_a_thread_opens_the_file_refuses(
+    tmp_path: Path,
+) -> None:
+    """A thread of the parent opening the connection holds the backend's mutex, and a
+    child forked without Python's hooks gets it held by a thread it does not have: its
+    first statement waited for ever. It refuses, as when the connection was open."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as opening:
+        backend = opening._backend
+        assert isinstance(backend, SQLiteBackend)
+        mutex = backend._mutex
+        held, done = threading.Event(), threading.Event()
+
+        def open_the_file() -> None:
+            with mutex:  # as _transaction holds it while _connect runs
+                held.set()
+                done.wait()
+
+        thread = threading.Thread(target=open_the_file)
+        thread.start()
+        held.wait()
+        try:
+            answer = _in_a_child_forked_without_hooks(opening)
+        finally:
+            done.set()
+            thread.join()
+        assert answer.startswith("BackendError"), f"the child answered {answer!r}"
+        assert "--py-call-osafterfork" in answer, answer
 
 
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")

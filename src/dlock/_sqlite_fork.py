@@ -64,9 +64,9 @@ MID_STATEMENT = (
 FORKED_WITHOUT_HOOKS = (
     "SQLite: this process was forked without Python's at-fork hooks (uWSGI forks its"
     " workers so by default: run it with --py-call-osafterfork or --lazy-apps) while its"
-    " parent had a SQLite connection open; SQLite's file locks are not inherited, so this"
-    " process would hold none, and write where other processes do not look. It refuses"
-    " SQLite"
+    " parent had a SQLite connection open (or being opened); SQLite's file locks are not"
+    " inherited, so this process would hold none, and write where other processes do not"
+    " look. It refuses SQLite"
 )
 
 
@@ -132,21 +132,36 @@ def _after_fork_in_child() -> None:
 
 def check_process() -> None:
     """Refuse SQLite in a process that must not use it. A fork that ran no Python hooks
-    closed nothing first: if the parent had a connection open, the child refuses.
+    closed nothing first: if the parent had a connection open, or a thread of the parent
+    was using a backend (opening its connection, say: its mutex came along held by a
+    thread the child does not have, and the child's first statement would wait for it
+    for ever), the child refuses.
 
     Runs per transaction, so it reads the generation rather than the pid (a system
     call): the public call that led here has brought it up to date (dlock._fork.current),
     a hookless fork included, and such a fork shows as a generation whose hooks did not
     run, as only _after_fork_in_child moves ``_hooked_generation`` on to a new one."""
+    reason = refusal_now()
+    if reason is not None:
+        raise BackendError(reason)
+
+
+def refusal_now() -> str | None:
+    """Why this process must not use SQLite, if it must not (see check_process)."""
     global refusal, _hooked_generation
     if _fork.generation != _hooked_generation:
         with _backends_guard:
             if _fork.generation != _hooked_generation:
-                if any(backend._connection is not None for backend in list(_backends)):
+                if any(_in_use(backend) for backend in list(_backends)):
                     refusal = FORKED_WITHOUT_HOOKS
                 _hooked_generation = _fork.generation
-    if refusal is not None:
-        raise BackendError(refusal)
+    return refusal
+
+
+def _in_use(backend: SQLiteUser) -> bool:
+    """Whether the parent had left ``backend`` in use: checked once, in a child forked
+    without hooks, before any of its own threads can take the mutex."""
+    return backend._connection is not None or backend._mutex.locked()
 
 
 if hasattr(os, "register_at_fork"):  # Windows cannot fork

@@ -381,8 +381,10 @@ class SQLiteBackend(Backend):
                 self._user = None
 
     def _close(self) -> None:
-        if _sqlite_fork.refusal is not None:
-            return  # left alone: its statement may be the parent's, cut off by the fork
+        if _sqlite_fork.refusal_now() is not None:
+            # Left alone: its statement may be the parent's, cut off by the fork (and
+            # its mutex held by a thread that is not here).
+            return
         with self._using():
             if self._connection is not None:
                 self._connection.close()
