@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -620,9 +621,10 @@ def test_a_process_that_unshared_a_time_namespace_for_its_children_is_refused(
         assert not client.lock("job", ttl=5).acquire(timeout=0), "a live lease taken over"
 
 
-def _in_a_child_forked_without_hooks(client: dlock.Client) -> str:
+def _in_a_child_forked_without_hooks(client: dlock.Client, fork_first: bool = False) -> str:
     """Try ``client`` in a child forked as uWSGI forks its workers, from C without
-    Python's at-fork hooks (``ctypes.PyDLL(None).fork()``); what it answered."""
+    Python's at-fork hooks (``ctypes.PyDLL(None).fork()``); what it answered. With
+    ``fork_first``, the child first forks (and reaps) a child of its own."""
     read, write = os.pipe()
     child = ctypes.PyDLL(None).fork()
     if child == 0:
@@ -630,6 +632,11 @@ def _in_a_child_forked_without_hooks(client: dlock.Client) -> str:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.alarm(10)
         try:
+            if fork_first:
+                grandchild = os.fork()
+                if grandchild == 0:
+                    os._exit(0)
+                os.waitpid(grandchild, 0)
             lock = client.lock("job", ttl=5)
             answer = f"acquired {lock.acquire(timeout=0)}"
             lock.release()
@@ -664,33 +671,54 @@ def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
         assert used.lock("job", ttl=5).acquire(timeout=0)
 
 
+@contextlib.contextmanager
+def a_thread_opening_the_file(client: dlock.Client) -> Iterator[None]:
+    """A thread of this process holds ``client``'s SQLite mutex, as while it opens the
+    connection."""
+    backend = client._backend
+    assert isinstance(backend, SQLiteBackend)
+    held, done = threading.Event(), threading.Event()
+
+    def open_the_file() -> None:
+        with backend._mutex:
+            held.set()
+            done.wait()
+
+    thread = threading.Thread(target=open_the_file)
+    thread.start()
+    held.wait()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_a_child_forked_without_hooks_while_a_thread_opens_the_file_refuses(
     tmp_path: Path,
 ) -> None:
     """A thread of the parent opening the connection holds the backend's mutex, and a
     child forked without Python's hooks gets it held by a thread it does not have: its
     first statement waited for ever. It refuses, as when the connection was open."""
-    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as opening:
-        backend = opening._backend
-        assert isinstance(backend, SQLiteBackend)
-        mutex = backend._mutex
-        held, done = threading.Event(), threading.Event()
+    with (
+        dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as opening,
+        a_thread_opening_the_file(opening),
+    ):
+        answer = _in_a_child_forked_without_hooks(opening)
+    assert answer.startswith("BackendError"), f"the child answered {answer!r}"
+    assert "--py-call-osafterfork" in answer, answer
 
-        def open_the_file() -> None:
-            with mutex:  # as _transaction holds it while _connect runs
-                held.set()
-                done.wait()
 
-        thread = threading.Thread(target=open_the_file)
-        thread.start()
-        held.wait()
-        try:
-            answer = _in_a_child_forked_without_hooks(opening)
-        finally:
-            done.set()
-            thread.join()
-        assert answer.startswith("BackendError"), f"the child answered {answer!r}"
-        assert "--py-call-osafterfork" in answer, answer
+def test_a_child_forked_without_hooks_can_fork_before_it_uses_dlock(tmp_path: Path) -> None:
+    """Such a child's own ``os.fork()`` ran the hook that closes every connection first,
+    taking each backend's mutex: it waited for ever for the one a thread that is not
+    there held (and would have closed connections that are the parent's)."""
+    with (
+        dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as opening,
+        a_thread_opening_the_file(opening),
+    ):
+        answer = _in_a_child_forked_without_hooks(opening, fork_first=True)
+    assert answer.startswith("BackendError"), f"the child answered {answer!r}"
 
 
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")

@@ -93,12 +93,18 @@ def _before_fork() -> None:
     One that the forking thread itself is running (a signal handler forks in its middle)
     cannot end first: waiting would be for ever. Its connection stays open, and the
     child refuses SQLite. A fork within this hook (a signal handler again) skips what
-    the outer one holds, closed already.
+    the outer one holds, closed already. A process that refuses SQLite (one forked
+    without hooks from a parent using it) touches nothing: the connections are the
+    parent's, whose WAL their close could delete, and a mutex may be held by a thread
+    that is not here; its children refuse too.
     """
     me = threading.get_ident()
     _backends_guard.acquire()
     taken = _Fork()
     _forks_under_way.append(taken)
+    _fork.current()  # no public call may have noticed a fork made without hooks yet
+    if refusal_now() is not None:
+        return
     for backend in list(_backends):
         if backend._user == me:
             if backend._connection is not None:
