@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, ParamSpec, TypeVar
+
+from .. import _fork
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 IS_ASYNC = True
 Cancelled = asyncio.CancelledError
@@ -47,6 +51,18 @@ class WakeupEvent:
         """Wait until set or the timeout passes; True if it was set."""
         self._loop = asyncio.get_running_loop()
         return await wait_event(self._event, timeout)
+
+
+def notices_fork(method: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Makes ``method`` a public call, which notices a fork made without Python's hooks
+    (see ``_fork.current``) before the state it reaches compares generations."""
+
+    @functools.wraps(method)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        _fork.current()
+        return await method(*args, **kwargs)
+
+    return call
 
 
 async def sleep(seconds: float) -> None:

@@ -26,7 +26,7 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import WakeupEvent, serving, wait_done
+from ._primitives import WakeupEvent, notices_fork, serving, wait_done
 from .backend import AsyncBackend
 from .lock import _ACQUIRE_CALL, AsyncLock
 from .renewal import AsyncRenewer
@@ -137,24 +137,25 @@ class AsyncClient:
             cancel_on_lost=cancel_on_lost,
         )
 
+    @notices_fork
     async def inspect(self, name: str) -> LockInfo | None:
         """Who holds ``name`` now, or None if nobody does."""
-        _fork.current()  # each public call notices a fork made without Python's hooks
         return await self._backend.inspect(check_name(name))
 
+    @notices_fork
     async def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
-        _fork.current()
         return await self._backend.list(check_prefix(prefix))
 
+    @notices_fork
     async def force_release(self, name: str) -> bool:
         """Free ``name`` whoever holds it (an operator's tool); True if it was held.
 
         The evicted holder finds out at its next renewal, release or extend.
         """
-        _fork.current()
         return await self._backend.force_release(check_name(name))
 
+    @notices_fork
     async def prune(self, older_than: float = DEFAULT_PRUNE_AGE, *, batch: int = 1000) -> int:
         """Forget names nobody has held for ``older_than`` seconds (default a day, at
         least ten minutes); return how many. A maintenance job for SQL lock tables,
@@ -167,7 +168,6 @@ class AsyncClient:
         it, so a table grown large is pruned in short steps.
         """
         older_than, batch = check_prune_age(older_than), check_batch(batch)
-        _fork.current()
         removed = 0
         while True:
             deleted = await self._backend.prune(older_than, batch)
@@ -207,10 +207,10 @@ class AsyncClient:
         an event loop that has ended are dropped: they will not run again."""
         self._give_backs = [x for x in self._give_backs if serving(x)] + [give_back]
 
+    @notices_fork
     async def aclose(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend.
         Its locks cannot be acquired afterwards: nothing would renew them."""
-        _fork.current()
         self._closed = True
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;

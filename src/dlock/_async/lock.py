@@ -32,6 +32,7 @@ from ._primitives import (
     cancel_task,
     current_task,
     lost_cancel,
+    notices_fork,
     serving,
     sleep,
     spawn,
@@ -152,9 +153,9 @@ class AsyncLock:
         """
         return await self._enter(timeout, _Call())
 
+    @notices_fork
     async def _enter(self, timeout: float | None, call: _Call) -> bool:
-        """acquire(), its grant recorded in ``call`` (see _undo_entry)."""
-        _fork.current()  # each public call notices a fork made without Python's hooks
+        """acquire() and ``with``, the grant recorded in ``call`` (see _undo_entry)."""
         wait = check_timeout(timeout)
         self._check_open()
         if cancel_requests():
@@ -606,6 +607,7 @@ class AsyncLock:
                 # Due sooner now, perhaps: confirm it before it runs out.
                 self._client._renewer.reschedule(self)
 
+    @notices_fork
     async def release(self) -> None:
         """Leave the lock once (a reentrant lock is freed by its last release).
 
@@ -614,7 +616,6 @@ class AsyncLock:
         or is cancelled raises too, and this object no longer holds nor renews the lease
         (it is given back in the background, else ends by its TTL).
         """
-        _fork.current()
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
@@ -650,10 +651,10 @@ class AsyncLock:
             # Released, and the caller's cancellation lost by a client library meanwhile.
             await lost_cancel()
 
+    @notices_fork
     async def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
         seconds = self.ttl if ttl is None else check_ttl(ttl)
-        _fork.current()
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:

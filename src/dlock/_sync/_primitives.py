@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
+
+from .. import _fork
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 IS_ASYNC = False
 
@@ -31,6 +35,18 @@ class WakeupEvent:
 
 class Cancelled(BaseException):
     """Never raised: threads cannot be cancelled, so the sync face only reports a loss."""
+
+
+def notices_fork(method: Callable[P, T]) -> Callable[P, T]:
+    """Makes ``method`` a public call, which notices a fork made without Python's hooks
+    (see ``_fork.current``) before the state it reaches compares generations."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        _fork.current()
+        return method(*args, **kwargs)
+
+    return call
 
 
 def sleep(seconds: float) -> None:

@@ -27,7 +27,7 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import WakeupEvent, serving, wait_done
+from ._primitives import WakeupEvent, notices_fork, serving, wait_done
 from .backend import Backend
 from .lock import _ACQUIRE_CALL, Lock
 from .renewal import Renewer
@@ -138,24 +138,25 @@ class Client:
             cancel_on_lost=cancel_on_lost,
         )
 
+    @notices_fork
     def inspect(self, name: str) -> LockInfo | None:
         """Who holds ``name`` now, or None if nobody does."""
-        _fork.current()  # each public call notices a fork made without Python's hooks
         return self._backend.inspect(check_name(name))
 
+    @notices_fork
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
-        _fork.current()
         return self._backend.list(check_prefix(prefix))
 
+    @notices_fork
     def force_release(self, name: str) -> bool:
         """Free ``name`` whoever holds it (an operator's tool); True if it was held.
 
         The evicted holder finds out at its next renewal, release or extend.
         """
-        _fork.current()
         return self._backend.force_release(check_name(name))
 
+    @notices_fork
     def prune(self, older_than: float = DEFAULT_PRUNE_AGE, *, batch: int = 1000) -> int:
         """Forget names nobody has held for ``older_than`` seconds (default a day, at
         least ten minutes); return how many. A maintenance job for SQL lock tables,
@@ -168,7 +169,6 @@ class Client:
         it, so a table grown large is pruned in short steps.
         """
         older_than, batch = check_prune_age(older_than), check_batch(batch)
-        _fork.current()
         removed = 0
         while True:
             deleted = self._backend.prune(older_than, batch)
@@ -208,10 +208,10 @@ class Client:
         an event loop that has ended are dropped: they will not run again."""
         self._give_backs = [x for x in self._give_backs if serving(x)] + [give_back]
 
+    @notices_fork
     def close(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend.
         Its locks cannot be acquired afterwards: nothing would renew them."""
-        _fork.current()
         self._closed = True
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;

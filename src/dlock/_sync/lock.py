@@ -33,6 +33,7 @@ from ._primitives import (
     cancel_task,
     current_task,
     lost_cancel,
+    notices_fork,
     serving,
     sleep,
     spawn,
@@ -153,9 +154,9 @@ class Lock:
         """
         return self._enter(timeout, _Call())
 
+    @notices_fork
     def _enter(self, timeout: float | None, call: _Call) -> bool:
-        """acquire(), its grant recorded in ``call`` (see _undo_entry)."""
-        _fork.current()  # each public call notices a fork made without Python's hooks
+        """acquire() and ``with``, the grant recorded in ``call`` (see _undo_entry)."""
         wait = check_timeout(timeout)
         self._check_open()
         if cancel_requests():
@@ -607,6 +608,7 @@ class Lock:
                 # Due sooner now, perhaps: confirm it before it runs out.
                 self._client._renewer.reschedule(self)
 
+    @notices_fork
     def release(self) -> None:
         """Leave the lock once (a reentrant lock is freed by its last release).
 
@@ -615,7 +617,6 @@ class Lock:
         or is cancelled raises too, and this object no longer holds nor renews the lease
         (it is given back in the background, else ends by its TTL).
         """
-        _fork.current()
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
@@ -651,10 +652,10 @@ class Lock:
             # Released, and the caller's cancellation lost by a client library meanwhile.
             lost_cancel()
 
+    @notices_fork
     def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
         seconds = self.ttl if ttl is None else check_ttl(ttl)
-        _fork.current()
         if not self._count:
             raise NotOwner(f"lock {self.name!r} is not held by this object")
         if self.lost:
