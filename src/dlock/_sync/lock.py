@@ -157,6 +157,7 @@ class Lock:
     @notices_fork
     def _enter(self, timeout: float | None, call: _Call) -> bool:
         """acquire() and ``with``, the grant recorded in ``call`` (see _undo_entry)."""
+        self._check_forked()  # once for all this call does (see there)
         wait = check_timeout(timeout)
         self._check_open()
         if cancel_requests():
@@ -272,7 +273,6 @@ class Lock:
         """
         call.user = (current_task(), threading.get_ident())
         while True:
-            self._check_forked()
             with self._sharing:
                 seeker = self._seeker
                 inside = seeker is not None and seeker.user == call.user
@@ -298,7 +298,6 @@ class Lock:
     def _end_turn(self, call: _Call) -> None:
         """``call``'s acquire ended (granted, timed out, failed or cancelled): hand the
         turn back to the seeker it took it over from, else to the users waiting."""
-        self._check_forked()
         with self._sharing:
             if self._seeker is not call:
                 return  # a turn of the parent process, ending in a forked child
@@ -380,7 +379,6 @@ class Lock:
         object has. Not the backend's waiter: our attempt made no round trip, so took no
         place that its release would wake (Redis), and a SQL session waiter would find
         the lock held by this very owner token and return at once (a busy loop)."""
-        self._check_forked()
         with self._sharing:
             if self._freed is None:
                 self._freed = WakeupEvent()
@@ -485,8 +483,6 @@ class Lock:
         object's owner token, and must not release what the attempt is granted. Returns
         the give-back to wait for before trying again, or None once counted. Not a
         coroutine: this is on every acquire's path, and rarely has anything to wait for."""
-        if self._fork_generation != _fork.generation:
-            self._check_forked()
         with self._sharing:
             give_back = self._give_back
             if give_back is not None and serving(give_back):
@@ -498,7 +494,13 @@ class Lock:
         """In a forked child, the sharing state copied is the parent's: attempts that
         its other threads had in flight (never to end here, so the child's give-backs
         would wait for them for ever), its give-back, and a lock one of them may hold or
-        seek (a seeker that never ends here)."""
+        seek (a seeker that never ends here). Checked once as an acquire call starts,
+        which covers all it does, and by the helpers that a release, a ``with`` block's
+        exit or close() reach (_wake_sharers, _give_back_later), off their fast path.
+
+        Once per call is enough: the calls of the parent's other threads do not go on
+        in the child. One of the thread that forked (from a signal handler) does, with
+        the state as it was, until the child's next call starts over."""
         if self._fork_generation != _fork.generation:
             with _fork.guard:
                 if self._fork_generation != _fork.generation:
