@@ -114,13 +114,12 @@ class Lock:
         self._to_give_back = 0
         self._attempts = 0
         self._sharing = threading.Lock()
-        #: Set (and dropped) when this object's hold ends: what a waiter that another
-        #: user of this object kept out waits for (see _wait_for_sharer); under _sharing.
-        self._freed: WakeupEvent | None = None
-        #: The acquire call that is this object's seeker (see _take_turn), and what the
-        #: other users waiting for their turn wait on; under _sharing.
+        #: The acquire call that is this object's seeker (see _take_turn); under _sharing.
         self._seeker: _Call | None = None
-        self._turn_over: WakeupEvent | None = None
+        #: Set (and dropped) when the turn or this object's hold ends: what the users of
+        #: this object that another user keeps out wait on (see _wait_for_sharer); under
+        #: _sharing.
+        self._changed: WakeupEvent | None = None
         #: The process generation (see dlock._fork) that the sharing state is from.
         self._fork_generation = _fork.generation
 
@@ -279,20 +278,14 @@ class Lock:
                 if inside or (seeker is None and not self._count):
                     call.within, self._seeker = seeker, call
                     return True
-                if seeker is None:
-                    turn_over = None  # no turn to wait for: the object is held
-                else:
-                    turn_over = self._turn_over = self._turn_over or WakeupEvent()
-            if turn_over is None and not self.reentrant:
+            if seeker is None and not self.reentrant:
                 raise self._acquired_meanwhile()
             remaining = None if deadline is None else deadline - self._client._clock()
             if remaining is not None and remaining <= 0:
                 return False
             with self._parked():
-                if turn_over is not None:
-                    turn_over.wait(remaining)
-                else:
-                    self._wait_for_sharer(remaining)
+                # No seeker: the object is held, and it is the hold's end to wait for.
+                self._wait_for_sharer(remaining, seeker)
             self._still_wanted(cancels)
 
     def _end_turn(self, call: _Call) -> None:
@@ -302,11 +295,11 @@ class Lock:
             if self._seeker is not call:
                 return  # a turn of the parent process, ending in a forked child
             self._seeker = call.within
-            turn_over = None
+            changed = None
             if self._seeker is None:
-                turn_over, self._turn_over = self._turn_over, None
-        if turn_over is not None:
-            turn_over.set()
+                changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def _acquired_meanwhile(self) -> AlreadyAcquired:
         return AlreadyAcquired(
@@ -342,7 +335,7 @@ class Lock:
                     delay = self._delay(attempt, busy.retry_after, False, remaining)
                 if busy is _SHARER_HOLDS:
                     with self._parked():
-                        self._wait_for_sharer(delay)
+                        self._wait_for_sharer(delay, None)
                 elif self._wait_for_release(waiter, delay):
                     return True
                 attempt += 1
@@ -374,25 +367,28 @@ class Lock:
         finally:
             self._attempt_ends()
 
-    def _wait_for_sharer(self, delay: float | None) -> None:
-        """Wait (up to ``delay``) for the end of the hold that another user of this
-        object has. Not the backend's waiter: our attempt made no round trip, so took no
-        place that its release would wake (Redis), and a SQL session waiter would find
-        the lock held by this very owner token and return at once (a busy loop)."""
+    def _wait_for_sharer(self, delay: float | None, seeker: _Call | None) -> None:
+        """Wait (up to ``delay``) for another user of this object to let this call go
+        on: for the end of ``seeker``'s turn, or, given None, of the hold that another
+        user has; or for any other change of the turn or hold, after which the caller
+        looks again. Not the backend's waiter: our attempt made no round trip, so took
+        no place that its release would wake (Redis), and a SQL session waiter would
+        find the lock held by this very owner token and return at once (a busy loop)."""
         with self._sharing:
-            if self._freed is None:
-                self._freed = WakeupEvent()
-            freed = self._freed
-        if self._count:
-            freed.wait(delay)
+            changed = self._changed = self._changed or WakeupEvent()
+            # Looked at once the event exists: a release ends the hold without _sharing,
+            # and wakes only an event that it sees (see _wake_sharers).
+            kept_out = self._seeker is seeker if seeker is not None else self._count > 0
+        if kept_out:
+            changed.wait(delay)
 
     def _wake_sharers(self) -> None:
-        """This object's hold ended: wake the users of it that wait for that."""
+        """This object's hold ended: wake the users of it that wait (_wait_for_sharer)."""
         self._check_forked()
         with self._sharing:
-            freed, self._freed = self._freed, None
-        if freed is not None:
-            freed.set()
+            changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def _delay(
         self, attempt: int, retry_after: float | None, notifies: bool, remaining: float | None
@@ -506,8 +502,7 @@ class Lock:
                 if self._fork_generation != _fork.generation:
                     self._sharing = threading.Lock()
                     self._attempts = self._to_give_back = 0
-                    self._give_back = self._freed = None
-                    self._seeker = self._turn_over = None
+                    self._give_back = self._seeker = self._changed = None
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -643,7 +638,7 @@ class Lock:
             if not last:
                 self._client._renewer.discard(self)
             self._client._let_go(self)
-            if self._freed is not None:
+            if self._changed is not None:
                 self._wake_sharers()
         elif self.auto_renew and not self._lost:
             # Entries left where this object counted none (a re-entry the backend applied
@@ -742,7 +737,7 @@ class Lock:
         self._count = 0
         self._client._renewer.discard(self)
         self._client._let_go(self)
-        if self._freed is not None:
+        if self._changed is not None:
             self._wake_sharers()
 
     def _abandon(self, entries: int | None = None) -> None:
