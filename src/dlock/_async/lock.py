@@ -248,7 +248,8 @@ class AsyncLock:
         no wait (busy means lost): it needs no turn, and never waits for one."""
         if reentry:
             return await self._seek(wait, deadline, cancels, reentry)
-        if not await self._take_turn(call, deadline, cancels):
+        # Taken at once unless another user keeps it: no coroutine on that path.
+        if self._turn(call) is not call and not await self._take_turn(call, deadline, cancels):
             return False
         try:
             return await self._seek(wait, deadline, cancels, reentry)
@@ -269,14 +270,7 @@ class AsyncLock:
         as a call made while the object is held is. A call made inside the seeker's
         own (its thread or task: an on_lost it told) takes the turn over until it ends.
         """
-        call.user = (current_task(), threading.get_ident())
-        while True:
-            with self._sharing:
-                seeker = self._seeker
-                inside = seeker is not None and seeker.user == call.user
-                if inside or (seeker is None and not self._count):
-                    call.within, self._seeker = seeker, call
-                    return True
+        while (seeker := self._turn(call)) is not call:
             if seeker is None and not self.reentrant:
                 raise self._acquired_meanwhile()
             remaining = None if deadline is None else deadline - self._client._clock()
@@ -286,6 +280,22 @@ class AsyncLock:
                 # No seeker: the object is held, and it is the hold's end to wait for.
                 await self._wait_for_sharer(remaining, seeker)
             await self._still_wanted(cancels)
+        return True
+
+    def _turn(self, call: _Call) -> _Call | None:
+        """Make ``call`` the seeker if nothing keeps it out now (see _take_turn); return
+        the seeker then: ``call``, the other user's call, or None if the object is held.
+        One lock, so that two users never both become the seeker (threads, with or
+        without the GIL)."""
+        call.user = (current_task(), threading.get_ident())
+        with self._sharing:
+            seeker = self._seeker
+            if (seeker is None and not self._count) or (
+                seeker is not None and seeker.user == call.user
+            ):
+                call.within, self._seeker = seeker, call
+                return call
+            return seeker
 
     def _end_turn(self, call: _Call) -> None:
         """``call``'s acquire ended (granted, timed out, failed or cancelled): hand the
