@@ -567,6 +567,41 @@ def losing_cancellations(
     return sent_as_wait_for_did
 
 
+#: What clients_losing_cancellations yields: a client whose backend loses cancellations,
+#: another client of the same file, and a call that checks one operation timed out.
+LossyClients = tuple[
+    dlock.aio.AsyncClient, dlock.aio.AsyncClient, Callable[[Awaitable[Any]], Awaitable[None]]
+]
+
+
+@contextlib.asynccontextmanager
+async def clients_losing_cancellations(tmp_path: Path, *calls: str) -> AsyncIterator[LossyClients]:
+    """Two clients of one SQLite file; the first's backend sends ``calls`` (method names)
+    as redis-py sends every command (see losing_cancellations). The third value,
+    ``timed_out(operation)``, awaits ``operation`` under an ``asyncio.timeout`` that
+    expires just as the backend answers, and checks that it raised TimeoutError, with
+    the task's cancellation count back where it was."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        raise NotImplementedError("asyncio counts cancellations from 3.11")
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+        expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
+        for call in calls:
+            lossy = losing_cancellations(getattr(client._backend, call), expire_at_answer)
+            setattr(client._backend, call, lossy)
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def timed_out(operation: Awaitable[Any]) -> None:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    expire_at_answer.append(deadline)
+                    await operation
+            assert task.cancelling() == 0
+
+        yield client, other, timed_out
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
 def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: Path) -> None:
     """Before Python 3.12, ``asyncio.wait_for`` returns its inner task's result when a
@@ -576,36 +611,18 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: P
     raise TimeoutError at once (not let the wait go on until the holder left), with the
     task's cancellation count back where it was, and a lease granted by that call must
     be given back."""
-    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
-        return
-    url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            backend = client._backend
-            expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
-            lossy = losing_cancellations(backend.acquire, expire_at_answer)
-            backend.acquire = lossy  # type: ignore[method-assign,unused-ignore]
-            task = asyncio.current_task()
-            assert task is not None
+        async with clients_losing_cancellations(tmp_path, "acquire") as (client, other, timed_out):
             lock = client.lock("job", ttl=30)
-
             holder = other.lock("job", ttl=30)
             assert await holder.acquire(timeout=0)
             started = time.monotonic()
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(None) as deadline:
-                    expire_at_answer.append(deadline)
-                    await lock.acquire(timeout=3)
+            await timed_out(lock.acquire(timeout=3))
             assert time.monotonic() - started < 1, "the wait went on"
-            assert task.cancelling() == 0
             await holder.release()
 
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(None) as deadline:
-                    expire_at_answer.append(deadline)
-                    await lock.acquire(timeout=3)
-            assert task.cancelling() == 0
+            await timed_out(lock.acquire(timeout=3))
             assert lock.fencing_token is not None, "granted before the timeout"
             assert not lock.owned()
             assert await other.lock("job", ttl=30).acquire(timeout=5), "given back"
@@ -613,10 +630,7 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_acquire(tmp_path: P
             # A re-entry leaves its own entry; the outer hold stays.
             outer = client.lock("again", ttl=30, reentrant=True)
             assert await outer.acquire(timeout=0)
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(None) as deadline:
-                    expire_at_answer.append(deadline)
-                    await outer.acquire(timeout=0)
+            await timed_out(outer.acquire(timeout=0))
             info = await other.inspect("again")
             assert info is not None and info.count == 1
             assert outer.owned()
@@ -634,37 +648,19 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_release_and_extend(
     caller's ``asyncio.timeout`` expired, the cancellation lost on the way, still raises
     TimeoutError (the caller would otherwise go on past its deadline), with the work done:
     the lock released, the lease extended."""
-    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
-        return
-    url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            backend = client._backend
-            expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
-            lossy_extend = losing_cancellations(backend.extend, expire_at_answer)
-            lossy_release = losing_cancellations(backend.release, expire_at_answer)
-            backend.extend = lossy_extend  # type: ignore[method-assign,unused-ignore]
-            backend.release = lossy_release  # type: ignore[method-assign,unused-ignore]
-            task = asyncio.current_task()
-            assert task is not None
+        lossy = clients_losing_cancellations(tmp_path, "extend", "release")
+        async with lossy as (client, other, timed_out):
             lock = client.lock("job", ttl=2, auto_renew=False)
             assert await lock.acquire(timeout=0)
 
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(None) as deadline:
-                    expire_at_answer.append(deadline)
-                    await lock.extend(60)
-            assert task.cancelling() == 0
+            await timed_out(lock.extend(60))
             info = await other.inspect("job")
             assert info is not None and info.expires_in is not None and info.expires_in > 30
             assert lock.owned() and lock._deadline - client._clock() > 30
 
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(None) as deadline:
-                    expire_at_answer.append(deadline)
-                    await lock.release()
-            assert task.cancelling() == 0
+            await timed_out(lock.release())
             assert not lock.owned()
             assert await other.inspect("job") is None
 
