@@ -889,6 +889,9 @@ def taken_while_waiting(
 
     @asynccontextmanager
     async def taken_by_the_other_user(lock_name: str, token: str) -> AsyncIterator[AsyncWaiter]:
+        # Once: the other user's acquire may find the name busy for a moment after the
+        # release (ZooKeeper) and wait too, for real.
+        client._backend.waiter = real_waiter  # type: ignore[method-assign]
         async with real_waiter(lock_name, token) as waiter:
             real_wait = waiter.wait
 

@@ -882,6 +882,9 @@ def taken_while_waiting(
 
     @contextmanager
     def taken_by_the_other_user(lock_name: str, token: str) -> Iterator[Waiter]:
+        # Once: the other user's acquire may find the name busy for a moment after the
+        # release (ZooKeeper) and wait too, for real.
+        client._backend.waiter = real_waiter  # type: ignore[method-assign]
         with real_waiter(lock_name, token) as waiter:
             real_wait = waiter.wait
 
