@@ -411,6 +411,66 @@ def test_a_forked_child_closing_the_client_leaves_the_parents_locks(tmp_path: Pa
             lock.release()
 
 
+def in_a_forked_child(action: Callable[[], str]) -> str:
+    """What ``action`` answered in a forked child (its exception's type and text if it
+    raised), the child ended with ``os._exit``."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        answer = "nothing"
+        try:
+            answer = action()
+        except BaseException as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.write(write, answer.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answered:
+        text = answered.read().decode()
+    os.waitpid(child, 0)
+    return text
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
+    tmp_path: Path, reentrant: bool
+) -> None:
+    """A lock object copied into a forked child carries the parent's hold and owner
+    token: its release freed the parent's lease (a third process then took the lock
+    while the parent worked on), and a reentrant one's acquire re-entered it (parent
+    and child both held it). The hold stays the parent's; the child's release says
+    why it cannot, its acquire is a fresh one (busy here), and a ``with`` block entered
+    before the fork ends in the child without releasing."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        lock = client.lock("job", ttl=30, reentrant=reentrant)
+
+        def release() -> str:
+            lock.release()
+            return "released"
+
+        def enter() -> str:
+            return f"owned={lock.owned()} acquired={lock.acquire(timeout=0)}"
+
+        def leave_the_block() -> str:
+            # What a block's end runs: __exit__ (here without the body's frame).
+            lock.__exit__(None, None, None)
+            return "left"
+
+        with lock:
+            token = lock.fencing_token
+            assert "forked from" in in_a_forked_child(release)
+            assert in_a_forked_child(enter) == "owned=False acquired=False"
+            assert in_a_forked_child(leave_the_block) == "left"
+            info = client.inspect("job")
+            assert info is not None and info.fencing_token == token and info.count == 1
+            assert lock.owned()
+            assert not rival.lock("job", ttl=5).acquire(timeout=0)
+        assert client.inspect("job") is None
+
+
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_forked_child_gives_back_with_a_parents_attempt_in_flight(tmp_path: Path) -> None:
     """A thread of the parent has an attempt in flight on a lock object when the
@@ -446,8 +506,9 @@ def test_a_forked_child_gives_back_with_a_parents_attempt_in_flight(tmp_path: Pa
                 code = 0 if other.inspect("job") is None else 2
             finally:
                 os._exit(code)
-        forked.set()
+        # The parent's attempt goes on once the child is done: it would take the lock.
         _, status = os.waitpid(child, 0)
+        forked.set()
         thread.join()
         assert os.waitstatus_to_exitcode(status) == 0, "2: the child's lease not given back"
         client._backend.acquire = real_acquire  # type: ignore[method-assign]

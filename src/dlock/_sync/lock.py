@@ -80,6 +80,9 @@ class Lock:
         self.cancel_on_lost = cancel_on_lost
         self._client = client
         self._token = secrets.token_hex(16)
+        #: In a forked child: entries of the parent's hold (see _check_forked) whose
+        #: ``with`` blocks have yet to end here.
+        self._parents_entries = 0
         self._fencing_token: int | None = None
         self._count = 0
         self._lost = False
@@ -141,8 +144,10 @@ class Lock:
         """True while this object holds a lease that has not been lost or run out.
 
         Answered from what this process knows, without a round trip; a paused process can
-        only be sure of fencing tokens, which is why they exist.
+        only be sure of fencing tokens, which is why they exist. In a forked child, a
+        hold taken in the parent is the parent's, not this object's (see _check_forked).
         """
+        self._check_forked()
         return self._count > 0 and not self.lost
 
     def acquire(self, timeout: float | None = None) -> bool:
@@ -310,6 +315,14 @@ class Lock:
                 changed, self._changed = self._changed, None
         if changed is not None:
             changed.set()
+
+    def _not_owner(self) -> NotOwner:
+        if self._parents_entries:
+            return NotOwner(
+                f"lock {self.name!r} is held by the process this one was forked from, which"
+                " renews and releases it"
+            )
+        return NotOwner(f"lock {self.name!r} is not held by this object")
 
     def _acquired_meanwhile(self) -> AlreadyAcquired:
         return AlreadyAcquired(
@@ -506,13 +519,21 @@ class Lock:
 
         Once per call is enough: the calls of the parent's other threads do not go on
         in the child. One of the thread that forked (from a signal handler) does, with
-        the state as it was, until the child's next call starts over."""
+        the state as it was, until the child's next call starts over.
+
+        The hold and the owner token are the parent's too: the parent renews and
+        releases that lease. The child must neither release it nor re-enter it (a
+        re-entry under the shared token is granted: two processes would hold the lock),
+        so it acquires under a token of its own, and ``with`` blocks entered before the
+        fork end in the child without releasing (_parents_entries)."""
         if self._fork_generation != _fork.generation:
             with _fork.guard:
                 if self._fork_generation != _fork.generation:
                     self._sharing = threading.Lock()
                     self._attempts = self._to_give_back = 0
                     self._give_back = self._seeker = self._changed = None
+                    self._parents_entries, self._count = self._count, 0
+                    self._token = secrets.token_hex(16)
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -624,8 +645,9 @@ class Lock:
         or is cancelled raises too, and this object no longer holds nor renews the lease
         (it is given back in the background, else ends by its TTL).
         """
+        self._check_forked()
         if not self._count:
-            raise NotOwner(f"lock {self.name!r} is not held by this object")
+            raise self._not_owner()
         if self.lost:
             raise self._give_up_lost(told=True)
         last = self._count == 1
@@ -663,8 +685,9 @@ class Lock:
     def extend(self, ttl: float | None = None) -> None:
         """Make the lease end ``ttl`` seconds from now (default: the lock's own TTL)."""
         seconds = self.ttl if ttl is None else check_ttl(ttl)
+        self._check_forked()
         if not self._count:
-            raise NotOwner(f"lock {self.name!r} is not held by this object")
+            raise self._not_owner()
         if self.lost:
             self._declare_lost("the lease ran out before it could be extended", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
@@ -817,6 +840,12 @@ class Lock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        _fork.current()
+        self._check_forked()
+        if self._parents_entries:
+            # Entered before a fork, ending in the child: the hold is the parent's.
+            self._parents_entries -= 1
+            return
         # Only this block's entry goes: an outer block of a reentrant lock is still
         # to be cancelled on loss.
         task = current_task()
