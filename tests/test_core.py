@@ -628,6 +628,19 @@ def losing_cancellations(
     return sent_as_wait_for_did
 
 
+def then(
+    backend_call: Callable[..., Awaitable[Any]], meanwhile: Callable[[], Awaitable[None]]
+) -> Callable[..., Awaitable[Any]]:
+    """``backend_call``, followed by ``meanwhile`` before it answers."""
+
+    async def call(*args: Any) -> Any:
+        answer = await backend_call(*args)
+        await meanwhile()
+        return answer
+
+    return call
+
+
 #: What clients_losing_cancellations yields: a client whose backend loses cancellations,
 #: another client of the same file, and a call that checks one operation timed out.
 LossyClients = tuple[
@@ -636,9 +649,12 @@ LossyClients = tuple[
 
 
 @contextlib.asynccontextmanager
-async def clients_losing_cancellations(tmp_path: Path, *calls: str) -> AsyncIterator[LossyClients]:
+async def clients_losing_cancellations(
+    tmp_path: Path, *calls: str, meanwhile: Callable[[], Awaitable[None]] | None = None
+) -> AsyncIterator[LossyClients]:
     """Two clients of one SQLite file; the first's backend sends ``calls`` (method names)
-    as redis-py sends every command (see losing_cancellations). The third value,
+    as redis-py sends every command (see losing_cancellations), running ``meanwhile``
+    once each has been carried out, before its answer comes in. The third value,
     ``timed_out(operation)``, awaits ``operation`` under an ``asyncio.timeout`` that
     expires just as the backend answers, and checks that it raised TimeoutError, with
     the task's cancellation count back where it was."""
@@ -648,7 +664,10 @@ async def clients_losing_cancellations(tmp_path: Path, *calls: str) -> AsyncIter
     async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
         expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
         for call in calls:
-            lossy = losing_cancellations(getattr(client._backend, call), expire_at_answer)
+            carried_out = getattr(client._backend, call)
+            if meanwhile is not None:
+                carried_out = then(carried_out, meanwhile)
+            lossy = losing_cancellations(carried_out, expire_at_answer)
             setattr(client._backend, call, lossy)
         task = asyncio.current_task()
         assert task is not None
@@ -722,6 +741,29 @@ def test_a_cancellation_lost_by_a_client_library_still_stops_release_and_extend(
             assert lock.owned() and lock._deadline - client._clock() > 30
 
             await timed_out(lock.release())
+            assert not lock.owned()
+            assert await other.inspect("job") is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_cancellation_lost_by_an_extend_that_another_user_outran_still_stops_it(
+    tmp_path: Path,
+) -> None:
+    """The same for an extend carried out just before another user of the lock object
+    released it: it answers for a hold that is over, and must still raise the
+    caller's TimeoutError rather than return as if nothing had been asked of it."""
+
+    async def main() -> None:
+        async def released_by_another_user() -> None:
+            await lock.release()
+
+        lossy = clients_losing_cancellations(tmp_path, "extend", meanwhile=released_by_another_user)
+        async with lossy as (client, other, timed_out):
+            lock = client.lock("job", ttl=30, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            await timed_out(lock.extend(60))
             assert not lock.owned()
             assert await other.inspect("job") is None
 

@@ -707,14 +707,14 @@ class AsyncLock:
             self._lease_unsure(started, seconds, cap)
             if not extended:
                 raise NotOwner(f"lock {self.name!r} was released while it was being extended")
-            return
-        if not extended:
+        elif not extended:
             self._declare_lost("the lease had expired or been taken over before extend", told=True)
             raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
-        self._lease_renewed(started, seconds, cap)
-        if self.auto_renew:
-            # A shorter lease is due sooner than the renewer's sleep ends: wake it.
-            self._client._renewer.add(self)
+        else:
+            self._lease_renewed(started, seconds, cap)
+            if self.auto_renew:
+                # A shorter lease is due sooner than the renewer's sleep ends: wake it.
+                self._client._renewer.add(self)
         if cancel_requests() > cancels:
             await lost_cancel()  # extended, and the cancellation lost meanwhile
 
