@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import sqlite3
 import sys
 import threading
@@ -413,10 +414,12 @@ def test_a_forked_child_closing_the_client_leaves_the_parents_locks(tmp_path: Pa
 
 def in_a_forked_child(action: Callable[[], str]) -> str:
     """What ``action`` answered in a forked child (its exception's type and text if it
-    raised), the child ended with ``os._exit``."""
+    raised), the child ended with ``os._exit``; nothing if it hung (for 10 s)."""
     read, write = os.pipe()
     child = os.fork()
     if child == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's, if any
+        signal.alarm(10)
         answer = "nothing"
         try:
             answer = action()
@@ -469,6 +472,40 @@ def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
             assert lock.owned()
             assert not rival.lock("job", ttl=5).acquire(timeout=0)
         assert client.inspect("job") is None
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_forked_child_tells_a_loss_while_a_parents_thread_was_telling_one(
+    tmp_path: Path,
+) -> None:
+    """A thread of the parent (its renewer) was telling a loss of the lock object, its
+    on_lost running, when the process forked: the child got the object's loss lock
+    held by a thread it does not have, and the loss of its own hold of the object
+    later hung there."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=0.2, auto_renew=False)
+        telling, told = threading.Event(), threading.Event()
+
+        def tell_a_loss() -> None:
+            with lock._loss_lock:  # as _declare_lost holds it while on_lost runs
+                telling.set()
+                told.wait()
+
+        def lose_its_own_hold() -> str:
+            assert lock.acquire(timeout=0)
+            time.sleep(0.3)
+            with pytest.raises(dlock.LockLost):
+                lock.extend()
+            return "told"
+
+        thread = threading.Thread(target=tell_a_loss)
+        thread.start()
+        telling.wait()
+        try:
+            assert in_a_forked_child(lose_its_own_hold) == "told"
+        finally:
+            told.set()
+            thread.join()
 
 
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")

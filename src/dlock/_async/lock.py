@@ -528,7 +528,9 @@ class AsyncLock:
         if self._fork_generation != _fork.generation:
             with _fork.guard:
                 if self._fork_generation != _fork.generation:
-                    self._sharing = threading.Lock()
+                    # Taken, perhaps, by a thread that stayed in the parent (its
+                    # renewer telling a loss): it would never be let go here.
+                    self._sharing, self._loss_lock = threading.Lock(), threading.RLock()
                     self._attempts = self._to_give_back = 0
                     self._give_back = self._seeker = self._changed = None
                     self._parents_entries, self._count = self._count, 0
