@@ -1227,6 +1227,9 @@ async def test_a_waiter_cancelled_in_the_turnstile_takes_nothing_later(
         while _turnstile_held(server, name) or _turnstile_waiters(server, name):
             assert time.monotonic() < deadline, "the turnstile was never left"
             await asyncio.sleep(0.01)
+        # The cancelled wait's clean-up runs in the background, and may be giving back a
+        # take that came just before the server ended the wait: close() waits for it.
+        await behind.aclose()
         assert await later.inspect(name) is None, "a cancelled waiter holds the lease"
         assert await later.lock(name, ttl=30).acquire(timeout=0)
 
