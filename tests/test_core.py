@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import sqlite3
 import sys
 import threading
@@ -25,6 +24,7 @@ import dlock.aio
 from dlock import _registry
 from dlock._backoff import Backoff
 from dlock._fork import ForkFollower
+from tests.forking import answer_in_a_child
 
 
 def test_backoff_grows_with_jitter_up_to_the_cap() -> None:
@@ -412,29 +412,6 @@ def test_a_forked_child_closing_the_client_leaves_the_parents_locks(tmp_path: Pa
             lock.release()
 
 
-def in_a_forked_child(action: Callable[[], str]) -> str:
-    """What ``action`` answered in a forked child (its exception's type and text if it
-    raised), the child ended with ``os._exit``; nothing if it hung (for 10 s)."""
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's, if any
-        signal.alarm(10)
-        answer = "nothing"
-        try:
-            answer = action()
-        except BaseException as exc:
-            answer = f"{type(exc).__name__}: {exc}"
-        finally:
-            os.write(write, answer.encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as answered:
-        text = answered.read().decode()
-    os.waitpid(child, 0)
-    return text
-
-
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
@@ -464,9 +441,9 @@ def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
 
         with lock:
             token = lock.fencing_token
-            assert "forked from" in in_a_forked_child(release)
-            assert in_a_forked_child(enter) == "owned=False acquired=False"
-            assert in_a_forked_child(leave_the_block) == "left"
+            assert "forked from" in answer_in_a_child(release)
+            assert answer_in_a_child(enter) == "owned=False acquired=False"
+            assert answer_in_a_child(leave_the_block) == "left"
             info = client.inspect("job")
             assert info is not None and info.fencing_token == token and info.count == 1
             assert lock.owned()
@@ -502,7 +479,7 @@ def test_a_forked_child_tells_a_loss_while_a_parents_thread_was_telling_one(
         thread.start()
         telling.wait()
         try:
-            assert in_a_forked_child(lose_its_own_hold) == "told"
+            assert answer_in_a_child(lose_its_own_hold) == "told"
         finally:
             told.set()
             thread.join()

@@ -22,6 +22,7 @@ import dlock
 import dlock.aio
 from dlock._sync.backends.sqlite import SQLiteBackend
 from tests.conformance.helpers import ROOT
+from tests.forking import answer_in_a_child
 
 # Imports first, then waits for the start signal, so that every process opens the file
 # within the same few milliseconds.
@@ -625,31 +626,19 @@ def _in_a_child_forked_without_hooks(client: dlock.Client, fork_first: bool = Fa
     """Try ``client`` in a child forked as uWSGI forks its workers, from C without
     Python's at-fork hooks (``ctypes.PyDLL(None).fork()``); what it answered. With
     ``fork_first``, the child first forks (and reaps) a child of its own."""
-    read, write = os.pipe()
-    child = ctypes.PyDLL(None).fork()
-    if child == 0:
-        # A child that hangs ends at the alarm, answering nothing (not pytest's handler).
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(10)
-        try:
-            if fork_first:
-                grandchild = os.fork()
-                if grandchild == 0:
-                    os._exit(0)
-                os.waitpid(grandchild, 0)
-            lock = client.lock("job", ttl=5)
-            answer = f"acquired {lock.acquire(timeout=0)}"
-            lock.release()
-        except dlock.BackendError as exc:
-            answer = f"{type(exc).__name__} {exc}"
-        finally:
-            os.write(write, answer.encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as answered:
-        text = answered.read().decode()
-    os.waitpid(child, 0)
-    return text
+
+    def try_the_lock() -> str:
+        if fork_first:
+            grandchild = os.fork()
+            if grandchild == 0:
+                os._exit(0)
+            os.waitpid(grandchild, 0)
+        lock = client.lock("job", ttl=5)
+        answer = f"acquired {lock.acquire(timeout=0)}"
+        lock.release()
+        return answer
+
+    return answer_in_a_child(try_the_lock, fork=ctypes.PyDLL(None).fork)
 
 
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
