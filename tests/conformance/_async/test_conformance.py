@@ -284,16 +284,23 @@ async def test_reentrancy(url: str, name: str) -> None:
 
 
 async def test_reentry_extends_the_lease(url: str, name: str) -> None:
-    """A re-entry is a renewal: the lease runs a full ttl from it, not from the first entry."""
+    """A re-entry is a renewal: the lease runs a full ttl from it, not from the first entry.
+
+    Margins: the re-entry is sent 0.6 s before the first lease ends; the watch below
+    runs until 0.4 s past that end (on this client's clock: ``owned()`` fails there
+    if the re-entry did not move the deadline) and stops 0.5 s before the new lease
+    ends (time for the re-entry's and the other client's round trips). A backend that
+    did not extend lets the other client in while ``lock`` still counts itself the
+    holder, in the watch or in the acquire after it (``not lock.owned()``)."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
-        lock = first.lock(name, ttl=2, reentrant=True, auto_renew=False)
+        lock = first.lock(name, ttl=1.5, reentrant=True, auto_renew=False)
         await lock.acquire()
-        await sleep(1.2)
+        await sleep(0.9)
         assert await lock.acquire(timeout=0)
         reentered = time.monotonic()
         other = second.lock(name, ttl=5)
-        # Past the first lease's end (2 s after the first entry), within the new one.
-        while elapsed_since(reentered) < 1.5:
+        # Past the first lease's end (1.5 s after the first entry), within the new one.
+        while elapsed_since(reentered) < 1.0:
             assert await other.acquire(timeout=0) is False
             assert lock.owned()
             await sleep(0.1)
