@@ -392,11 +392,13 @@ async def test_a_reentry_in_its_own_body_after_the_lease_ran_out_raises_lock_los
 
 
 async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
+    """Held for twice the ttl: unrenewed, the lease would have ended 0.6 s before the
+    check (on both clocks), and one renewed only once (at 0.2 s) 0.4 s before it."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=0.6)
         async with lock:
             token = lock.fencing_token
-            await sleep(2.0)
+            await sleep(1.2)
             assert lock.owned() and not lock.lost
             assert await second.lock(name, ttl=5).acquire(timeout=0) is False
             info = await second.inspect(name)

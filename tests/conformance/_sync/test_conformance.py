@@ -389,11 +389,13 @@ def test_a_reentry_in_its_own_body_after_the_lease_ran_out_raises_lock_lost(
 
 
 def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
+    """Held for twice the ttl: unrenewed, the lease would have ended 0.6 s before the
+    check (on both clocks), and one renewed only once (at 0.2 s) 0.4 s before it."""
     with dlock.connect(url) as first, dlock.connect(url) as second:
         lock = first.lock(name, ttl=0.6)
         with lock:
             token = lock.fencing_token
-            sleep(2.0)
+            sleep(1.2)
             assert lock.owned() and not lock.lost
             assert second.lock(name, ttl=5).acquire(timeout=0) is False
             info = second.inspect(name)
