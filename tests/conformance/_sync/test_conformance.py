@@ -555,14 +555,19 @@ def test_evicted_holder_cannot_extend_or_release(url: str, name: str) -> None:
 
 
 def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
+    """The body waits until the renewer has told the loss (a cancellation, were one sent
+    wrongly, is sent at that moment), then a while longer for one sent late to land."""
     with dlock.connect(url) as first, dlock.connect(url) as admin:
-        lock = first.lock(name, ttl=0.6, cancel_on_lost=False)
+        told: list[object] = []
+        lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         body_finished = False
         with pytest.raises(dlock.LockLost):
             with lock:
                 assert admin.force_release(name) is True
-                for _ in range(15):
+                deadline = time.monotonic() + 1.5
+                while not told and time.monotonic() < deadline:
                     sleep(0.1)
+                sleep(0.3)
                 assert lock.lost, "told while still in the body"
                 body_finished = True
         assert body_finished
