@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+#: The environment of a worker process: this checkout's ``dlock`` and ``tests``, even
+#: where the virtualenv's editable install points at another checkout (a worktree).
+WORKER_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
 
 
 def run_main(result: Any) -> None:
@@ -29,7 +32,7 @@ def start_worker(face: str, *args: str) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=WORKER_ENV,
     )
 
 

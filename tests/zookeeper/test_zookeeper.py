@@ -23,7 +23,7 @@ from kazoo.client import KazooClient
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
 from dlock._types import Acquired, Busy, Holder
-from tests.conformance.helpers import read_line
+from tests.conformance.helpers import WORKER_ENV, read_line
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -206,7 +206,7 @@ def test_waiters_queue_in_fifo_order(zookeeper_server: ZooKeeperEnsemble) -> Non
                     cwd=ROOT,
                     stdout=subprocess.PIPE,
                     text=True,
-                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    env=WORKER_ENV,
                 )
             )
 
