@@ -10,9 +10,12 @@ parent made. These run against the private servers of tests/servers/sql.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import os
+import select
+import signal
 import threading
 import time
 import traceback
@@ -225,3 +228,114 @@ def test_a_waiter_cut_off_as_the_event_loop_ends_gives_back(mariadb_server: SQLS
             assert another.acquire(timeout=ttl / 3), "the dead wait took the lease"
             another.release()
     asyncio.run(client.aclose())
+
+
+#: What the forked parent's exit status says went wrong (``_parent_in_use_at_fork``).
+PARENT_FAILED = {
+    1: "the parent failed (its traceback is in the captured output)",
+    2: "the long statement never showed in the server",
+    3: "the parent's lock is not on the connection in use at the fork",
+    4: "the child hung in its first use of the client",
+}
+
+
+def _in_flight(server: SQLServer, tag: str) -> bool:
+    """Whether the statement tagged ``tag`` runs in the server."""
+    if server.scheme == "postgresql":
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+            " AND pid <> pg_backend_pid() AND query LIKE %s"
+        )
+    else:
+        sql = (
+            "SELECT count(*) FROM information_schema.processlist"
+            " WHERE id <> CONNECTION_ID() AND info LIKE %s"
+        )
+    return int(admin(server)(sql, (f"%{tag}%",))[0][0]) > 0
+
+
+def _parent_in_use_at_fork(server: SQLServer, url: str, name: str, child_pid: int) -> int:
+    """A process that forks while another of its threads has a statement in flight,
+    then holds a session lock on that very connection; its exit status. Its child's pid
+    goes to ``child_pid`` (a pipe's write end), for the test to end it."""
+    client = dlock.connect(url)
+    backend: Any = client._backend
+    tag = uuid.uuid4().hex
+    sleep = "pg_sleep(2)" if server.scheme == "postgresql" else "SLEEP(2)"
+    statement = threading.Thread(target=backend._call, args=("x", {}, f"SELECT '{tag}', {sleep}"))
+    statement.start()
+    deadline = time.monotonic() + 5
+    while not _in_flight(server, tag):
+        if time.monotonic() > deadline:
+            return 2
+        time.sleep(0.01)
+    used, ready = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            own = client.lock(f"{name}-child", ttl=30)
+            assert own.acquire(timeout=5)
+            own.release()
+            os.write(ready, b"-")
+            time.sleep(30)  # alive until the test ends it
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    os.write(child_pid, str(pid).encode())
+    if not select.select([used], [], [], 10)[0]:
+        return 4
+    statement.join()
+    # The connection of the statement is the client's only one: the lock goes on it.
+    (conn,) = _connections(backend)
+    held = client.lock(name, ttl=30)
+    assert held.acquire(timeout=0)
+    if _connections(backend) != [conn]:
+        return 3
+    return 0  # and dies holding the lock, without a word (a crash)
+
+
+# From Python 3.12, forking while another thread runs warns (it is what is tested).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_lets_go_of_connections_in_use_at_the_fork(server: SQLServer) -> None:
+    """A connection that another thread of the parent had in use at the fork (a
+    statement in flight) was in none of the lists a child disowns: the child kept its
+    copy of the socket, so when the parent died, the server kept the parent's session
+    for as long as the child lived, and a session lock taken on that connection stayed
+    held instead of being freed at once. Here the parent dies holding such a lock while
+    its child, which has used the client, lives on: the lock must be free at once."""
+    url = server.url("mode=session")
+    name = f"fork-{uuid.uuid4().hex}"
+    child_pid, reported = os.pipe()
+    parent = os.fork()
+    if parent == 0:
+        status = 1
+        try:
+            os.close(child_pid)
+            status = _parent_in_use_at_fork(server, url, name, reported)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    os.close(reported)
+    child = 0
+    try:
+        _, wait_status = os.waitpid(parent, 0)
+        child = int(os.read(child_pid, 20) or 0)
+        status = os.waitstatus_to_exitcode(wait_status)
+        assert status == 0, PARENT_FAILED.get(status, f"the parent ended with {status}")
+        with dlock.connect(url) as other:
+            taken = other.lock(name, ttl=5)
+            deadline = time.monotonic() + 5
+            while not taken.acquire(timeout=0):
+                os.kill(child, 0)  # the child lives on
+                assert time.monotonic() < deadline, "the dead parent's lock is still held"
+                time.sleep(0.05)
+            taken.release()
+    finally:
+        os.close(child_pid)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

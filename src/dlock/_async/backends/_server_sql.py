@@ -164,6 +164,10 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._clean_ups: dict[TurnstileWaiter, Any] = {}
         #: The event loop that made the connections kept above (``_follow_loop``).
         self._loop: Any = None
+        #: Our own connections (not borrowed) from their making until they are closed,
+        #: by ``id``: wherever they are, pooled or in a call in flight, a forked child
+        #: disowns them all (``_forget_parent``).
+        self._ours: dict[int, Conn] = {}
         #: A forked child forgets them on first use (``_forget_parent``).
         self._follow_fork = ForkFollower(self._forget_parent)
         self._closed = False
@@ -216,6 +220,12 @@ class AsyncServerSQLBackend(AsyncBackend):
     def _driver_abandon(self, raw: Any) -> None:
         """Close a connection made in an event loop that has ended, without that loop;
         where the driver cannot, leave it to the garbage collector."""
+
+    def _driver_disown(self, raw: Any) -> None:
+        """Let go of this process's copy of a connection its parent made, whose socket
+        is /dev/null here already (``_disown``); a thread of the parent may have been
+        using it at the fork."""
+        self._driver_abandon(raw)
 
     @abstractmethod
     def _driver_fileno(self, raw: Any) -> int:
@@ -304,6 +314,8 @@ class AsyncServerSQLBackend(AsyncBackend):
                 ) from exc
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw, loan=loan, loop=_running_loop())
+        if loan is None:
+            self._ours[id(conn)] = conn
         try:
             if loan is None:
                 await self._driver_setup(conn)
@@ -521,11 +533,13 @@ class AsyncServerSQLBackend(AsyncBackend):
         parent made, and connect afresh. They are the parent's database sessions: the
         child's statements on them would cross replies with the parent's, and a session
         lock or turnstile kept on one is the parent's, never the child's to release.
-        Each is let go without a word to the server (``_disown``). One borrowed with
-        ``client=`` is only forgotten: after a fork, the application's pool is the
-        application's business."""
-        inherited = [*self._idle, *self._queueing, *(g.conn for g in self._gates.values())]
-        inherited += [held.conn for held in (*self._held.values(), *self._parked.values())]
+        Each is let go without a word to the server (``_disown``), those that the
+        parent's other threads had in use at the fork too (a statement, a wait): kept
+        open here, the child's copy of the socket would keep the parent's session, and a
+        session lock taken on it, alive after the parent dies, for as long as the child
+        lives. One borrowed with ``client=`` is only forgotten: after a fork, the
+        application's pool is the application's business."""
+        inherited, self._ours = list(self._ours.values()), {}
         self._idle, self._queueing = [], []
         self._gates.clear()
         self._held.clear()
@@ -533,8 +547,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._clean_ups.clear()  # the parent's to finish
         self._loop = _running_loop()
         for conn in inherited:
-            if conn.loan is None:
-                self._disown(conn.raw)
+            self._disown(conn.raw)
 
     def _disown(self, raw: Any) -> None:
         """Close this process's copy of a connection its parent made, sending nothing.
@@ -552,15 +565,21 @@ class AsyncServerSQLBackend(AsyncBackend):
                 os.dup2(null, self._driver_fileno(raw))
             finally:
                 os.close(null)
-            self._driver_abandon(raw)
+            self._driver_disown(raw)
 
     def _abandon(self, conn: Conn) -> None:
         """Let go of a connection of an event loop that has ended, without awaiting it.
         Its socket is closed here where the driver allows, so that the server ends its
         session (and what it holds) now, not when the garbage collector gets to it. One
         borrowed with ``client=`` cannot go back to a pool of that loop either."""
+        self._forget_ours(conn)
         with contextlib.suppress(Exception):
             self._driver_abandon(conn.raw)
+
+    def _forget_ours(self, conn: Conn) -> None:
+        """Before a connection is closed: a child forked later must not disown it, as
+        its file descriptor's number may be another file's by then."""
+        self._ours.pop(id(conn), None)
 
     async def _give(self, conn: Conn) -> None:
         """Back to the pool; beyond its size (after a burst) closed at once."""
@@ -587,6 +606,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         if conn.dropped:
             return  # a borrowed connection goes back to its pool once
         conn.dropped = True
+        self._forget_ours(conn)
         if conn.loop is not _running_loop():
             self._abandon(conn)
             return

@@ -305,6 +305,13 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             transport._sock = None
             own.close()
 
+    def _driver_disown(self, raw: Any) -> None:
+        if IS_ASYNC:
+            self._driver_abandon(raw)
+        # PyMySQL's close takes the lock of the connection's buffered reader, which a
+        # thread of the parent reading at the fork holds for ever here: the child would
+        # hang. Its finalizer closes the socket (/dev/null by now) once it is unused.
+
     def _driver_fileno(self, raw: Any) -> int:
         if IS_ASYNC:
             return int(raw._writer.get_extra_info("socket").fileno())
