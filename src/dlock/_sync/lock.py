@@ -513,9 +513,10 @@ class Lock:
         """In a forked child, the sharing state copied is the parent's: attempts that
         its other threads had in flight (never to end here, so the child's give-backs
         would wait for them for ever), its give-back, and a lock one of them may hold or
-        seek (a seeker that never ends here). Checked once as an acquire call starts,
-        which covers all it does, and by the helpers that a release, a ``with`` block's
-        exit or close() reach (_wake_sharers, _give_back_later), off their fast path.
+        seek (a seeker that never ends here). Checked once as each call that reads the
+        hold starts (acquire, release, extend, owned, a ``with`` block's exit), which
+        covers all it does, and by the helpers that close() reaches (_wake_sharers,
+        _give_back_later).
 
         Once per call is enough: the calls of the parent's other threads do not go on
         in the child. One of the thread that forked (from a signal handler) does, with
