@@ -1172,6 +1172,108 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
     asyncio.run(main())
 
 
+def test_an_unanswered_renewal_applied_after_a_longer_extend_ends_the_lease_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal (1 s) gets no answer, the holder then extends to 60 s, and only then
+    does the renewal reach the backend (held up in the network, a paused server): the
+    lease ends 1 s after that, so owned() must not stay true for 60 s."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=1) as (client, other, lock):
+        real_extend_many = client._backend.extend_many
+        held_up: list[Any] = []
+
+        def unanswered(leases: list[Any]) -> list[bool]:
+            held_up.append(leases)
+            raise dlock.BackendUnavailable("no answer")
+
+        monkeypatch.setattr(client._backend, "extend_many", unanswered)
+        client._renewer.renew_now()
+        give_up = time.monotonic() + 5
+        while not held_up:
+            assert time.monotonic() < give_up, "the renewal did not happen"
+            time.sleep(0.01)
+        monkeypatch.setattr(client._backend, "extend_many", real_extend_many)
+        lock.extend(60)
+        client._renewer.discard(lock)  # nothing renews it from here: what does it count on?
+        assert real_extend_many(held_up[0]) == [True]  # arrives now: the lease ends in 1 s
+        _assert_taken_over(other, lock)
+
+    async def main() -> None:
+        async with _async_held(url, "async-job", ttl=1) as (client, other, lock):
+            real_extend_many = client._backend.extend_many
+            held_up: list[Any] = []
+
+            async def unanswered(leases: list[Any]) -> list[bool]:
+                held_up.append(leases)
+                raise dlock.BackendUnavailable("no answer")
+
+            monkeypatch.setattr(client._backend, "extend_many", unanswered)
+            client._renewer.renew_now()
+            give_up = time.monotonic() + 5
+            while not held_up:
+                assert time.monotonic() < give_up, "the renewal did not happen"
+                await asyncio.sleep(0.01)
+            monkeypatch.setattr(client._backend, "extend_many", real_extend_many)
+            await lock.extend(60)
+            client._renewer.discard(lock)
+            assert await real_extend_many(held_up[0]) == [True]
+            await _async_assert_taken_over(other, lock)
+
+    asyncio.run(main())
+
+
+def test_an_unanswered_release_applied_late_leaves_the_next_hold_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release gets no answer (its give-back frees the lock), the object takes the lock
+    again, and only then does the first release reach the backend: it must not free the
+    new hold, which the object still believes in (another client would take it)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=30) as (client, other, lock):
+        real_release = client._backend.release
+        held_up: list[tuple[str, str]] = []
+
+        def first_unanswered(name: str, token: str) -> int | None:
+            if not held_up:
+                held_up.append((name, token))
+                raise dlock.BackendUnavailable("no answer")
+            return real_release(name, token)
+
+        monkeypatch.setattr(client._backend, "release", first_unanswered)
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        assert lock.acquire(timeout=5)
+        assert real_release(*held_up[0]) is None  # arrives now: not the new hold's
+        assert other.inspect("job") is not None
+        assert not other.lock("job").acquire(timeout=0)
+        assert lock.owned()
+        lock.release()
+
+    async def main() -> None:
+        async with _async_held(url, "async-job", ttl=30) as (client, other, lock):
+            real_release = client._backend.release
+            held_up: list[tuple[str, str]] = []
+
+            async def first_unanswered(name: str, token: str) -> int | None:
+                if not held_up:
+                    held_up.append((name, token))
+                    raise dlock.BackendUnavailable("no answer")
+                return await real_release(name, token)
+
+            monkeypatch.setattr(client._backend, "release", first_unanswered)
+            with pytest.raises(dlock.BackendUnavailable):
+                await lock.release()
+            assert await lock.acquire(timeout=5)
+            assert await real_release(*held_up[0]) is None
+            assert await other.inspect("async-job") is not None
+            assert not await other.lock("async-job").acquire(timeout=0)
+            assert lock.owned()
+            await lock.release()
+
+    asyncio.run(main())
+
+
 def test_an_extend_answered_after_a_release_leaves_the_next_hold_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

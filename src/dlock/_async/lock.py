@@ -101,6 +101,10 @@ class AsyncLock:
         self._writes: dict[int, list[float]] = {}
         self._writes_guard = threading.Lock()
         self._write_key = 0
+        #: The shortest TTL among this owner token's writes that got no answer (an
+        #: attempt, extend or renewal cut off; ``inf`` for a release), None if none: see
+        #: _unanswered. Under _writes_guard.
+        self._unanswered_ttl: float | None = None
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
         #: The tasks running a ``with`` body of this lock, one entry per block entered
@@ -257,6 +261,8 @@ class AsyncLock:
         if self._turn(call) is not call and not await self._take_turn(call, deadline, cancels):
             return False
         try:
+            if self._unanswered_ttl is not None:
+                await self._take_new_token()
             return await self._seek(wait, deadline, cancels, reentry)
         finally:
             self._end_turn(call)
@@ -286,6 +292,27 @@ class AsyncLock:
                 await self._wait_for_sharer(remaining, seeker)
             await self._still_wanted(cancels)
         return True
+
+    async def _take_new_token(self) -> None:
+        """Start a fresh hold under an owner token of its own, out of reach of the old
+        token's writes that got no answer (see _unanswered): a release among them would
+        free the new hold whenever it reached the backend. Once the give-back of the old
+        token's lease (if any) has ended, and only when nothing else of this object uses
+        that token (a hold, an attempt); else the new hold keeps it, its lease counted
+        as _lease_renewed caps it.
+
+        A lease left under the old token (a give-back that failed too) is then not taken
+        back by this object's next acquire: it waits for that lease's TTL like anyone."""
+        while True:
+            with self._sharing:
+                give_back = self._give_back
+                if give_back is None or not serving(give_back):
+                    if not (self._count or self._attempts or self._to_give_back):
+                        with self._writes_guard:
+                            self._token = secrets.token_hex(16)
+                            self._unanswered_ttl = None
+                    return
+            await wait_done(give_back)
 
     def _turn(self, call: _Call) -> _Call | None:
         """Make ``call`` the seeker if nothing keeps it out now (see _take_turn); return
@@ -435,6 +462,7 @@ class AsyncLock:
         try:
             confirmed = await self._client._backend.extend(self.name, self._token, self.ttl)
         except BaseException:
+            self._unanswered(self.ttl)
             await self._release_quietly()
             raise
         if confirmed:
@@ -473,10 +501,10 @@ class AsyncLock:
                 # outer hold. In the background: a server that did not answer the attempt
                 # (hung, gone) may not answer the release either, and the caller's error is
                 # due now.
-                if not reentry and (
-                    isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError)
-                ):
-                    self._give_back_later(1)
+                if isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError):
+                    self._unanswered(self.ttl)
+                    if not reentry:
+                        self._give_back_later(1)
             elif isinstance(result, Acquired) and not reentry and self._count == 0:
                 # Interrupted (a signal's KeyboardInterrupt) after the backend granted but
                 # before the grant was counted: acquire() cannot see an entry to undo, and
@@ -536,6 +564,7 @@ class AsyncLock:
                     self._give_back = self._seeker = self._changed = None
                     self._parents_entries, self._count = self._count, 0
                     self._token = secrets.token_hex(16)
+                    self._unanswered_ttl = None
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -624,9 +653,24 @@ class AsyncLock:
             return self._writes.pop(key)[1]
 
     def _lease_renewed(self, started: float, ttl: float, cap: float = math.inf) -> None:
+        unanswered = self._unanswered_ttl
+        if unanswered is not None:
+            # Such a write may still be applied after this one: the lease then ends
+            # its TTL after that, at least as long after ``started``.
+            ttl = min(ttl, unanswered)
         self._deadline = min(started + ttl, cap)
         self._lease_ttl = self._deadline - started
         self._renew_at = started + self._lease_ttl * RENEW_AFTER
+
+    def _unanswered(self, ttl: float) -> None:
+        """A write under our owner token (TTL ``ttl``) got no answer: failed, cut off or
+        timed out in flight. The backend may still apply it at any later time (a request
+        held up in the network, a paused server), to whatever lease the token has then,
+        so every lease this token holds later is counted to last at most ``ttl`` (see
+        _lease_renewed), until a fresh hold takes a new token (_take_new_token)."""
+        with self._writes_guard:
+            known = self._unanswered_ttl
+            self._unanswered_ttl = ttl if known is None else min(known, ttl)
 
     def _lease_unsure(self, started: float, ttl: float, cap: float) -> None:
         """A lease write (extend, renewal) whose outcome is unknown (failed, cancelled or
@@ -661,6 +705,7 @@ class AsyncLock:
         try:
             remaining = await self._client._backend.release(self.name, self._token)
         except BaseException:
+            self._unanswered(math.inf)
             self._abandon()
             raise
         if remaining is None:
@@ -700,6 +745,7 @@ class AsyncLock:
         try:
             extended = await self._client._backend.extend(self.name, self._token, seconds)
         except BaseException:
+            self._unanswered(seconds)
             self._lease_unsure(started, seconds, self._write_done(write))
             raise
         cap = self._write_done(write)
@@ -812,6 +858,7 @@ class AsyncLock:
             try:
                 remaining = await self._client._backend.release(self.name, self._token)
             except Exception:
+                self._unanswered(math.inf)
                 logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
                 return
             if not remaining:

@@ -144,6 +144,7 @@ class AsyncRenewer:
             # Perhaps applied all the same (an answer lost, a call cut short): each lease
             # may now end as early as this renewal set it.
             for (lock, _), write in zip(due, writes, strict=True):
+                lock._unanswered(lock.ttl)
                 lock._lease_unsure(started, lock.ttl, lock._write_done(write))
             if not isinstance(exc, Exception):
                 raise
