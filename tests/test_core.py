@@ -1440,7 +1440,7 @@ def test_a_reentry_cut_off_after_another_users_is_undone(tmp_path: Path) -> None
         with dlock.connect(url) as client:
             lock = client.lock("job", ttl=30, reentrant=True)
 
-            def another_user_enters_then_interrupted(cancels: int) -> None:
+            def another_user_enters_then_interrupted(call: object) -> None:
                 del lock._still_wanted
                 assert lock.acquire(timeout=0)
                 raise KeyboardInterrupt
@@ -1457,7 +1457,7 @@ def test_a_reentry_cut_off_after_another_users_is_undone(tmp_path: Path) -> None
         async with dlock.aio.connect(url) as client:
             lock = client.lock("job", ttl=30, reentrant=True)
 
-            async def another_user_enters_then_cancelled(cancels: int) -> None:
+            async def another_user_enters_then_cancelled(call: object) -> None:
                 del lock._still_wanted
                 assert await lock.acquire(timeout=0)
                 raise asyncio.CancelledError

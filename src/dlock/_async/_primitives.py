@@ -225,7 +225,11 @@ def current_task() -> asyncio.Task[Any] | None:
 def cancel_requests() -> int:
     """How many cancellations of the running task are pending: what ``lost_cancel``
     compares against (0 before Python 3.11, which does not count them)."""
-    task = asyncio.current_task()
+    return cancels_of(asyncio.current_task())
+
+
+def cancels_of(task: asyncio.Task[Any] | None) -> int:
+    """``cancel_requests()`` of a task looked up once (``current_task()``)."""
     if task is None or sys.version_info < (3, 11):
         return 0
     return task.cancelling()

@@ -30,6 +30,7 @@ from ._primitives import (
     WakeupEvent,
     cancel_requests,
     cancel_task,
+    cancels_of,
     current_task,
     lost_cancel,
     notices_fork,
@@ -167,7 +168,10 @@ class AsyncLock:
         self._check_forked()  # once for all this call does (see there)
         wait = check_timeout(timeout)
         self._check_open()
-        if cancel_requests():
+        # Looked up once for all this call does (each lookup costs ~0.1 us).
+        task = current_task()
+        call.user = (task, threading.get_ident())
+        if cancels_of(task):
             # Perhaps one is pending (requested while this task was ready to run): let
             # it stop us here. Sent on, a client library may turn it into a timeout of
             # its own and drop it (redis-py checks an idle connection under a zero
@@ -175,7 +179,7 @@ class AsyncLock:
             await sleep(0)
         # Before anything else awaits: a cancellation from here on is caught even if
         # a client library loses it, our own for a loss declared just below too.
-        cancels = cancel_requests()
+        call.cancels = cancels_of(task)
         if self._count and self.lost:
             # A re-entry of a hold that ran out is told as a loss, as one that the
             # backend answers with busy or a fresh grant is. A lock that is not
@@ -197,8 +201,8 @@ class AsyncLock:
             # Again, now that close() waits for this call: either it sees the call and
             # lets it end first, or the call sees the client closed.
             self._check_open()
-            acquired = await self._acquire(call, wait, deadline, cancels, entries > 0)
-            await self._still_wanted(cancels)
+            acquired = await self._acquire(call, wait, deadline, entries > 0)
+            await self._still_wanted(call)
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
             # the wait, or the client closed meanwhile): the caller is told it did not
@@ -216,12 +220,12 @@ class AsyncLock:
         if self._client._closed:
             raise BackendError(f"lock {self.name!r} cannot be acquired: its client is closed")
 
-    async def _still_wanted(self, cancels: int) -> None:
+    async def _still_wanted(self, call: _Call) -> None:
         """Stop if the caller no longer wants the lock: its client closed, or its task was
-        cancelled (``cancels`` pending cancellations before) during a backend call that
-        returned all the same, the cancellation lost by a client library."""
+        cancelled (more pending cancellations than ``call.cancels``) during a backend call
+        that returned all the same, the cancellation lost by a client library."""
         self._check_open()
-        if cancel_requests() > cancels:
+        if cancels_of(call.user[0]) > call.cancels:
             await lost_cancel()
 
     async def _undo_entry(self, call: _Call) -> None:
@@ -251,23 +255,23 @@ class AsyncLock:
             self._abandon()
 
     async def _acquire(
-        self, call: _Call, wait: float | None, deadline: float | None, cancels: int, reentry: bool
+        self, call: _Call, wait: float | None, deadline: float | None, reentry: bool
     ) -> bool:
         """A fresh acquire seeks the lock in its turn (see _take_turn). A re-entry makes
         no wait (busy means lost): it needs no turn, and never waits for one."""
         if reentry:
-            return await self._seek(wait, deadline, cancels, reentry)
+            return await self._seek(call, wait, deadline, reentry)
         # Taken at once unless another user keeps it: no coroutine on that path.
-        if self._turn(call) is not call and not await self._take_turn(call, deadline, cancels):
+        if self._turn(call) is not call and not await self._take_turn(call, deadline):
             return False
         try:
             if self._unanswered_ttl is not None:
                 await self._take_new_token()
-            return await self._seek(wait, deadline, cancels, reentry)
+            return await self._seek(call, wait, deadline, reentry)
         finally:
             self._end_turn(call)
 
-    async def _take_turn(self, call: _Call, deadline: float | None, cancels: int) -> bool:
+    async def _take_turn(self, call: _Call, deadline: float | None) -> bool:
         """Make ``call`` this object's seeker: the one user of it in the backend to take
         a fresh hold (its attempts, and its stay in the backend's wait). False if that
         cannot be before ``deadline``; else the caller ends the turn with _end_turn.
@@ -290,7 +294,7 @@ class AsyncLock:
             with self._parked():
                 # No seeker: the object is held, and it is the hold's end to wait for.
                 await self._wait_for_sharer(remaining, seeker)
-            await self._still_wanted(cancels)
+            await self._still_wanted(call)
         return True
 
     async def _take_new_token(self) -> None:
@@ -319,7 +323,6 @@ class AsyncLock:
         the seeker then: ``call``, the other user's call, or None if the object is held.
         One lock, so that two users never both become the seeker (threads, with or
         without the GIL)."""
-        call.user = (current_task(), threading.get_ident())
         with self._sharing:
             seeker = self._seeker
             if (seeker is None and not self._count) or (
@@ -356,7 +359,7 @@ class AsyncLock:
         )
 
     async def _seek(
-        self, wait: float | None, deadline: float | None, cancels: int, reentry: bool
+        self, call: _Call, wait: float | None, deadline: float | None, reentry: bool
     ) -> bool:
         """The attempts of one acquire, and its wait between them."""
         clock = self._client._clock
@@ -372,7 +375,7 @@ class AsyncLock:
             attempt = 0
             while True:
                 # Closed or cancelled while we waited: stop.
-                await self._still_wanted(cancels)
+                await self._still_wanted(call)
                 busy = await self._attempt(reentry)
                 if busy is None:
                     return True
@@ -924,7 +927,7 @@ class _Call:
     """One acquire call (or ``with`` entry) of a lock object that threads or tasks may
     share: what it took is its own to undo, never another user's entry."""
 
-    __slots__ = ("generation", "outer", "user", "within")
+    __slots__ = ("cancels", "generation", "outer", "user", "within")
 
     def __init__(self) -> None:
         #: The hold (see AsyncLock._generation) that this call entered, if it did and
@@ -932,10 +935,12 @@ class _Call:
         self.generation: int | None = None
         #: The acquire call that this one runs inside (from an on_lost it told), if any.
         self.outer: _Call | None = None
-        #: The thread and task that run this call, and the seeker whose turn it took
+        #: The task and thread that run this call, and the seeker whose turn it took
         #: over (see AsyncLock._take_turn), if it is a fresh acquire.
-        self.user: tuple[Any, int] | None = None
+        self.user: tuple[Any, int] = (None, 0)
         self.within: _Call | None = None
+        #: The running task's pending cancellations as the call began (_still_wanted).
+        self.cancels = 0
 
 
 #: The acquire call running in this thread or task, which a grant is recorded for.

@@ -133,6 +133,10 @@ def cancel_requests() -> int:
     return 0
 
 
+def cancels_of(task: Any) -> int:
+    return 0
+
+
 def lost_cancel() -> None:
     """Never called: threads are not cancelled, so ``cancel_requests`` stays 0."""
     return None
