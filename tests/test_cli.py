@@ -73,21 +73,37 @@ def test_conflict_exit_code_and_wait(db: str, name: str) -> None:
         assert 0.5 <= time.monotonic() - start < 5
 
 
+def announced_wait(process: subprocess.Popen[str]) -> str:
+    """The line ``dlock run -v`` writes to stderr once its first try has found the lock
+    held, as it starts to wait. (Read blocking: a dlock that does not write it ends, by
+    its -w at the latest, and the read with it.)"""
+    assert process.stderr is not None
+    return process.stderr.readline()
+
+
 def test_run_waits_for_the_lock(db: str, name: str) -> None:
+    """``dlock run`` waits while the lock is held and runs the command once it is free;
+    with -v it says on stderr that it waits, and for whom, then how long it took."""
     with dlock.connect(db) as client:
         lock = client.lock(name, ttl=30)
         lock.acquire()
         process = subprocess.Popen(
-            [DLOCK, "run", "-w", "10", name, "--", "sh", "-c", "echo ran"],
+            [DLOCK, "run", "-v", "-w", "10", name, "--", "sh", "-c", "echo ran"],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "DLOCK_URL": db},
         )
-        time.sleep(0.5)
+        holder = rf"\S+ pid {os.getpid()}, fencing token {lock.fencing_token}"
+        waiting = rf"dlock: {re.escape(repr(name))} is held by someone else: {holder}; waiting"
+        line = announced_wait(process)
+        assert re.fullmatch(rf"{waiting} \(at most 10 s\)\n", line), line
         assert process.poll() is None, "must wait while the lock is held"
         lock.release()
-        stdout, _ = process.communicate(timeout=10)
-        assert process.returncode == 0 and stdout.strip() == "ran"
+        stdout, stderr = process.communicate(timeout=10)
+        assert process.returncode == 0 and stdout.strip() == "ran", stderr
+        acquired = rf"dlock: acquired {re.escape(repr(name))} after \d+\.\d{{3}} s of waiting\n"
+        assert re.fullmatch(acquired, stderr), stderr
 
 
 def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import signal
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -27,7 +28,7 @@ from ._job import Interrupted, Job, forwarding_signals
 from ._sync.client import DEFAULT_TTL, Client, connect
 from ._sync.lock import Lock
 from ._types import LockInfo
-from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE
+from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE, check_timeout
 
 #: Exit statuses of our own (the child's status passes through ``run`` unchanged).
 EXIT_CONFLICT = 1  # flock's default; -E changes it
@@ -147,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=EXIT_CONFLICT,
         metavar="CODE",
         help="exit status when the lock is not acquired (%(default)s)",
+    )
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help=(
+            "when the lock is busy, say on stderr who holds it and that dlock waits, then "
+            "how long the wait took"
+        ),
     )
     run.add_argument("--label", help="free-form text shown as part of the holder's identity")
     run.add_argument(
@@ -272,7 +282,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     # kept for the command and passed on as soon as it runs.
     with forwarding_signals() as forwarder:
         try:
-            acquired = lock.acquire(timeout=timeout)
+            acquired = acquire(client, lock, timeout, args.verbose)
             forwarder.waiting = False
         except Interrupted as stop:
             forwarder.waiting = False
@@ -310,6 +320,37 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             return finish(job, lock, args.grace)
         finally:
             job.close()
+
+
+def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) -> bool:
+    """Take the lock, waiting at most ``timeout`` seconds (None: for ever). One try
+    first, with or without ``verbose``, so that the flag changes the output alone: if
+    the lock is busy, ``verbose`` says so on stderr, with its holder, before the wait
+    (else silent, like a hang), and how long the wait took once it is over."""
+    timeout = check_timeout(timeout)  # a bad one is refused before the try, as it was
+    start = time.monotonic()
+    if lock.acquire(timeout=0):
+        return True
+    if timeout == 0:
+        return False
+    if verbose:
+        bound = "" if timeout is None else f" (at most {timeout:g} s)"
+        note(
+            f"dlock: {lock.name!r} is held by someone else{describe(client, lock.name)}; "
+            f"waiting{bound}"
+        )
+    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+    acquired = lock.acquire(timeout=left)
+    if acquired and verbose:
+        note(f"dlock: acquired {lock.name!r} after {time.monotonic() - start:.3f} s of waiting")
+    return acquired
+
+
+def note(text: str) -> None:
+    """A line on stderr that changes no outcome: one that cannot be written is dropped."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError):
+            print(text, file=sys.stderr)
 
 
 def finish(job: Job, lock: Lock, grace: float) -> int:
