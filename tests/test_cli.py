@@ -286,20 +286,6 @@ def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
         assert client.inspect(name) is None
 
 
-def catches(pid: int, signum: int, timeout: float = 20) -> None:
-    """Wait until process ``pid`` has a handler for ``signum`` (/proc's SigCgt mask):
-    a signal sent during start-up would kill it with the default action instead.
-    (Not SIGINT: Python catches that from its start.)"""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = Path(f"/proc/{pid}/status").read_text()
-        (mask,) = re.findall(r"^SigCgt:\s*([0-9a-f]+)$", status, re.MULTILINE)
-        if int(mask, 16) >> (signum - 1) & 1:
-            return
-        assert time.monotonic() < deadline, f"no handler for signal {signum}"
-        time.sleep(0.02)
-
-
 def test_interrupt_is_forwarded_outside_a_terminal(db: str, name: str, tmp_path: Path) -> None:
     """``kill -INT`` from a supervisor (systemd's KillSignal, ``timeout -s INT``)
     reaches the command: dlock ignored it, and the command ran on. dlock runs in a
@@ -502,15 +488,16 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
         holder = client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)
         process = subprocess.Popen(
-            [DLOCK, "run", "-w", "60", name, "--", "sh", "-c", "echo ran"],
+            [DLOCK, "run", "-v", "-w", "60", name, "--", "sh", "-c", "echo ran"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "DLOCK_URL": db},
             start_new_session=True,
         )
-        catches(process.pid, signal.SIGTERM)  # installed together with the others
-        time.sleep(0.3)  # into the wait, most likely; before it is as good
+        # Its first try has found the lock held: the handlers are in, and dlock waits.
+        line = announced_wait(process)
+        assert line.endswith("; waiting (at most 60 s)\n"), line
         assert process.poll() is None
         process.send_signal(signum)
         stdout, stderr = process.communicate(timeout=10)
