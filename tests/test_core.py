@@ -1004,11 +1004,7 @@ def test_an_extend_answered_after_an_overlapping_renewal_keeps_the_shorter_deadl
         def answered_late(name: str, token: str, ttl: float) -> bool:
             applied = real_extend(name, token, ttl)
             before = lock._deadline
-            client._renewer.renew_now()
-            give_up = time.monotonic() + 5
-            while lock._deadline == before:
-                assert time.monotonic() < give_up, "the renewal did not happen"
-                time.sleep(0.005)
+            _renew_now_until(client, lambda: lock._deadline != before)
             return applied
 
         monkeypatch.setattr(backend, "extend", answered_late)
@@ -1026,11 +1022,7 @@ def test_an_on_lost_calling_sys_exit_does_not_stop_the_renewer(tmp_path: Path) -
         keeper = client.lock("keeper", ttl=1)
         assert doomed.acquire(timeout=0) and keeper.acquire(timeout=0)
         assert other.force_release("doomed")
-        client._renewer.renew_now()
-        give_up = time.monotonic() + 5
-        while not doomed.lost:
-            assert time.monotonic() < give_up, "the loss was not declared"
-            time.sleep(0.01)
+        _renew_now_until(client, lambda: doomed.lost, "the loss was not declared")
         time.sleep(2)
         assert client._renewer._runner.is_alive()
         assert keeper.owned()
@@ -1059,6 +1051,30 @@ async def _async_held(
         lock = client.lock(name, **options)
         assert await lock.acquire(timeout=0)
         yield client, rival, lock
+
+
+def _renew_now_until(
+    client: dlock.Client, happened: Callable[[], object], what: str = "the renewal did not happen"
+) -> None:
+    """Have the client's renewer renew at once, and wait (up to 5 s) until ``happened()``."""
+    client._renewer.renew_now()
+    give_up = time.monotonic() + 5
+    while not happened():
+        assert time.monotonic() < give_up, what
+        time.sleep(0.005)
+
+
+async def _async_renew_now_until(
+    client: dlock.aio.AsyncClient,
+    happened: Callable[[], object],
+    what: str = "the renewal did not happen",
+) -> None:
+    """``_renew_now_until`` on the asyncio face."""
+    client._renewer.renew_now()
+    give_up = time.monotonic() + 5
+    while not happened():
+        assert time.monotonic() < give_up, what
+        await asyncio.sleep(0.005)
 
 
 def _assert_taken_over(rival: dlock.Client, lock: dlock.Lock) -> None:
@@ -1135,11 +1151,7 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
             raise dlock.BackendUnavailable("no answer")
 
         monkeypatch.setattr(client._backend, "extend_many", unanswered)
-        client._renewer.renew_now()
-        give_up = time.monotonic() + 5
-        while not calls:
-            assert time.monotonic() < give_up, "the renewal did not happen"
-            time.sleep(0.01)
+        _renew_now_until(client, lambda: calls)
         _assert_taken_over(other, lock)
         assert told.wait(5), "not told when the renewed lease ran out"
 
@@ -1161,11 +1173,7 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
                 raise dlock.BackendUnavailable("no answer")
 
             monkeypatch.setattr(client._backend, "extend_many", unanswered)
-            client._renewer.renew_now()
-            give_up = time.monotonic() + 5
-            while not calls:
-                assert time.monotonic() < give_up, "the renewal did not happen"
-                await asyncio.sleep(0.01)
+            await _async_renew_now_until(client, lambda: calls)
             await _async_assert_taken_over(other, lock)
             await asyncio.wait_for(told.wait(), 5)
 
@@ -1188,11 +1196,7 @@ def test_an_unanswered_renewal_applied_after_a_longer_extend_ends_the_lease_firs
             raise dlock.BackendUnavailable("no answer")
 
         monkeypatch.setattr(client._backend, "extend_many", unanswered)
-        client._renewer.renew_now()
-        give_up = time.monotonic() + 5
-        while not held_up:
-            assert time.monotonic() < give_up, "the renewal did not happen"
-            time.sleep(0.01)
+        _renew_now_until(client, lambda: held_up)
         monkeypatch.setattr(client._backend, "extend_many", real_extend_many)
         lock.extend(60)
         client._renewer.discard(lock)  # nothing renews it from here: what does it count on?
@@ -1209,11 +1213,7 @@ def test_an_unanswered_renewal_applied_after_a_longer_extend_ends_the_lease_firs
                 raise dlock.BackendUnavailable("no answer")
 
             monkeypatch.setattr(client._backend, "extend_many", unanswered)
-            client._renewer.renew_now()
-            give_up = time.monotonic() + 5
-            while not held_up:
-                assert time.monotonic() < give_up, "the renewal did not happen"
-                await asyncio.sleep(0.01)
+            await _async_renew_now_until(client, lambda: held_up)
             monkeypatch.setattr(client._backend, "extend_many", real_extend_many)
             await lock.extend(60)
             client._renewer.discard(lock)
@@ -1381,11 +1381,7 @@ def test_a_renewal_overlapping_the_last_release_tells_no_loss(
             remaining = real_release(name, token)
             if name == "job":
                 before = len(renewals)
-                client._renewer.renew_now()
-                give_up = time.monotonic() + 5
-                while len(renewals) == before:
-                    assert time.monotonic() < give_up, "the renewal did not happen"
-                    time.sleep(0.01)
+                _renew_now_until(client, lambda: len(renewals) != before)
                 time.sleep(0.1)  # its answer handled
             return remaining
 
@@ -1413,11 +1409,7 @@ def test_a_renewal_overlapping_the_last_release_tells_no_loss(
                 remaining = await real_release(name, token)
                 if name == "async-job":
                     before = len(renewals)
-                    client._renewer.renew_now()
-                    give_up = time.monotonic() + 5
-                    while len(renewals) == before:
-                        assert time.monotonic() < give_up, "the renewal did not happen"
-                        await asyncio.sleep(0.01)
+                    await _async_renew_now_until(client, lambda: len(renewals) != before)
                     await asyncio.sleep(0.1)
                 return remaining
 
