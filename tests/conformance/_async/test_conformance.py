@@ -182,7 +182,7 @@ async def test_blocked_waiter_is_woken_by_the_release(url: str, name: str) -> No
         waiter = start_worker(FACE, "wait", url, name, "10")
         try:
             assert read_line(waiter) == "waiting"
-            await sleep(0.5)  # queued and listening by now
+            assert read_line(waiter) == "listening"  # in the wait a release must end
             released = time.monotonic()
             await holder.release()
             answer = read_line(waiter)
@@ -201,7 +201,7 @@ async def test_blocked_waiter_is_woken_by_a_force_release(url: str, name: str) -
         waiter = start_worker(FACE, "wait", url, name, "10")
         try:
             assert read_line(waiter) == "waiting"
-            await sleep(0.5)
+            assert read_line(waiter) == "listening"  # in the wait a release must end
             released = time.monotonic()
             async with dlock.aio.connect(url) as operator:
                 assert await operator.force_release(name) is True

@@ -181,7 +181,7 @@ def test_blocked_waiter_is_woken_by_the_release(url: str, name: str) -> None:
         waiter = start_worker(FACE, "wait", url, name, "10")
         try:
             assert read_line(waiter) == "waiting"
-            sleep(0.5)  # queued and listening by now
+            assert read_line(waiter) == "listening"  # in the wait a release must end
             released = time.monotonic()
             holder.release()
             answer = read_line(waiter)
@@ -200,7 +200,7 @@ def test_blocked_waiter_is_woken_by_a_force_release(url: str, name: str) -> None
         waiter = start_worker(FACE, "wait", url, name, "10")
         try:
             assert read_line(waiter) == "waiting"
-            sleep(0.5)
+            assert read_line(waiter) == "listening"  # in the wait a release must end
             released = time.monotonic()
             with dlock.connect(url) as operator:
                 assert operator.force_release(name) is True

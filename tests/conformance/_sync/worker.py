@@ -9,7 +9,8 @@ worker.py hold URL NAME TTL
     Acquire, print "acquired TOKEN", then obey commands on stdin, one per line:
     release, extend, acquire (again, waiting up to 5 s), check. Exits at end of input.
 worker.py wait URL NAME TIMEOUT
-    Find the lock busy, print "waiting", then wait for it up to TIMEOUT and print
+    Find the lock busy, print "waiting", then wait for it up to TIMEOUT: print "listening"
+    once the wait is one that a release must end promptly (see ``listens``), then
     "acquired AT" (the system-wide monotonic clock) or "timed out".
 """
 
@@ -22,11 +23,15 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import dlock
 from dlock._sync._primitives import IS_ASYNC, run_blocking
+from dlock._sync.backend import Waiter
+from dlock._types import Acquired
 from tests.conformance.helpers import run_main
 
 #: A sections worker normally finishes in seconds; one still running after this long is
@@ -105,8 +110,50 @@ def hold(url: str, name: str, ttl: float) -> None:
             print(answer, flush=True)
 
 
+def listens(waiter: Waiter, timeout: float, backoff_cap: float) -> bool:
+    """Whether the wait that ``waiter`` is about to make, up to ``timeout``, is one that
+    a release must end promptly. The core enters the backend's waiter (subscribed;
+    ZooKeeper: queued and watching the node ahead), makes an attempt, and waits if it
+    found the lock busy: at a wait, only a release lets it in. Except a wait that only
+    gets ready to listen and returns for the core to try again: a Redis waiter's first
+    (it subscribes; one subscribed already listens from its first), and a SQL turnstile
+    waiter's until it is in front of the queue (it queues, and on PostgreSQL LISTENs:
+    then, the lease busy, its next wait is for the release's NOTIFY). A waiter that
+    cannot be woken (SQLite; MySQL's in front) polls: its wait counts once its backoff
+    has reached its cap (full jitter: at least half of it), which must stay short."""
+    if not waiter.notifies:
+        return timeout >= backoff_cap / 2
+    if getattr(waiter, "pubsub", True) is None and not getattr(waiter, "broken", False):
+        return False
+    return bool(getattr(waiter, "in_front", True))
+
+
+def report_listening(client: dlock.Client) -> None:
+    """Print "listening" as the first wait that a release must end starts (see
+    ``listens``). An observation: the real waiter does all the waiting."""
+    real_waiter = client._backend.waiter
+    reported: list[bool] = []
+
+    @contextmanager
+    def observed(lock_name: str, token: str) -> Iterator[Waiter]:
+        with real_waiter(lock_name, token) as waiter:
+            real_wait = waiter.wait
+
+            def wait(timeout: float) -> Acquired | None:
+                if not reported and listens(waiter, timeout, client._backoff.maximum):
+                    reported.append(True)
+                    print("listening", flush=True)
+                return real_wait(timeout)
+
+            waiter.wait = wait  # type: ignore[method-assign]
+            yield waiter
+
+    client._backend.waiter = observed  # type: ignore[method-assign,assignment]
+
+
 def wait(url: str, name: str, timeout: float) -> None:
     with dlock.connect(url, label="waiter") as client:
+        report_listening(client)
         lock = client.lock(name, ttl=10)
         if lock.acquire(timeout=0):
             raise SystemExit("the lock was free: nothing to wait for")
