@@ -34,7 +34,7 @@ from dlock._async._primitives import (
 )
 from dlock._async.backend import AsyncWaiter
 from dlock._types import Acquired, Lease
-from tests.conformance._async.worker import STUCK_AFTER
+from tests.conformance._async.worker import STUCK_AFTER, observe_waits
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
 
 FACE = "_async"
@@ -1164,8 +1164,25 @@ async def test_two_users_of_a_lock_object_waiting_at_once_hold_it_in_turn(
         async def use(user: str) -> None:
             await seen.use(user, shared, other, timeout=10)
 
+        waits = observe_waits(client)
         users = [spawn(partial(use, user), name=f"user-{user}") for user in "AB"]
-        await sleep(0.5)  # both wait
+        # Both wait: both calls parked (see AsyncLock._parked), each in a wait of the
+        # backend's that a release must end (see worker.listens) or for its turn. (Two
+        # users in the backend at once may never get there: on a SQL turnstile, one
+        # queues behind the other.)
+        deadline = time.monotonic() + 10
+        while not (
+            list(client._acquiring.values()).count(0) == 2
+            and waits.listening
+            and not waits.getting_ready
+        ):
+            assert time.monotonic() < deadline, (
+                "the users did not settle into one waiting in the backend, the other for"
+                f" its turn: calls {list(client._acquiring.values())} (0: parked),"
+                f" {waits.listening} waits listening, {waits.getting_ready} getting ready"
+            )
+            assert seen.ended == {}
+            await sleep(0.002)
         assert seen.ended == {}
         await holder.release()
         for task in users:

@@ -22,9 +22,11 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +130,23 @@ def listens(waiter: Waiter, timeout: float, backoff_cap: float) -> bool:
     return bool(getattr(waiter, "in_front", True))
 
 
-def report_listening(client: dlock.Client) -> None:
-    """Print "listening" as the first wait that a release must end starts (see
-    ``listens``). An observation: the real waiter does all the waiting."""
+class Waits:
+    """The waits of one client's lock users in its backend's waiters, under way now:
+    those that a release must end promptly (see ``listens``), and those that only get
+    ready to listen."""
+
+    def __init__(self) -> None:
+        self.listening = 0
+        self.getting_ready = 0
+        self.guard = threading.Lock()
+
+
+def observe_waits(client: dlock.Client, first: Callable[[], object] | None = None) -> Waits:
+    """Count ``client``'s waits (see ``Waits``), and call ``first`` as the first that a
+    release must end promptly starts. An observation: the real waiter does all the
+    waiting."""
     real_waiter = client._backend.waiter
+    waits = Waits()
     reported: list[bool] = []
 
     @contextmanager
@@ -140,20 +155,34 @@ def report_listening(client: dlock.Client) -> None:
             real_wait = waiter.wait
 
             def wait(timeout: float) -> Acquired | None:
-                if not reported and listens(waiter, timeout, client._backoff.maximum):
-                    reported.append(True)
-                    print("listening", flush=True)
-                return real_wait(timeout)
+                listening = listens(waiter, timeout, client._backoff.maximum)
+                with waits.guard:
+                    if listening:
+                        waits.listening += 1
+                        if not reported and first is not None:
+                            reported.append(True)
+                            first()
+                    else:
+                        waits.getting_ready += 1
+                try:
+                    return real_wait(timeout)
+                finally:
+                    with waits.guard:
+                        if listening:
+                            waits.listening -= 1
+                        else:
+                            waits.getting_ready -= 1
 
             waiter.wait = wait  # type: ignore[method-assign]
             yield waiter
 
     client._backend.waiter = observed  # type: ignore[method-assign,assignment]
+    return waits
 
 
 def wait(url: str, name: str, timeout: float) -> None:
     with dlock.connect(url, label="waiter") as client:
-        report_listening(client)
+        observe_waits(client, partial(print, "listening", flush=True))
         lock = client.lock(name, ttl=10)
         if lock.acquire(timeout=0):
             raise SystemExit("the lock was free: nothing to wait for")
