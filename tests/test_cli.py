@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import dlock
+from dlock._job import FORWARDED_SIGNALS
 from tests.servers import free_port
 
 DLOCK = str(Path(sys.executable).with_name("dlock"))
@@ -504,6 +505,55 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
         assert process.returncode == 128 + signum, stderr
         assert stdout == "" and "Traceback" not in stderr, stderr
         assert holder.owned()
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == holder.fencing_token
+        holder.release()
+
+
+#: Runs ``dlock ARGS`` (argv[3:]) in this process, with the signal argv[2] sent to itself
+#: at the point argv[1] of its start: "installed", right after dlock installs its handler
+#: for that signal (the others of the set may not be in yet). A window of microseconds,
+#: opened on purpose.
+SIGNAL_AT = """
+import os, signal, sys
+from dlock import _cli
+point, signum = sys.argv[1], int(sys.argv[2])
+sent = []
+def send():
+    if not sent:
+        sent.append(signum)
+        os.kill(os.getpid(), signum)
+if point == "installed":
+    install = signal.signal
+    def installing(number, handler):
+        previous = install(number, handler)
+        if number == signum and callable(handler):
+            send()
+        return previous
+    signal.signal = installing
+sys.exit(_cli.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("signum", FORWARDED_SIGNALS, ids=lambda signum: signum.name)
+def test_a_signal_as_the_handlers_go_in_ends_dlock_quietly(db: str, name: str, signum: int) -> None:
+    """A signal whose handler is in while the others are still being installed (or
+    before the wait has begun): 128+N, quietly, nothing run. Its handler raised inside
+    the installation, where nothing caught it: a traceback and status 1."""
+    with dlock.connect(db) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        argv = ["installed", str(signum), "run", "-w", "10", name, "--", "sh", "-c", "echo ran"]
+        result = subprocess.run(
+            [sys.executable, "-c", SIGNAL_AT, *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "DLOCK_URL": db},
+            start_new_session=True,
+        )
+        assert result.returncode == 128 + signum, result.stderr
+        assert result.stdout == "" and result.stderr == "", result.stderr
         info = client.inspect(name)
         assert info is not None and info.fencing_token == holder.fencing_token
         holder.release()

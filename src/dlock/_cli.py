@@ -279,13 +279,15 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     timeout = 0 if args.nonblock else args.wait
     # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile
     # is given back at once, not left to its TTL); once the lock is held, signals are
-    # kept for the command and passed on as soon as it runs.
+    # kept for the command and passed on as soon as it runs. One that comes as they go
+    # in is kept until listen(), which raises it inside the try.
     with forwarding_signals() as forwarder:
         try:
+            forwarder.listen()
             acquired = acquire(client, lock, timeout, args.verbose)
             forwarder.waiting = False
         except Interrupted as stop:
-            forwarder.waiting = False
+            # (The handler stopped listening as it raised: later signals are kept.)
             if lock.owned():
                 lock.release()
             return 128 + stop.signum

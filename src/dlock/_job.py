@@ -256,7 +256,10 @@ class forwarding_signals:
 
     def __init__(self) -> None:
         self.job: Job | None = None
-        self.waiting = True
+        #: A signal raises Interrupted: set by listen(), inside the ``try`` that catches
+        #: it. Until then signals are kept in ``pending``: one raised as the handlers
+        #: go in, or before that ``try``, escaped it (a traceback, status 1).
+        self.waiting = False
         self.pending: list[int] = []
         self.saved: dict[int, Any] = {}
 
@@ -264,6 +267,14 @@ class forwarding_signals:
         for signum in FORWARDED_SIGNALS:
             self.saved[signum] = signal.signal(signum, self.forward)
         return self
+
+    def listen(self) -> None:
+        """Let a signal end the wait from here on, and end it now if one came while
+        the handlers went in."""
+        self.waiting = True
+        if self.pending:
+            self.waiting = False
+            raise Interrupted(self.pending[0])
 
     def attach(self, job: Job) -> None:
         self.job = job
@@ -274,6 +285,9 @@ class forwarding_signals:
 
     def forward(self, signum: int, frame: object) -> None:
         if self.waiting:
+            # Once: a second signal must not interrupt the handling of the first (the
+            # give-back of a lock got meanwhile), nor escape it.
+            self.waiting = False
             raise Interrupted(signum)
         if self.job is None:
             self.pending.append(signum)
