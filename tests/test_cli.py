@@ -512,8 +512,8 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
 
 #: Runs ``dlock ARGS`` (argv[3:]) in this process, with the signal argv[2] sent to itself
 #: at the point argv[1] of its start: "installed", right after dlock installs its handler
-#: for that signal (the others of the set may not be in yet). A window of microseconds,
-#: opened on purpose.
+#: for that signal (the others of the set may not be in yet); "described", as it asks who
+#: holds the lock it did not get. Windows of microseconds, opened on purpose.
 SIGNAL_AT = """
 import os, signal, sys
 from dlock import _cli
@@ -531,6 +531,12 @@ if point == "installed":
             send()
         return previous
     signal.signal = installing
+elif point == "described":
+    describe = _cli.describe
+    def describing(client, name):
+        send()
+        return describe(client, name)
+    _cli.describe = describing
 sys.exit(_cli.main(sys.argv[3:]))
 """
 
@@ -557,6 +563,24 @@ def test_a_signal_as_the_handlers_go_in_ends_dlock_quietly(db: str, name: str, s
         info = client.inspect(name)
         assert info is not None and info.fencing_token == holder.fencing_token
         holder.release()
+
+
+def test_a_signal_as_dlock_names_the_holder_ends_it_at_once(db: str, name: str) -> None:
+    """A signal while ``dlock run -n`` asks who holds the lock it did not get (a round
+    trip to the backend, as long as the backend takes): 128+N. It was kept for a
+    command that would never run, and dlock went on to exit 1."""
+    with dlock.connect(db) as client, client.lock(name, ttl=30):
+        argv = ["described", str(int(signal.SIGTERM)), "run", "-n", name, "--", "true"]
+        result = subprocess.run(
+            [sys.executable, "-c", SIGNAL_AT, *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "DLOCK_URL": db},
+            start_new_session=True,
+        )
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        assert result.stderr == "", result.stderr
 
 
 def test_status_list_and_force_release(url: str, name: str) -> None:

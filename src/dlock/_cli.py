@@ -285,6 +285,9 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         try:
             forwarder.listen()
             acquired = acquire(client, lock, timeout, args.verbose)
+            # Asked while a signal still ends dlock: a backend round trip, as long as the
+            # backend takes (a signal kept for a command that will not run was lost).
+            holder = "" if acquired else describe(client, args.name)
             forwarder.waiting = False
         except Interrupted as stop:
             # (The handler stopped listening as it raised: later signals are kept.)
@@ -292,10 +295,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
                 lock.release()
             return 128 + stop.signum
         if not acquired:
-            print(
-                f"dlock: {args.name!r} is held by someone else{describe(client, args.name)}",
-                file=sys.stderr,
-            )
+            print(f"dlock: {args.name!r} is held by someone else{holder}", file=sys.stderr)
             return int(args.conflict_exit_code)
         env = {
             **os.environ,
