@@ -513,7 +513,8 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
 #: Runs ``dlock ARGS`` (argv[3:]) in this process, with the signal argv[2] sent to itself
 #: at the point argv[1] of its start: "installed", right after dlock installs its handler
 #: for that signal (the others of the set may not be in yet); "described", as it asks who
-#: holds the lock it did not get. Windows of microseconds, opened on purpose.
+#: holds the lock it did not get; "parsing", before it parses its arguments. Windows of
+#: microseconds, opened on purpose.
 SIGNAL_AT = """
 import os, signal, sys
 from dlock import _cli
@@ -537,6 +538,13 @@ elif point == "described":
         send()
         return describe(client, name)
     _cli.describe = describing
+elif point == "parsing":
+    build = _cli.build_parser
+    def building():
+        parser = build()
+        send()
+        return parser
+    _cli.build_parser = building
 sys.exit(_cli.main(sys.argv[3:]))
 """
 
@@ -581,6 +589,22 @@ def test_a_signal_as_dlock_names_the_holder_ends_it_at_once(db: str, name: str) 
         )
         assert result.returncode == 128 + signal.SIGTERM, result.stderr
         assert result.stderr == "", result.stderr
+
+
+def test_ctrl_c_before_dlock_parses_its_arguments_ends_it_quietly(db: str, name: str) -> None:
+    """SIGINT as dlock starts, before it parses its arguments: 130, quietly. Only the
+    rest of main() caught the KeyboardInterrupt: a traceback."""
+    argv = ["parsing", str(int(signal.SIGINT)), "run", name, "--", "sh", "-c", "echo ran"]
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DLOCK_URL": db},
+        start_new_session=True,
+    )
+    assert result.returncode == 128 + signal.SIGINT, result.stderr
+    assert result.stdout == "" and result.stderr == "", result.stderr
 
 
 def test_status_list_and_force_release(url: str, name: str) -> None:

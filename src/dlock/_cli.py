@@ -40,6 +40,15 @@ EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost while the command ran
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Ctrl-C (SIGINT) wherever no handler of dlock run's own is in, the parsing and the
+    # writing of the output too: 130, quietly, as a shell shows a command it killed.
+    try:
+        return command_line(argv)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+
+
+def command_line(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     stdout = sys.stdout  # None if the caller closed it (>&-)
@@ -61,8 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LockError as exc:  # bad URL, name, TTL or timeout
         print(f"dlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
     return write_output(stdout, output.getvalue(), status)
 
 
