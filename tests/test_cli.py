@@ -513,8 +513,9 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
 #: Runs ``dlock ARGS`` (argv[3:]) in this process, with the signal argv[2] sent to itself
 #: at the point argv[1] of its start: "installed", right after dlock installs its handler
 #: for that signal (the others of the set may not be in yet); "described", as it asks who
-#: holds the lock it did not get; "parsing", before it parses its arguments. Windows of
-#: microseconds, opened on purpose.
+#: holds the lock it did not get; "parsing", before it parses its arguments; "acquired",
+#: as it reads the fencing token of the lock it got for the command's environment.
+#: Windows of microseconds, opened on purpose.
 SIGNAL_AT = """
 import os, signal, sys
 from dlock import _cli
@@ -545,6 +546,13 @@ elif point == "parsing":
         send()
         return parser
     _cli.build_parser = building
+elif point == "acquired":
+    from dlock._sync.lock import Lock
+    token = Lock.fencing_token
+    def fencing_token(lock):
+        send()
+        return token.fget(lock)
+    Lock.fencing_token = property(fencing_token)
 sys.exit(_cli.main(sys.argv[3:]))
 """
 
@@ -605,6 +613,31 @@ def test_ctrl_c_before_dlock_parses_its_arguments_ends_it_quietly(db: str, name:
     )
     assert result.returncode == 128 + signal.SIGINT, result.stderr
     assert result.stdout == "" and result.stderr == "", result.stderr
+
+
+@pytest.mark.parametrize("signum", FORWARDED_SIGNALS, ids=lambda signum: signum.name)
+def test_a_signal_after_the_wait_before_the_command_starts_ends_dlock(
+    db: str, name: str, tmp_path: Path, signum: int
+) -> None:
+    """A signal once dlock has the lock, before it starts the command: 128+N, nothing
+    run, the lock given back. It was kept for the command, which started only to get
+    it: often killed before its first step, sometimes after."""
+    marker = tmp_path / "ran"
+    command = ["sh", "-c", f"touch {marker}; exit 3"]
+    argv = ["acquired", str(int(signum)), "run", name, "--", *command]
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DLOCK_URL": db},
+        start_new_session=True,
+    )
+    assert result.returncode == 128 + signum, result.stderr
+    assert result.stderr == "", result.stderr
+    assert not marker.exists(), "the command ran"
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
 
 
 def test_status_list_and_force_release(url: str, name: str) -> None:

@@ -286,8 +286,9 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     timeout = 0 if args.nonblock else args.wait
     # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile
     # is given back at once, not left to its TTL); once the lock is held, signals are
-    # kept for the command and passed on as soon as it runs. One that comes as they go
-    # in is kept until listen(), which raises it inside the try.
+    # kept: one that came before the command starts ends dlock all the same, later ones
+    # are passed on as soon as it runs. One that comes as they go in is kept until
+    # listen(), which raises it inside the try.
     with forwarding_signals() as forwarder:
         try:
             forwarder.listen()
@@ -310,6 +311,11 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             "DLOCK_FENCING_TOKEN": str(lock.fencing_token),
             "DLOCK_TTL": str(args.ttl),
         }
+        if forwarder.pending:
+            # Since the wait: not a signal for a command that has not started (which
+            # would start only to get it, and perhaps do its first step).
+            lock.release()
+            return 128 + forwarder.pending[0]
         try:
             job = Job(command, env, done)
         except OSError as exc:
