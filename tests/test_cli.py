@@ -287,6 +287,40 @@ def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
         assert client.inspect(name) is None
 
 
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT], ids=["HUP", "INT"])
+def test_a_signal_ignored_as_dlock_starts_stays_ignored(db: str, name: str, signum: int) -> None:
+    """``nohup dlock run ...`` (HUP), or dlock as a background job of a script (INT and
+    QUIT): the signal was ignored as dlock started, and must stay ignored by dlock and by
+    the command, as a shell keeps it. (dlock's own handler made the command take it by
+    default: ``nohup`` protected nothing.)"""
+    report = "grep SigIgn /proc/$$/status; echo started; exec sleep 60"
+    # The shell ignores the signal, then becomes dlock, which starts ignoring it.
+    ignoring = ["sh", "-c", f'trap "" {int(signum)}; exec "$@"', "sh"]
+    process = subprocess.Popen(
+        [*ignoring, DLOCK, "run", name, "--", "sh", "-c", report],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "DLOCK_URL": db},
+    )
+    assert process.stdout is not None
+    try:
+        ignored = int(process.stdout.readline().split()[1], 16)
+        assert ignored & (1 << (signum - 1)), f"the command does not ignore {signum}"
+        assert process.stdout.readline().strip() == "started"
+        process.send_signal(signum)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(0.5)  # neither dlock nor the command ended
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    with dlock.connect(db) as client:
+        assert client.inspect(name) is None
+
+
 def test_interrupt_is_forwarded_outside_a_terminal(db: str, name: str, tmp_path: Path) -> None:
     """``kill -INT`` from a supervisor (systemd's KillSignal, ``timeout -s INT``)
     reaches the command: dlock ignored it, and the command ran on. dlock runs in a

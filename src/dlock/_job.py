@@ -265,7 +265,11 @@ class forwarding_signals:
 
     def __enter__(self) -> forwarding_signals:
         for signum in FORWARDED_SIGNALS:
-            self.saved[signum] = signal.signal(signum, self.forward)
+            # One ignored as dlock started (``nohup``; INT and QUIT in a script's
+            # background job) stays ignored, by dlock and by the command, as a shell
+            # keeps it: a handler of ours would have the command take it by default.
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self.saved[signum] = signal.signal(signum, self.forward)
         return self
 
     def listen(self) -> None:
@@ -278,7 +282,8 @@ class forwarding_signals:
 
     def attach(self, job: Job) -> None:
         self.job = job
-        self.saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self.suspend)
+        if signal.getsignal(signal.SIGTSTP) is not signal.SIG_IGN:
+            self.saved[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self.suspend)
         self.saved[signal.SIGCONT] = signal.signal(signal.SIGCONT, self.resume)
         for signum in self.pending:
             job.forward(signum)
