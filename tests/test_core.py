@@ -1694,3 +1694,79 @@ def test_closing_the_client_from_an_on_lost_told_by_an_acquire(tmp_path: Path) -
             assert client._backend._connection is None  # type: ignore[attr-defined]
 
     asyncio.run(async_face())
+
+
+def test_closing_the_client_from_an_on_lost_told_as_a_lost_hold_is_given_up(
+    tmp_path: Path,
+) -> None:
+    """A hold that ran out on our clock is given up by the call that finds it so (a
+    re-entry, a release, the end of its block): forgotten, its loss told, then its lease
+    given back. An on_lost that closes the client came before that give-back, which then
+    reopened the closed backend (SQLite: its file, never closed again). close() now gives
+    the lease back itself while the backend is open, and the give-up leaves it alone.
+    The backend still keeps the lease (our clock jumps past it), with two entries: the
+    asyncio face's close (a task the callback starts) runs between their round trips."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    def run_out(client: dlock.Client | dlock.aio.AsyncClient) -> None:
+        real = client._clock
+        client._clock = lambda: real() + 60
+
+    def closing_on_loss() -> tuple[dlock.Client, dlock.Lock]:
+        client = dlock.connect(url)
+        lock = client.lock(
+            "job", ttl=30, reentrant=True, auto_renew=False, on_lost=lambda _: client.close()
+        )
+        return client, lock
+
+    with dlock.connect(url) as admin:
+        for how in ("re-entry", "release", "block"):
+            client, lock = closing_on_loss()
+            assert lock.acquire(timeout=0)
+            with pytest.raises(dlock.LockLost):
+                if how == "block":
+                    with lock:
+                        run_out(client)
+                assert lock.acquire(timeout=0)
+                run_out(client)
+                if how == "re-entry":
+                    lock.acquire(timeout=0)
+                lock.release()
+            assert client._closed, how
+            assert admin.inspect("job") is None, how
+            assert client._backend._connection is None, how  # type: ignore[attr-defined]
+
+    def async_closing_on_loss() -> tuple[
+        dlock.aio.AsyncClient, dlock.aio.AsyncLock, list[asyncio.Task[None]]
+    ]:
+        """The callback cannot await: it starts the close as a task."""
+        client = dlock.aio.connect(url)
+        closes: list[asyncio.Task[None]] = []
+        lock = client.lock(
+            "job",
+            ttl=30,
+            reentrant=True,
+            auto_renew=False,
+            on_lost=lambda _: closes.append(asyncio.ensure_future(client.aclose())),
+        )
+        return client, lock, closes
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as admin:
+            for how in ("re-entry", "release", "block"):
+                client, lock, closes = async_closing_on_loss()
+                assert await lock.acquire(timeout=0)
+                with pytest.raises(dlock.LockLost):
+                    if how == "block":
+                        async with lock:
+                            run_out(client)
+                    assert await lock.acquire(timeout=0)
+                    run_out(client)
+                    if how == "re-entry":
+                        await lock.acquire(timeout=0)
+                    await lock.release()
+                await asyncio.wait(closes)
+                assert await admin.inspect("job") is None, how
+                assert client._backend._connection is None, how  # type: ignore[attr-defined]
+
+    asyncio.run(async_face())

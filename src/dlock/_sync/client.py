@@ -94,6 +94,12 @@ class Client:
         #: far are the parent's: a child's close must not free them.
         self._held: weakref.WeakSet[Lock] = weakref.WeakSet()
         self._held_guard = threading.Lock()
+        #: Lost holds being given up (see Lock._give_up_lost), each with the entries
+        #: yet to give back; under _held_guard. close() gives them back itself before the
+        #: backend closes (its on_lost may be what closes the client), and the give-up
+        #: then leaves the backend alone: afterwards it could only reopen it. None once
+        #: close() has taken them.
+        self._giving_up: dict[Lock, int] | None = {}
         self._follow_fork = ForkFollower(self._forget_parent)
 
     @property
@@ -180,6 +186,7 @@ class Client:
         """In a forked child: the locks held so far are its parent's to give back, and
         the guard may have been taken by a thread that stayed in the parent."""
         self._held, self._held_guard = weakref.WeakSet(), threading.Lock()
+        self._giving_up = {}
 
     def _hold(self, lock: Lock) -> None:
         self._follow_fork()
@@ -195,6 +202,39 @@ class Client:
         self._follow_fork()
         with self._held_guard:
             return tuple(self._held)
+
+    def _give_up(self, lock: Lock, entries: int) -> bool:
+        """``lock``'s lost hold of ``entries`` entries is to be given back (_giving_up).
+        False if there is nothing to, or another give-up of it (a user of the lock object
+        in another thread or task) has it already: that one ends it (_given_up)."""
+        self._follow_fork()
+        with self._held_guard:
+            if self._giving_up is None or not entries or lock in self._giving_up:
+                return False
+            self._giving_up[lock] = entries
+            return True
+
+    def _still_to_give_up(self, lock: Lock, given: int = 0) -> int:
+        """How many entries of ``lock``'s lost hold are still for its give-up to give
+        back, ``given`` more having been: none once close() has taken them over."""
+        self._follow_fork()
+        with self._held_guard:
+            giving_up = self._giving_up
+            if giving_up is None or lock not in giving_up:
+                return 0
+            left = giving_up[lock] - given
+            if left > 0:
+                giving_up[lock] = left
+                return left
+            del giving_up[lock]
+            return 0
+
+    def _given_up(self, lock: Lock) -> None:
+        """``lock``'s give-up ended: nothing of it is left for close() to give back."""
+        self._follow_fork()
+        with self._held_guard:
+            if self._giving_up is not None:
+                self._giving_up.pop(lock, None)
 
     def _acquire_settled(self) -> None:
         """An acquire call ended or parked: wake close(), if it waits for them."""
@@ -252,6 +292,14 @@ class Client:
                 entries = max(lock._count, lock._to_give_back)
                 lock._to_give_back = 0
             lock._forget()
+            lock._release_quietly(entries)
+        # Lost holds whose give-up has not finished: the on_lost it tells may be this
+        # close (the give-back would come after it), or a round trip of the give-back
+        # may be in flight (the next one would come after it). Given back here, while
+        # the backend is open; their give-ups stop.
+        with self._held_guard:
+            giving_up, self._giving_up = self._giving_up or {}, None
+        for lock, entries in giving_up.items():
             lock._release_quietly(entries)
         self._backend.close()
 

@@ -841,17 +841,40 @@ class Lock:
         by our clock alone never reached the backend, which may still keep state for it
         (SQL session mode: the connection holding the database's lock) and would answer
         this object's next acquire, and everyone else's, with busy."""
-        entries = self._count
+        client = self._client
+        mine = client._give_up(self, self._count)
         self._forget()
-        self._declare_lost("the lease ran out before it could be renewed", told)
-        if _WATCHDOG_TELLING.get():
-            # An on_lost run by the watchdog releases: the watchdog must not wait for the
-            # backend (it may be stuck behind the very renewal the watchdog gave up on),
-            # or the losses of the client's other leases would be told late.
-            self._abandon(entries)
-        else:
-            self._release_quietly(entries)
+        try:
+            # Its on_lost may close the client: close() then gives the lease back while
+            # the backend is still open, and nothing is left for this give-up to send.
+            self._declare_lost("the lease ran out before it could be renewed", told)
+            if _WATCHDOG_TELLING.get():
+                # An on_lost run by the watchdog releases: the watchdog must not wait for
+                # the backend (it may be stuck behind the very renewal the watchdog gave
+                # up on), or the losses of the client's other leases would be told late.
+                self._abandon(client._still_to_give_up(self) if mine else 0)
+            elif mine:
+                self._give_back_lost()
+        finally:
+            if mine:
+                client._given_up(self)
         return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+
+    def _give_back_lost(self) -> None:
+        """Give back the lost hold that _give_up_lost forgot, as _release_quietly does,
+        unless and until close() takes it over: a closed backend must not be reopened
+        by a round trip after the close (SQLite would open its file again, for good)."""
+        given = 0
+        while self._client._still_to_give_up(self, given):
+            try:
+                remaining = self._client._backend.release(self.name, self._token)
+            except Exception:
+                self._unanswered(math.inf)
+                logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+                return
+            if not remaining:
+                return
+            given = 1
 
     def _release_quietly(self, entries: int = 1) -> None:
         """Give back up to ``entries`` entries of a reentrant lease, owner-checked, so
