@@ -1770,3 +1770,64 @@ def test_closing_the_client_from_an_on_lost_told_as_a_lost_hold_is_given_up(
                 assert client._backend._connection is None, how  # type: ignore[attr-defined]
 
     asyncio.run(async_face())
+
+
+def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept(tmp_path: Path) -> None:
+    """A release that finds the hold ran out on our clock gives it up: forgets it, tells
+    the loss, then gives the lease back, owner-checked. A fresh hold of the same object
+    taken before that give-back (by the on_lost it tells, or by another user of the
+    object while the give-back is in flight, as here) was under the same owner token,
+    and the give-back freed it: the object owned a lock that the backend had free for
+    anyone (every lease-mode backend did so). The fresh hold now takes a token of its own."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=0.5, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        give_up = time.monotonic() + 5
+        while other.inspect("job") is not None:
+            assert time.monotonic() < give_up, "the lease did not end"
+            time.sleep(0.05)
+        real_release = client._backend.release
+        taken: list[bool] = []
+
+        def taken_meanwhile(name: str, token: str) -> int | None:
+            if not taken:
+                lock.ttl = 30  # the fresh hold outlasts the checks below
+                taken.append(lock.acquire(timeout=0))
+            return real_release(name, token)
+
+        client._backend.release = taken_meanwhile  # type: ignore[method-assign]
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        assert taken == [True] and lock.owned()
+        info = other.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        assert not other.lock("job", ttl=5).acquire(timeout=0)
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("async-job", ttl=0.5, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            give_up = time.monotonic() + 5
+            while await other.inspect("async-job") is not None:
+                assert time.monotonic() < give_up, "the lease did not end"
+                await asyncio.sleep(0.05)
+            real_release = client._backend.release
+            taken: list[bool] = []
+
+            async def taken_meanwhile(name: str, token: str) -> int | None:
+                if not taken:
+                    lock.ttl = 30  # the fresh hold outlasts the checks below
+                    taken.append(await lock.acquire(timeout=0))
+                return await real_release(name, token)
+
+            client._backend.release = taken_meanwhile  # type: ignore[method-assign]
+            with pytest.raises(dlock.LockLost):
+                await lock.release()
+            assert taken == [True] and lock.owned()
+            info = await other.inspect("async-job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            assert not await other.lock("async-job", ttl=5).acquire(timeout=0)
+
+    asyncio.run(async_face())

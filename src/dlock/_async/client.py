@@ -94,11 +94,11 @@ class AsyncClient:
         self._held: weakref.WeakSet[AsyncLock] = weakref.WeakSet()
         self._held_guard = threading.Lock()
         #: Lost holds being given up (see AsyncLock._give_up_lost), each with the entries
-        #: yet to give back; under _held_guard. close() gives them back itself before the
-        #: backend closes (its on_lost may be what closes the client), and the give-up
-        #: then leaves the backend alone: afterwards it could only reopen it. None once
-        #: close() has taken them.
-        self._giving_up: dict[AsyncLock, int] | None = {}
+        #: yet to give back and its owner token; under _held_guard. close() gives them
+        #: back itself before the backend closes (its on_lost may be what closes the
+        #: client), and the give-up then leaves the backend alone: afterwards it could
+        #: only reopen it. None once close() has taken them.
+        self._giving_up: dict[AsyncLock, tuple[int, str]] | None = {}
         self._follow_fork = ForkFollower(self._forget_parent)
 
     @property
@@ -202,15 +202,16 @@ class AsyncClient:
         with self._held_guard:
             return tuple(self._held)
 
-    def _give_up(self, lock: AsyncLock, entries: int) -> bool:
-        """``lock``'s lost hold of ``entries`` entries is to be given back (_giving_up).
+    def _give_up(self, lock: AsyncLock, entries: int, token: str) -> bool:
+        """``lock``'s lost hold of ``entries`` entries, under owner ``token``, is to be
+        given back (_giving_up).
         False if there is nothing to, or another give-up of it (a user of the lock object
         in another thread or task) has it already: that one ends it (_given_up)."""
         self._follow_fork()
         with self._held_guard:
             if self._giving_up is None or not entries or lock in self._giving_up:
                 return False
-            self._giving_up[lock] = entries
+            self._giving_up[lock] = (entries, token)
             return True
 
     def _still_to_give_up(self, lock: AsyncLock, given: int = 0) -> int:
@@ -221,9 +222,10 @@ class AsyncClient:
             giving_up = self._giving_up
             if giving_up is None or lock not in giving_up:
                 return 0
-            left = giving_up[lock] - given
+            entries, token = giving_up[lock]
+            left = entries - given
             if left > 0:
-                giving_up[lock] = left
+                giving_up[lock] = (left, token)
                 return left
             del giving_up[lock]
             return 0
@@ -298,8 +300,8 @@ class AsyncClient:
         # the backend is open; their give-ups stop.
         with self._held_guard:
             giving_up, self._giving_up = self._giving_up or {}, None
-        for lock, entries in giving_up.items():
-            await lock._release_quietly(entries)
+        for lock, (entries, token) in giving_up.items():
+            await lock._release_quietly(entries, token)
         await self._backend.aclose()
 
     async def __aenter__(self) -> AsyncClient:

@@ -106,6 +106,10 @@ class AsyncLock:
         #: attempt, extend or renewal cut off; ``inf`` for a release), None if none: see
         #: _unanswered. Under _writes_guard.
         self._unanswered_ttl: float | None = None
+        #: The owner token of a lost hold being given up (see _give_up_lost), until its
+        #: give-back ends: a fresh hold taken meanwhile (by the on_lost it tells, or by
+        #: another user of this object) takes a new token, out of that give-back's reach.
+        self._token_given_up: str | None = None
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
         #: The tasks running a ``with`` body of this lock, one entry per block entered
@@ -265,7 +269,7 @@ class AsyncLock:
         if self._turn(call) is not call and not await self._take_turn(call, deadline):
             return False
         try:
-            if self._unanswered_ttl is not None:
+            if self._unanswered_ttl is not None or self._token_given_up == self._token:
                 await self._take_new_token()
             return await self._seek(call, wait, deadline, reentry)
         finally:
@@ -299,8 +303,9 @@ class AsyncLock:
 
     async def _take_new_token(self) -> None:
         """Start a fresh hold under an owner token of its own, out of reach of the old
-        token's writes that got no answer (see _unanswered): a release among them would
-        free the new hold whenever it reached the backend. Once the give-back of the old
+        token's writes that got no answer (see _unanswered), or of the give-back of a
+        lost hold (see _give_up_lost): a release among them would free the new hold
+        whenever it reached the backend. Once the give-back of the old
         token's lease (if any) has ended, and only when nothing else of this object uses
         that token (a hold, an attempt); else the new hold keeps it, its lease counted
         as _lease_renewed caps it.
@@ -842,8 +847,10 @@ class AsyncLock:
         by our clock alone never reached the backend, which may still keep state for it
         (SQL session mode: the connection holding the database's lock) and would answer
         this object's next acquire, and everyone else's, with busy."""
-        client = self._client
-        mine = client._give_up(self, self._count)
+        client, token = self._client, self._token
+        mine = client._give_up(self, self._count, token)
+        if mine:
+            self._token_given_up = token
         self._forget()
         try:
             # Its on_lost may close the client: close() then gives the lease back while
@@ -855,40 +862,50 @@ class AsyncLock:
                 # up on), or the losses of the client's other leases would be told late.
                 self._abandon(client._still_to_give_up(self) if mine else 0)
             elif mine:
-                await self._give_back_lost()
+                await self._give_back_lost(token)
         finally:
             if mine:
+                self._token_given_up = None
                 client._given_up(self)
         return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
 
-    async def _give_back_lost(self) -> None:
-        """Give back the lost hold that _give_up_lost forgot, as _release_quietly does,
-        unless and until close() takes it over: a closed backend must not be reopened
-        by a round trip after the close (SQLite would open its file again, for good)."""
+    async def _give_back_lost(self, token: str) -> None:
+        """Give back the lost hold that _give_up_lost forgot (under its owner ``token``),
+        as _release_quietly does, unless and until close() takes it over: a closed
+        backend must not be reopened by a round trip after the close (SQLite would open
+        its file again, for good)."""
         given = 0
         while self._client._still_to_give_up(self, given):
             try:
-                remaining = await self._client._backend.release(self.name, self._token)
+                remaining = await self._client._backend.release(self.name, token)
             except Exception:
-                self._unanswered(math.inf)
-                logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+                self._release_unanswered(token)
                 return
             if not remaining:
                 return
             given = 1
 
-    async def _release_quietly(self, entries: int = 1) -> None:
-        """Give back up to ``entries`` entries of a reentrant lease, owner-checked, so
-        harmless if it is gone; stop at the first answer that nothing is left."""
+    async def _release_quietly(self, entries: int = 1, token: str | None = None) -> None:
+        """Give back up to ``entries`` entries of a reentrant lease (under ``token``, by
+        default this object's), owner-checked, so harmless if it is gone; stop at the
+        first answer that nothing is left."""
+        token = self._token if token is None else token
         for _ in range(entries):
             try:
-                remaining = await self._client._backend.release(self.name, self._token)
+                remaining = await self._client._backend.release(self.name, token)
             except Exception:
-                self._unanswered(math.inf)
-                logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+                self._release_unanswered(token)
                 return
             if not remaining:
                 return
+
+    def _release_unanswered(self, token: str) -> None:
+        """A best-effort release under ``token`` failed: it may still be applied later,
+        to whatever lease the token has then (see _unanswered); a token this object no
+        longer uses has none that matters."""
+        if token == self._token:
+            self._unanswered(math.inf)
+        logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
 
     async def __aenter__(self) -> AsyncLock:
         call = _Call()
