@@ -388,6 +388,41 @@ def test_a_reentry_in_its_own_body_after_the_lease_ran_out_raises_lock_lost(
         assert client.inspect(name) is None
 
 
+def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept(url: str, name: str) -> None:
+    """A release that finds the hold ran out on our clock gives it up: forgets it, tells
+    the loss, then gives the lease back, owner-checked. A fresh hold of the same object
+    taken before that give-back (by the on_lost it tells, or by another user of the
+    object while the give-back is in flight, as here) was under the same owner token,
+    and the give-back freed it: the object owned a lock that the backend had free for
+    anyone. The fresh hold now takes an owner token of its own. (In session mode the
+    lost hold's session keeps the lock until the give-back: the fresh attempt is busy.)"""
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=0.5, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        deadline = time.monotonic() + 5
+        while other.inspect(name) is not None:
+            assert time.monotonic() < deadline, "the lease should have ended"
+            sleep(0.05)
+        real_release = client._backend.release
+        taken: list[bool] = []
+
+        def taken_meanwhile(lock_name: str, token: str) -> int | None:
+            if not taken:
+                lock.ttl = 30
+                taken.append(lock.acquire(timeout=0))
+            return real_release(lock_name, token)
+
+        client._backend.release = taken_meanwhile  # type: ignore[method-assign,assignment]
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        assert taken and lock.owned() == taken[0]
+        if taken[0]:
+            assert_held_by(other, name, lock)
+            assert not other.lock(name, ttl=5).acquire(timeout=0)
+            lock.release()
+        assert other.inspect(name) is None
+
+
 def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     """Held for twice the ttl: unrenewed, the lease would have ended 0.6 s before the
     check (on both clocks), and one renewed only once (at 0.2 s) 0.4 s before it."""
