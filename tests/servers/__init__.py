@@ -39,6 +39,19 @@ def private_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"dlock-{prefix}-"))
 
 
+def start_all(servers: Sequence[ServerProcess], then: Callable[[], object] = lambda: None) -> None:
+    """Start ``servers`` (then run ``then``, e.g. wait for a quorum): if one fails, kill
+    those already running rather than leave them to outlive the test run."""
+    try:
+        for server in servers:
+            server.start()
+        then()
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+
+
 class ServerProcess:
     """One server process that a test may kill, pause (SIGSTOP), resume and restart."""
 

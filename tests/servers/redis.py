@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServerProcess, free_port, port_open, private_dir, require_binary
+from tests.servers import (
+    ServerProcess,
+    free_port,
+    port_open,
+    private_dir,
+    require_binary,
+    start_all,
+)
 from tests.servers.tls import make_certificates
 
 
@@ -93,7 +100,9 @@ def start_single(name: str = "redis") -> RedisServer:
 
 
 def start_masters(count: int = 3) -> list[RedisServer]:
-    return [start_single(f"redlock{i}") for i in range(count)]
+    masters = [RedisServer(f"redlock{i}") for i in range(count)]
+    start_all(masters)
+    return masters
 
 
 def start_cluster(masters: int = 3) -> RedisCluster:
@@ -110,22 +119,24 @@ def start_cluster(masters: int = 3) -> RedisCluster:
         )
         for i in range(masters)
     ]
-    for node in nodes:
-        node.start()
-    _cli(
-        nodes[0].port,
-        "--cluster",
-        "create",
-        *(node.address for node in nodes),
-        "--cluster-replicas",
-        "0",
-        "--cluster-yes",
-    )
-    deadline = time.monotonic() + 30
-    while not all("cluster_state:ok" in _cli(node.port, "cluster", "info") for node in nodes):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the Redis cluster did not become ready")
-        time.sleep(0.05)
+
+    def form_cluster() -> None:
+        _cli(
+            nodes[0].port,
+            "--cluster",
+            "create",
+            *(node.address for node in nodes),
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        )
+        deadline = time.monotonic() + 30
+        while not all("cluster_state:ok" in _cli(node.port, "cluster", "info") for node in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis cluster did not become ready")
+            time.sleep(0.05)
+
+    start_all(nodes, form_cluster)
     return RedisCluster(nodes)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServerProcess, free_port, port_open, private_dir
+from tests.servers import ServerProcess, free_port, port_open, private_dir, start_all
 from tests.servers.tls import Certificates, make_certificates
 
 JAR = Path("/usr/share/java/zookeeper.jar")
@@ -175,9 +175,7 @@ class ZooKeeperEnsemble:
         return f"zookeeper://{host}:{self.secure_port}{path}?{query}"
 
     def start(self) -> None:
-        for node in self.nodes:
-            node.start()
-        self.wait_serving()
+        start_all(self.nodes, self.wait_serving)
 
     def wait_serving(self, timeout: float = 30.0) -> None:
         """Wait until every running node serves clients (a quorum formed)."""
