@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import _fork
 from .._backoff import Backoff
-from .._errors import InvalidArgument
+from .._errors import BackendError, InvalidArgument
 from .._fork import ForkFollower
 from .._registry import default_url, load_backend
 from .._types import Holder, LockInfo
@@ -147,11 +147,19 @@ class Client:
     @notices_fork
     def inspect(self, name: str) -> LockInfo | None:
         """Who holds ``name`` now, or None if nobody does."""
+        self._refuse_if_closed()
         return self._backend.inspect(check_name(name))
+
+    def _refuse_if_closed(self) -> None:
+        """A closed client answers nothing, on every backend: a backend would otherwise
+        open its connection again (SQLite: the file), to be left open for good."""
+        if self._closed:
+            raise BackendError("the client is closed")
 
     @notices_fork
     def list(self, prefix: str = "") -> list[LockInfo]:
         """Every held lock whose name starts with ``prefix``, sorted by name."""
+        self._refuse_if_closed()
         return self._backend.list(check_prefix(prefix))
 
     @notices_fork
@@ -160,6 +168,7 @@ class Client:
 
         The evicted holder finds out at its next renewal, release or extend.
         """
+        self._refuse_if_closed()
         return self._backend.force_release(check_name(name))
 
     @notices_fork
@@ -175,6 +184,7 @@ class Client:
         it, so a table grown large is pruned in short steps.
         """
         older_than, batch = check_prune_age(older_than), check_batch(batch)
+        self._refuse_if_closed()
         removed = 0
         while True:
             deleted = self._backend.prune(older_than, batch)

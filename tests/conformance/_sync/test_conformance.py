@@ -757,9 +757,10 @@ def test_closing_the_client_gives_back_locks_it_does_not_renew(url: str, name: s
         assert other.inspect(f"{name}/reentered") is None
 
 
-def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
+def test_a_closed_client_refuses_every_operation(url: str, name: str) -> None:
     """Nothing renews a lease taken after close(): refuse rather than hand out a lock
-    that runs out under its holder."""
+    that runs out under its holder. Nor does it answer anything else: the backend is
+    closed, and must not be opened again (SQLite reopened its file, for good)."""
     client = dlock.connect(url)
     lock = client.lock(name, ttl=5)
     with lock:
@@ -770,6 +771,14 @@ def test_a_closed_client_refuses_to_acquire(url: str, name: str) -> None:
     with pytest.raises(dlock.BackendError, match="closed"):
         with client.lock(name, ttl=5):
             pass
+    for operation in (
+        partial(client.inspect, name),
+        client.list,
+        partial(client.force_release, name),
+        partial(client.prune, 600),
+    ):
+        with pytest.raises(dlock.BackendError, match="closed"):
+            operation()
     with dlock.connect(url) as other:
         assert other.inspect(name) is None
 
