@@ -30,7 +30,12 @@ from tests.servers.zookeeper import zookeeper_ensemble, zookeeper_server  # noqa
 
 def pytest_configure(config: pytest.Config) -> None:
     """A run stopped by SIGTERM (an IDE's stop button, ``timeout``) tears its servers
-    down as Ctrl-C does, instead of leaving a dozen server processes running."""
+    down as Ctrl-C does, instead of leaving a dozen server processes running.
+
+    So does HUP, INT or QUIT where the run started with it ignored (under ``nohup``, as a
+    script's background job): ``dlock run`` leaves a signal ignored at its start alone,
+    as a shell does, so every dlock the tests start would inherit it ignored, and the
+    tests of its signal handling could not send it."""
     if threading.current_thread() is not threading.main_thread():
         return
     pytest_pid = os.getpid()
@@ -43,6 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            signal.signal(signum, interrupt)
 
 
 @dataclass(frozen=True)
