@@ -1831,3 +1831,129 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept(tmp_path: Pat
             assert not await other.lock("async-job", ttl=5).acquire(timeout=0)
 
     asyncio.run(async_face())
+
+
+def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attempt_in_flight(
+    tmp_path: Path,
+) -> None:
+    """As above, but another user of the object has a re-entry attempt in flight under
+    the old owner token (held up on its way to the backend) as the fresh hold is taken:
+    the fresh hold cannot take a token of its own then (that attempt's outcome is the
+    old token's), and the give-back of the lost hold, under that same token, freed it.
+    The give-back now waits for that attempt's end, and is dropped as the object holds
+    the lock again. The fresh hold is taken during the give-back's release if it is
+    sent (before the fix), else once the give-up returns; the attempt ends after it."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=0.5, auto_renew=False, reentrant=True)
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight, go_on = threading.Event(), threading.Event()
+
+        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                in_flight.set()
+                go_on.wait(10)
+                raise dlock.BackendUnavailable("no answer")
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        errors: list[BaseException] = []
+
+        def reenter() -> None:
+            try:
+                lock.acquire(timeout=0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        sharer = threading.Thread(target=reenter)
+        sharer.start()
+        try:
+            assert in_flight.wait(5)
+            give_up = time.monotonic() + 5
+            while other.inspect("job") is not None:
+                assert time.monotonic() < give_up, "the lease did not end"
+                time.sleep(0.05)
+            taken: list[bool] = []
+
+            def taken_meanwhile(name: str, token: str) -> int | None:
+                if not taken:
+                    lock.ttl = 30  # the fresh hold outlasts the checks below
+                    taken.append(lock.acquire(timeout=0))
+                return real_release(name, token)
+
+            client._backend.release = taken_meanwhile  # type: ignore[method-assign]
+            with pytest.raises(dlock.LockLost):
+                lock.release()
+            if not taken:
+                lock.ttl = 30
+                taken.append(lock.acquire(timeout=0))
+            assert taken == [True] and lock.owned()
+            info = other.inspect("job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            assert not other.lock("job", ttl=5).acquire(timeout=0)
+        finally:
+            go_on.set()
+            sharer.join(10)
+        assert [type(exc) for exc in errors] == [dlock.BackendUnavailable]
+        assert lock.owned()
+        info = other.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        client._backend.release = real_release  # type: ignore[method-assign]
+        lock.release()
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("async-job", ttl=0.5, auto_renew=False, reentrant=True)
+            real_acquire, real_release = client._backend.acquire, client._backend.release
+            in_flight, go_on = asyncio.Event(), asyncio.Event()
+
+            async def reentry_held_up(
+                name: str, token: str, ttl: float, holder: Any, reentrant: bool
+            ) -> Any:
+                if reentrant:
+                    in_flight.set()
+                    await asyncio.wait_for(go_on.wait(), 10)
+                    raise dlock.BackendUnavailable("no answer")
+                return await real_acquire(name, token, ttl, holder, reentrant)
+
+            client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+            assert await lock.acquire(timeout=0)
+            sharer = asyncio.ensure_future(lock.acquire(timeout=0))
+            try:
+                await asyncio.wait_for(in_flight.wait(), 5)
+                give_up = time.monotonic() + 5
+                while await other.inspect("async-job") is not None:
+                    assert time.monotonic() < give_up, "the lease did not end"
+                    await asyncio.sleep(0.05)
+                taken: list[bool] = []
+
+                async def taken_meanwhile(name: str, token: str) -> int | None:
+                    if not taken:
+                        lock.ttl = 30  # the fresh hold outlasts the checks below
+                        taken.append(await lock.acquire(timeout=0))
+                    return await real_release(name, token)
+
+                client._backend.release = taken_meanwhile  # type: ignore[method-assign]
+                with pytest.raises(dlock.LockLost):
+                    await lock.release()
+                if not taken:
+                    lock.ttl = 30
+                    taken.append(await lock.acquire(timeout=0))
+                assert taken == [True] and lock.owned()
+                info = await other.inspect("async-job")
+                assert info is not None and info.fencing_token == lock.fencing_token
+                assert not await other.lock("async-job", ttl=5).acquire(timeout=0)
+            finally:
+                go_on.set()
+                await asyncio.wait([sharer], timeout=10)
+            with pytest.raises(dlock.BackendUnavailable):
+                sharer.result()
+            assert lock.owned()
+            info = await other.inspect("async-job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            client._backend.release = real_release  # type: ignore[method-assign]
+            await lock.release()
+
+    asyncio.run(async_face())

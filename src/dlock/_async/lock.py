@@ -873,9 +873,19 @@ class AsyncLock:
         """Give back the lost hold that _give_up_lost forgot (under its owner ``token``),
         as _release_quietly does, unless and until close() takes it over: a closed
         backend must not be reopened by a round trip after the close (SQLite would open
-        its file again, for good)."""
+        its file again, for good).
+
+        Not while another user of this object has an attempt in flight under that same
+        token (a re-entry of the lost hold): the fresh hold that the object may take
+        meanwhile cannot take a token of its own (see _take_new_token), and the release
+        would free it. Left to that attempt's end then, as _give_back_later does: given
+        back in the background, or dropped if the object holds the lock again."""
         given = 0
-        while self._client._still_to_give_up(self, given):
+        while left := self._client._still_to_give_up(self, given):
+            with self._sharing:
+                if self._attempts and self._token == token:
+                    self._to_give_back = max(self._to_give_back, left)
+                    return
             try:
                 remaining = await self._client._backend.release(self.name, token)
             except Exception:
