@@ -1957,3 +1957,163 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
             await lock.release()
 
     asyncio.run(async_face())
+
+
+def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers_attempt(
+    tmp_path: Path,
+) -> None:
+    """As test_an_unanswered_release_applied_late_leaves_the_next_hold_alone, but another
+    user of the object has a re-entry attempt in flight (held up) as the fresh hold is
+    sought: that attempt keeps the old owner token in use, so the fresh hold kept it
+    too, and the first release, reaching the backend late, freed it (every backend).
+    The fresh hold now waits for that attempt's end, then takes a token of its own."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=30, reentrant=True)
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight, go_on = threading.Event(), threading.Event()
+        held_up: list[tuple[str, str]] = []
+
+        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                in_flight.set()
+                go_on.wait(10)
+                raise dlock.BackendUnavailable("no answer")
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        def first_unanswered(name: str, token: str) -> int | None:
+            if not held_up:
+                held_up.append((name, token))
+                raise dlock.BackendUnavailable("no answer")
+            return real_release(name, token)
+
+        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+        client._backend.release = first_unanswered  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        errors: list[BaseException] = []
+
+        def reenter() -> None:
+            try:
+                lock.acquire(timeout=0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        sharer = threading.Thread(target=reenter)
+        sharer.start()
+        try:
+            assert in_flight.wait(5)
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.release()
+            threading.Timer(0.3, go_on.set).start()  # the re-entry ends as the hold waits
+            assert lock.acquire(timeout=5)
+            assert real_release(*held_up[0]) is None  # arrives now: not the new hold's
+            assert lock.owned()
+            assert not other.lock("job").acquire(timeout=0)
+        finally:
+            go_on.set()
+            sharer.join(10)
+        assert [type(exc) for exc in errors] == [dlock.BackendUnavailable]
+        lock.release()
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("async-job", ttl=30, reentrant=True)
+            real_acquire, real_release = client._backend.acquire, client._backend.release
+            in_flight, go_on = asyncio.Event(), asyncio.Event()
+            held_up: list[tuple[str, str]] = []
+
+            async def reentry_held_up(
+                name: str, token: str, ttl: float, holder: Any, reentrant: bool
+            ) -> Any:
+                if reentrant:
+                    in_flight.set()
+                    await asyncio.wait_for(go_on.wait(), 10)
+                    raise dlock.BackendUnavailable("no answer")
+                return await real_acquire(name, token, ttl, holder, reentrant)
+
+            async def first_unanswered(name: str, token: str) -> int | None:
+                if not held_up:
+                    held_up.append((name, token))
+                    raise dlock.BackendUnavailable("no answer")
+                return await real_release(name, token)
+
+            client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+            client._backend.release = first_unanswered  # type: ignore[method-assign]
+            assert await lock.acquire(timeout=0)
+            sharer = asyncio.ensure_future(lock.acquire(timeout=0))
+            try:
+                await asyncio.wait_for(in_flight.wait(), 5)
+                with pytest.raises(dlock.BackendUnavailable):
+                    await lock.release()
+                asyncio.get_running_loop().call_later(0.3, go_on.set)
+                assert await lock.acquire(timeout=5)
+                assert await real_release(*held_up[0]) is None
+                assert lock.owned()
+                assert not await other.lock("async-job").acquire(timeout=0)
+            finally:
+                go_on.set()
+                await asyncio.wait([sharer], timeout=10)
+            with pytest.raises(dlock.BackendUnavailable):
+                sharer.result()
+            await lock.release()
+
+    asyncio.run(async_face())
+
+
+def test_an_on_lost_acquiring_afresh_from_a_sharers_reentry_does_not_wait_for_it(
+    tmp_path: Path,
+) -> None:
+    """A fresh hold after a release that got no answer waits for the attempts that keep
+    the old owner token in use (see the test above), but not from the on_lost that a
+    re-entry answered busy tells: that attempt is the caller's own, and would never end.
+    The sync face: the asyncio face's on_lost cannot wait."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        got: list[bool] = []
+        lock = client.lock(
+            "job",
+            ttl=30,
+            reentrant=True,
+            on_lost=lambda lock: got.append(lock.acquire(timeout=0.5)),
+        )
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight, go_on = threading.Event(), threading.Event()
+        held_up: list[tuple[str, str]] = []
+
+        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                in_flight.set()
+                go_on.wait(10)
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        def first_unanswered(name: str, token: str) -> int | None:
+            if not held_up:
+                held_up.append((name, token))
+                raise dlock.BackendUnavailable("no answer")
+            return real_release(name, token)
+
+        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+        client._backend.release = first_unanswered  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        errors: list[BaseException] = []
+
+        def reenter() -> None:
+            try:
+                lock.acquire(timeout=0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        sharer = threading.Thread(target=reenter, daemon=True)
+        sharer.start()
+        assert in_flight.wait(5)
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        assert real_release(*held_up[0]) == 0  # the release arrives; another takes the name
+        rival = other.lock("job", ttl=30)
+        assert rival.acquire(timeout=0)
+        go_on.set()  # the re-entry is answered busy: lost, told to on_lost
+        sharer.join(5)
+        assert not sharer.is_alive(), "the on_lost's acquire waited for its own attempt"
+        assert got == [False] and [type(exc) for exc in errors] == [dlock.LockLost]
+        rival.release()

@@ -110,6 +110,8 @@ class AsyncLock:
         #: give-back ends: a fresh hold taken meanwhile (by the on_lost it tells, or by
         #: another user of this object) takes a new token, out of that give-back's reach.
         self._token_given_up: str | None = None
+        #: The thread running this object's on_lost, if one does (see _take_new_token).
+        self._telling: int | None = None
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
         #: The tasks running a ``with`` body of this lock, one entry per block entered
@@ -311,7 +313,12 @@ class AsyncLock:
         as _lease_renewed caps it.
 
         A lease left under the old token (a give-back that failed too) is then not taken
-        back by this object's next acquire: it waits for that lease's TTL like anyone."""
+        back by this object's next acquire: it waits for that lease's TTL like anyone.
+
+        A release that got no answer is one that no cap counts against: kept, the old
+        token would let it free the new hold whenever it reached the backend. So while
+        another user's attempt keeps that token (a re-entry in flight), wait for its
+        end; not from this object's on_lost (that attempt may need _loss_lock to end)."""
         while True:
             with self._sharing:
                 give_back = self._give_back
@@ -320,8 +327,20 @@ class AsyncLock:
                         with self._writes_guard:
                             self._token = secrets.token_hex(16)
                             self._unanswered_ttl = None
-                    return
-            await wait_done(give_back)
+                        return
+                    if (
+                        self._count
+                        or self._unanswered_ttl != math.inf
+                        or self._telling == threading.get_ident()
+                    ):
+                        return
+                    give_back = None
+            if give_back is None:
+                # Nothing signals an attempt's end: look again shortly (rare, and over
+                # within that attempt's round trip).
+                await sleep(_ROTATION_POLL)
+            else:
+                await wait_done(give_back)
 
     def _turn(self, call: _Call) -> _Call | None:
         """Make ``call`` the seeker if nothing keeps it out now (see _take_turn); return
@@ -572,7 +591,7 @@ class AsyncLock:
                     self._give_back = self._seeker = self._changed = None
                     self._parents_entries, self._count = self._count, 0
                     self._token = secrets.token_hex(16)
-                    self._unanswered_ttl = None
+                    self._unanswered_ttl = self._telling = None
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -802,6 +821,7 @@ class AsyncLock:
             logger.warning("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
                 telling = _WATCHDOG_TELLING.set(watchdog)
+                teller, self._telling = self._telling, threading.get_ident()
                 try:
                     self.on_lost(self)
                 except Exception:
@@ -813,6 +833,7 @@ class AsyncLock:
                         raise
                     logger.exception("dlock: on_lost callback for %r raised", self.name)
                 finally:
+                    self._telling = teller
                     _WATCHDOG_TELLING.reset(telling)
             if self.cancel_on_lost:
                 running = current_task() if told else None
@@ -962,6 +983,10 @@ class AsyncLock:
             raise lost from exc
         await self.release()
 
+
+#: How often a fresh hold looks again whether the attempt that keeps it from taking an
+#: owner token of its own has ended (see _take_new_token).
+_ROTATION_POLL = 0.005
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
 _SHARER_HOLDS = Busy()

@@ -111,6 +111,8 @@ class Lock:
         #: give-back ends: a fresh hold taken meanwhile (by the on_lost it tells, or by
         #: another user of this object) takes a new token, out of that give-back's reach.
         self._token_given_up: str | None = None
+        #: The thread running this object's on_lost, if one does (see _take_new_token).
+        self._telling: int | None = None
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
         #: The tasks running a ``with`` body of this lock, one entry per block entered
@@ -312,7 +314,12 @@ class Lock:
         as _lease_renewed caps it.
 
         A lease left under the old token (a give-back that failed too) is then not taken
-        back by this object's next acquire: it waits for that lease's TTL like anyone."""
+        back by this object's next acquire: it waits for that lease's TTL like anyone.
+
+        A release that got no answer is one that no cap counts against: kept, the old
+        token would let it free the new hold whenever it reached the backend. So while
+        another user's attempt keeps that token (a re-entry in flight), wait for its
+        end; not from this object's on_lost (that attempt may need _loss_lock to end)."""
         while True:
             with self._sharing:
                 give_back = self._give_back
@@ -321,8 +328,20 @@ class Lock:
                         with self._writes_guard:
                             self._token = secrets.token_hex(16)
                             self._unanswered_ttl = None
-                    return
-            wait_done(give_back)
+                        return
+                    if (
+                        self._count
+                        or self._unanswered_ttl != math.inf
+                        or self._telling == threading.get_ident()
+                    ):
+                        return
+                    give_back = None
+            if give_back is None:
+                # Nothing signals an attempt's end: look again shortly (rare, and over
+                # within that attempt's round trip).
+                sleep(_ROTATION_POLL)
+            else:
+                wait_done(give_back)
 
     def _turn(self, call: _Call) -> _Call | None:
         """Make ``call`` the seeker if nothing keeps it out now (see _take_turn); return
@@ -571,7 +590,7 @@ class Lock:
                     self._give_back = self._seeker = self._changed = None
                     self._parents_entries, self._count = self._count, 0
                     self._token = secrets.token_hex(16)
-                    self._unanswered_ttl = None
+                    self._unanswered_ttl = self._telling = None
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -801,6 +820,7 @@ class Lock:
             logger.warning("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
                 telling = _WATCHDOG_TELLING.set(watchdog)
+                teller, self._telling = self._telling, threading.get_ident()
                 try:
                     self.on_lost(self)
                 except Exception:
@@ -812,6 +832,7 @@ class Lock:
                         raise
                     logger.exception("dlock: on_lost callback for %r raised", self.name)
                 finally:
+                    self._telling = teller
                     _WATCHDOG_TELLING.reset(telling)
             if self.cancel_on_lost:
                 running = current_task() if told else None
@@ -961,6 +982,10 @@ class Lock:
             raise lost from exc
         self.release()
 
+
+#: How often a fresh hold looks again whether the attempt that keeps it from taking an
+#: owner token of its own has ended (see _take_new_token).
+_ROTATION_POLL = 0.005
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
 _SHARER_HOLDS = Busy()
