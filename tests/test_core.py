@@ -1959,14 +1959,16 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
     asyncio.run(async_face())
 
 
+@pytest.mark.parametrize("extend_unanswered", [False, True], ids=["", "after-an-extend"])
 def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers_attempt(
-    tmp_path: Path,
+    tmp_path: Path, extend_unanswered: bool
 ) -> None:
     """As test_an_unanswered_release_applied_late_leaves_the_next_hold_alone, but another
     user of the object has a re-entry attempt in flight (held up) as the fresh hold is
     sought: that attempt keeps the old owner token in use, so the fresh hold kept it
     too, and the first release, reaching the backend late, freed it (every backend).
-    The fresh hold now waits for that attempt's end, then takes a token of its own."""
+    The fresh hold now waits for that attempt's end, then takes a token of its own; so
+    too when an extend got no answer before (its TTL hid the release's record)."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     with dlock.connect(url) as client, dlock.connect(url) as other:
@@ -1991,6 +1993,12 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
         client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
         client._backend.release = first_unanswered  # type: ignore[method-assign]
         assert lock.acquire(timeout=0)
+        if extend_unanswered:
+            real_extend = client._backend.extend
+            client._backend.extend = _no_answer  # type: ignore[method-assign,assignment]
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.extend()
+            client._backend.extend = real_extend  # type: ignore[method-assign]
         errors: list[BaseException] = []
 
         def reenter() -> None:
@@ -2041,6 +2049,16 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
             client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
             client._backend.release = first_unanswered  # type: ignore[method-assign]
             assert await lock.acquire(timeout=0)
+            if extend_unanswered:
+                real_extend = client._backend.extend
+
+                async def no_answer(*args: object) -> bool:
+                    return _no_answer(*args)
+
+                client._backend.extend = no_answer  # type: ignore[method-assign,assignment]
+                with pytest.raises(dlock.BackendUnavailable):
+                    await lock.extend()
+                client._backend.extend = real_extend  # type: ignore[method-assign]
             sharer = asyncio.ensure_future(lock.acquire(timeout=0))
             try:
                 await asyncio.wait_for(in_flight.wait(), 5)
@@ -2059,6 +2077,10 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
             await lock.release()
 
     asyncio.run(async_face())
+
+
+def _no_answer(*args: object) -> bool:
+    raise dlock.BackendUnavailable("no answer")
 
 
 def test_an_on_lost_acquiring_afresh_from_a_sharers_reentry_does_not_wait_for_it(

@@ -106,6 +106,9 @@ class AsyncLock:
         #: attempt, extend or renewal cut off; ``inf`` for a release), None if none: see
         #: _unanswered. Under _writes_guard.
         self._unanswered_ttl: float | None = None
+        #: True when one of them was a release (which no cap counts against: see
+        #: _take_new_token). Under _writes_guard.
+        self._unanswered_release = False
         #: The owner token of a lost hold being given up (see _give_up_lost), until its
         #: give-back ends: a fresh hold taken meanwhile (by the on_lost it tells, or by
         #: another user of this object) takes a new token, out of that give-back's reach.
@@ -327,10 +330,11 @@ class AsyncLock:
                         with self._writes_guard:
                             self._token = secrets.token_hex(16)
                             self._unanswered_ttl = None
+                            self._unanswered_release = False
                         return
                     if (
                         self._count
-                        or self._unanswered_ttl != math.inf
+                        or not self._unanswered_release
                         or self._telling == threading.get_ident()
                     ):
                         return
@@ -592,6 +596,7 @@ class AsyncLock:
                     self._parents_entries, self._count = self._count, 0
                     self._token = secrets.token_hex(16)
                     self._unanswered_ttl = self._telling = None
+                    self._unanswered_release = False
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
@@ -698,6 +703,8 @@ class AsyncLock:
         with self._writes_guard:
             known = self._unanswered_ttl
             self._unanswered_ttl = ttl if known is None else min(known, ttl)
+            if ttl == math.inf:
+                self._unanswered_release = True
 
     def _lease_unsure(self, started: float, ttl: float, cap: float) -> None:
         """A lease write (extend, renewal) whose outcome is unknown (failed, cancelled or
