@@ -1968,7 +1968,8 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
     sought: that attempt keeps the old owner token in use, so the fresh hold kept it
     too, and the first release, reaching the backend late, freed it (every backend).
     The fresh hold now waits for that attempt's end, then takes a token of its own; so
-    too when an extend got no answer before (its TTL hid the release's record)."""
+    too when an extend got no answer before (its TTL hid the release's record). A try
+    (timeout 0) does not wait for it: it is not granted."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     with dlock.connect(url) as client, dlock.connect(url) as other:
@@ -2013,6 +2014,9 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
             assert in_flight.wait(5)
             with pytest.raises(dlock.BackendUnavailable):
                 lock.release()
+            tried = time.monotonic()
+            assert not lock.acquire(timeout=0), "a try may not wait for the re-entry"
+            assert time.monotonic() - tried < 1.0
             threading.Timer(0.3, go_on.set).start()  # the re-entry ends as the hold waits
             assert lock.acquire(timeout=5)
             assert real_release(*held_up[0]) is None  # arrives now: not the new hold's
@@ -2064,6 +2068,9 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
                 await asyncio.wait_for(in_flight.wait(), 5)
                 with pytest.raises(dlock.BackendUnavailable):
                     await lock.release()
+                tried = time.monotonic()
+                assert not await lock.acquire(timeout=0)
+                assert time.monotonic() - tried < 1.0
                 asyncio.get_running_loop().call_later(0.3, go_on.set)
                 assert await lock.acquire(timeout=5)
                 assert await real_release(*held_up[0]) is None

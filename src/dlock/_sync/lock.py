@@ -275,8 +275,10 @@ class Lock:
         if self._turn(call) is not call and not self._take_turn(call, deadline):
             return False
         try:
-            if self._unanswered_ttl is not None or self._token_given_up == self._token:
-                self._take_new_token()
+            if (
+                self._unanswered_ttl is not None or self._token_given_up == self._token
+            ) and not self._take_new_token(deadline):
+                return False
             return self._seek(call, wait, deadline, reentry)
         finally:
             self._end_turn(call)
@@ -307,7 +309,7 @@ class Lock:
             self._still_wanted(call)
         return True
 
-    def _take_new_token(self) -> None:
+    def _take_new_token(self, deadline: float | None) -> bool:
         """Start a fresh hold under an owner token of its own, out of reach of the old
         token's writes that got no answer (see _unanswered), or of the give-back of a
         lost hold (see _give_up_lost): a release among them would free the new hold
@@ -322,7 +324,8 @@ class Lock:
         A release that got no answer is one that no cap counts against: kept, the old
         token would let it free the new hold whenever it reached the backend. So while
         another user's attempt keeps that token (a re-entry in flight), wait for its
-        end; not from this object's on_lost (that attempt may need _loss_lock to end)."""
+        end; not from this object's on_lost (that attempt may need _loss_lock to end).
+        False if ``deadline`` passes first: the acquire is not granted in time."""
         while True:
             with self._sharing:
                 give_back = self._give_back
@@ -332,18 +335,21 @@ class Lock:
                             self._token = secrets.token_hex(16)
                             self._unanswered_ttl = None
                             self._unanswered_release = False
-                        return
+                        return True
                     if (
                         self._count
                         or not self._unanswered_release
                         or self._telling == threading.get_ident()
                     ):
-                        return
+                        return True
                     give_back = None
+            remaining = None if deadline is None else deadline - self._client._clock()
+            if remaining is not None and remaining <= 0:
+                return False
             if give_back is None:
                 # Nothing signals an attempt's end: look again shortly (rare, and over
                 # within that attempt's round trip).
-                sleep(_ROTATION_POLL)
+                sleep(_ROTATION_POLL if remaining is None else min(_ROTATION_POLL, remaining))
             else:
                 wait_done(give_back)
 
