@@ -591,6 +591,19 @@ sys.exit(_cli.main(sys.argv[3:]))
 """
 
 
+def signalled_at(db: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``SIGNAL_AT`` with ``argv`` (the point to signal at, the signal, dlock's own
+    arguments), in a session of its own so that the signal reaches nothing else."""
+    return subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DLOCK_URL": db},
+        start_new_session=True,
+    )
+
+
 @pytest.mark.parametrize("signum", FORWARDED_SIGNALS, ids=lambda signum: signum.name)
 def test_a_signal_as_the_handlers_go_in_ends_dlock_quietly(db: str, name: str, signum: int) -> None:
     """A signal whose handler is in while the others are still being installed (or
@@ -600,14 +613,7 @@ def test_a_signal_as_the_handlers_go_in_ends_dlock_quietly(db: str, name: str, s
         holder = client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)
         argv = ["installed", str(signum), "run", "-w", "10", name, "--", "sh", "-c", "echo ran"]
-        result = subprocess.run(
-            [sys.executable, "-c", SIGNAL_AT, *argv],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env={**os.environ, "DLOCK_URL": db},
-            start_new_session=True,
-        )
+        result = signalled_at(db, argv)
         assert result.returncode == 128 + signum, result.stderr
         assert result.stdout == "" and result.stderr == "", result.stderr
         info = client.inspect(name)
@@ -621,14 +627,7 @@ def test_a_signal_as_dlock_names_the_holder_ends_it_at_once(db: str, name: str) 
     command that would never run, and dlock went on to exit 1."""
     with dlock.connect(db) as client, client.lock(name, ttl=30):
         argv = ["described", str(int(signal.SIGTERM)), "run", "-n", name, "--", "true"]
-        result = subprocess.run(
-            [sys.executable, "-c", SIGNAL_AT, *argv],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            env={**os.environ, "DLOCK_URL": db},
-            start_new_session=True,
-        )
+        result = signalled_at(db, argv)
         assert result.returncode == 128 + signal.SIGTERM, result.stderr
         assert result.stderr == "", result.stderr
 
@@ -637,14 +636,7 @@ def test_ctrl_c_before_dlock_parses_its_arguments_ends_it_quietly(db: str, name:
     """SIGINT as dlock starts, before it parses its arguments: 130, quietly. Only the
     rest of main() caught the KeyboardInterrupt: a traceback."""
     argv = ["parsing", str(int(signal.SIGINT)), "run", name, "--", "sh", "-c", "echo ran"]
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AT, *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "DLOCK_URL": db},
-        start_new_session=True,
-    )
+    result = signalled_at(db, argv)
     assert result.returncode == 128 + signal.SIGINT, result.stderr
     assert result.stdout == "" and result.stderr == "", result.stderr
 
@@ -659,14 +651,7 @@ def test_a_signal_after_the_wait_before_the_command_starts_ends_dlock(
     marker = tmp_path / "ran"
     command = ["sh", "-c", f"touch {marker}; exit 3"]
     argv = ["acquired", str(int(signum)), "run", name, "--", *command]
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AT, *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "DLOCK_URL": db},
-        start_new_session=True,
-    )
+    result = signalled_at(db, argv)
     assert result.returncode == 128 + signum, result.stderr
     assert result.stderr == "", result.stderr
     assert not marker.exists(), "the command ran"
