@@ -174,6 +174,30 @@ def test_a_file_write_locked_past_the_busy_timeout_is_unavailable(tmp_path: Path
         lock.release()
 
 
+async def test_a_try_after_an_unanswered_attempt_is_answered_by_the_backend(
+    tmp_path: Path,
+) -> None:
+    """An attempt that got no answer is given back in the background, under the old
+    owner token; a try made while that runs waits for it, then asks the backend under
+    a new token. It used to say "busy" (False) at once, the file free (both faces: the
+    sync one is the test above)."""
+    path = tmp_path / "busy.db"
+    async with dlock.aio.connect(f"sqlite://{path}", busy_timeout=0.3) as client:
+        lock = client.lock("x", ttl=5)
+        other = sqlite3.connect(path, isolation_level=None)
+        assert await lock.acquire(timeout=0)  # the file and its table exist
+        await lock.release()
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(dlock.BackendUnavailable, match="locked"):
+                await lock.acquire(timeout=0)
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert await lock.acquire(timeout=0)
+        await lock.release()
+
+
 def test_a_lease_outside_a_stuck_renewal_is_told_lost_at_its_own_deadline(
     tmp_path: Path,
 ) -> None:

@@ -325,7 +325,10 @@ class Lock:
         token would let it free the new hold whenever it reached the backend. So while
         another user's attempt keeps that token (a re-entry in flight), wait for its
         end; not from this object's on_lost (that attempt may need _loss_lock to end).
-        False if ``deadline`` passes first: the acquire is not granted in time."""
+        False if ``deadline`` passes first: the acquire is not granted in time. The
+        give-back is waited for whatever the deadline, as every attempt does (see
+        _attempt_starts): it is this object's own round trip, and a try made while it
+        runs is answered by the backend, not "busy" by default."""
         while True:
             with self._sharing:
                 give_back = self._give_back
@@ -343,15 +346,15 @@ class Lock:
                     ):
                         return True
                     give_back = None
+            if give_back is not None:
+                wait_done(give_back)
+                continue
             remaining = None if deadline is None else deadline - self._client._clock()
             if remaining is not None and remaining <= 0:
                 return False
-            if give_back is None:
-                # Nothing signals an attempt's end: look again shortly (rare, and over
-                # within that attempt's round trip).
-                sleep(_ROTATION_POLL if remaining is None else min(_ROTATION_POLL, remaining))
-            else:
-                wait_done(give_back)
+            # Nothing signals an attempt's end: look again shortly (rare, and over
+            # within that attempt's round trip).
+            sleep(_ROTATION_POLL if remaining is None else min(_ROTATION_POLL, remaining))
 
     def _turn(self, call: _Call) -> _Call | None:
         """Make ``call`` the seeker if nothing keeps it out now (see _take_turn); return
