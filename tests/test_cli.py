@@ -548,8 +548,9 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
 #: at the point argv[1] of its start: "installed", right after dlock installs its handler
 #: for that signal (the others of the set may not be in yet); "described", as it asks who
 #: holds the lock it did not get; "parsing", before it parses its arguments; "acquired",
-#: as it reads the fencing token of the lock it got for the command's environment.
-#: Windows of microseconds, opened on purpose.
+#: as it reads the fencing token of the lock it got for the command's environment (and
+#: "dlock started the command" on stderr if it then starts it). Windows of microseconds,
+#: opened on purpose.
 SIGNAL_AT = """
 import os, signal, sys
 from dlock import _cli
@@ -587,6 +588,13 @@ elif point == "acquired":
         send()
         return token.fget(lock)
     Lock.fencing_token = property(fencing_token)
+    # Told on stderr: a command that starts may or may not get as far as its first step.
+    from dlock import _job
+    spawn = _job.spawn_in_new_group
+    def spawning(command, env):
+        print("dlock started the command", file=sys.stderr, flush=True)
+        return spawn(command, env)
+    _job.spawn_in_new_group = spawning
 sys.exit(_cli.main(sys.argv[3:]))
 """
 
@@ -647,7 +655,8 @@ def test_a_signal_after_the_wait_before_the_command_starts_ends_dlock(
 ) -> None:
     """A signal once dlock has the lock, before it starts the command: 128+N, nothing
     run, the lock given back. It was kept for the command, which started only to get
-    it: often killed before its first step, sometimes after."""
+    it: often killed before its first step, sometimes after (so the marker alone tells
+    it only sometimes; the driver's word that dlock started the command, every time)."""
     marker = tmp_path / "ran"
     command = ["sh", "-c", f"touch {marker}; exit 3"]
     argv = ["acquired", str(int(signum)), "run", name, "--", *command]
