@@ -32,10 +32,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """A run stopped by SIGTERM (an IDE's stop button, ``timeout``) tears its servers
     down as Ctrl-C does, instead of leaving a dozen server processes running.
 
-    So does HUP, INT or QUIT where the run started with it ignored (under ``nohup``, as a
-    script's background job): ``dlock run`` leaves a signal ignored at its start alone,
-    as a shell does, so every dlock the tests start would inherit it ignored, and the
-    tests of its signal handling could not send it."""
+    HUP, INT or QUIT ignored as the run started (under ``nohup``, as a script's background
+    job) stays ignored by the run, but through a handler that does nothing: ``exec``
+    resets a handled signal to its default, not an ignored one, and ``dlock run`` leaves
+    a signal ignored at its start alone, as a shell does, so every dlock the tests start
+    would inherit it ignored, and the tests of its signal handling could not send it. (A
+    handler that ended the run would undo the ``nohup``: a hangup would stop the suite.)"""
     if threading.current_thread() is not threading.main_thread():
         return
     pytest_pid = os.getpid()
@@ -47,10 +49,13 @@ def pytest_configure(config: pytest.Config) -> None:
             return
         raise KeyboardInterrupt
 
+    def ignore(signum: int, frame: types.FrameType | None) -> None:
+        pass
+
     signal.signal(signal.SIGTERM, interrupt)
     for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
         if signal.getsignal(signum) is signal.SIG_IGN:
-            signal.signal(signum, interrupt)
+            signal.signal(signum, ignore)
 
 
 @dataclass(frozen=True)
