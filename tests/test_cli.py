@@ -549,8 +549,8 @@ def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) ->
 #: for that signal (the others of the set may not be in yet); "described", as it asks who
 #: holds the lock it did not get; "parsing", before it parses its arguments; "acquired",
 #: as it reads the fencing token of the lock it got for the command's environment (and
-#: "dlock started the command" on stderr if it then starts it). Windows of microseconds,
-#: opened on purpose.
+#: "dlock started the command" on stderr if it then starts it); "failed", as an error
+#: other than a signal's leaves the wait. Windows of microseconds, opened on purpose.
 SIGNAL_AT = """
 import os, signal, sys
 from dlock import _cli
@@ -595,6 +595,14 @@ elif point == "acquired":
         print("dlock started the command", file=sys.stderr, flush=True)
         return spawn(command, env)
     _job.spawn_in_new_group = spawning
+elif point == "failed":
+    from dlock import _job
+    leave = _job.forwarding_signals.__exit__
+    def leaving(self, kind, error, trace):
+        if kind is not None and kind is not _job.Interrupted:
+            send()
+        return leave(self, kind, error, trace)
+    _job.forwarding_signals.__exit__ = leaving
 sys.exit(_cli.main(sys.argv[3:]))
 """
 
@@ -666,6 +674,25 @@ def test_a_signal_after_the_wait_before_the_command_starts_ends_dlock(
     assert not marker.exists(), "the command ran"
     with dlock.connect(db) as client:
         assert client.inspect(name) is None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_as_the_wait_fails_ends_dlock_quietly(db: str, name: str, signum: int) -> None:
+    """A signal as a backend error leaves the wait for the lock, before the handlers
+    are taken out: 128+N, quietly. The handler still raised, and that escaped: a
+    traceback and status 1."""
+    unusable = "sqlite:///proc/dlock-no-such-dir/locks.sqlite3"
+    argv = ["failed", str(int(signum)), "--url", unusable, "run", "-w", "10", name, "--", "true"]
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNAL_AT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DLOCK_URL": db},
+        start_new_session=True,
+    )
+    assert result.returncode == 128 + signum, result.stderr
+    assert result.stderr == "", result.stderr
 
 
 def test_status_list_and_force_release(url: str, name: str) -> None:

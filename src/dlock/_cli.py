@@ -70,6 +70,10 @@ def command_line(argv: Sequence[str] | None) -> int:
     except LockError as exc:  # bad URL, name, TTL or timeout
         print(f"dlock: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as stop:
+        # dlock run: a signal as an error left its wait, before the handlers stopped
+        # raising (past the ``except`` that catches them there). Asked to end, as well.
+        return 128 + stop.signum
     return write_output(stdout, output.getvalue(), status)
 
 
