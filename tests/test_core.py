@@ -2146,3 +2146,71 @@ def test_an_on_lost_acquiring_afresh_from_a_sharers_reentry_does_not_wait_for_it
         assert not sharer.is_alive(), "the on_lost's acquire waited for its own attempt"
         assert got == [False] and [type(exc) for exc in errors] == [dlock.LockLost]
         rival.release()
+
+
+def test_a_fresh_hold_waiting_for_a_sharers_reentry_does_not_wait_for_its_on_lost(
+    tmp_path: Path,
+) -> None:
+    """A fresh hold after a release that got no answer waits for another user's re-entry
+    in flight to end (see above). That re-entry, finding the lease gone (granted afresh:
+    the late release arrived), told the loss before its attempt ended, and an on_lost
+    acquiring afresh waited for the fresh hold's turn: each waited for the other, and
+    the fresh hold got nothing until its timeout (for ever without one). The loss is
+    now told once the attempt has ended. The sync face: the asyncio one's cannot wait."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        got: list[bool] = []
+        lock = client.lock(
+            "job", ttl=30, reentrant=True, on_lost=lambda lock: got.append(lock.acquire(timeout=10))
+        )
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight, go_on = threading.Event(), threading.Event()
+        held_up: list[tuple[str, str]] = []
+
+        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                in_flight.set()
+                go_on.wait(10)
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        def first_unanswered(name: str, token: str) -> int | None:
+            if not held_up:
+                held_up.append((name, token))
+                raise dlock.BackendUnavailable("no answer")
+            return real_release(name, token)
+
+        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+        client._backend.release = first_unanswered  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        errors: list[BaseException] = []
+
+        def reenter() -> None:
+            try:
+                lock.acquire(timeout=0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        sharer = threading.Thread(target=reenter, daemon=True)
+        sharer.start()
+        try:
+            assert in_flight.wait(5)
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.release()
+            assert real_release(*held_up[0]) == 0  # the release arrives: the name is free
+            threading.Timer(0.3, go_on.set).start()  # the re-entry ends as the hold waits
+            started = time.monotonic()
+            assert lock.acquire(timeout=5), "the fresh hold waited for the on_lost"
+            assert time.monotonic() - started < 2
+            assert lock.owned()
+            assert not other.lock("job").acquire(timeout=0)
+            lock.release()  # the on_lost's acquire gets it now (or re-entered it)
+        finally:
+            go_on.set()
+            sharer.join(15)
+        assert not sharer.is_alive()
+        assert got == [True] and [type(exc) for exc in errors] == [dlock.LockLost]
+        assert lock.owned()
+        info = other.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()
+        assert other.inspect("job") is None

@@ -517,6 +517,7 @@ class Lock:
         while (give_back := self._attempt_starts()) is not None:
             wait_done(give_back)
         result: Acquired | Busy | None = None
+        generation, gone = self._generation, False
         try:
             if not reentry and self._count:
                 if not self.reentrant:
@@ -531,7 +532,9 @@ class Lock:
             result = self._client._backend.acquire(
                 self.name, self._token, self.ttl, self._client._holder, self.reentrant and reentry
             )
-            return self._answered(result, reentry, started)
+            gone = reentry and self._reentry_gone(result)
+            if not gone:
+                return self._answered(result, started)
         except BaseException as exc:
             if result is None:
                 # Cancelled, interrupted or cut off mid-flight: the server may have granted
@@ -561,7 +564,12 @@ class Lock:
                 self._note_entry()
             raise
         finally:
-            self._attempt_ends()
+            self._attempt_ends(gone and generation == self._generation)
+        # Told only once the attempt has ended: an on_lost that acquires afresh may wait
+        # for a fresh hold's turn, and that hold for this object's attempts to end (see
+        # _take_new_token), each for the other.
+        self._declare_lost("the lease was gone when re-entering", told=True)
+        raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
 
     def _attempt_starts(self) -> Any:
         """Count an attempt in flight, unless a give-back runs: that releases under this
@@ -608,11 +616,12 @@ class Lock:
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
 
-    def _attempt_ends(self) -> None:
+    def _attempt_ends(self, hold_gone: bool = False) -> None:
+        """``hold_gone``: a re-entry found the hold it re-entered gone (_settle_give_back)."""
         with self._sharing:
             self._attempts -= 1
             if self._to_give_back:
-                self._settle_give_back()
+                self._settle_give_back(hold_gone)
 
     def _give_back_later(self, entries: int) -> None:
         """Give back up to ``entries`` entries of a lease that this object may have on
@@ -629,28 +638,32 @@ class Lock:
             self._to_give_back = max(self._to_give_back, entries)
             self._settle_give_back()
 
-    def _settle_give_back(self) -> None:
+    def _settle_give_back(self, hold_gone: bool = False) -> None:
+        """``hold_gone``: the hold counted is gone from the backend, though not yet
+        declared lost: the lease under our token is not its holder's, and is given back."""
         if self._attempts or not self._to_give_back:
             return
         entries, self._to_give_back = self._to_give_back, 0
-        if self._count and not self._lost:
+        if self._count and not (self._lost or hold_gone):
             return
         self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
         self._client._keep_give_back(self._give_back)
 
-    def _answered(self, result: Acquired | Busy, reentry: bool, started: float) -> Busy | None:
+    def _reentry_gone(self, result: Acquired | Busy) -> bool:
+        """True if a re-entry's answer says the hold it re-entered is gone: busy, or a
+        fresh grant, not a re-entry (our lease had ended on the backend, force-released
+        or expired by its clock, and the name was free again, perhaps after another
+        holder). That new lease is nobody's: it is to be given back."""
         if isinstance(result, Busy):
-            if reentry:
-                self._declare_lost("the lease was gone when re-entering", told=True)
-                raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+            return True
+        if result.count > 1 and result.fencing_token == self._fencing_token:
+            return False
+        self._give_back_later(1)
+        return True
+
+    def _answered(self, result: Acquired | Busy, started: float) -> Busy | None:
+        if isinstance(result, Busy):
             return result
-        if reentry and (result.count == 1 or result.fencing_token != self._fencing_token):
-            # A fresh grant, not a re-entry: our lease had ended on the backend (force-
-            # released, expired by its clock) and the name was free again, perhaps after
-            # another holder. The hold we re-entered was lost; the new lease is nobody's.
-            self._give_back_later(1)
-            self._declare_lost("the lease was gone when re-entering", told=True)
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         self._granted(result, started)
         return None
 
