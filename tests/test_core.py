@@ -2018,7 +2018,9 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
             assert not lock.acquire(timeout=0), "a try may not wait for the re-entry"
             assert time.monotonic() - tried < 1.0
             threading.Timer(0.3, go_on.set).start()  # the re-entry ends as the hold waits
-            assert lock.acquire(timeout=5)
+            with _clock_reads(client) as reads:
+                assert lock.acquire(timeout=5)
+            assert len(reads) < 20, "the hold polled for the re-entry's end"
             assert real_release(*held_up[0]) is None  # arrives now: not the new hold's
             assert lock.owned()
             assert not other.lock("job").acquire(timeout=0)
@@ -2072,7 +2074,9 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
                 assert not await lock.acquire(timeout=0)
                 assert time.monotonic() - tried < 1.0
                 asyncio.get_running_loop().call_later(0.3, go_on.set)
-                assert await lock.acquire(timeout=5)
+                with _clock_reads(client) as reads:
+                    assert await lock.acquire(timeout=5)
+                assert len(reads) < 20, "the hold polled for the re-entry's end"
                 assert await real_release(*held_up[0]) is None
                 assert lock.owned()
                 assert not await other.lock("async-job").acquire(timeout=0)
@@ -2084,6 +2088,25 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
             await lock.release()
 
     asyncio.run(async_face())
+
+
+@contextlib.contextmanager
+def _clock_reads(client: dlock.Client | dlock.aio.AsyncClient) -> Iterator[list[float]]:
+    """The times that ``client``'s lease clock is read in this thread meanwhile: each
+    look of a wait that polls reads it."""
+    real, reads, thread = client._clock, [], threading.get_ident()
+
+    def counted() -> float:
+        now = real()
+        if threading.get_ident() == thread:
+            reads.append(now)
+        return now
+
+    client._clock = counted
+    try:
+        yield reads
+    finally:
+        client._clock = real
 
 
 def _no_answer(*args: object) -> bool:

@@ -133,8 +133,9 @@ class AsyncLock:
         #: The acquire call that is this object's seeker (see _take_turn); under _sharing.
         self._seeker: _Call | None = None
         #: Set (and dropped) when the turn or this object's hold ends: what the users of
-        #: this object that another user keeps out wait on (see _wait_for_sharer); under
-        #: _sharing.
+        #: this object that another user keeps out wait on (see _wait_for_sharer); also
+        #: when the last attempt in flight ends after a release that got no answer (see
+        #: _take_new_token). Under _sharing.
         self._changed: WakeupEvent | None = None
         #: The process generation (see dlock._fork) that the sharing state is from.
         self._fork_generation = _fork.generation
@@ -344,6 +345,8 @@ class AsyncLock:
                         or self._telling == threading.get_ident()
                     ):
                         return True
+                    # Set as the last of those attempts ends (_attempt_ends).
+                    ended = self._changed = self._changed or WakeupEvent()
                     give_back = None
             if give_back is not None:
                 await wait_done(give_back)
@@ -351,9 +354,7 @@ class AsyncLock:
             remaining = None if deadline is None else deadline - self._client._clock()
             if remaining is not None and remaining <= 0:
                 return False
-            # Nothing signals an attempt's end: look again shortly (rare, and over
-            # within that attempt's round trip).
-            await sleep(_ROTATION_POLL if remaining is None else min(_ROTATION_POLL, remaining))
+            await ended.wait(remaining)
 
     def _turn(self, call: _Call) -> _Call | None:
         """Make ``call`` the seeker if nothing keeps it out now (see _take_turn); return
@@ -623,6 +624,12 @@ class AsyncLock:
             self._attempts -= 1
             if self._to_give_back:
                 self._settle_give_back(hold_gone)
+            changed = None
+            if not self._attempts and self._unanswered_release:
+                # A fresh hold may wait for it to take a new token (_take_new_token).
+                changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def _give_back_later(self, entries: int) -> None:
         """Give back up to ``entries`` entries of a lease that this object may have on
@@ -1012,10 +1019,6 @@ class AsyncLock:
             raise lost from exc
         await self.release()
 
-
-#: How often a fresh hold looks again whether the attempt that keeps it from taking an
-#: owner token of its own has ended (see _take_new_token).
-_ROTATION_POLL = 0.005
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
 _SHARER_HOLDS = Busy()
