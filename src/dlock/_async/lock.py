@@ -943,12 +943,7 @@ class AsyncLock:
                 if self._attempts and self._token == token:
                     self._to_give_back = max(self._to_give_back, left)
                     return
-            try:
-                remaining = await self._client._backend.release(self.name, token)
-            except Exception:
-                self._release_unanswered(token)
-                return
-            if not remaining:
+            if not await self._release_once(token):
                 return
             given = 1
 
@@ -958,21 +953,20 @@ class AsyncLock:
         first answer that nothing is left."""
         token = self._token if token is None else token
         for _ in range(entries):
-            try:
-                remaining = await self._client._backend.release(self.name, token)
-            except Exception:
-                self._release_unanswered(token)
-                return
-            if not remaining:
+            if not await self._release_once(token):
                 return
 
-    def _release_unanswered(self, token: str) -> None:
-        """A best-effort release under ``token`` failed: it may still be applied later,
-        to whatever lease the token has then (see _unanswered); a token this object no
-        longer uses has none that matters."""
-        if token == self._token:
-            self._unanswered(math.inf)
-        logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+    async def _release_once(self, token: str) -> bool:
+        """One best-effort release under ``token``: True if entries are left to give back.
+        One that fails may still be applied later, to whatever lease the token has then
+        (see _unanswered); a token this object no longer uses has none that matters."""
+        try:
+            return bool(await self._client._backend.release(self.name, token))
+        except Exception:
+            if token == self._token:
+                self._unanswered(math.inf)
+            logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+            return False
 
     async def __aenter__(self) -> AsyncLock:
         call = _Call()

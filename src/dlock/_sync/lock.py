@@ -942,12 +942,7 @@ class Lock:
                 if self._attempts and self._token == token:
                     self._to_give_back = max(self._to_give_back, left)
                     return
-            try:
-                remaining = self._client._backend.release(self.name, token)
-            except Exception:
-                self._release_unanswered(token)
-                return
-            if not remaining:
+            if not self._release_once(token):
                 return
             given = 1
 
@@ -957,21 +952,20 @@ class Lock:
         first answer that nothing is left."""
         token = self._token if token is None else token
         for _ in range(entries):
-            try:
-                remaining = self._client._backend.release(self.name, token)
-            except Exception:
-                self._release_unanswered(token)
-                return
-            if not remaining:
+            if not self._release_once(token):
                 return
 
-    def _release_unanswered(self, token: str) -> None:
-        """A best-effort release under ``token`` failed: it may still be applied later,
-        to whatever lease the token has then (see _unanswered); a token this object no
-        longer uses has none that matters."""
-        if token == self._token:
-            self._unanswered(math.inf)
-        logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+    def _release_once(self, token: str) -> bool:
+        """One best-effort release under ``token``: True if entries are left to give back.
+        One that fails may still be applied later, to whatever lease the token has then
+        (see _unanswered); a token this object no longer uses has none that matters."""
+        try:
+            return bool(self._client._backend.release(self.name, token))
+        except Exception:
+            if token == self._token:
+                self._unanswered(math.inf)
+            logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
+            return False
 
     def __enter__(self) -> Lock:
         call = _Call()
