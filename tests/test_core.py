@@ -2117,9 +2117,10 @@ def test_an_on_lost_acquiring_afresh_from_a_sharers_reentry_does_not_wait_for_it
     tmp_path: Path,
 ) -> None:
     """A fresh hold after a release that got no answer waits for the attempts that keep
-    the old owner token in use (see the test above), but not from the on_lost that a
-    re-entry answered busy tells: that attempt is the caller's own, and would never end.
-    The sync face: the asyncio face's on_lost cannot wait."""
+    the old owner token in use (see the test above); an on_lost acquiring afresh too.
+    One told by a re-entry answered busy must not wait for that re-entry, the caller's
+    own, which would never end: it is told once that attempt has ended. The sync face:
+    the asyncio face's on_lost cannot wait."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
     with dlock.connect(url) as client, dlock.connect(url) as other:
         got: list[bool] = []
@@ -2237,3 +2238,91 @@ def test_a_fresh_hold_waiting_for_a_sharers_reentry_does_not_wait_for_its_on_los
         assert info is not None and info.fencing_token == lock.fencing_token
         lock.release()
         assert other.inspect("job") is None
+
+
+def test_an_on_lost_acquiring_afresh_during_a_sharers_attempt_takes_a_new_token(
+    tmp_path: Path,
+) -> None:
+    """After a release that got no answer, an on_lost that acquires afresh while another
+    user's re-entry is still in flight under the old owner token waits for that attempt
+    to end, then takes a token of its own, as any fresh hold does. It kept the old token
+    (an exception made when a re-entry told its loss before its own attempt ended), and
+    the first release, reaching the backend late, freed its hold. Here one re-entry is
+    answered busy (the name force-released and taken) and tells the loss, while the other
+    is held up. The sync face: the asyncio face's on_lost cannot wait."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        told, got = threading.Event(), []
+
+        def acquire_afresh(lock: dlock.Lock) -> None:
+            told.set()
+            got.append(lock.acquire(timeout=10))
+
+        lock = client.lock("job", ttl=30, reentrant=True, on_lost=acquire_afresh)
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight = {user: threading.Event() for user in ("busy", "cut-off")}
+        go_on = {user: threading.Event() for user in ("busy", "cut-off")}
+        held_up: list[tuple[str, str]] = []
+
+        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                user = threading.current_thread().name
+                in_flight[user].set()
+                go_on[user].wait(10)
+                if user == "cut-off":
+                    raise dlock.BackendUnavailable("no answer")
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        def first_unanswered(name: str, token: str) -> int | None:
+            if not held_up:
+                held_up.append((name, token))
+                raise dlock.BackendUnavailable("no answer")
+            return real_release(name, token)
+
+        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+        client._backend.release = first_unanswered  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        errors: dict[str, BaseException] = {}
+
+        def reenter() -> None:
+            try:
+                lock.acquire(timeout=0)
+            except BaseException as exc:
+                errors[threading.current_thread().name] = exc
+
+        sharers = [threading.Thread(target=reenter, name=user, daemon=True) for user in go_on]
+        for sharer in sharers:
+            sharer.start()
+        try:
+            assert all(event.wait(5) for event in in_flight.values())
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.release()
+            assert other.force_release("job")
+            rival = other.lock("job", ttl=30)
+            assert rival.acquire(timeout=0)
+            go_on["busy"].set()  # answered busy: lost, told to on_lost
+            assert told.wait(5)
+            rival.release()
+            # The on_lost holds the lock at once (under the old token, before the fix),
+            # or waits for the held-up re-entry to end.
+            give_up = time.monotonic() + 5
+            while not (lock.owned() or lock._changed is not None):
+                assert time.monotonic() < give_up, "the on_lost neither waited nor got it"
+                time.sleep(0.01)
+        finally:
+            for event in go_on.values():
+                event.set()
+            for sharer in sharers:
+                sharer.join(15)
+        assert not any(sharer.is_alive() for sharer in sharers)
+        assert got == [True]
+        assert {user: type(exc) for user, exc in errors.items()} == {
+            "busy": dlock.LockLost,
+            "cut-off": dlock.BackendUnavailable,
+        }
+        assert real_release(*held_up[0]) is None  # arrives now: not the on_lost's hold's
+        assert lock.owned()
+        assert not other.lock("job").acquire(timeout=0)
+        info = other.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()

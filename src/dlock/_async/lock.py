@@ -113,8 +113,6 @@ class AsyncLock:
         #: give-back ends: a fresh hold taken meanwhile (by the on_lost it tells, or by
         #: another user of this object) takes a new token, out of that give-back's reach.
         self._token_given_up: str | None = None
-        #: The thread running this object's on_lost, if one does (see _take_new_token).
-        self._telling: int | None = None
         #: When the latest acquire attempt was sent.
         self._attempt_sent = 0.0
         #: The tasks running a ``with`` body of this lock, one entry per block entered
@@ -324,7 +322,8 @@ class AsyncLock:
         A release that got no answer is one that no cap counts against: kept, the old
         token would let it free the new hold whenever it reached the backend. So while
         another user's attempt keeps that token (a re-entry in flight), wait for its
-        end; not from this object's on_lost (that attempt may need _loss_lock to end).
+        end; from this object's on_lost too: no attempt waits for an on_lost to end (a
+        re-entry tells its loss once its attempt has ended, see _attempt).
         False if ``deadline`` passes first: the acquire is not granted in time. The
         give-back is waited for whatever the deadline, as every attempt does (see
         _attempt_starts): it is this object's own round trip, and a try made while it
@@ -339,11 +338,7 @@ class AsyncLock:
                             self._unanswered_ttl = None
                             self._unanswered_release = False
                         return True
-                    if (
-                        self._count
-                        or not self._unanswered_release
-                        or self._telling == threading.get_ident()
-                    ):
+                    if self._count or not self._unanswered_release:
                         return True
                     # Set as the last of those attempts ends (_attempt_ends).
                     ended = self._changed = self._changed or WakeupEvent()
@@ -613,7 +608,7 @@ class AsyncLock:
                     self._give_back = self._seeker = self._changed = None
                     self._parents_entries, self._count = self._count, 0
                     self._token = secrets.token_hex(16)
-                    self._unanswered_ttl = self._telling = None
+                    self._unanswered_ttl = None
                     self._unanswered_release = False
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
@@ -857,7 +852,6 @@ class AsyncLock:
             logger.warning("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
                 telling = _WATCHDOG_TELLING.set(watchdog)
-                teller, self._telling = self._telling, threading.get_ident()
                 try:
                     self.on_lost(self)
                 except Exception:
@@ -869,7 +863,6 @@ class AsyncLock:
                         raise
                     logger.exception("dlock: on_lost callback for %r raised", self.name)
                 finally:
-                    self._telling = teller
                     _WATCHDOG_TELLING.reset(telling)
             if self.cancel_on_lost:
                 running = current_task() if told else None
