@@ -2326,3 +2326,103 @@ def test_an_on_lost_acquiring_afresh_during_a_sharers_attempt_takes_a_new_token(
         info = other.inspect("job")
         assert info is not None and info.fencing_token == lock.fencing_token
         lock.release()
+
+
+def test_a_reentry_finding_its_hold_gone_leaves_a_fresh_hold_taken_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A re-entry answered busy (the name was taken over) tells the loss of the hold it
+    re-entered. Another user of the object ended that hold (its release found it lost,
+    and told so) and took a fresh one before that answer was handled: the fresh hold was
+    declared lost too (on_lost told again, renewal stopped, owned() false), though the
+    backend had granted it. It is left alone now; the re-entry's caller still gets
+    LockLost, for the hold that it re-entered."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        told: list[object] = []
+        lock = client.lock("job", ttl=30, reentrant=True, on_lost=told.append)
+        real_acquire = client._backend.acquire
+        answered, go_on = threading.Event(), threading.Event()
+
+        def answered_late(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            result = real_acquire(name, token, ttl, holder, reentrant)
+            if reentrant:
+                answered.set()
+                go_on.wait(10)
+            return result
+
+        client._backend.acquire = answered_late  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        assert other.force_release("job")
+        rival = other.lock("job", ttl=30)
+        assert rival.acquire(timeout=0)
+        errors: list[BaseException] = []
+
+        def reenter() -> None:
+            try:
+                lock.acquire(timeout=0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        sharer = threading.Thread(target=reenter, daemon=True)
+        sharer.start()
+        try:
+            assert answered.wait(5)  # busy, not yet handled
+            with pytest.raises(dlock.LockLost):
+                lock.release()
+            assert told == [lock]
+            rival.release()
+            assert lock.acquire(timeout=0)
+        finally:
+            go_on.set()
+            sharer.join(10)
+        assert [type(exc) for exc in errors] == [dlock.LockLost]
+        assert told == [lock], "the fresh hold was declared lost"
+        assert lock.owned() and not lock.lost
+        assert lock in client._renewer._locks
+        info = other.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            told: list[object] = []
+            lock = client.lock("async-job", ttl=30, reentrant=True, on_lost=told.append)
+            real_acquire = client._backend.acquire
+            answered, go_on = asyncio.Event(), asyncio.Event()
+
+            async def answered_late(
+                name: str, token: str, ttl: float, holder: Any, reentrant: bool
+            ) -> Any:
+                result = await real_acquire(name, token, ttl, holder, reentrant)
+                if reentrant:
+                    answered.set()
+                    await asyncio.wait_for(go_on.wait(), 10)
+                return result
+
+            client._backend.acquire = answered_late  # type: ignore[method-assign]
+            assert await lock.acquire(timeout=0)
+            assert await other.force_release("async-job")
+            rival = other.lock("async-job", ttl=30)
+            assert await rival.acquire(timeout=0)
+            sharer = asyncio.ensure_future(lock.acquire(timeout=0))
+            try:
+                await asyncio.wait_for(answered.wait(), 5)
+                with pytest.raises(dlock.LockLost):
+                    await lock.release()
+                assert told == [lock]
+                await rival.release()
+                assert await lock.acquire(timeout=0)
+            finally:
+                go_on.set()
+                await asyncio.wait([sharer], timeout=10)
+            with pytest.raises(dlock.LockLost):
+                sharer.result()
+            assert told == [lock], "the fresh hold was declared lost"
+            assert lock.owned() and not lock.lost
+            assert lock in client._renewer._locks
+            info = await other.inspect("async-job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            await lock.release()
+
+    asyncio.run(async_face())

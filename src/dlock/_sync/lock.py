@@ -563,9 +563,13 @@ class Lock:
             self._attempt_ends(gone and generation == self._generation)
         # Told only once the attempt has ended: an on_lost that acquires afresh may wait
         # for a fresh hold's turn, and that hold for this object's attempts to end (see
-        # _take_new_token), each for the other.
-        self._declare_lost("the lease was gone when re-entering", told=True)
-        raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+        # _take_new_token), each for the other. Only if the hold is still the one that
+        # was re-entered: another user may have ended it and taken a fresh one since,
+        # which is not lost. The caller is told all the same: its hold is.
+        reason = "the lease was gone when re-entering"
+        if generation == self._generation and not self._declare_lost(reason, told=True):
+            reason = self._lost_reason  # declared already, perhaps for another reason
+        raise LockLost(f"lock {self.name!r} was lost: {reason}")
 
     def _attempt_starts(self) -> Any:
         """Count an attempt in flight, unless a give-back runs: that releases under this
