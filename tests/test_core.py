@@ -1361,34 +1361,42 @@ def test_an_extend_answered_after_a_release_does_not_renew_the_lock_again(
 def test_a_renewal_overlapping_the_last_release_tells_no_loss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The backend applies the release, then a renewal, which finds the lease gone, and
-    the release's answer comes back last: the lock was released cleanly, not lost."""
+    """A renewal of the lease is in flight as the last release starts; the backend
+    applies the release, then the renewal, which finds the lease gone, and the release's
+    answer comes back last: the lock was released cleanly, not lost. The renewer's
+    round goes on (another lease, ``keeper``, so that every round calls out) only once
+    the renewal's answer for ``job`` was handled."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
     with dlock.connect(url) as client:
         told: list[object] = []
         lock = client.lock("job", ttl=30, on_lost=told.append)
-        keeper = client.lock("keeper", ttl=30)  # so that every renewal round calls out
-        assert keeper.acquire(timeout=0)
+        keeper = client.lock("keeper", ttl=30)
+        assert keeper.acquire(timeout=0) and lock.acquire(timeout=0)
         real_release, real_extend_many = client._backend.release, client._backend.extend_many
-        renewals: list[object] = []
+        in_flight, go_on = threading.Event(), threading.Event()
+        renewals: list[list[str]] = []
 
-        def counted(leases: list[Any]) -> list[bool]:
+        def held_up(leases: list[Any]) -> list[bool]:
+            names = [lease.name for lease in leases]
+            if "job" in names and not in_flight.is_set():
+                in_flight.set()
+                assert go_on.wait(10)
             renewed = real_extend_many(leases)
-            renewals.append(leases)
+            renewals.append(names)
             return renewed
 
-        def answered_after_a_renewal(name: str, token: str) -> int | None:
+        def answered_after_the_renewal(name: str, token: str) -> int | None:
             remaining = real_release(name, token)
-            if name == "job":
-                before = len(renewals)
-                _renew_now_until(client, lambda: len(renewals) != before)
-                time.sleep(0.1)  # its answer handled
+            go_on.set()  # the renewal reaches the backend after the release
+            # Its answer is handled before the renewer's next round calls out.
+            _renew_now_until(client, lambda: len(renewals) > 1)
             return remaining
 
-        monkeypatch.setattr(client._backend, "extend_many", counted)
-        monkeypatch.setattr(client._backend, "release", answered_after_a_renewal)
-        with lock:
-            pass
+        monkeypatch.setattr(client._backend, "extend_many", held_up)
+        monkeypatch.setattr(client._backend, "release", answered_after_the_renewal)
+        _renew_now_until(client, in_flight.is_set)
+        lock.release()
+        assert "job" in renewals[0] and "job" not in renewals[1]
         assert not told and not lock.lost
 
     async def main() -> None:
@@ -1396,27 +1404,31 @@ def test_a_renewal_overlapping_the_last_release_tells_no_loss(
             told: list[object] = []
             lock = client.lock("async-job", ttl=30, on_lost=told.append)
             keeper = client.lock("async-keeper", ttl=30)
-            assert await keeper.acquire(timeout=0)
+            assert await keeper.acquire(timeout=0) and await lock.acquire(timeout=0)
             real_release, real_extend_many = client._backend.release, client._backend.extend_many
-            renewals: list[object] = []
+            in_flight, go_on = asyncio.Event(), asyncio.Event()
+            renewals: list[list[str]] = []
 
-            async def counted(leases: list[Any]) -> list[bool]:
+            async def held_up(leases: list[Any]) -> list[bool]:
+                names = [lease.name for lease in leases]
+                if "async-job" in names and not in_flight.is_set():
+                    in_flight.set()
+                    await asyncio.wait_for(go_on.wait(), 10)
                 renewed = await real_extend_many(leases)
-                renewals.append(leases)
+                renewals.append(names)
                 return renewed
 
-            async def answered_after_a_renewal(name: str, token: str) -> int | None:
+            async def answered_after_the_renewal(name: str, token: str) -> int | None:
                 remaining = await real_release(name, token)
-                if name == "async-job":
-                    before = len(renewals)
-                    await _async_renew_now_until(client, lambda: len(renewals) != before)
-                    await asyncio.sleep(0.1)
+                go_on.set()
+                await _async_renew_now_until(client, lambda: len(renewals) > 1)
                 return remaining
 
-            monkeypatch.setattr(client._backend, "extend_many", counted)
-            monkeypatch.setattr(client._backend, "release", answered_after_a_renewal)
-            async with lock:
-                pass
+            monkeypatch.setattr(client._backend, "extend_many", held_up)
+            monkeypatch.setattr(client._backend, "release", answered_after_the_renewal)
+            await _async_renew_now_until(client, in_flight.is_set)
+            await lock.release()
+            assert "async-job" in renewals[0] and "async-job" not in renewals[1]
             assert not told and not lock.lost
 
     asyncio.run(main())
