@@ -1845,6 +1845,109 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept(tmp_path: Pat
     asyncio.run(async_face())
 
 
+class _HeldUpReentry:
+    """What _held_up_reentry (or its asyncio face) sets up: the user re-entering (a
+    thread or task), the events that hold its attempt up, and the client's first
+    release, given no answer (``held_up``), to be applied late through real_release."""
+
+    def __init__(self, backend: Any, in_flight: Any, go_on: Any) -> None:
+        self.real_acquire, self.real_release = backend.acquire, backend.release
+        self.in_flight, self.go_on = in_flight, go_on
+        self.held_up: list[tuple[str, str]] = []
+        self.errors: list[BaseException] = []
+        self.sharer: Any = None
+
+    def first_unanswered(self, name: str, token: str) -> int | None:
+        if not self.held_up:
+            self.held_up.append((name, token))
+            raise dlock.BackendUnavailable("no answer")
+        return self.real_release(name, token)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _held_up_reentry(
+    client: dlock.Client,
+    lock: dlock.Lock,
+    *,
+    answered: bool,
+    release_unanswered: bool = True,
+    join: float = 10,
+) -> Iterator[_HeldUpReentry]:
+    """Another thread re-enters ``lock`` (held): its attempt is held up on its way to the
+    backend until ``go_on`` is set (as the block ends, at the latest), then answered, or,
+    unless ``answered``, fails with no answer. With ``release_unanswered``, the client's
+    first release gets no answer either. The block begins once the attempt is in flight
+    and ends with the thread joined; ``errors`` has what its acquire raised."""
+    held = _HeldUpReentry(client._backend, threading.Event(), threading.Event())
+
+    def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+        if reentrant:
+            held.in_flight.set()
+            held.go_on.wait(10)
+            if not answered:
+                raise dlock.BackendUnavailable("no answer")
+        return held.real_acquire(name, token, ttl, holder, reentrant)
+
+    def reenter() -> None:
+        try:
+            lock.acquire(timeout=0)
+        except BaseException as exc:
+            held.errors.append(exc)
+
+    client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+    if release_unanswered:
+        client._backend.release = held.first_unanswered  # type: ignore[method-assign]
+    held.sharer = threading.Thread(target=reenter, daemon=True)
+    held.sharer.start()
+    try:
+        assert held.in_flight.wait(5)
+        yield held
+    finally:
+        held.go_on.set()
+        held.sharer.join(join)
+    assert not held.sharer.is_alive()
+
+
+@contextlib.asynccontextmanager
+async def _async_held_up_reentry(
+    client: dlock.aio.AsyncClient,
+    lock: dlock.aio.AsyncLock,
+    *,
+    answered: bool,
+    release_unanswered: bool = True,
+) -> AsyncIterator[_HeldUpReentry]:
+    """_held_up_reentry on the asyncio face: the re-entering user is a task (``sharer``),
+    whose outcome the caller reads from it."""
+    held = _HeldUpReentry(client._backend, asyncio.Event(), asyncio.Event())
+
+    async def reentry_held_up(
+        name: str, token: str, ttl: float, holder: Any, reentrant: bool
+    ) -> Any:
+        if reentrant:
+            held.in_flight.set()
+            await asyncio.wait_for(held.go_on.wait(), 10)
+            if not answered:
+                raise dlock.BackendUnavailable("no answer")
+        return await held.real_acquire(name, token, ttl, holder, reentrant)
+
+    async def first_unanswered(name: str, token: str) -> int | None:
+        if not held.held_up:
+            held.held_up.append((name, token))
+            raise dlock.BackendUnavailable("no answer")
+        return await held.real_release(name, token)  # type: ignore[no-any-return]
+
+    client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
+    if release_unanswered:
+        client._backend.release = first_unanswered  # type: ignore[method-assign]
+    held.sharer = asyncio.ensure_future(lock.acquire(timeout=0))
+    try:
+        await asyncio.wait_for(held.in_flight.wait(), 5)
+        yield held
+    finally:
+        held.go_on.set()
+        await asyncio.wait([held.sharer], timeout=10)
+
+
 def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attempt_in_flight(
     tmp_path: Path,
 ) -> None:
@@ -1859,30 +1962,8 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
 
     with dlock.connect(url) as client, dlock.connect(url) as other:
         lock = client.lock("job", ttl=0.5, auto_renew=False, reentrant=True)
-        real_acquire, real_release = client._backend.acquire, client._backend.release
-        in_flight, go_on = threading.Event(), threading.Event()
-
-        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
-            if reentrant:
-                in_flight.set()
-                go_on.wait(10)
-                raise dlock.BackendUnavailable("no answer")
-            return real_acquire(name, token, ttl, holder, reentrant)
-
-        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
         assert lock.acquire(timeout=0)
-        errors: list[BaseException] = []
-
-        def reenter() -> None:
-            try:
-                lock.acquire(timeout=0)
-            except BaseException as exc:
-                errors.append(exc)
-
-        sharer = threading.Thread(target=reenter)
-        sharer.start()
-        try:
-            assert in_flight.wait(5)
+        with _held_up_reentry(client, lock, answered=False, release_unanswered=False) as held:
             give_up = time.monotonic() + 5
             while other.inspect("job") is not None:
                 assert time.monotonic() < give_up, "the lease did not end"
@@ -1893,7 +1974,7 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
                 if not taken:
                     lock.ttl = 30  # the fresh hold outlasts the checks below
                     taken.append(lock.acquire(timeout=0))
-                return real_release(name, token)
+                return held.real_release(name, token)  # type: ignore[no-any-return]
 
             client._backend.release = taken_meanwhile  # type: ignore[method-assign]
             with pytest.raises(dlock.LockLost):
@@ -1905,36 +1986,20 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
             info = other.inspect("job")
             assert info is not None and info.fencing_token == lock.fencing_token
             assert not other.lock("job", ttl=5).acquire(timeout=0)
-        finally:
-            go_on.set()
-            sharer.join(10)
-        assert [type(exc) for exc in errors] == [dlock.BackendUnavailable]
+        assert [type(exc) for exc in held.errors] == [dlock.BackendUnavailable]
         assert lock.owned()
         info = other.inspect("job")
         assert info is not None and info.fencing_token == lock.fencing_token
-        client._backend.release = real_release  # type: ignore[method-assign]
+        client._backend.release = held.real_release  # type: ignore[method-assign]
         lock.release()
 
     async def async_face() -> None:
         async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
             lock = client.lock("async-job", ttl=0.5, auto_renew=False, reentrant=True)
-            real_acquire, real_release = client._backend.acquire, client._backend.release
-            in_flight, go_on = asyncio.Event(), asyncio.Event()
-
-            async def reentry_held_up(
-                name: str, token: str, ttl: float, holder: Any, reentrant: bool
-            ) -> Any:
-                if reentrant:
-                    in_flight.set()
-                    await asyncio.wait_for(go_on.wait(), 10)
-                    raise dlock.BackendUnavailable("no answer")
-                return await real_acquire(name, token, ttl, holder, reentrant)
-
-            client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
             assert await lock.acquire(timeout=0)
-            sharer = asyncio.ensure_future(lock.acquire(timeout=0))
-            try:
-                await asyncio.wait_for(in_flight.wait(), 5)
+            async with _async_held_up_reentry(
+                client, lock, answered=False, release_unanswered=False
+            ) as held:
                 give_up = time.monotonic() + 5
                 while await other.inspect("async-job") is not None:
                     assert time.monotonic() < give_up, "the lease did not end"
@@ -1945,7 +2010,7 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
                     if not taken:
                         lock.ttl = 30  # the fresh hold outlasts the checks below
                         taken.append(await lock.acquire(timeout=0))
-                    return await real_release(name, token)
+                    return await held.real_release(name, token)  # type: ignore[no-any-return]
 
                 client._backend.release = taken_meanwhile  # type: ignore[method-assign]
                 with pytest.raises(dlock.LockLost):
@@ -1957,15 +2022,12 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept_with_an_attem
                 info = await other.inspect("async-job")
                 assert info is not None and info.fencing_token == lock.fencing_token
                 assert not await other.lock("async-job", ttl=5).acquire(timeout=0)
-            finally:
-                go_on.set()
-                await asyncio.wait([sharer], timeout=10)
             with pytest.raises(dlock.BackendUnavailable):
-                sharer.result()
+                held.sharer.result()
             assert lock.owned()
             info = await other.inspect("async-job")
             assert info is not None and info.fencing_token == lock.fencing_token
-            client._backend.release = real_release  # type: ignore[method-assign]
+            client._backend.release = held.real_release  # type: ignore[method-assign]
             await lock.release()
 
     asyncio.run(async_face())
@@ -1986,25 +2048,6 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
 
     with dlock.connect(url) as client, dlock.connect(url) as other:
         lock = client.lock("job", ttl=30, reentrant=True)
-        real_acquire, real_release = client._backend.acquire, client._backend.release
-        in_flight, go_on = threading.Event(), threading.Event()
-        held_up: list[tuple[str, str]] = []
-
-        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
-            if reentrant:
-                in_flight.set()
-                go_on.wait(10)
-                raise dlock.BackendUnavailable("no answer")
-            return real_acquire(name, token, ttl, holder, reentrant)
-
-        def first_unanswered(name: str, token: str) -> int | None:
-            if not held_up:
-                held_up.append((name, token))
-                raise dlock.BackendUnavailable("no answer")
-            return real_release(name, token)
-
-        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
-        client._backend.release = first_unanswered  # type: ignore[method-assign]
         assert lock.acquire(timeout=0)
         if extend_unanswered:
             real_extend = client._backend.extend
@@ -2012,60 +2055,25 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
             with pytest.raises(dlock.BackendUnavailable):
                 lock.extend()
             client._backend.extend = real_extend  # type: ignore[method-assign]
-        errors: list[BaseException] = []
-
-        def reenter() -> None:
-            try:
-                lock.acquire(timeout=0)
-            except BaseException as exc:
-                errors.append(exc)
-
-        sharer = threading.Thread(target=reenter)
-        sharer.start()
-        try:
-            assert in_flight.wait(5)
+        with _held_up_reentry(client, lock, answered=False) as held:
             with pytest.raises(dlock.BackendUnavailable):
                 lock.release()
             tried = time.monotonic()
             assert not lock.acquire(timeout=0), "a try may not wait for the re-entry"
             assert time.monotonic() - tried < 1.0
-            threading.Timer(0.3, go_on.set).start()  # the re-entry ends as the hold waits
+            threading.Timer(0.3, held.go_on.set).start()  # the re-entry ends as the hold waits
             with _clock_reads(client) as reads:
                 assert lock.acquire(timeout=5)
             assert len(reads) < 20, "the hold polled for the re-entry's end"
-            assert real_release(*held_up[0]) is None  # arrives now: not the new hold's
+            assert held.real_release(*held.held_up[0]) is None  # arrives now: not the new hold's
             assert lock.owned()
             assert not other.lock("job").acquire(timeout=0)
-        finally:
-            go_on.set()
-            sharer.join(10)
-        assert [type(exc) for exc in errors] == [dlock.BackendUnavailable]
+        assert [type(exc) for exc in held.errors] == [dlock.BackendUnavailable]
         lock.release()
 
     async def async_face() -> None:
         async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
             lock = client.lock("async-job", ttl=30, reentrant=True)
-            real_acquire, real_release = client._backend.acquire, client._backend.release
-            in_flight, go_on = asyncio.Event(), asyncio.Event()
-            held_up: list[tuple[str, str]] = []
-
-            async def reentry_held_up(
-                name: str, token: str, ttl: float, holder: Any, reentrant: bool
-            ) -> Any:
-                if reentrant:
-                    in_flight.set()
-                    await asyncio.wait_for(go_on.wait(), 10)
-                    raise dlock.BackendUnavailable("no answer")
-                return await real_acquire(name, token, ttl, holder, reentrant)
-
-            async def first_unanswered(name: str, token: str) -> int | None:
-                if not held_up:
-                    held_up.append((name, token))
-                    raise dlock.BackendUnavailable("no answer")
-                return await real_release(name, token)
-
-            client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
-            client._backend.release = first_unanswered  # type: ignore[method-assign]
             assert await lock.acquire(timeout=0)
             if extend_unanswered:
                 real_extend = client._backend.extend
@@ -2077,26 +2085,21 @@ def test_an_unanswered_release_applied_late_leaves_a_hold_taken_during_a_sharers
                 with pytest.raises(dlock.BackendUnavailable):
                     await lock.extend()
                 client._backend.extend = real_extend  # type: ignore[method-assign]
-            sharer = asyncio.ensure_future(lock.acquire(timeout=0))
-            try:
-                await asyncio.wait_for(in_flight.wait(), 5)
+            async with _async_held_up_reentry(client, lock, answered=False) as held:
                 with pytest.raises(dlock.BackendUnavailable):
                     await lock.release()
                 tried = time.monotonic()
                 assert not await lock.acquire(timeout=0)
                 assert time.monotonic() - tried < 1.0
-                asyncio.get_running_loop().call_later(0.3, go_on.set)
+                asyncio.get_running_loop().call_later(0.3, held.go_on.set)
                 with _clock_reads(client) as reads:
                     assert await lock.acquire(timeout=5)
                 assert len(reads) < 20, "the hold polled for the re-entry's end"
-                assert await real_release(*held_up[0]) is None
+                assert await held.real_release(*held.held_up[0]) is None
                 assert lock.owned()
                 assert not await other.lock("async-job").acquire(timeout=0)
-            finally:
-                go_on.set()
-                await asyncio.wait([sharer], timeout=10)
             with pytest.raises(dlock.BackendUnavailable):
-                sharer.result()
+                held.sharer.result()
             await lock.release()
 
     asyncio.run(async_face())
@@ -2142,45 +2145,18 @@ def test_an_on_lost_acquiring_afresh_from_a_sharers_reentry_does_not_wait_for_it
             reentrant=True,
             on_lost=lambda lock: got.append(lock.acquire(timeout=0.5)),
         )
-        real_acquire, real_release = client._backend.acquire, client._backend.release
-        in_flight, go_on = threading.Event(), threading.Event()
-        held_up: list[tuple[str, str]] = []
-
-        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
-            if reentrant:
-                in_flight.set()
-                go_on.wait(10)
-            return real_acquire(name, token, ttl, holder, reentrant)
-
-        def first_unanswered(name: str, token: str) -> int | None:
-            if not held_up:
-                held_up.append((name, token))
-                raise dlock.BackendUnavailable("no answer")
-            return real_release(name, token)
-
-        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
-        client._backend.release = first_unanswered  # type: ignore[method-assign]
         assert lock.acquire(timeout=0)
-        errors: list[BaseException] = []
-
-        def reenter() -> None:
-            try:
-                lock.acquire(timeout=0)
-            except BaseException as exc:
-                errors.append(exc)
-
-        sharer = threading.Thread(target=reenter, daemon=True)
-        sharer.start()
-        assert in_flight.wait(5)
-        with pytest.raises(dlock.BackendUnavailable):
-            lock.release()
-        assert real_release(*held_up[0]) == 0  # the release arrives; another takes the name
-        rival = other.lock("job", ttl=30)
-        assert rival.acquire(timeout=0)
-        go_on.set()  # the re-entry is answered busy: lost, told to on_lost
-        sharer.join(5)
-        assert not sharer.is_alive(), "the on_lost's acquire waited for its own attempt"
-        assert got == [False] and [type(exc) for exc in errors] == [dlock.LockLost]
+        with _held_up_reentry(client, lock, answered=True) as held:
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.release()
+            # The release arrives; another takes the name.
+            assert held.real_release(*held.held_up[0]) == 0
+            rival = other.lock("job", ttl=30)
+            assert rival.acquire(timeout=0)
+            held.go_on.set()  # the re-entry is answered busy: lost, told to on_lost
+            held.sharer.join(5)
+            assert not held.sharer.is_alive(), "the on_lost's acquire waited for its own attempt"
+        assert got == [False] and [type(exc) for exc in held.errors] == [dlock.LockLost]
         rival.release()
 
 
@@ -2199,52 +2175,21 @@ def test_a_fresh_hold_waiting_for_a_sharers_reentry_does_not_wait_for_its_on_los
         lock = client.lock(
             "job", ttl=30, reentrant=True, on_lost=lambda lock: got.append(lock.acquire(timeout=10))
         )
-        real_acquire, real_release = client._backend.acquire, client._backend.release
-        in_flight, go_on = threading.Event(), threading.Event()
-        held_up: list[tuple[str, str]] = []
-
-        def reentry_held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
-            if reentrant:
-                in_flight.set()
-                go_on.wait(10)
-            return real_acquire(name, token, ttl, holder, reentrant)
-
-        def first_unanswered(name: str, token: str) -> int | None:
-            if not held_up:
-                held_up.append((name, token))
-                raise dlock.BackendUnavailable("no answer")
-            return real_release(name, token)
-
-        client._backend.acquire = reentry_held_up  # type: ignore[method-assign]
-        client._backend.release = first_unanswered  # type: ignore[method-assign]
         assert lock.acquire(timeout=0)
-        errors: list[BaseException] = []
-
-        def reenter() -> None:
-            try:
-                lock.acquire(timeout=0)
-            except BaseException as exc:
-                errors.append(exc)
-
-        sharer = threading.Thread(target=reenter, daemon=True)
-        sharer.start()
-        try:
-            assert in_flight.wait(5)
+        with _held_up_reentry(client, lock, answered=True, join=15) as held:
             with pytest.raises(dlock.BackendUnavailable):
                 lock.release()
-            assert real_release(*held_up[0]) == 0  # the release arrives: the name is free
-            threading.Timer(0.3, go_on.set).start()  # the re-entry ends as the hold waits
+            # The release arrives: the name is free.
+            assert held.real_release(*held.held_up[0]) == 0
+            threading.Timer(0.3, held.go_on.set).start()  # the re-entry ends as the hold waits
             started = time.monotonic()
             assert lock.acquire(timeout=5), "the fresh hold waited for the on_lost"
             assert time.monotonic() - started < 2
             assert lock.owned()
             assert not other.lock("job").acquire(timeout=0)
             lock.release()  # the on_lost's acquire gets it now (or re-entered it)
-        finally:
-            go_on.set()
-            sharer.join(15)
-        assert not sharer.is_alive()
-        assert got == [True] and [type(exc) for exc in errors] == [dlock.LockLost]
+        assert not held.sharer.is_alive()
+        assert got == [True] and [type(exc) for exc in held.errors] == [dlock.LockLost]
         assert lock.owned()
         info = other.inspect("job")
         assert info is not None and info.fencing_token == lock.fencing_token
