@@ -11,18 +11,22 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import dlock
 from dlock._job import FORWARDED_SIGNALS
+from dlock._redis_scripts import INSPECT, Script
 from tests.servers import free_port
+from tests.servers.redis import RedisServer
 
 DLOCK = str(Path(sys.executable).with_name("dlock"))
 
@@ -105,6 +109,116 @@ def test_run_waits_for_the_lock(db: str, name: str) -> None:
         assert process.returncode == 0 and stdout.strip() == "ran", stderr
         acquired = rf"dlock: acquired {re.escape(repr(name))} after \d+\.\d{{3}} s of waiting\n"
         assert re.fullmatch(acquired, stderr), stderr
+
+
+def resp_command(buffer: bytes) -> tuple[list[bytes], int] | None:
+    """The first command of a client's RESP stream (an array of bulk strings): its
+    arguments and its length in bytes, or None if it has not all come yet."""
+    end = buffer.find(b"\r\n")
+    if end < 0:
+        return None
+    assert buffer[:1] == b"*", buffer[:80]
+    position, arguments = end + 2, []
+    for _ in range(int(buffer[1:end])):
+        end = buffer.find(b"\r\n", position)
+        if end < 0:
+            return None
+        start = end + 2
+        stop = start + int(buffer[position + 1 : end])
+        if len(buffer) < stop + 2:
+            return None
+        arguments.append(buffer[start:stop])
+        position = stop + 2
+    return arguments, position
+
+
+@contextlib.contextmanager
+def refusing_script(server: RedisServer, script: Script) -> Iterator[str]:
+    """A Redis URL through a proxy that answers ``script`` (EVALSHA or EVAL) with an
+    error reply and passes everything else on: a server that fails that query alone."""
+    refused = {script.sha.encode(), script.source.encode()}
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    done = threading.Event()
+    sockets: list[socket.socket] = []
+    threads: list[threading.Thread] = []
+
+    def start(target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        threads.append(thread)
+        thread.start()
+
+    def answer(upstream: socket.socket, client: socket.socket, sending: threading.Lock) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                with sending:
+                    client.sendall(data)
+
+    def serve(client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", server.port))
+        sockets.append(upstream)
+        sending = threading.Lock()
+        start(answer, upstream, client, sending)
+        buffer = b""
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                buffer += data
+                while (command := resp_command(buffer)) is not None:
+                    arguments, size = command
+                    if arguments[0].upper() in (b"EVAL", b"EVALSHA") and arguments[1] in refused:
+                        with sending:
+                            client.sendall(b"-ERR refused by the test's proxy\r\n")
+                    else:
+                        upstream.sendall(buffer[:size])
+                    buffer = buffer[size:]
+
+    def accept() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                client, _ = listener.accept()
+                client.settimeout(None)
+                sockets.append(client)
+                start(serve, client)
+
+    start(accept)
+    try:
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    finally:
+        done.set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in threads:
+            thread.join(10)
+        for sock in [listener, *sockets]:
+            sock.close()
+
+
+def test_a_backend_that_cannot_name_the_holder_changes_no_run(
+    redis_server: RedisServer, name: str
+) -> None:
+    """``-v`` adds output alone: when the backend fails to say who holds the lock (here
+    a proxy refuses Redis's inspect script, and nothing else), dlock says that it waits,
+    naming nobody, and goes on. That failure ended the run with status 76."""
+    direct = f"redis://{redis_server.address}/0"
+    with refusing_script(redis_server, INSPECT) as proxied, dlock.connect(direct) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        assert dlock_cmd(proxied, "status", name).returncode == 76, "the proxy let inspect by"
+        process = subprocess.Popen(
+            [DLOCK, "run", "-v", "-w", "10", name, "--", "sh", "-c", "echo ran"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DLOCK_URL": proxied},
+        )
+        line = announced_wait(process)
+        assert line == f"dlock: {name!r} is held by someone else; waiting (at most 10 s)\n", line
+        assert process.poll() is None, "must wait while the lock is held"
+        lock.release()
+        stdout, stderr = process.communicate(timeout=10)
+        assert process.returncode == 0 and stdout.strip() == "ran", stderr
+        assert stderr.startswith(f"dlock: acquired {name!r} after "), stderr
 
 
 def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path) -> None:

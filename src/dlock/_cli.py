@@ -344,8 +344,9 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
 def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) -> bool:
     """Take the lock, waiting at most ``timeout`` seconds (None: for ever). One try
     first, with or without ``verbose``, so that the flag changes the output alone: if
-    the lock is busy, ``verbose`` says so on stderr, with its holder, before the wait
-    (else silent, like a hang), and how long the wait took once it is over."""
+    the lock is busy, ``verbose`` says so on stderr, with its holder if the backend
+    tells it, before the wait (else silent, like a hang), and how long the wait took
+    once it is over."""
     timeout = check_timeout(timeout)  # a bad one is refused before the try, as it was
     start = time.monotonic()
     if lock.acquire(timeout=0):
@@ -355,7 +356,7 @@ def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) ->
     if verbose:
         bound = "" if timeout is None else f" (at most {timeout:g} s)"
         note(
-            f"dlock: {lock.name!r} is held by someone else{describe(client, lock.name)}; "
+            f"dlock: {lock.name!r} is held by someone else{holder_if_told(client, lock.name)}; "
             f"waiting{bound}"
         )
     left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
@@ -363,6 +364,17 @@ def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) ->
     if acquired and verbose:
         note(f"dlock: acquired {lock.name!r} after {time.monotonic() - start:.3f} s of waiting")
     return acquired
+
+
+def holder_if_told(client: Client, name: str) -> str:
+    """``describe``, for a line that changes no outcome: a backend that fails to say who
+    holds the lock names nobody, and the wait goes on (the wait itself meets a failure
+    that lasts). So does a holder that released it since the first try (the lock is
+    free: the wait takes it at once). A signal still ends dlock (not a BackendError)."""
+    try:
+        return describe(client, name)
+    except BackendError:
+        return ""
 
 
 def note(text: str) -> None:
