@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,58 @@ DLOCK = str(Path(sys.executable).with_name("dlock"))
 @pytest.fixture
 def db(tmp_path: Path) -> str:
     return f"sqlite://{tmp_path}/cli.sqlite3"
+
+
+Spawn = Callable[..., subprocess.Popen[str]]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """``subprocess.Popen(argv, text=True, **options)``, each process left running when
+    the test ends (as when it fails) killed with what it started: every process group
+    among them other than pytest's (dlock's own, if it has one, and its command's),
+    and the processes in pytest's one by one. Left behind, a dlock and its command slept
+    on, and the Popen's ResourceWarning failed a later test."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(argv: list[str], **options: Any) -> subprocess.Popen[str]:
+        process = subprocess.Popen(argv, text=True, **options)
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            kill_tree(process.pid)
+            process.wait(10)
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and its descendants, a whole process group at a time, except
+    pytest's own. The tree is read first: once ``root`` is gone its children are
+    another parent's."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    tree, index = [root], 0
+    while index < len(tree):
+        tree += [pid for pid, parent in parents.items() if parent == tree[index]]
+        index += 1
+    ours = os.getpgrp()
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            group = os.getpgid(pid)
+            if group == ours:
+                os.kill(pid, signal.SIGKILL)
+            else:
+                os.killpg(group, signal.SIGKILL)
 
 
 def dlock_cmd(
@@ -86,17 +139,16 @@ def announced_wait(process: subprocess.Popen[str]) -> str:
     return process.stderr.readline()
 
 
-def test_run_waits_for_the_lock(db: str, name: str) -> None:
+def test_run_waits_for_the_lock(db: str, name: str, spawn: Spawn) -> None:
     """``dlock run`` waits while the lock is held and runs the command once it is free;
     with -v it says on stderr that it waits, and for whom, then how long it took."""
     with dlock.connect(db) as client:
         lock = client.lock(name, ttl=30)
         lock.acquire()
-        process = subprocess.Popen(
+        process = spawn(
             [DLOCK, "run", "-v", "-w", "10", name, "--", "sh", "-c", "echo ran"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
             env={**os.environ, "DLOCK_URL": db},
         )
         holder = rf"\S+ pid {os.getpid()}, fencing token {lock.fencing_token}"
@@ -195,7 +247,7 @@ def refusing_script(server: RedisServer, script: Script) -> Iterator[str]:
 
 
 def test_a_backend_that_cannot_name_the_holder_changes_no_run(
-    redis_server: RedisServer, name: str
+    redis_server: RedisServer, name: str, spawn: Spawn
 ) -> None:
     """``-v`` adds output alone: when the backend fails to say who holds the lock (here
     a proxy refuses Redis's inspect script, and nothing else), dlock says that it waits,
@@ -205,11 +257,10 @@ def test_a_backend_that_cannot_name_the_holder_changes_no_run(
         lock = client.lock(name, ttl=30)
         assert lock.acquire(timeout=0)
         assert dlock_cmd(proxied, "status", name).returncode == 76, "the proxy let inspect by"
-        process = subprocess.Popen(
+        process = spawn(
             [DLOCK, "run", "-v", "-w", "10", name, "--", "sh", "-c", "echo ran"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
             env={**os.environ, "DLOCK_URL": proxied},
         )
         line = announced_wait(process)
@@ -221,7 +272,7 @@ def test_a_backend_that_cannot_name_the_holder_changes_no_run(
         assert stderr.startswith(f"dlock: acquired {name!r} after "), stderr
 
 
-def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path) -> None:
+def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path, spawn: Spawn) -> None:
     pidfile = tmp_path / "child.pid"
     stubborn = (
         "import os, signal, time\n"
@@ -229,10 +280,9 @@ def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path) -> Non
         f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n"
     )
-    process = subprocess.Popen(
+    process = spawn(
         [DLOCK, "run", "--ttl", "1", "--grace", "0.5", name, "--", sys.executable, "-c", stubborn],
         stderr=subprocess.PIPE,
-        text=True,
         env={**os.environ, "DLOCK_URL": db},
     )
     deadline = time.monotonic() + 10
@@ -301,7 +351,9 @@ def killing(pidfile: Path) -> Iterator[None]:
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
-def test_lost_lease_stops_what_the_command_started(db: str, name: str, tmp_path: Path) -> None:
+def test_lost_lease_stops_what_the_command_started(
+    db: str, name: str, tmp_path: Path, spawn: Spawn
+) -> None:
     """On a lost lease dlock stops the command's whole process group, not only its own
     child: a worker that a shell started (and that ignores TERM) ran on without the lock
     while another holder had it, and the shell's next step ran too."""
@@ -318,10 +370,9 @@ def test_lost_lease_stops_what_the_command_started(db: str, name: str, tmp_path:
     script = f'"$PYTHON" -c "$STUBBORN" {pidfile} >{tmp_path}/out 2>&1; touch {after}'
     env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "STUBBORN": stubborn}
     with killing(pidfile):
-        process = subprocess.Popen(
+        process = spawn(
             [DLOCK, "run", "--ttl", "1", "--grace", "0.5", name, "--", "sh", "-c", script],
             stderr=subprocess.PIPE,
-            text=True,
             env=env,
         )
         worker = wait_for_pid(pidfile, process)
@@ -334,7 +385,7 @@ def test_lost_lease_stops_what_the_command_started(db: str, name: str, tmp_path:
 
 
 def test_terminate_stops_what_the_command_started_before_the_release(
-    db: str, name: str, tmp_path: Path
+    db: str, name: str, tmp_path: Path, spawn: Spawn
 ) -> None:
     """A TERM to dlock reaches every process of the command's group, and the lock is
     released only once they have all ended: it went to the shell alone, dlock released
@@ -343,11 +394,10 @@ def test_terminate_stops_what_the_command_started_before_the_release(
     script = f'"$PYTHON" -c "$WORKER" {pidfile} {marker} >{tmp_path}/out 2>&1; echo step2'
     env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "WORKER": WORKER}
     with killing(pidfile):
-        process = subprocess.Popen(
+        process = spawn(
             [DLOCK, "run", name, "--", "sh", "-c", script],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
             env=env,
         )
         worker = wait_for_pid(pidfile, process)
@@ -385,11 +435,10 @@ def test_what_the_command_leaves_running_is_stopped_before_the_release(
         assert client.inspect(name) is None
 
 
-def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
-    process = subprocess.Popen(
+def test_terminate_is_forwarded_to_the_command(db: str, name: str, spawn: Spawn) -> None:
+    process = spawn(
         [DLOCK, "run", name, "--", "sh", "-c", "echo started; exec sleep 60"],
         stdout=subprocess.PIPE,
-        text=True,
         env={**os.environ, "DLOCK_URL": db},
     )
     assert process.stdout is not None
@@ -402,7 +451,9 @@ def test_terminate_is_forwarded_to_the_command(db: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT], ids=["HUP", "INT"])
-def test_a_signal_ignored_as_dlock_starts_stays_ignored(db: str, name: str, signum: int) -> None:
+def test_a_signal_ignored_as_dlock_starts_stays_ignored(
+    db: str, name: str, signum: int, spawn: Spawn
+) -> None:
     """``nohup dlock run ...`` (HUP), or dlock as a background job of a script (INT and
     QUIT): the signal was ignored as dlock started, and must stay ignored by dlock and by
     the command, as a shell keeps it. (dlock's own handler made the command take it by
@@ -410,41 +461,36 @@ def test_a_signal_ignored_as_dlock_starts_stays_ignored(db: str, name: str, sign
     report = "grep SigIgn /proc/$$/status; echo started; exec sleep 60"
     # The shell ignores the signal, then becomes dlock, which starts ignoring it.
     ignoring = ["sh", "-c", f'trap "" {int(signum)}; exec "$@"', "sh"]
-    process = subprocess.Popen(
+    process = spawn(
         [*ignoring, DLOCK, "run", name, "--", "sh", "-c", report],
         stdout=subprocess.PIPE,
-        text=True,
         env={**os.environ, "DLOCK_URL": db},
     )
     assert process.stdout is not None
-    try:
-        ignored = int(process.stdout.readline().split()[1], 16)
-        assert ignored & (1 << (signum - 1)), f"the command does not ignore {signum}"
-        assert process.stdout.readline().strip() == "started"
-        process.send_signal(signum)
-        with pytest.raises(subprocess.TimeoutExpired):
-            process.wait(0.5)  # neither dlock nor the command ended
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(10) == 128 + signal.SIGTERM
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stdout.close()
+    ignored = int(process.stdout.readline().split()[1], 16)
+    assert ignored & (1 << (signum - 1)), f"the command does not ignore {signum}"
+    assert process.stdout.readline().strip() == "started"
+    process.send_signal(signum)
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(0.5)  # neither dlock nor the command ended
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(10) == 128 + signal.SIGTERM
+    process.stdout.close()
     with dlock.connect(db) as client:
         assert client.inspect(name) is None
 
 
-def test_interrupt_is_forwarded_outside_a_terminal(db: str, name: str, tmp_path: Path) -> None:
+def test_interrupt_is_forwarded_outside_a_terminal(
+    db: str, name: str, tmp_path: Path, spawn: Spawn
+) -> None:
     """``kill -INT`` from a supervisor (systemd's KillSignal, ``timeout -s INT``)
     reaches the command: dlock ignored it, and the command ran on. dlock runs in a
     session of its own here, with no terminal whose Ctrl-C would reach the command."""
     marker = tmp_path / "interrupted"
     script = f"trap 'echo int > {marker}; exit 42' INT; echo started; sleep 30 & wait"
-    process = subprocess.Popen(
+    process = spawn(
         [DLOCK, "run", name, "--", "sh", "-c", script],
         stdout=subprocess.PIPE,
-        text=True,
         env={**os.environ, "DLOCK_URL": db},
         start_new_session=True,
     )
@@ -630,17 +676,16 @@ def test_job_control_in_an_interactive_shell(db: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int) -> None:
+def test_a_signal_ends_the_wait_for_the_lock(db: str, name: str, signum: int, spawn: Spawn) -> None:
     """A signal while dlock waits for the lock ends it at once with 128+N, quietly
     (SIGINT printed a traceback), runs nothing, and leaves the holder's lock alone."""
     with dlock.connect(db) as client:
         holder = client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)
-        process = subprocess.Popen(
+        process = spawn(
             [DLOCK, "run", "-v", "-w", "60", name, "--", "sh", "-c", "echo ran"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
             env={**os.environ, "DLOCK_URL": db},
             start_new_session=True,
         )
@@ -995,24 +1040,21 @@ def test_nothing_to_write_to_a_closed_stdout(db: str) -> None:
 
 @pytest.mark.parametrize("args", [["list"], ["list", "--json"], ["status", "--json"]])
 def test_a_reader_that_goes_away_ends_the_output_quietly(
-    db: str, name: str, args: list[str]
+    db: str, name: str, args: list[str], spawn: Spawn
 ) -> None:
     """``dlock list | head``: once the reader has gone, dlock stops without a traceback,
     with the status of a command killed by SIGPIPE (141, as a shell shows it)."""
     if args[0] == "status":
         args = [*args, name]
-    with (
-        dlock.connect(db) as client,
-        client.lock(name, ttl=30),
-        subprocess.Popen(
+    with dlock.connect(db) as client, client.lock(name, ttl=30):
+        process = spawn(
             [DLOCK, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, "DLOCK_URL": db},
-        ) as process,
-    ):
+        )
         assert process.stdout is not None and process.stderr is not None
         process.stdout.close()  # before dlock writes: it has yet to start Python
-        errors = process.stderr.read().decode()
+        errors = process.stderr.read()
         assert process.wait(30) == 141, errors
         assert errors == ""
