@@ -31,6 +31,7 @@ from dlock._redis_scripts import FENCE_KEPT_MS
 from dlock._sync.backends.redis import Keys, RedisBackend, wrap
 from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
+from tests.servers import stop_every
 from tests.servers.redis import (
     RedisServer,
     TLSRedis,
@@ -60,8 +61,7 @@ def own_server() -> Iterator[RedisServer]:
 def own_masters() -> Iterator[list[RedisServer]]:
     servers = start_masters()
     yield servers
-    for server in servers:
-        server.remove()
+    stop_every(servers, RedisServer.remove)
 
 
 @pytest.fixture(scope="module")
@@ -900,8 +900,7 @@ def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
             with pytest.raises(dlock.BackendUnavailable, match=r"(?i)cluster|slot"):
                 client.lock(name).acquire(timeout=0)
     finally:
-        for node in cluster.nodes:
-            node.remove()
+        stop_every(cluster.nodes, RedisServer.remove)
     # What redis-py raises when a slot is moving and its redirections run out.
     for exc in (
         redis.exceptions.TryAgainError("Multiple keys request during rehashing of slot"),

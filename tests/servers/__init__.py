@@ -14,8 +14,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 
 def free_port() -> int:
@@ -46,10 +47,29 @@ def start_all(servers: Sequence[ServerProcess], then: Callable[[], object] = lam
         for server in servers:
             server.start()
         then()
-    except BaseException:
-        for server in servers:
-            server.kill()
-        raise
+    except BaseException as failure:
+        stop_every(servers, ServerProcess.kill, failure)
+
+
+Server = TypeVar("Server")
+
+
+def stop_every(
+    servers: Iterable[Server],
+    stop: Callable[[Server], object],
+    failure: BaseException | None = None,
+) -> None:
+    """``stop`` every server, even those after one whose stop fails (a kill whose wait
+    times out), then raise ``failure`` if given, else the first error: a loop that
+    stopped at the first left the others running, and hid the error that it was in."""
+    for server in servers:
+        try:
+            stop(server)
+        except BaseException as error:
+            if failure is None:
+                failure = error
+    if failure is not None:
+        raise failure
 
 
 class ServerProcess:

@@ -22,6 +22,7 @@ from tests.servers import (
     private_dir,
     require_binary,
     start_all,
+    stop_every,
 )
 from tests.servers.tls import make_certificates
 
@@ -151,16 +152,14 @@ def redis_server() -> Iterator[RedisServer]:
 def redlock_servers() -> Iterator[list[RedisServer]]:
     servers = start_masters()
     yield servers
-    for server in servers:
-        server.remove()
+    stop_every(servers, RedisServer.remove)
 
 
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     cluster = start_cluster()
     yield cluster
-    for node in cluster.nodes:
-        node.remove()
+    stop_every(cluster.nodes, RedisServer.remove)
 
 
 def redlock_url(servers: list[RedisServer]) -> str:

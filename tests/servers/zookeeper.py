@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServerProcess, free_port, port_open, private_dir, start_all
+from tests.servers import (
+    ServerProcess,
+    free_port,
+    port_open,
+    private_dir,
+    start_all,
+    stop_every,
+)
 from tests.servers.tls import Certificates, make_certificates
 
 JAR = Path("/usr/share/java/zookeeper.jar")
@@ -196,9 +203,10 @@ class ZooKeeperEnsemble:
         raise RuntimeError("no leader")
 
     def stop(self) -> None:
-        for node in self.nodes:
-            node.kill()
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            stop_every(self.nodes, ServerProcess.kill)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
