@@ -936,6 +936,9 @@ def test_init_prints_or_creates_a_sql_schema(
 def test_help(command: list[str]) -> None:
     result = subprocess.run([DLOCK, *command, "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage: dlock" in result.stdout
+    if command == ["run"]:  # every exit status the README gives
+        for status in ("75", "69", "76", "128+N"):
+            assert status in result.stdout, status
 
 
 def test_url_before_or_after_the_command(db: str, name: str) -> None:

@@ -143,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
             "status: the command's; the conflict code if the lock was not acquired; "
             f"{EXIT_LOST} if the lease was lost (the group is stopped the same way); "
             f"{EXIT_UNAVAILABLE} if the backend could not be reached, {EXIT_REFUSED} if it "
-            "refused or failed (credentials, privileges, a read-only replica)."
+            "refused or failed (credentials, privileges, a read-only replica); 128+N if "
+            "signal N (TERM, HUP, QUIT, USR1, USR2, INT) ends dlock while it waits for the "
+            "lock or before it starts the command (it runs nothing, and gives back a lock "
+            "it got)."
         ),
     )
     run.add_argument(
