@@ -450,7 +450,9 @@ def test_terminate_is_forwarded_to_the_command(db: str, name: str, spawn: Spawn)
         assert client.inspect(name) is None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT], ids=["HUP", "INT"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGHUP, signal.SIGINT, signal.SIGQUIT], ids=["HUP", "INT", "QUIT"]
+)
 def test_a_signal_ignored_as_dlock_starts_stays_ignored(
     db: str, name: str, signum: int, spawn: Spawn
 ) -> None:
