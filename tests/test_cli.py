@@ -844,14 +844,7 @@ def test_a_signal_as_the_wait_fails_ends_dlock_quietly(db: str, name: str, signu
     traceback and status 1."""
     unusable = "sqlite:///proc/dlock-no-such-dir/locks.sqlite3"
     argv = ["failed", str(int(signum)), "--url", unusable, "run", "-w", "10", name, "--", "true"]
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNAL_AT, *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "DLOCK_URL": db},
-        start_new_session=True,
-    )
+    result = signalled_at(db, argv)
     assert result.returncode == 128 + signum, result.stderr
     assert result.stderr == "", result.stderr
 
