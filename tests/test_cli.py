@@ -251,7 +251,8 @@ def test_a_backend_that_cannot_name_the_holder_changes_no_run(
 ) -> None:
     """``-v`` adds output alone: when the backend fails to say who holds the lock (here
     a proxy refuses Redis's inspect script, and nothing else), dlock says that it waits,
-    naming nobody, and goes on. That failure ended the run with status 76."""
+    naming nobody, and goes on; a run that does not get the lock exits with the
+    conflict code. That failure ended either run with status 76."""
     direct = f"redis://{redis_server.address}/0"
     with refusing_script(redis_server, INSPECT) as proxied, dlock.connect(direct) as client:
         lock = client.lock(name, ttl=30)
@@ -270,6 +271,11 @@ def test_a_backend_that_cannot_name_the_holder_changes_no_run(
         stdout, stderr = process.communicate(timeout=10)
         assert process.returncode == 0 and stdout.strip() == "ran", stderr
         assert stderr.startswith(f"dlock: acquired {name!r} after "), stderr
+        # Nor a lock not acquired: the conflict code, not the backend's 76.
+        lock.acquire(timeout=0)
+        result = dlock_cmd(proxied, "run", "-n", "-E", "3", name, "--", "true")
+        assert result.returncode == 3, result.stderr
+        assert result.stderr == f"dlock: {name!r} is held by someone else\n", result.stderr
 
 
 def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path, spawn: Spawn) -> None:

@@ -302,7 +302,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             acquired = acquire(client, lock, timeout, args.verbose)
             # Asked while a signal still ends dlock: a backend round trip, as long as the
             # backend takes (a signal kept for a command that will not run was lost).
-            holder = "" if acquired else describe(client, args.name)
+            holder = "" if acquired else holder_if_told(client, args.name)
             forwarder.waiting = False
         except Interrupted as stop:
             # (The handler stopped listening as it raised: later signals are kept.)
@@ -371,9 +371,10 @@ def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) ->
 
 def holder_if_told(client: Client, name: str) -> str:
     """``describe``, for a line that changes no outcome: a backend that fails to say who
-    holds the lock names nobody, and the wait goes on (the wait itself meets a failure
-    that lasts). So does a holder that released it since the first try (the lock is
-    free: the wait takes it at once). A signal still ends dlock (not a BackendError)."""
+    holds the lock names nobody, and the run goes on as it would (the wait meets a
+    failure that lasts; a lock not acquired exits with the conflict code, not the
+    backend's). So does a holder that released it since the try (a wait then takes the
+    lock at once). A signal still ends dlock (not a BackendError)."""
     try:
         return describe(client, name)
     except BackendError:
