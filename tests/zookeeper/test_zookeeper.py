@@ -357,6 +357,41 @@ def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
         partition.close()
 
 
+@pytest.mark.parametrize("on_suspend", ["session", "lost"])
+def test_a_lock_not_renewed_is_told_of_the_loss_of_its_session_in_time(
+    zookeeper_server: ZooKeeperEnsemble, on_suspend: str
+) -> None:
+    """auto_renew=False: no renewal asks about the lease, yet its session ending (here
+    cut off, the TTL far off) must be told before another client can take the lock."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"unrenewed-{on_suspend}-{time.monotonic_ns()}"
+    options = urlencode({"session_timeout": 2, "on_suspend": on_suspend})
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?{options}"
+    try:
+        with dlock.connect(cut_off) as far, dlock.connect(zookeeper_server.url()) as near:
+            lost_at: list[float] = []
+            lock = far.lock(
+                name,
+                ttl=60,
+                auto_renew=False,
+                on_lost=lambda _: lost_at.append(time.monotonic()),
+            )
+            assert lock.acquire(timeout=5)
+            partition.cut.set()
+            successor = near.lock(name, ttl=30)
+            assert successor.acquire(timeout=10)
+            acquired_at = time.monotonic()
+            assert lost_at, "the holder still believes it holds the lock"
+            assert lost_at[0] <= acquired_at
+            assert lock.lost and not lock.owned()
+            partition.cut.clear()
+            with pytest.raises(dlock.LockLost):
+                lock.release()
+            successor.release()
+    finally:
+        partition.close()
+
+
 @dataclass
 class CutOffHolder:
     """A lock held by ``far``, whose connection to the server runs through ``partition``;

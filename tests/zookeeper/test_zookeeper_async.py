@@ -54,6 +54,26 @@ async def test_expired_session_cancels_the_body(zookeeper_server: ZooKeeperEnsem
         assert not body_finished and len(lost) == 1
 
 
+async def test_expired_session_cancels_the_body_of_a_lock_not_renewed(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """auto_renew=False, TTL far off: the session's end is the lease's end all the same."""
+    name = f"expire-unrenewed-async-{time.monotonic_ns()}"
+    lost: list[object] = []
+    async with dlock.aio.connect(zookeeper_server.url(session_timeout=4)) as client:
+        body_finished = False
+        with pytest.raises(dlock.LockLost):
+            async with client.lock(name, ttl=60, auto_renew=False, on_lost=lost.append):
+                zk = client._backend._zk  # type: ignore[attr-defined]
+                twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
+                await asyncio.to_thread(twin.start)
+                await asyncio.to_thread(twin.stop)
+                twin.close()
+                await asyncio.sleep(5)
+                body_finished = True
+        assert not body_finished and len(lost) == 1
+
+
 async def test_attempts_cut_off_mid_request_leave_no_node_behind(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

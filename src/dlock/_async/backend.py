@@ -92,14 +92,24 @@ class AsyncBackend(ABC):
         """
         yield AsyncWaiter()
 
-    def watch_leases(self, renew_now: Callable[[], None]) -> None:
-        """Called once by the client with a hook that is safe to call from any thread.
+    def watch_leases(self, renew_now: Callable[[], None]) -> bool:
+        """Called once by the client with a hook that is safe to call from any thread;
+        True if this backend ever calls it.
 
         A backend that learns by itself that leases may be gone (a ZooKeeper session
         suspended or expired, a connection dropped) calls ``renew_now()``; the client's
-        renewer then re-checks every held lease with ``extend_many`` at once.
+        renewer then re-checks every held lease at once: the renewed ones with
+        ``extend_many``, the others (``auto_renew=False``) with :meth:`lease_lost`.
         """
-        return None
+        return False
+
+    def lease_lost(self, name: str, token: str) -> bool:
+        """True if this backend knows, without a round trip, that the lease ``token``
+        holds on ``name`` has ended (its session is gone); it then gives it up, as
+        ``extend_many`` does a lease it finds gone. Asked from the client's renewer
+        after ``renew_now()``, from any thread, about held leases that it does not renew:
+        their holder must be told too, before another client can take the lock."""
+        return False
 
     @abstractmethod
     async def inspect(self, name: str) -> LockInfo | None:

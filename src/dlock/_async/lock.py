@@ -686,6 +686,8 @@ class AsyncLock:
         self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
         if self.auto_renew:
             self._client._renewer.add(self)
+        else:
+            self._client._renewer.watch()
 
     def _note_entry(self) -> None:
         """Record in the running acquire call that it entered the current hold."""

@@ -78,8 +78,8 @@ class Client:
         self._closed = False
         self._backoff = backoff or Backoff()
         self._clock = clock
-        self._renewer = Renewer(backend, clock)
-        backend.watch_leases(self._renewer.renew_now)
+        self._renewer = Renewer(backend, clock, self._still_held)
+        self._renewer.told_of_losses = backend.watch_leases(self._renewer.renew_now)
         #: Acquire calls in flight, each with its pid (after a fork, the parent's are not
         #: the child's to wait for), or 0 while it waits for a release.
         self._acquiring: dict[object, int] = {}

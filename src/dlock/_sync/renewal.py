@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +39,20 @@ class Renewer:
     in one ``extend_many`` call, costs one round trip per batch.
     """
 
-    def __init__(self, backend: Backend, clock: Callable[[], float]) -> None:
+    #: The backend calls :meth:`renew_now` when it learns that leases may be gone: then
+    #: the held locks that are not renewed are asked about too (see _check_unrenewed).
+    told_of_losses = False
+
+    def __init__(
+        self,
+        backend: Backend,
+        clock: Callable[[], float],
+        held: Callable[[], Iterable[Lock]] = tuple,
+    ) -> None:
         self._backend = backend
         self._clock = clock
+        #: Every lock of the client holding a lease, renewed here or not.
+        self._held = held
         self._locks: set[Lock] = set()
         self._wakeup = WakeupEvent()
         self._runner: Any = None
@@ -80,6 +91,13 @@ class Renewer:
         self._sleeping_until = math.inf
         self._epoch += 1
         self._runner = spawn(partial(self._run, self._epoch), name="dlock-renewer")
+
+    def watch(self) -> None:
+        """A lock not renewed here was granted: when the backend says that leases may
+        be gone, its holder must be told too, so this loop must run to hear it."""
+        self._follow_fork()
+        if self.told_of_losses and not self._closed and not serving(self._runner):
+            self._start()
 
     def reschedule(self, lock: Lock) -> None:
         """Wake the loop if ``lock``, still renewed here, is now due before it wakes."""
@@ -121,6 +139,8 @@ class Renewer:
     def _renew_due(self) -> None:
         now = self._clock()
         urgent, self._urgent = self._urgent, False
+        if urgent:
+            self._check_unrenewed()
         due: list[tuple[Lock, int]] = []
         for lock in tuple(self._locks):
             if now >= lock._deadline:
@@ -181,6 +201,18 @@ class Renewer:
                 lock._declare_lost(
                     "the backend no longer had the lease when renewing", watchdog=True
                 )
+
+    def _check_unrenewed(self) -> None:
+        """Tell the loss of held leases that are not renewed (``auto_renew=False``) and
+        that the backend knows to be gone: no renewal asks about them, and their TTL may
+        end long after the backend let another client take the lock (a ZooKeeper
+        session expired or given up). A local question: no round trip."""
+        for lock in tuple(self._held()):
+            if lock in self._locks or not lock._count or lock.lost:
+                continue
+            generation = lock._generation
+            if self._backend.lease_lost(lock.name, lock._token) and lock._generation == generation:
+                lock._declare_lost("the backend reported the lease's session gone", watchdog=True)
 
     def _declare_overdue(self) -> float | None:
         """While a renewal call is still blocked, tell the loss of each held lease at its

@@ -560,8 +560,18 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 message += " (closed by the server: a TLS port needs tls=1)"
         return BackendUnavailable(message)
 
-    def watch_leases(self, renew_now: Callable[[], None]) -> None:
+    def watch_leases(self, renew_now: Callable[[], None]) -> bool:
         self._renew_now = renew_now
+        return True
+
+    def lease_lost(self, name: str, token: str) -> bool:
+        key = (name, token)
+        node = self._nodes.get(key)
+        # A node not known (released, or given up already) is not ours to tell about.
+        if node is None or not node.held or self._session_alive(node):
+            return False
+        self._give_up(key, node)
+        return True
 
     def _alive_until(self) -> float:
         """Until when the session surely lives (inf: nothing casts doubt on it).
