@@ -392,6 +392,39 @@ def test_a_lock_not_renewed_is_told_of_the_loss_of_its_session_in_time(
         partition.close()
 
 
+def test_a_passed_in_clients_shorter_session_is_the_one_that_counts(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """With client=, the session is that client's, with its own timeout (here 2 s, the
+    URL's left at its default of 10): a holder cut off must be told of the loss before
+    the ensemble expires that session and lets another client take the lock."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"passed-in-session-{time.monotonic_ns()}"
+    existing = KazooClient(hosts=f"127.0.0.1:{partition.port}", timeout=2)
+    existing.start()
+    try:
+        with (
+            dlock.connect("zookeeper:///dlock", client=existing) as far,
+            dlock.connect(zookeeper_server.url()) as near,
+        ):
+            lost_at: list[float] = []
+            lock = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
+            assert lock.acquire(timeout=5)
+            partition.cut.set()
+            successor = near.lock(name, ttl=30)
+            assert successor.acquire(timeout=10)
+            acquired_at = time.monotonic()
+            assert lost_at, "the holder still believes it holds the lock"
+            assert lost_at[0] <= acquired_at
+            partition.cut.clear()
+            successor.release()
+    finally:
+        partition.cut.clear()
+        existing.stop()
+        existing.close()
+        partition.close()
+
+
 @dataclass
 class CutOffHolder:
     """A lock held by ``far``, whose connection to the server runs through ``partition``;

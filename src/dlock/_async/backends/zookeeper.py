@@ -352,6 +352,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 "with client=, credentials are the kazoo client's own (its auth_data and"
                 " default_acl): user:password@ in the URL is refused"
             )
+        if client is not None:
+            # The session is that client's, made with its own timeout: the ensemble may
+            # expire it that long after it last heard from us, whatever ours says. The
+            # graces below count from the shorter of the two.
+            asked = getattr(client, "_session_timeout", None)  # kazoo keeps it in ms
+            if isinstance(asked, (int, float)) and asked > 0:
+                session_timeout = min(session_timeout, asked / 1000)
         self._root = "" if root == "/" else root
         self._hosts = hosts
         self._session_timeout = session_timeout
