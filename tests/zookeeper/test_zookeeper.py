@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.security import make_acl
 
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
@@ -533,6 +534,34 @@ def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> No
             assert not isinstance(refused.value, dlock.BackendUnavailable)
             assert "NoAuth" in str(refused.value)
         assert other.inspect("guarded") is None
+
+
+def test_a_refused_lock_node_create_never_leaves_a_node_heading_the_queue(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The root refuses new lock nodes (its ACL was narrowed), but an existing lock node
+    still takes children: a client that does not know that node pipelines its create
+    behind the refused one, and that create goes through. It must be taken as ours, not
+    left unknown at the head of the queue for as long as the session lives."""
+    root = f"/dlock-narrowed-{time.monotonic_ns()}"
+    admin = KazooClient(hosts=zookeeper_server.hosts)
+    admin.start()
+    try:
+        with (
+            dlock.connect(zookeeper_server.url(root)) as first,
+            dlock.connect(zookeeper_server.url(root)) as second,
+        ):
+            holder = first.lock("name", ttl=30)
+            assert holder.acquire(timeout=5)
+            admin.set_acls(root, [make_acl("world", "anyone", read=True)])
+            late = second.lock("name", ttl=30)
+            with contextlib.suppress(dlock.BackendError):
+                assert not late.acquire(timeout=0)
+            holder.release()
+            assert first.lock("name", ttl=30).acquire(timeout=5), "a node of second blocks"
+    finally:
+        admin.stop()
+        admin.close()
 
 
 def test_inspection_shows_the_queue_in_order(zookeeper_server: ZooKeeperEnsemble) -> None:

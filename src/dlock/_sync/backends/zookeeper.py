@@ -902,6 +902,7 @@ class ZooKeeperBackend(Backend):
             )
             listing = zk.get_children_async(parent)
             no_root = False
+            refused: BaseException | None = None
             if made is not None:
                 try:
                     self._call(made)
@@ -909,12 +910,18 @@ class ZooKeeperBackend(Backend):
                     pass
                 except NoNodeError:
                     no_root = True
+                except REFUSALS as exc:
+                    # The root refuses new lock nodes (its ACL), yet the lock node may
+                    # exist and take our create: its answer is due at once, read below.
+                    refused = exc
             # Always read the create's own answer, whatever the lock node's said: another
             # client may make the root and the lock node between our two requests, and a
             # node created then but not taken as ours would head the queue for good.
             try:
                 path, stat = self._call(created)
             except NoNodeError:
+                if refused is not None:
+                    raise refused from None  # no lock node, and the root refuses one
                 if no_root:
                     self._make_root(zk)  # first use of this root
                 known = False  # deleted once empty (by the server, or pruned): make it again
