@@ -153,6 +153,24 @@ def test_closing_with_a_passed_in_client_frees_unrenewed_locks(
         existing.close()
 
 
+def test_a_passed_in_clients_missing_chroot_is_refused_not_unavailable(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A kazoo client whose hosts end in a chroot that does not exist can lock nothing:
+    a plain BackendError naming the chroot, not BackendUnavailable (worth retrying)."""
+    existing = KazooClient(hosts=f"{zookeeper_server.hosts}/no/such/chroot")
+    with pytest.warns(UserWarning, match="chroot"):  # kazoo warns, and connects all the same
+        existing.start()
+    try:
+        with dlock.connect("zookeeper:///dlock?operation_timeout=2", client=existing) as client:
+            with pytest.raises(dlock.BackendError, match="chroot") as raised:
+                client.lock("x", ttl=5).acquire(timeout=0)
+            assert not isinstance(raised.value, dlock.BackendUnavailable)
+    finally:
+        existing.stop()
+        existing.close()
+
+
 def test_a_wait_in_progress_ends_when_a_passed_in_client_closes(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

@@ -939,8 +939,16 @@ class AsyncZooKeeperBackend(AsyncBackend):
         segments = self._root.split("/")[1:]
         paths = ["/" + "/".join(segments[: i + 1]) for i in range(len(segments))]
         for result in [zk.create_async(path, b"") for path in paths]:
-            with suppress(NodeExistsError):
+            try:
                 await self._call(result)
+            except NodeExistsError:
+                pass
+            except NoNodeError:
+                # Only under a chroot that does not exist (the client's hosts end in
+                # a path): a misconfiguration that no retry mends.
+                raise BackendError(
+                    f"ZooKeeper: the client's chroot {zk.chroot!r} does not exist"
+                ) from None
 
     async def _find_own(
         self, zk: KazooClient, parent: str, token: str
