@@ -1368,3 +1368,66 @@ def test_a_redlock_reentry_missed_on_two_masters_keeps_every_entry(
         assert held.owned() and not other.lock(name, ttl=30).acquire(timeout=0)
         with pytest.raises(dlock.LockLost):
             held.release()  # freed on masters 1 and 2: the entries they missed
+
+
+def _inner_release_outlasting_a_timeout(
+    client: dlock.Client, server_of: Callable[[str], RedisServer]
+) -> None:
+    """A reentrant lock entered twice; its inner release reaches the server, which is
+    paused past the client's socket timeout: the reply is lost. redis-py's retries
+    (a given client's own) would send it again once the server is back, and the two
+    runs take both entries: the release returns as if the outer block still held the
+    lock, while the name is free for anyone. A release that fails is told instead (the
+    core then gives the whole hold up)."""
+    name = unique()
+    with client.lock(name, ttl=5):
+        pass  # the server has the release script: its EVALSHA runs, not NOSCRIPT
+    outer = client.lock(name, ttl=30, reentrant=True)
+    other = client.lock(name, ttl=30)
+    assert outer.acquire(timeout=1)
+    assert outer.acquire(timeout=1)
+    server = server_of(name)
+    server.pause()
+    timer = threading.Timer(1.0, server.resume)
+    timer.start()
+    try:
+        outer.release()
+    except dlock.BackendError:
+        return  # told: the hold is given up as any failed release's is
+    finally:
+        timer.join()
+    # Told that the outer entry is still held: so it must be, on the server too.
+    assert outer.owned()
+    info = client.inspect(name)
+    assert info is not None and info.count == 1, info
+    assert not other.acquire(timeout=0)
+    outer.release()
+
+
+def test_a_given_single_connection_client_never_runs_a_script_twice(
+    own_server: RedisServer,
+) -> None:
+    given = redis.Redis(port=own_server.port, single_connection_client=True, socket_timeout=0.3)
+    try:
+        with dlock.connect("redis://", client=given) as client:
+            _inner_release_outlasting_a_timeout(client, lambda name: own_server)
+    finally:
+        given.close()
+
+
+def test_a_given_cluster_client_never_runs_a_script_twice() -> None:
+    cluster = start_cluster()
+    given: Any = redis.RedisCluster(
+        host="127.0.0.1", port=cluster.nodes[0].port, socket_timeout=0.3
+    )
+
+    def server_of(name: str) -> RedisServer:
+        port = given.get_node_from_key(Keys(b"dlock", name).lease).port
+        return next(node for node in cluster.nodes if node.port == port)
+
+    try:
+        with dlock.connect("redis://", client=given) as client:
+            _inner_release_outlasting_a_timeout(client, server_of)
+    finally:
+        given.close()
+        stop_every(cluster.nodes, RedisServer.remove)

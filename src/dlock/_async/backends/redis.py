@@ -411,9 +411,13 @@ class _Connections:
 
 
 def _own_connections(client: Any) -> _Connections | None:
-    """Our own connections for a plain client; clusters and single-connection clients
-    keep redis-py's general path."""
-    if isinstance(client, redis_client.Redis) and client.connection is None:
+    """Our own connections for a plain client (from its pool: a single-connection
+    client's one connection stays its owner's), never sent through its
+    ``execute_command``, which retries what its ``retry`` says (a given client's own,
+    three times by default): a script whose reply was lost may have run, and run again
+    (a reentrant lock's inner release would free the outer hold). Clusters keep
+    redis-py's general path (see ``_run``)."""
+    if isinstance(client, redis_client.Redis):
         return _Connections(client.connection_pool)
     return None
 
@@ -628,8 +632,12 @@ class AsyncRedisBackend(AsyncBackend):
         or the name stays taken for the lease's TTL. Sent on a connection of its own,
         closed at once, as nothing would close it later (a caller's client stays theirs)."""
         client = self._open_client() if self._owns_client else self._client
+        command = ("EVAL", script.source, len(keys), *keys, *args)
         try:
-            return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+            if self._cluster:  # as in _run: no retry of a script that may have run
+                node = await self._node_of(client, keys[0])
+                return await client.execute_command(*command, target_nodes=node)
+            return await client.execute_command(*command)
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         finally:
@@ -641,6 +649,12 @@ class AsyncRedisBackend(AsyncBackend):
         """One command, on a connection of our own where we keep them (see _Connections)."""
         connections = self._connections
         if connections is None:
+            if self._cluster:
+                # Sent to a node named here: redis-py then retries nothing (a given
+                # client's retries would run a script again whose first reply was lost),
+                # while it still follows MOVED and ASK, which no script ran before.
+                node = await self._node_of(client, command[3])
+                return await client.execute_command(*command, target_nodes=node)
             return await client.execute_command(*command)
         connection = await connections.take()
         try:
@@ -658,6 +672,13 @@ class AsyncRedisBackend(AsyncBackend):
                 await connection.disconnect()
             else:
                 connections.give_back(connection)
+
+    @staticmethod
+    async def _node_of(client: Any, key: bytes) -> Any:
+        """The cluster node that serves ``key``'s slot, by the client's slot map."""
+        if IS_ASYNC:
+            await client.initialize()  # the sync face's client maps slots as it is made
+        return client.get_node_from_key(key)
 
     async def _call_many(
         self, script: scripts.Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
