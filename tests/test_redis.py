@@ -225,6 +225,35 @@ def test_waiter_leaving_gives_back_a_lease_handed_to_it(redis_server: RedisServe
         assert second.inspect(name) is None
 
 
+def test_a_lease_handed_to_a_dead_waiter_ends_when_its_place_would_have(
+    redis_server: RedisServer,
+) -> None:
+    """A waiter killed after its latest attempt, handed the lease just before its place
+    would lapse: the lease must end with the place, not a place's length later, or a
+    dead waiter would keep everyone out for up to twice queue_ttl."""
+    name = unique()
+    url = url_of(redis_server)
+    with dlock.connect(url) as first, dlock.connect(url + "?queue_ttl=2") as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        backend = second._backend
+        assert isinstance(backend, RedisBackend)
+        token = "d" * 32
+        backend.enqueue(name, token, "now")
+        sent = time.monotonic()
+        # Its latest attempt; then it dies, never to try again or leave.
+        assert not isinstance(backend.acquire(name, token, 30.0, Holder.current(), False), Acquired)
+        time.sleep(1.5)
+        holder.release()  # hands the lease over, the place 0.5 s from lapsing
+        handed = second.inspect(name)
+        assert handed is not None and handed.expires_in is not None
+        assert handed.expires_in <= 2.0 - (time.monotonic() - sent) + 0.1, handed
+        nxt = first.lock(name, ttl=5)
+        assert nxt.acquire(timeout=5)
+        assert time.monotonic() - sent < 2.0 + 0.5
+        nxt.release()
+
+
 def test_a_grant_for_an_earlier_attempt_is_not_taken(redis_server: RedisServer) -> None:
     """Only a grant answering the waiter's latest attempt proves the lease was set after
     that attempt was sent; an older one may have lapsed meanwhile."""

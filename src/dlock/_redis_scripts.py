@@ -113,7 +113,14 @@ local function hand_on(lease, fence, queue, qexp, info, wake, hand_over, release
         return
     end
     local ttl_ms, attempt, holder = string.match(entry, '^(%d+) (%d+) (.*)$')
-    local f = grant(lease, fence, head, ttl_ms, holder)
+    -- No longer than the head's place would have lasted (pruned, it has time left): a
+    -- waiter killed after its latest attempt keeps everyone out at most queue_ttl from
+    -- that attempt. Still ttl_ms (at most a place's length) from the attempt, which the
+    -- waiter counts from, as the place began no earlier.
+    local px = tonumber(ttl_ms)
+    local place_ends = redis.call('ZSCORE', qexp, head)
+    if place_ends then px = math.max(1, math.min(px, tonumber(place_ends) - now_ms())) end
+    local f = grant(lease, fence, head, px, holder)
     leave(queue, qexp, info, {head})
     redis.call('PUBLISH', wake .. head, attempt .. ' ' .. f .. ' ' .. ttl_ms)
 end
