@@ -352,6 +352,23 @@ def test_expired_session_loses_the_lock_once(zookeeper_ensemble: ZooKeeperEnsemb
             assert again.fencing_token > waiter.fencing_token
 
 
+def cut_off_and_succeeded(
+    partition: Partition, lock: dlock.Lock, lost_at: list[float], near: dlock.Client
+) -> dlock.Lock:
+    """Cut ``lock``'s holder off, let ``near`` take the lock once the ensemble lets it,
+    and check that the holder was told of the loss (``lost_at``, by its on_lost) before
+    that. Returns the successor's lock, held, with the partition healed."""
+    partition.cut.set()
+    successor = near.lock(lock.name, ttl=30)
+    assert successor.acquire(timeout=10)
+    acquired_at = time.monotonic()
+    assert lost_at, "the holder still believes it holds the lock"
+    assert lost_at[0] <= acquired_at
+    assert lock.lost and not lock.owned()
+    partition.cut.clear()
+    return successor
+
+
 def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
     zookeeper_ensemble: ZooKeeperEnsemble,
 ) -> None:
@@ -363,14 +380,7 @@ def test_partitioned_holder_learns_of_the_loss_before_anyone_acquires(
             lost_at: list[float] = []
             lock = far.lock(name, ttl=30, on_lost=lambda _: lost_at.append(time.monotonic()))
             lock.acquire()
-            partition.cut.set()
-            successor = near.lock(name, ttl=30)
-            assert successor.acquire(timeout=10)
-            acquired_at = time.monotonic()
-            assert lost_at, "the holder still believes it holds the lock"
-            assert lost_at[0] <= acquired_at
-            assert lock.lost and not lock.owned()
-            partition.cut.clear()
+            successor = cut_off_and_succeeded(partition, lock, lost_at, near)
             successor.release()
     finally:
         partition.close()
@@ -396,14 +406,7 @@ def test_a_lock_not_renewed_is_told_of_the_loss_of_its_session_in_time(
                 on_lost=lambda _: lost_at.append(time.monotonic()),
             )
             assert lock.acquire(timeout=5)
-            partition.cut.set()
-            successor = near.lock(name, ttl=30)
-            assert successor.acquire(timeout=10)
-            acquired_at = time.monotonic()
-            assert lost_at, "the holder still believes it holds the lock"
-            assert lost_at[0] <= acquired_at
-            assert lock.lost and not lock.owned()
-            partition.cut.clear()
+            successor = cut_off_and_succeeded(partition, lock, lost_at, near)
             with pytest.raises(dlock.LockLost):
                 lock.release()
             successor.release()
@@ -429,13 +432,7 @@ def test_a_passed_in_clients_shorter_session_is_the_one_that_counts(
             lost_at: list[float] = []
             lock = far.lock(name, ttl=60, on_lost=lambda _: lost_at.append(time.monotonic()))
             assert lock.acquire(timeout=5)
-            partition.cut.set()
-            successor = near.lock(name, ttl=30)
-            assert successor.acquire(timeout=10)
-            acquired_at = time.monotonic()
-            assert lost_at, "the holder still believes it holds the lock"
-            assert lost_at[0] <= acquired_at
-            partition.cut.clear()
+            successor = cut_off_and_succeeded(partition, lock, lost_at, near)
             successor.release()
     finally:
         partition.cut.clear()
