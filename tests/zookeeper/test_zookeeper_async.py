@@ -37,33 +37,19 @@ async def test_cancelled_waiter_leaves_the_queue(zookeeper_server: ZooKeeperEnse
         assert await first.inspect(name) is None
 
 
-async def test_expired_session_cancels_the_body(zookeeper_server: ZooKeeperEnsemble) -> None:
-    name = f"expire-async-{time.monotonic_ns()}"
-    lost: list[object] = []
-    async with dlock.aio.connect(zookeeper_server.url(session_timeout=4)) as client:
-        body_finished = False
-        with pytest.raises(dlock.LockLost):
-            async with client.lock(name, ttl=30, on_lost=lost.append):
-                zk = client._backend._zk  # type: ignore[attr-defined]
-                twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
-                await asyncio.to_thread(twin.start)
-                await asyncio.to_thread(twin.stop)
-                twin.close()
-                await asyncio.sleep(5)
-                body_finished = True
-        assert not body_finished and len(lost) == 1
-
-
-async def test_expired_session_cancels_the_body_of_a_lock_not_renewed(
-    zookeeper_server: ZooKeeperEnsemble,
+@pytest.mark.parametrize("auto_renew", [True, False], ids=["renewed", "not-renewed"])
+async def test_expired_session_cancels_the_body(
+    zookeeper_server: ZooKeeperEnsemble, auto_renew: bool
 ) -> None:
-    """auto_renew=False, TTL far off: the session's end is the lease's end all the same."""
-    name = f"expire-unrenewed-async-{time.monotonic_ns()}"
+    """The session expires under the body (a twin client with its id ends it): the body
+    is cancelled and on_lost told once; with auto_renew=False too, its TTL far off (the
+    session's end is the lease's end all the same)."""
+    name = f"expire-async-{auto_renew}-{time.monotonic_ns()}"
     lost: list[object] = []
     async with dlock.aio.connect(zookeeper_server.url(session_timeout=4)) as client:
         body_finished = False
         with pytest.raises(dlock.LockLost):
-            async with client.lock(name, ttl=60, auto_renew=False, on_lost=lost.append):
+            async with client.lock(name, ttl=60, auto_renew=auto_renew, on_lost=lost.append):
                 zk = client._backend._zk  # type: ignore[attr-defined]
                 twin = KazooClient(hosts=zookeeper_server.hosts, client_id=zk.client_id)
                 await asyncio.to_thread(twin.start)
