@@ -736,11 +736,11 @@ if point == "installed":
         return previous
     signal.signal = installing
 elif point == "described":
-    describe = _cli.describe
+    describe = _cli.holder_if_told
     def describing(client, name):
         send()
         return describe(client, name)
-    _cli.describe = describing
+    _cli.holder_if_told = describing
 elif point == "parsing":
     build = _cli.build_parser
     def building():

@@ -370,15 +370,20 @@ def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) ->
 
 
 def holder_if_told(client: Client, name: str) -> str:
-    """``describe``, for a line that changes no outcome: a backend that fails to say who
-    holds the lock names nobody, and the run goes on as it would (the wait meets a
-    failure that lasts; a lock not acquired exits with the conflict code, not the
-    backend's). So does a holder that released it since the try (a wait then takes the
-    lock at once). A signal still ends dlock (not a BackendError)."""
+    """Who holds the lock (host, pid, label, fencing token), for a line that changes no
+    outcome: a backend that fails to say names nobody, and the run goes on as it would
+    (the wait meets a failure that lasts; a lock not acquired exits with the conflict
+    code, not the backend's). So does a holder that released it since the try (a wait
+    then takes the lock at once). A signal still ends dlock (not a BackendError)."""
     try:
-        return describe(client, name)
+        info = client.inspect(name)
     except BackendError:
         return ""
+    if info is None:
+        return ""
+    holder = info.holder
+    label = f" ({shown(holder.label)})" if holder.label else ""
+    return f": {shown(holder.host)} pid {holder.pid}{label}, fencing token {info.fencing_token}"
 
 
 def note(text: str) -> None:
@@ -424,15 +429,6 @@ def shown(text: str) -> str:
     so it cannot move the cursor, rewrite the screen or fake a row (``--json`` gives
     it exactly)."""
     return text if text.isprintable() else repr(text)
-
-
-def describe(client: Client, name: str) -> str:
-    info = client.inspect(name)
-    if info is None:
-        return ""
-    holder = info.holder
-    label = f" ({shown(holder.label)})" if holder.label else ""
-    return f": {shown(holder.host)} pid {holder.pid}{label}, fencing token {info.fencing_token}"
 
 
 def as_dict(info: LockInfo) -> dict[str, Any]:
