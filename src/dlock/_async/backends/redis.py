@@ -632,12 +632,8 @@ class AsyncRedisBackend(AsyncBackend):
         or the name stays taken for the lease's TTL. Sent on a connection of its own,
         closed at once, as nothing would close it later (a caller's client stays theirs)."""
         client = self._open_client() if self._owns_client else self._client
-        command = ("EVAL", script.source, len(keys), *keys, *args)
         try:
-            if self._cluster:  # as in _run: no retry of a script that may have run
-                node = await self._node_of(client, keys[0])
-                return await client.execute_command(*command, target_nodes=node)
-            return await client.execute_command(*command)
+            return await self._execute(client, "EVAL", script.source, len(keys), *keys, *args)
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         finally:
@@ -649,13 +645,7 @@ class AsyncRedisBackend(AsyncBackend):
         """One command, on a connection of our own where we keep them (see _Connections)."""
         connections = self._connections
         if connections is None:
-            if self._cluster:
-                # Sent to a node named here: redis-py then retries nothing (a given
-                # client's retries would run a script again whose first reply was lost),
-                # while it still follows MOVED and ASK, which no script ran before.
-                node = await self._node_of(client, command[3])
-                return await client.execute_command(*command, target_nodes=node)
-            return await client.execute_command(*command)
+            return await self._execute(client, *command)
         connection = await connections.take()
         try:
             await connection.send_command(*command)
@@ -673,12 +663,18 @@ class AsyncRedisBackend(AsyncBackend):
             else:
                 connections.give_back(connection)
 
-    @staticmethod
-    async def _node_of(client: Any, key: bytes) -> Any:
-        """The cluster node that serves ``key``'s slot, by the client's slot map."""
+    async def _execute(self, client: Any, *command: Any) -> Any:
+        """A script call (``EVAL[SHA] script numkeys key ...``) through redis-py's own
+        path. On a cluster it goes to the node that serves its first key's slot, named
+        here: redis-py then retries nothing (a given client's retries would run a script
+        again whose first reply was lost), while it still follows MOVED and ASK, which
+        no script ran before."""
+        if not self._cluster:
+            return await client.execute_command(*command)
         if IS_ASYNC:
             await client.initialize()  # the sync face's client maps slots as it is made
-        return client.get_node_from_key(key)
+        node = client.get_node_from_key(command[3])
+        return await client.execute_command(*command, target_nodes=node)
 
     async def _call_many(
         self, script: scripts.Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
