@@ -95,8 +95,10 @@ class Renewer:
     def watch(self) -> None:
         """A lock not renewed here was granted: when the backend says that leases may
         be gone, its holder must be told too, so this loop must run to hear it."""
+        if not self.told_of_losses:
+            return  # on every grant of such a lock: nothing more where nothing is told
         self._follow_fork()
-        if self.told_of_losses and not self._closed and not serving(self._runner):
+        if not self._closed and not serving(self._runner):
             self._start()
 
     def reschedule(self, lock: Lock) -> None:
