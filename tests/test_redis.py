@@ -204,25 +204,38 @@ def test_a_lease_handed_over_long_after_the_last_attempt_is_confirmed(
         waiter.release()
 
 
-def test_waiter_leaving_gives_back_a_lease_handed_to_it(redis_server: RedisServer) -> None:
-    """A waiter that times out just as the lease is handed to it must not keep it, and a
-    lease handed to a waiter that died lasts no longer than its place in the queue."""
-    name = unique()
+@contextlib.contextmanager
+def queued_behind_a_holder(
+    redis_server: RedisServer, token: str
+) -> Iterator[tuple[dlock.Client, dlock.Client, dlock.Lock, RedisBackend, float]]:
+    """A holder (the first client's) and, on a second client (``queue_ttl=2``), a waiter
+    under ``token`` that took its place and made one attempt (busy), driven through the
+    backend, so that nothing tries again or leaves unless the test says so. Yields both
+    clients, the holder, the second client's backend and when the attempt was sent."""
     url = url_of(redis_server)
     with dlock.connect(url) as first, dlock.connect(url + "?queue_ttl=2") as second:
-        holder = first.lock(name, ttl=30)
+        holder = first.lock(unique(), ttl=30)
         holder.acquire()
         backend = second._backend
         assert isinstance(backend, RedisBackend)
-        token = "f" * 32
-        backend.enqueue(name, token, "now")
-        assert not isinstance(backend.acquire(name, token, 30.0, Holder.current(), False), Acquired)
+        backend.enqueue(holder.name, token, "now")
+        sent = time.monotonic()
+        busy = backend.acquire(holder.name, token, 30.0, Holder.current(), False)
+        assert not isinstance(busy, Acquired)
+        yield first, second, holder, backend, sent
+
+
+def test_waiter_leaving_gives_back_a_lease_handed_to_it(redis_server: RedisServer) -> None:
+    """A waiter that times out just as the lease is handed to it must not keep it, and a
+    lease handed to a waiter that died lasts no longer than its place in the queue."""
+    token = "f" * 32
+    with queued_behind_a_holder(redis_server, token) as (_, second, holder, backend, _):
         holder.release()
-        handed = second.inspect(name)
+        handed = second.inspect(holder.name)
         assert handed is not None and handed.fencing_token > (holder.fencing_token or 0)
         assert handed.expires_in is not None and handed.expires_in <= 2.0
-        backend.dequeue(name, token)
-        assert second.inspect(name) is None
+        backend.dequeue(holder.name, token)
+        assert second.inspect(holder.name) is None
 
 
 def test_a_lease_handed_to_a_dead_waiter_ends_when_its_place_would_have(
@@ -231,24 +244,14 @@ def test_a_lease_handed_to_a_dead_waiter_ends_when_its_place_would_have(
     """A waiter killed after its latest attempt, handed the lease just before its place
     would lapse: the lease must end with the place, not a place's length later, or a
     dead waiter would keep everyone out for up to twice queue_ttl."""
-    name = unique()
-    url = url_of(redis_server)
-    with dlock.connect(url) as first, dlock.connect(url + "?queue_ttl=2") as second:
-        holder = first.lock(name, ttl=30)
-        holder.acquire()
-        backend = second._backend
-        assert isinstance(backend, RedisBackend)
-        token = "d" * 32
-        backend.enqueue(name, token, "now")
-        sent = time.monotonic()
-        # Its latest attempt; then it dies, never to try again or leave.
-        assert not isinstance(backend.acquire(name, token, 30.0, Holder.current(), False), Acquired)
+    # Its latest attempt; then it dies, never to try again or leave.
+    with queued_behind_a_holder(redis_server, "d" * 32) as (first, second, holder, _, sent):
         time.sleep(1.5)
         holder.release()  # hands the lease over, the place 0.5 s from lapsing
-        handed = second.inspect(name)
+        handed = second.inspect(holder.name)
         assert handed is not None and handed.expires_in is not None
         assert handed.expires_in <= 2.0 - (time.monotonic() - sent) + 0.1, handed
-        nxt = first.lock(name, ttl=5)
+        nxt = first.lock(holder.name, ttl=5)
         assert nxt.acquire(timeout=5)
         assert time.monotonic() - sent < 2.0 + 0.5
         nxt.release()
