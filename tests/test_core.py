@@ -2383,3 +2383,47 @@ def test_a_reentry_finding_its_hold_gone_leaves_a_fresh_hold_taken_meanwhile(
             await lock.release()
 
     asyncio.run(async_face())
+
+
+def test_a_loss_the_renewer_found_leaves_a_fresh_hold_taken_before_it_was_declared(
+    tmp_path: Path,
+) -> None:
+    """The renewer finds the lease gone (force-released) and, before it declares the
+    loss, the holder's thread finds it too (its release says so, and tells it) and takes
+    a fresh hold. The renewer's declaration is about the hold that ended: the fresh one
+    was declared lost too (on_lost told again, renewal stopped, owned() false), though
+    the backend had granted it. Threads only: on the asyncio face nothing runs between
+    the renewer's look and its declaration."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=30, on_lost=(told := []).append) as (client, rival, lock):
+        real_declare = lock._declare_lost
+        reached, go_on, declared = threading.Event(), threading.Event(), threading.Event()
+
+        def held_up(*args: Any, **kwargs: Any) -> bool:
+            if threading.current_thread() is threading.main_thread():
+                return real_declare(*args, **kwargs)
+            reached.set()
+            assert go_on.wait(10)
+            try:
+                return real_declare(*args, **kwargs)
+            finally:
+                declared.set()
+
+        lock._declare_lost = held_up  # type: ignore[method-assign]
+        assert rival.force_release("job")
+        client._renewer.renew_now()
+        try:
+            assert reached.wait(5), "the renewer did not find the lease gone"
+            with pytest.raises(dlock.LockLost):
+                lock.release()
+            assert told == [lock]
+            assert lock.acquire(timeout=0)
+        finally:
+            go_on.set()
+        assert declared.wait(5)
+        assert told == [lock], "the fresh hold was declared lost"
+        assert lock.owned() and not lock.lost
+        assert lock in client._renewer._locks
+        info = rival.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()

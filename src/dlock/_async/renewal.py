@@ -144,10 +144,13 @@ class AsyncRenewer:
             self._check_unrenewed()
         due: list[tuple[AsyncLock, int]] = []
         for lock in tuple(self._locks):
+            # The generation first: a fresh hold sets its deadline before its generation.
+            generation = lock._generation
             if now >= lock._deadline:
-                lock._declare_lost("the lease ran out before it could be renewed", watchdog=True)
+                reason = "the lease ran out before it could be renewed"
+                lock._declare_lost(reason, watchdog=True, generation=generation)
             elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
-                due.append((lock, lock._generation))
+                due.append((lock, generation))
         if not due:
             return
         started = self._clock()
@@ -199,9 +202,8 @@ class AsyncRenewer:
             if ok:
                 lock._lease_renewed(started, lock.ttl, cap)
             else:
-                lock._declare_lost(
-                    "the backend no longer had the lease when renewing", watchdog=True
-                )
+                reason = "the backend no longer had the lease when renewing"
+                lock._declare_lost(reason, watchdog=True, generation=generation)
 
     def _check_unrenewed(self) -> None:
         """Tell the loss of held leases that are not renewed (``auto_renew=False``) and
@@ -212,8 +214,9 @@ class AsyncRenewer:
             if lock in self._locks or not lock._count or lock.lost:
                 continue
             generation = lock._generation
-            if self._backend.lease_lost(lock.name, lock._token) and lock._generation == generation:
-                lock._declare_lost("the backend reported the lease's session gone", watchdog=True)
+            if self._backend.lease_lost(lock.name, lock._token):
+                reason = "the backend reported the lease's session gone"
+                lock._declare_lost(reason, watchdog=True, generation=generation)
 
     def _declare_overdue(self) -> float | None:
         """While a renewal call is still blocked, tell the loss of each held lease at its
@@ -226,6 +229,7 @@ class AsyncRenewer:
             generation, deadline = lock._generation, lock._deadline
             if now < deadline:
                 pending.append(deadline - now)
-            elif lock in self._locks and lock._generation == generation:
-                lock._declare_lost("the lease ran out before it could be renewed", watchdog=True)
+            elif lock in self._locks:
+                reason = "the lease ran out before it could be renewed"
+                lock._declare_lost(reason, watchdog=True, generation=generation)
         return min(LONGEST_SLEEP, *pending) if pending else None

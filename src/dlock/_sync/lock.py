@@ -91,7 +91,8 @@ class Lock:
         #: Held while a loss is declared (see _declare_lost). Reentrant, so that on_lost
         #: may itself release the lock or leave its block.
         self._loss_lock = threading.RLock()
-        #: Bumped on every fresh acquisition, so a renewal answer for an earlier one is ignored.
+        #: Bumped on every fresh acquisition, so a renewal answer for an earlier one is
+        #: ignored. Changed with _lost under _sharing (see _declare_lost).
         self._generation = 0
         #: Local upper bound of the lease: measured from *before* the request was sent.
         self._deadline = 0.0
@@ -566,10 +567,7 @@ class Lock:
         # _take_new_token), each for the other. Only if the hold is still the one that
         # was re-entered: another user may have ended it and taken a fresh one since,
         # which is not lost. The caller is told all the same: its hold is.
-        reason = "the lease was gone when re-entering"
-        if generation == self._generation and not self._declare_lost(reason, told=True):
-            reason = self._lost_reason  # declared already, perhaps for another reason
-        raise LockLost(f"lock {self.name!r} was lost: {reason}")
+        raise self._lost_error("the lease was gone when re-entering", generation)
 
     def _attempt_starts(self) -> Any:
         """Count an attempt in flight, unless a give-back runs: that releases under this
@@ -674,15 +672,18 @@ class Lock:
         return None
 
     def _granted(self, result: Acquired, started: float) -> None:
+        # The deadline first: a watchdog that sees the new generation sees its deadline,
+        # not the ended hold's (which may have passed).
+        self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
         if self._count == 0:
-            self._generation += 1
-            self._lost = False
-            self._lost_reason = ""
+            with self._sharing:
+                self._generation += 1
+                self._lost = False
+                self._lost_reason = ""
             self._client._hold(self)
         self._note_entry()
         self._fencing_token = result.fencing_token
         self._count = result.count
-        self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
         if self.auto_renew:
             self._client._renewer.add(self)
         else:
@@ -759,7 +760,7 @@ class Lock:
             raise self._not_owner()
         if self.lost:
             raise self._give_up_lost(told=True)
-        last = self._count == 1
+        generation, last = self._generation, self._count == 1
         if last:
             # Renewal stops before the last release is sent: a renewal applied after it
             # would find the lease gone and tell a loss of a lock released cleanly.
@@ -772,9 +773,11 @@ class Lock:
             self._abandon()
             raise
         if remaining is None:
-            self._declare_lost("the lease had expired or been taken over before release", told=True)
-            self._forget()
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+            reason = "the lease had expired or been taken over before release"
+            error = self._lost_error(reason, generation)
+            if generation == self._generation:
+                self._forget()  # else forgotten already, by another user's release
+            raise error
         self._count = remaining
         if remaining == 0:
             if not last:
@@ -798,10 +801,9 @@ class Lock:
         self._check_forked()
         if not self._count:
             raise self._not_owner()
-        if self.lost:
-            self._declare_lost("the lease ran out before it could be extended", told=True)
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
         generation = self._generation
+        if self.lost:
+            raise self._lost_error("the lease ran out before it could be extended", generation)
         started = self._client._clock()
         write = self._write_started(started, seconds)
         cancels = cancel_requests()
@@ -820,8 +822,8 @@ class Lock:
             if not extended:
                 raise NotOwner(f"lock {self.name!r} was released while it was being extended")
         elif not extended:
-            self._declare_lost("the lease had expired or been taken over before extend", told=True)
-            raise LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+            reason = "the lease had expired or been taken over before extend"
+            raise self._lost_error(reason, generation)
         else:
             self._lease_renewed(started, seconds, cap)
             if self.auto_renew:
@@ -833,9 +835,20 @@ class Lock:
     def _lease(self) -> Lease:
         return Lease(self.name, self._token, self.ttl)
 
-    def _declare_lost(self, reason: str, told: bool = False, watchdog: bool = False) -> bool:
+    def _declare_lost(
+        self,
+        reason: str,
+        told: bool = False,
+        watchdog: bool = False,
+        generation: int | None = None,
+    ) -> bool:
         """Record the loss once and tell the holder: flag, callback, and task cancel.
         True if this call declared it, False if it was declared already.
+
+        ``generation``: the hold that the caller found lost. Another thread may have
+        ended it and taken a fresh hold since the caller looked: that one is not lost.
+        Checked under _sharing, under which _granted starts a hold, so no fresh hold can
+        slip in between the check and the flag.
 
         ``told``: the caller raises :class:`LockLost` into the running task, which is
         then not cancelled as well (a body re-entering, releasing or extending its own
@@ -849,10 +862,11 @@ class Lock:
         LockLost before its callback was told.
         """
         with self._loss_lock:
-            if self._lost:
-                return False
-            self._lost = True
-            self._lost_reason = reason
+            with self._sharing:
+                if self._lost or generation not in (None, self._generation):
+                    return False
+                self._lost = True
+                self._lost_reason = reason
             self._client._renewer.discard(self)
             logger.warning("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
@@ -876,6 +890,14 @@ class Lock:
                         self._cancelled.add(task)
                         cancel_task(task, f"dlock: lost lock {self.name!r}")
             return True
+
+    def _lost_error(self, reason: str, generation: int, told: bool = True) -> LockLost:
+        """Declare hold ``generation`` lost (see _declare_lost) and return the error that
+        tells its holder why: for the reason it was declared lost first, if it was."""
+        declared = self._declare_lost(reason, told, generation=generation)
+        if not declared and generation == self._generation and self._lost_reason:
+            reason = self._lost_reason
+        return LockLost(f"lock {self.name!r} was lost: {reason}")
 
     def _forget(self) -> None:
         self._count = 0
@@ -902,7 +924,7 @@ class Lock:
         by our clock alone never reached the backend, which may still keep state for it
         (SQL session mode: the connection holding the database's lock) and would answer
         this object's next acquire, and everyone else's, with busy."""
-        client, token = self._client, self._token
+        client, token, generation = self._client, self._token, self._generation
         mine = client._give_up(self, self._count, token)
         if mine:
             self._token_given_up = token
@@ -910,7 +932,8 @@ class Lock:
         try:
             # Its on_lost may close the client: close() then gives the lease back while
             # the backend is still open, and nothing is left for this give-up to send.
-            self._declare_lost("the lease ran out before it could be renewed", told)
+            reason = "the lease ran out before it could be renewed"
+            error = self._lost_error(reason, generation, told)
             if _WATCHDOG_TELLING.get():
                 # An on_lost run by the watchdog releases: the watchdog must not wait for
                 # the backend (it may be stuck behind the very renewal the watchdog gave
@@ -922,7 +945,7 @@ class Lock:
             if mine:
                 self._token_given_up = None
                 client._given_up(self)
-        return LockLost(f"lock {self.name!r} was lost: {self._lost_reason}")
+        return error
 
     def _give_back_lost(self, token: str) -> None:
         """Give back the lost hold that _give_up_lost forgot (under its owner ``token``),
