@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -126,9 +127,10 @@ def test_conflict_exit_code_and_wait(db: str, name: str) -> None:
         assert result.returncode == 1
         assert "held by someone else" in result.stderr and "blocker" in result.stderr
         assert dlock_cmd(db, "run", "-n", "-E", "42", name, "--", "true").returncode == 42
-        start = time.monotonic()
-        assert dlock_cmd(db, "run", "-w", "0.5", name, "--", "true").returncode == 1
-        assert 0.5 <= time.monotonic() - start < 5
+        for wait in ("-w", "--timeout"):  # --timeout: flock's name, which users type
+            start = time.monotonic()
+            assert dlock_cmd(db, "run", wait, "0.5", name, "--", "true").returncode == 1
+            assert 0.5 <= time.monotonic() - start < 5
 
 
 def announced_wait(process: subprocess.Popen[str]) -> str:
@@ -940,6 +942,18 @@ def test_help(command: list[str]) -> None:
     if command == ["run"]:  # every exit status the README gives
         for status in ("75", "69", "76", "128+N"):
             assert status in result.stdout, status
+
+
+def test_help_names_the_default_file(tmp_path: Path) -> None:
+    """The file that --url's absence means, as it is for this user: ~/.local/state is
+    not it when $XDG_STATE_HOME is set. A path that quoting fills with % (which
+    argparse's help formats) is shown too, not a traceback."""
+    state = tmp_path / "state 100%"
+    env = {**os.environ, "XDG_STATE_HOME": str(state)}
+    result = subprocess.run([DLOCK, "run", "--help"], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    shown = "".join(result.stdout.split())  # argparse wraps it, even inside the path
+    assert "sqlite://" + quote(f"{state}/dlock/locks.sqlite3") in shown
 
 
 def test_url_before_or_after_the_command(db: str, name: str) -> None:

@@ -2395,7 +2395,8 @@ def test_a_loss_the_renewer_found_leaves_a_fresh_hold_taken_before_it_was_declar
     the backend had granted it. Threads only: on the asyncio face nothing runs between
     the renewer's look and its declaration."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
-    with _held(url, "job", ttl=30, on_lost=(told := []).append) as (client, rival, lock):
+    told: list[object] = []
+    with _held(url, "job", ttl=30, on_lost=told.append) as (client, rival, lock):
         real_declare = lock._declare_lost
         reached, go_on, declared = threading.Event(), threading.Event(), threading.Event()
 

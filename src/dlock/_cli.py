@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from . import __version__
 from ._errors import BackendError, BackendUnavailable, LockError, LockLost
 from ._job import Interrupted, Job, forwarding_signals
+from ._registry import default_sqlite_url
 from ._sync.client import DEFAULT_TTL, Client, connect
 from ._sync.lock import Lock
 from ._types import LockInfo
@@ -118,7 +119,9 @@ def exit_status(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    url_help = "backend URL (default: $DLOCK_URL, else a SQLite file in ~/.local/state/dlock)"
+    # argparse formats help with %: a quoted path's own % must be doubled.
+    fallback = default_sqlite_url().replace("%", "%%")
+    url_help = f"backend URL (default: $DLOCK_URL, else {fallback})"
     # --url is accepted before and after the command; SUPPRESS keeps the subcommand's
     # absent --url from overwriting one given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -153,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--ttl", type=float, default=DEFAULT_TTL, help="lease in seconds (%(default)s)"
     )
     wait = run.add_mutually_exclusive_group()
-    wait.add_argument("-w", "--wait", type=float, metavar="SECONDS", help="wait at most this long")
+    # --timeout: flock(1)'s name for the same option.
+    wait.add_argument(
+        "-w", "--wait", "--timeout", type=float, metavar="SECONDS", help="wait at most this long"
+    )
     wait.add_argument("-n", "--nonblock", action="store_true", help="fail at once if held")
     run.add_argument(
         "-E",

@@ -40,8 +40,11 @@ BACKENDS: dict[str, Entry] = {scheme: entry for entry in ENTRIES for scheme in e
 
 def default_url() -> str:
     """``$DLOCK_URL``, else a SQLite file in the user's state directory."""
-    if url := os.environ.get("DLOCK_URL"):
-        return url
+    return os.environ.get("DLOCK_URL") or default_sqlite_url()
+
+
+def default_sqlite_url() -> str:
+    """The embedded default: a SQLite file in the user's state directory."""
     state = os.environ.get("XDG_STATE_HOME", "")
     if not os.path.isabs(state):
         # The XDG spec says to ignore a relative path: it would make the file, and so
