@@ -755,3 +755,32 @@ def test_a_child_forked_without_hooks_refuses_sqlite_whichever_face_had_it_open(
                 assert unused.lock("job", ttl=5).acquire(timeout=0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_lock_file_deleted_or_replaced_while_held_is_a_loss(tmp_path: Path, how: str) -> None:
+    """The file at the path is the one every process that opens it now uses. A holder
+    whose connection stayed on the file deleted (a clean-up) or replaced (``mv``) went
+    on renewing there, unseen by anyone, while another process took the lock in the
+    new file: two holders, each told it held the lock for as long as it liked."""
+    path = tmp_path / "locks.db"
+    url = f"sqlite://{path}"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        held = first.lock("x", ttl=30, auto_renew=False)
+        assert held.acquire(timeout=0)
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        if how == "replaced":
+            fresh = tmp_path / "fresh.db"
+            with dlock.connect(f"sqlite://{fresh}") as maker:
+                maker.inspect("x")  # creates the file and its table
+            sqlite3.connect(fresh).close()  # the last close folds the WAL into the file
+            fresh.replace(path)
+        other = second.lock("x", ttl=30)
+        assert other.acquire(timeout=0), "the file now at the path is free"
+        with pytest.raises(dlock.LockLost):
+            held.extend()
+        assert not held.owned()
+        # The first client's acquires go to the new file too, where the lock is taken.
+        assert first.lock("x", ttl=30).acquire(timeout=0) is False
+        other.release()

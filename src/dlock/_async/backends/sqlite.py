@@ -160,6 +160,8 @@ class AsyncSQLiteBackend(AsyncBackend):
         self._synchronous = synchronous
         self._busy_timeout = seconds(busy_timeout, "busy_timeout")
         self._connection: sqlite3.Connection | None = None
+        #: The (device, inode) of the file the connection has open (see _same_file).
+        self._file: tuple[int, int] | None = None
         # One connection shared by the caller's thread and the renewer's, one at a time;
         # and the thread using it (see dlock._sqlite_fork).
         self._mutex = threading.Lock()
@@ -231,6 +233,34 @@ class AsyncSQLiteBackend(AsyncBackend):
             raise BackendError(message) from exc
         return conn
 
+    def _identity(self) -> tuple[int, int] | None:
+        """The (device, inode) of the file now at the path, or None if there is none."""
+        try:
+            status = os.stat(self._path)
+        except OSError:
+            return None
+        return status.st_dev, status.st_ino
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect to the file at the path, and note which file that is. A file replaced
+        while it was being opened is opened again (once): the connection may be to the
+        old one."""
+        before = self._identity()
+        conn = self._connect()
+        self._file = self._identity()
+        if before is not None and before != self._file:
+            conn.close()
+            conn = self._connect()
+            self._file = self._identity()
+        return conn
+
+    def _same_file(self) -> bool:
+        """Whether the path still names the file the connection has open. One deleted
+        (a clean-up) or replaced (``mv``) while in use is a file no process that opens
+        the path sees: leases taken and renewed there exclude nobody. A stat per
+        transaction, against an fsync per commit."""
+        return self._file is not None and self._identity() == self._file
+
     def _use_wal(self, conn: sqlite3.Connection) -> None:
         """Switch the file to WAL (kept in the file: the first opener does it).
 
@@ -261,8 +291,13 @@ class AsyncSQLiteBackend(AsyncBackend):
         """Run statements in one transaction; each one's rows and changed-row count."""
         _sqlite_fork.check_process()
         with self._using():
+            if self._connection is not None and not self._same_file():
+                # Closing skips the checkpoint and the WAL's deletion: SQLite sees the
+                # file has moved, and the WAL at the path is the new file's.
+                self._connection.close()
+                self._connection = None
             if self._connection is None:
-                self._connection = self._connect()
+                self._connection = self._open()
             conn = self._connection
             try:
                 if len(steps) == 1:
