@@ -784,3 +784,26 @@ def test_a_lock_file_deleted_or_replaced_while_held_is_a_loss(tmp_path: Path, ho
         # The first client's acquires go to the new file too, where the lock is taken.
         assert first.lock("x", ttl=30).acquire(timeout=0) is False
         other.release()
+
+
+@FORKS
+def test_a_relative_path_names_the_file_of_the_directory_the_client_was_made_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sqlite:locks.db`` was opened against the working directory of each open: a
+    process that changed directory (a daemon's ``chdir("/")``) and then forked reopened,
+    parent and child, another file than the one its holds were in. The child took a
+    lock the parent held, and the parent's renewal found its lease gone."""
+    first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    first.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(first)
+    with dlock.connect("sqlite:locks.db") as client:
+        held = client.lock("x", ttl=30, auto_renew=False)
+        assert held.acquire(timeout=0)
+        monkeypatch.chdir(elsewhere)
+        answer = answer_in_a_child(lambda: str(client.lock("x", ttl=30).acquire(timeout=0)))
+        assert answer == "False", "the child took the lock its parent holds"
+        held.extend()
+        held.release()
+    assert not (elsewhere / "locks.db").exists()

@@ -153,7 +153,9 @@ class AsyncSQLiteBackend(AsyncBackend):
         busy_timeout: float = 10.0,
         synchronous: str = "full",
     ) -> None:
-        self._path = path
+        # Resolved now: every open (after a fork, or of a replaced file) must find the
+        # file the first one did, whatever directory the process has moved to since.
+        self._path = os.path.abspath(path)
         self._table = check_identifier(table, "table")
         if synchronous not in SYNCHRONOUS_MODES:
             raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
