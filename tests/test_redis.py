@@ -1463,3 +1463,25 @@ def test_a_given_cluster_client_never_runs_a_script_twice() -> None:
     finally:
         given.close()
         stop_every(cluster.nodes, RedisServer.remove)
+
+
+def test_a_redlock_force_release_that_reaches_a_minority_is_unavailable(
+    own_masters: list[RedisServer],
+) -> None:
+    """A force release that only one master answered freed the lease there and said
+    True, "it was held and is free": the two silent masters still held it, so once
+    they answer again its holder holds the lock, and nobody else can take it."""
+    url = make_redlock_url(own_masters)
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        held = client.lock(unique(), ttl=30, auto_renew=False)
+        assert held.acquire(timeout=0)
+        for master in own_masters[1:]:
+            master.pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable, match="masters"):
+                other.force_release(held.name)
+        finally:
+            for master in own_masters[1:]:
+                master.resume()
+        assert not other.lock(held.name, ttl=30).acquire(timeout=0), "still held on two"
+        held.release()
