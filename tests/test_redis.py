@@ -1485,3 +1485,17 @@ def test_a_redlock_force_release_that_reaches_a_minority_is_unavailable(
                 master.resume()
         assert not other.lock(held.name, ttl=30).acquire(timeout=0), "still held on two"
         held.release()
+
+
+def test_a_redlock_ttl_within_the_drift_allowance_is_refused(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """A TTL no longer than the clock drift allowance (1% + 2 ms) leaves no validity
+    whatever the masters answer: every grant was given back as too late, so acquiring
+    a free lock said "busy", and a blocking acquire waited for ever."""
+    with dlock.connect(make_redlock_url(redlock_servers)) as client:
+        lock = client.lock(unique(), ttl=0.002)
+        with pytest.raises(dlock.InvalidTTL, match="drift"):
+            lock.acquire(timeout=0.5)
+        assert client.inspect(lock.name) is None
+        assert client.lock(lock.name, ttl=0.05).acquire(timeout=0.5)

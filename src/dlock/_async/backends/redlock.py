@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..backend import AsyncBackend, AsyncWaiter
 from .redis import AsyncRedisBackend
@@ -130,6 +130,12 @@ class AsyncRedlockBackend(AsyncBackend):
     async def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        if ttl <= _drift(ttl):
+            # No grant could be valid: refused, not answered "busy" for ever.
+            raise InvalidTTL(
+                f"ttl is {ttl!r} seconds; Redlock subtracts a clock drift allowance of "
+                f"{_drift(ttl) * 1000:g} ms from it, so no lease could ever be valid"
+            )
         started = time.monotonic()
         results = await self._each(
             lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)

@@ -17,7 +17,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..backend import Backend, Waiter
 from .redis import RedisBackend
@@ -129,6 +129,12 @@ class RedlockBackend(Backend):
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        if ttl <= _drift(ttl):
+            # No grant could be valid: refused, not answered "busy" for ever.
+            raise InvalidTTL(
+                f"ttl is {ttl!r} seconds; Redlock subtracts a clock drift allowance of "
+                f"{_drift(ttl) * 1000:g} ms from it, so no lease could ever be valid"
+            )
         started = time.monotonic()
         results = self._each(
             lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)
