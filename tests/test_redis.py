@@ -1233,7 +1233,8 @@ def test_a_redlock_waiter_giving_back_a_minority_grant_does_not_wake_itself(
     the majority refuses them; the give-back there must not wake the waiter (it keeps its
     place meanwhile, and listens on master 0), or it retries at once, in a loop."""
     url = make_redlock_url(own_masters)
-    first = redis.Redis(port=own_masters[0].port)
+    # "Master 0": the one waiters listen to, the first by address.
+    first = redis.Redis(port=min(master.port for master in own_masters))
     with dlock.connect(url) as client, dlock.connect(url) as other:
         holder = client.lock(unique(), ttl=30)
         assert holder.acquire(timeout=0)
@@ -1499,3 +1500,43 @@ def test_a_redlock_ttl_within_the_drift_allowance_is_refused(
             lock.acquire(timeout=0.5)
         assert client.inspect(lock.name) is None
         assert client.lock(lock.name, ttl=0.05).acquire(timeout=0.5)
+
+
+def test_a_redlock_waiter_is_woken_whatever_order_its_client_names_the_masters_in(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """A release frees the master that waiters listen to last, so that a woken waiter
+    finds every master free. Each client took the first master of its own URL for it:
+    a waiter whose URL names the masters in another order than the holder's was woken
+    while the others still held the lease, gave a minority grant back, and waited for
+    the fallback timer (2 s) with the lock free."""
+    forward = make_redlock_url(redlock_servers)
+    backward = make_redlock_url(redlock_servers[1:] + redlock_servers[:1])
+    with dlock.connect(forward) as first, dlock.connect(backward) as second:
+        backend, listening = first._backend, second._backend
+        assert isinstance(backend, RedlockBackend) and isinstance(listening, RedlockBackend)
+        others = [m for m in backend._masters if m.server() != listening._masters[0].server()]
+        for master in others:
+            # The holder's release reaches these a moment after the master the second
+            # client's waiters listen to, if it frees that one first.
+            def late(name: str, token: str, release: Any = master.release) -> Any:
+                time.sleep(0.2)
+                return release(name, token)
+
+            master.release = late  # type: ignore[method-assign]
+        for _ in range(3):
+            holder = first.lock(unique(), ttl=30)
+            assert holder.acquire(timeout=0)
+            waiter = second.lock(holder.name, ttl=30)
+            acquired = acquire_in_thread(waiter, timeout=5)
+            with redis.Redis(port=redlock_servers[0].port) as admin:
+                deadline = time.monotonic() + 5
+                while not admin.exists(Keys(b"dlock", holder.name).queue):
+                    assert time.monotonic() < deadline, "the waiter did not queue"
+                    time.sleep(0.01)
+            time.sleep(0.1)  # subscribed, after its first wait began
+            released = time.monotonic()
+            holder.release()
+            assert acquired() is True
+            assert time.monotonic() - released < 1.2, "woken too early: the fallback timer"
+            waiter.release()

@@ -33,11 +33,25 @@ def _drift(ttl: float) -> float:
 MASTER_TIMEOUT = 0.5
 
 
+def _client_address(client: Any) -> tuple[str, int, str]:
+    """Where a given client connects: (host, port, unix socket path)."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None) or {}
+    return (
+        str(kwargs.get("host", "")).lower(),
+        int(kwargs.get("port", 0)),
+        str(kwargs.get("path", "")),
+    )
+
+
 class AsyncRedlockBackend(AsyncBackend):
     #: As for one server: a blocking acquire's first attempt joins every master's queue.
     queues_waiters = True
 
     def __init__(self, masters: Sequence[AsyncRedisBackend]) -> None:
+        """``masters[0]`` is the one waiters listen to, and releases free it last: every
+        client must take the same one (``from_url`` sorts them by address), or a waiter
+        listening elsewhere is woken while the lease is still held on the others."""
         if len(masters) < 3 or len(masters) % 2 == 0:
             raise ConfigurationError("Redlock needs an odd number (3 or more) of masters")
         self._masters = list(masters)
@@ -75,7 +89,10 @@ class AsyncRedlockBackend(AsyncBackend):
             # Each master checks that the query holds nothing its client would ignore.
             bare = urlunsplit((scheme, "", "", parts.query, ""))
             return cls(
-                [AsyncRedisBackend.from_url(bare, {**options, "client": c}) for c in clients]
+                [
+                    AsyncRedisBackend.from_url(bare, {**options, "client": c})
+                    for c in sorted(clients, key=_client_address)
+                ]
             )
         # A short default per master, unless the URL's query or a keyword sets one.
         given = {key for key, _ in parse_qsl(parts.query)} | set(options)
@@ -100,7 +117,7 @@ class AsyncRedlockBackend(AsyncBackend):
                 host, port = master.server() or ("?", 0)
                 raise ConfigurationError(f"Redlock names master {host}:{port} more than once")
             seen.add(master.server())
-        return cls(masters)
+        return cls(sorted(masters, key=lambda master: master.server() or ("", 0)))
 
     async def _each(self, call: Any, waking_last: bool = False) -> list[Any]:
         """Run ``call(master)`` on every master; a failure becomes the exception itself.
