@@ -1540,3 +1540,29 @@ def test_a_redlock_waiter_is_woken_whatever_order_its_client_names_the_masters_i
             assert acquired() is True
             assert time.monotonic() - released < 1.2, "woken too early: the fallback timer"
             waiter.release()
+
+
+def test_a_redlock_inspect_that_silent_masters_would_decide_is_unavailable(
+    own_masters: list[RedisServer],
+) -> None:
+    """One master lost the lease (restarted, say) and another is silent: the answers,
+    one held and one free, said "free", while the silent master still held the lease
+    with the first: a majority, and nobody else could take the lock."""
+    url = make_redlock_url(own_masters)
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        held = client.lock(unique(), ttl=30, auto_renew=False)
+        assert held.acquire(timeout=0)
+        with redis.Redis(port=own_masters[0].port) as forgetful:
+            forgetful.delete(Keys(b"dlock", held.name).lease)
+        own_masters[1].pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable, match="masters"):
+                other.inspect(held.name)
+            with pytest.raises(dlock.BackendUnavailable, match="masters"):
+                other.list(held.name)
+        finally:
+            own_masters[1].resume()
+        assert not other.lock(held.name, ttl=30).acquire(timeout=0), "held on two of three"
+        info = other.inspect(held.name)
+        assert info is not None and info.fencing_token == held.fencing_token
+        held.release()

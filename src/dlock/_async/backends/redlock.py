@@ -327,11 +327,28 @@ class AsyncRedlockBackend(AsyncBackend):
                 )
         return None
 
+    def _decided(self, infos: list[LockInfo], results: list[Any], what: str) -> LockInfo | None:
+        """The holder a majority agrees on, or None: free. Unless the masters that did
+        not answer could still make a majority with those that hold one lease: then
+        whether the name is held is theirs to say, and not knowing is an error."""
+        agreed = self._agreed(infos)
+        if agreed is None and infos:
+            silent = sum(isinstance(r, BackendError) for r in results)
+            tokens = [info.fencing_token for info in infos]
+            if max(tokens.count(token) for token in tokens) + silent >= self._quorum:
+                error = next(r for r in results if isinstance(r, BackendError))
+                raise BackendUnavailable(
+                    f"Redlock {what}: the masters that answered do not agree on "
+                    f"{infos[0].name!r}, and the {silent} that did not would decide; "
+                    f"first error: {error}"
+                )
+        return agreed
+
     async def inspect(self, name: str) -> LockInfo | None:
         results = await self._each(lambda m: m.inspect(name))
         if len(results) - sum(isinstance(r, BackendError) for r in results) < self._quorum:
             raise self._no_quorum(results, "inspect")
-        return self._agreed([r for r in results if isinstance(r, LockInfo)])
+        return self._decided([r for r in results if isinstance(r, LockInfo)], results, "inspect")
 
     async def list(self, prefix: str) -> list[LockInfo]:
         results = await self._each(lambda m: m.list(prefix))
@@ -342,8 +359,8 @@ class AsyncRedlockBackend(AsyncBackend):
         for infos in answered:
             for info in infos:
                 by_name.setdefault(info.name, []).append(info)
-        agreed = (self._agreed(infos) for _, infos in sorted(by_name.items()))
-        return [info for info in agreed if info is not None]
+        decided = (self._decided(infos, results, "list") for _, infos in sorted(by_name.items()))
+        return [info for info in decided if info is not None]
 
     async def prune(self, older_than: float, limit: int) -> int:
         """Nothing to delete: a name's keys expire by themselves, its fencing counter a
