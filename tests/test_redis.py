@@ -1566,3 +1566,25 @@ def test_a_redlock_inspect_that_silent_masters_would_decide_is_unavailable(
         info = other.inspect(held.name)
         assert info is not None and info.fencing_token == held.fencing_token
         held.release()
+
+
+def test_a_slow_redlock_renewal_loses_only_the_leases_it_outlasted(
+    own_masters: list[RedisServer],
+) -> None:
+    """A renewal round slower than the shortest lease in the batch (a silent master
+    costs its 0.5 s timeout) reported every lease in it lost, the long ones too, which
+    each master had just renewed for far longer than the round took."""
+    name, short, holder = unique(), unique(), Holder.current()
+    backend = RedlockBackend.from_url(make_redlock_url(own_masters), {})
+    try:
+        for each in (name, short):
+            assert isinstance(backend.acquire(each, each, 30, holder, False), Acquired)
+        own_masters[2].pause()
+        try:
+            renewed = backend.extend_many([Lease(short, short, 0.3), Lease(name, name, 30)])
+        finally:
+            own_masters[2].resume()
+        assert renewed == [False, True]
+        assert backend.release(name, name) == 0
+    finally:
+        backend.close()

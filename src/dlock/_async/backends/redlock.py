@@ -292,9 +292,13 @@ class AsyncRedlockBackend(AsyncBackend):
         answered = [r for r in results if not isinstance(r, BackendError)]
         if len(answered) < self._quorum:
             raise self._no_quorum(results, "extend")
-        if time.monotonic() - started >= min((x.ttl for x in leases), default=0.0):
-            return [False] * len(leases)
-        return [sum(votes) >= self._quorum for votes in zip(*answered, strict=True)]
+        # A lease the round outlasted may have ended on the first masters before the
+        # last voted; the others were renewed for longer than the round took.
+        elapsed = time.monotonic() - started
+        return [
+            sum(votes) >= self._quorum and elapsed < lease.ttl
+            for lease, votes in zip(leases, zip(*answered, strict=True), strict=True)
+        ]
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
