@@ -2235,3 +2235,81 @@ def test_the_next_acquire_waits_for_the_give_back_of_a_cut_off_one(
         assert info.fencing_token == lock.fencing_token
         assert waited, "the acquire did not wait for the give-back"
         lock.release()
+
+
+def test_an_eviction_spares_a_holder_whose_renewal_commits_meanwhile(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A session-mode waiter that finds the holder's lease run out ends the holder's
+    session. A renewal that found the lease live, but commits only after the eviction
+    began, must either keep the holder's session or fail: told "renewed" with its
+    session ended, the holder goes on while the waiter takes the lock.
+
+    A row trigger holds the renewal's transaction open after its condition held (the
+    only statement that sets ``expires`` alone), until the lease has run out by the
+    server's clock and the eviction has started."""
+    server = postgresql_server
+    table = f"evict_{uuid.uuid4().hex[:12]}"
+    trap = advisory_key("test", table)
+    url = server.url(f"mode=session&table={table}")
+    run = admin(server)
+    with dlock.connect(url) as holder_client, dlock.connect(url) as waiter_client:
+        holder = holder_client.lock(name, ttl=2, auto_renew=False)
+        assert holder.acquire(timeout=0)
+        run(
+            f"""CREATE FUNCTION {table}_trap() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF current_query() LIKE '%SET expires =%' THEN
+                    PERFORM pg_advisory_lock({trap});
+                    PERFORM pg_advisory_unlock({trap});
+                END IF;
+                RETURN NEW;
+            END $$""",
+            (),
+        )
+        run(
+            f"CREATE TRIGGER trap BEFORE UPDATE ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION {table}_trap()",
+            (),
+        )
+        jailer = server.connect()
+        jailer.execute("SELECT pg_advisory_lock(%s)", (trap,))
+        renewed: list[object] = []
+
+        def renew() -> None:
+            try:
+                holder.extend(ttl=30)  # the lease is live as this starts
+                renewed.append(True)
+            except dlock.LockError as exc:
+                renewed.append(exc)
+
+        waiter = waiter_client.lock(name, ttl=30, auto_renew=False)
+        first: list[bool] = []
+        renewal = threading.Thread(target=renew)
+        eviction = threading.Thread(target=lambda: first.append(waiter.acquire(timeout=0)))
+        try:
+            renewal.start()
+            deadline = time.monotonic() + 10
+            while not _advisory_lock_sessions(server, trap, granted=False):
+                assert time.monotonic() < deadline, "the renewal never ran"
+                time.sleep(0.01)
+            # The holder's lease runs out by the server's clock, its renewal still open.
+            while run(f"SELECT 1 FROM {table} WHERE expires > date_part('epoch', now())", ()):
+                assert time.monotonic() < deadline, "the lease never ran out"
+                time.sleep(0.05)
+            eviction.start()
+            time.sleep(0.5)  # the eviction has begun (or is over)
+        finally:
+            jailer.execute("SELECT pg_advisory_unlock(%s)", (trap,))
+            renewal.join(10)
+            eviction.join(10)
+            jailer.close()
+        assert first == [False], "the waiter took a lock whose holder was renewing"
+        run(f"DROP TRIGGER trap ON {table}", ())
+        if renewed == [True]:
+            # Renewed: the holder's session and its lock must be intact.
+            assert not waiter.acquire(timeout=0), "two holders: the renewed one was evicted"
+            holder.extend()
+            holder.release()
+        else:
+            assert len(renewed) == 1 and isinstance(renewed[0], dlock.LockLost)

@@ -631,12 +631,23 @@ def postgresql_statements(table: str) -> dict[str, str]:
         "session_extend_many": _pg_extend_many(table, f"AND {held}"),
         # A holder whose lease ran out (paused, partitioned) still holds the advisory lock:
         # only ending its session frees it, and only while the lease is still expired.
+        # The row is locked first, as by ``session_force_release``: a plain read saw the
+        # row as of the statement's start, so a renewal that had found the lease live
+        # but committed after that start was not seen, and its holder's session was
+        # ended while it was told "renewed". Locking waits for such a renewal and checks
+        # the expiry again on the row it left. The row is cleared too, so that a renewal
+        # that had checked but not yet written fails its owner check on the new row.
         "session_evict": f"""
-            SELECT 1 FROM {table}
-            WHERE name = %(name)s
-            -- CASE fixes the order: only a session that holds the lock is ended.
-              AND CASE WHEN expires <= {now} AND {held}
-                       THEN pg_terminate_backend(session::int) ELSE false END""",
+            WITH target AS (
+                SELECT session, lock_key FROM {table}
+                WHERE name = %(name)s AND expires <= {now} FOR UPDATE),
+            ended AS (
+                -- CASE fixes the order: only a session that holds the lock is ended.
+                SELECT CASE WHEN {held_by("target")}
+                            THEN pg_terminate_backend(target.session::int) ELSE false END AS ok
+                FROM target)
+            UPDATE {table} SET owner = NULL, count = 0, holder = NULL
+            FROM ended WHERE name = %(name)s AND ended.ok""",
         "session_inspect": f"""SELECT {columns} FROM {table}
             WHERE name = %(name)s AND {d.live()} AND {held}""",
         # Whether the lock is still the owner's (a release that cannot run the unlock).
