@@ -1767,9 +1767,9 @@ def test_a_lease_run_out_while_keeping_the_turnstile_is_passed_on(
         assert _turnstile_held(server, name), "the quiet holder never noticed"
 
 
-@pytest.mark.parametrize("kept_before", [False, True], ids=["first-wait", "kept-before"])
+@pytest.mark.parametrize("before", ["first-wait", "kept-before", "lost-before"])
 def test_newcomers_do_not_pass_the_waiter_in_front(
-    mariadb_server: SQLServer, name: str, kept_before: bool
+    mariadb_server: SQLServer, name: str, before: str
 ) -> None:
     """MySQL cannot notify a release, so the lease waiter in front of the queue polls a
     lease whose holder did not queue, backing off. A release between its polls is still
@@ -1779,6 +1779,11 @@ def test_newcomers_do_not_pass_the_waiter_in_front(
     ``kept-before``: the waiter's connection once kept the turnstile for a lease of its
     own; its release must have cleared it as the name's keeper (whose turnstile lets
     anyone in), or the same connection, queueing again, would let newcomers pass it.
+
+    ``lost-before``: the waiter's client once kept the turnstile for a lease that ran out
+    before its release. The row goes on naming that connection as its keeper (a lease
+    run out is anyone's to take, and no statement of ours may write the row then), so
+    the connection must not queue again.
     """
     url = mariadb_server.url()
     with (
@@ -1787,9 +1792,15 @@ def test_newcomers_do_not_pass_the_waiter_in_front(
         dlock.connect(url) as newcomer_client,
     ):
         waiter = waiter_client.lock(name, ttl=30)
-        if kept_before:
+        if before == "kept-before":
             _take_through_the_turnstile(url, name, waiter)
             waiter.release()
+        elif before == "lost-before":
+            lost = waiter_client.lock(name, ttl=1, auto_renew=False)
+            _take_through_the_turnstile(url, name, lost)
+            time.sleep(1.2)
+            with pytest.raises(dlock.LockLost):
+                lost.release()
         holder = holder_client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)  # the plain path: no turnstile kept
         token = holder.fencing_token

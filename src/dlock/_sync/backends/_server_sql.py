@@ -1334,8 +1334,12 @@ class ServerSQLBackend(Backend):
             raise
         count = result.rows[0][0] if result.rows else None
         if count is None:
-            # Not ours any more (expired, taken over): leave the turnstile all the same.
-            self._leave_turnstile(gate.conn)
+            # Not ours any more (expired, taken over): the turnstile is left all the same,
+            # and the connection closed, not kept for waiting. On MariaDB/MySQL the row
+            # still names its session as the keeper (only our release clears that), so
+            # that anyone may take a lease run out behind it; queueing again, in front
+            # of the queue, that session would let newcomers pass it.
+            self._drop(gate.conn)
             return None
         if count:
             self._gates[token] = gate
