@@ -197,6 +197,42 @@ def test_session_waiter_through_the_pool(pool: Pool, name: str) -> None:
                 assert not autocommit(first) and not autocommit(second)
 
 
+@pytest.mark.parametrize(
+    "pool", [("mariadb", "sqlalchemy")], indirect=True, ids=["mariadb-sqlalchemy"]
+)
+def test_a_parked_session_lock_cut_off_twice_is_freed(pool: Pool, name: str) -> None:
+    """A MySQL connection without multi-statements parks the lock its wait obtained for
+    the core's next attempt. An interrupt before that attempt leaves the wait, which
+    unlocks the parked lock; a second interrupt during that unlock left the connection
+    neither closed nor given back, the lock held on it: nobody could take the name.
+    The connection is closed now, which frees the lock."""
+    with dlock.connect(pool.server.url("mode=session")) as other:
+        held = other.lock(name, ttl=30)
+        assert held.acquire(timeout=0)
+        with dlock.connect(url(pool, "mode=session"), client=pool.client) as client:
+            backend: Any = client._backend
+            real_wait, real_run = backend._session_wait, backend._run
+
+            def interrupted_after_the_wait(waiter: Any, timeout: float) -> Any:
+                real_wait(waiter, timeout)
+                if backend._parked:
+                    raise KeyboardInterrupt  # Ctrl-C before the next attempt
+                return None
+
+            def interrupted_unlock(conn: Any, sql: str, params: Any, wait: float = 0) -> Any:
+                if sql == backend._sql["session_unlock"]:
+                    raise KeyboardInterrupt  # and again as the wait is left
+                return real_run(conn, sql, params, wait)
+
+            backend._session_wait = interrupted_after_the_wait
+            backend._run = interrupted_unlock
+            threading.Timer(0.3, held.release).start()
+            with pytest.raises(KeyboardInterrupt):
+                client.lock(name, ttl=30).acquire(timeout=10)
+            assert not backend._parked
+            assert other.lock(name, ttl=30).acquire(timeout=5), "the parked lock was kept"
+
+
 def test_lease_waiter_gives_its_connection_back(pool: Pool, name: str) -> None:
     """A lease waiter's connection (its place in the queue; PostgreSQL: LISTEN) is out of
     the pool while it waits and, taken in front of the queue, while the lease is held;

@@ -1045,8 +1045,13 @@ class ServerSQLBackend(Backend):
             return
         try:
             self._run(parked.conn, self._sql["session_unlock"], {"key": parked.key})
-        except BackendError:
+        except BaseException as exc:
+            # Failed, or cut off by a second interrupt or cancellation: the lock may
+            # still be on the connection, which would go back to the pool holding it.
+            # Closing it frees the lock.
             self._drop(parked.conn)
+            if not isinstance(exc, BackendError):
+                raise
             return
         self._give(parked.conn)
 
