@@ -1316,3 +1316,61 @@ def test_the_grace_follows_the_session_timeout_the_server_granted(
             held.release()
     finally:
         server.stop()
+
+
+def expire_session(server: ZooKeeperEnsemble, backend: Any) -> None:
+    """Expire ``backend``'s session (another client joins it and closes it), and wait
+    until the backend has noticed and runs a new one."""
+    zk = backend._zk
+    old = backend._session_id
+    twin = KazooClient(hosts=server.hosts, client_id=zk.client_id)
+    twin.start()
+    twin.stop()
+    twin.close()
+    wait_until(lambda: backend._session_id not in (0, old) and zk.connected)
+
+
+def test_a_queue_listing_answered_before_the_session_expired_grants_nothing(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The listing that shows our node first was answered, then the session expired
+    (and the node with it) before the attempt acted on it: that listing is no grant.
+    Granting would leave this holder believing it holds while anyone takes the lock."""
+    name = f"expired-before-grant-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as first,
+        dlock.connect(zookeeper_server.url()) as second,
+    ):
+        backend: Any = first._backend
+        renewer: Any = first._renewer
+        with first.lock(f"{name}-before", ttl=60):
+            pass  # the renewer runs from now on
+        lock = first.lock(name, ttl=60)
+        call = backend._call
+        expired: list[bool] = []
+
+        def expire_after_the_listing(result: Any, timeout: float | None = None) -> Any:
+            value = call(result, timeout)
+            if (
+                not expired
+                and isinstance(value, list)
+                and any(child.startswith(f"{lock._token}-") for child in value)
+            ):
+                expired.append(True)
+                expire_session(zookeeper_server, backend)
+                # The renewer has heard of the loss already, before the grant.
+                wait_until(lambda: not renewer._urgent)
+            return value
+
+        backend._call = expire_after_the_listing
+        acquired = lock.acquire(timeout=5)
+        backend._call = call
+        assert expired
+        other = second.lock(name, ttl=60)
+        taken = other.acquire(timeout=0)
+        assert not (acquired and lock.owned() and taken), "two holders"
+        # Taken again in the new session, with a node of its own there.
+        assert acquired and lock.owned() and not taken
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()

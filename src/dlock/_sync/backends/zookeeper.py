@@ -1003,6 +1003,13 @@ class ZooKeeperBackend(Backend):
             node.contended = True
         position = children.index(child)
         if position == 0:
+            if not self._session_alive(node):
+                # The listing was answered, then the session ended (or may have) before
+                # we got to it: the node went with it, so this is no grant. Try again
+                # (in the new session; in a doubted one, the reply to a new create
+                # shows whether it lives).
+                self._give_up(key, node)
+                return None
             return self._granted(node, ttl)
         if not waiting:
             self._delete(zk, key, node)
