@@ -1374,3 +1374,40 @@ def test_a_queue_listing_answered_before_the_session_expired_grants_nothing(
         info = second.inspect(name)
         assert info is not None and info.fencing_token == lock.fencing_token
         lock.release()
+
+
+@pytest.mark.parametrize("auto_renew", [True, False])
+def test_a_session_that_expires_just_after_a_grant_is_told(
+    zookeeper_server: ZooKeeperEnsemble, auto_renew: bool
+) -> None:
+    """The backend granted the lock, then the session expired and the renewer heard
+    of it before the grant was counted as a held lock: the holder must still be told,
+    not in a third of the TTL (renewed) or never (not renewed)."""
+    name = f"expired-after-grant-{auto_renew}-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as first,
+        dlock.connect(zookeeper_server.url()) as second,
+    ):
+        backend: Any = first._backend
+        renewer: Any = first._renewer
+        with first.lock(f"{name}-before", ttl=60):
+            pass  # the renewer runs from now on
+        lock = first.lock(name, ttl=60, auto_renew=auto_renew)
+        acquire = backend.acquire
+
+        def expire_after_the_grant(*args: Any) -> Any:
+            result = acquire(*args)
+            expire_session(zookeeper_server, backend)
+            wait_until(lambda: not renewer._urgent)  # it found nothing held to tell
+            return result
+
+        backend.acquire = expire_after_the_grant
+        try:
+            assert lock.acquire(timeout=5)
+        finally:
+            backend.acquire = acquire
+        wait_until(lambda: lock.lost, 5)
+        assert not lock.owned()
+        other = second.lock(name, ttl=60)
+        assert other.acquire(timeout=5)
+        other.release()

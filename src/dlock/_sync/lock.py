@@ -688,6 +688,7 @@ class Lock:
             self._client._renewer.add(self)
         else:
             self._client._renewer.watch()
+        self._client._renewer.granted(started)
 
     def _note_entry(self) -> None:
         """Record in the running acquire call that it entered the current hold."""

@@ -61,6 +61,8 @@ class Renewer:
         self._follow_fork = ForkFollower(self._forget_parent)
         self._closed = False
         self._urgent = False
+        #: When the backend last called :meth:`renew_now` (the client's clock).
+        self._told_at = -math.inf
         #: When the loop will next wake by itself (inf: it is busy right now).
         #: A lock due no earlier needs no wake-up: waking a thread per acquire costs
         #: about as much as the acquire's own round trip on a small machine.
@@ -111,8 +113,16 @@ class Renewer:
 
     def renew_now(self) -> None:
         """Re-check every held lease at once. Safe from any thread (a backend's own)."""
+        self._told_at = self._clock()
         self._urgent = True
         self._wakeup.set()
+
+    def granted(self, started: float) -> None:
+        """A hold whose attempt was sent at ``started`` now counts as held. If the
+        backend told of losses since, the re-check it asked for may have run before
+        (a session that ended just after the grant) and missed this hold: ask again."""
+        if self._told_at >= started:
+            self.renew_now()
 
     def close(self) -> None:
         self._closed = True
