@@ -1411,3 +1411,32 @@ def test_a_session_that_expires_just_after_a_grant_is_told(
         other = second.lock(name, ttl=60)
         assert other.acquire(timeout=5)
         other.release()
+
+
+def test_a_create_whose_give_back_failed_too_does_not_block_the_lock(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The server stops answering as an attempt creates its node: the attempt fails, and
+    so does its give-back, which looks for that node by its owner token to delete it.
+    Once the server answers again, it creates the node all the same: nothing of ours
+    may then head the queue for as long as the session lives."""
+    name = f"create-never-given-back-{time.monotonic_ns()}"
+    url = zookeeper_server.url(session_timeout=20, operation_timeout=1)
+    with dlock.connect(url) as first, dlock.connect(zookeeper_server.url()) as second:
+        with first.lock(f"{name}-warm-up", ttl=60):
+            pass  # connected, and the root made
+        lock = first.lock(name, ttl=60)
+        server = zookeeper_server.nodes[0]
+        server.pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.acquire(timeout=0)
+            give_back: Any = lock._give_back
+            assert give_back is not None
+            give_back.join(10)  # it failed as well: the server still answers nothing
+            assert not give_back.is_alive()
+        finally:
+            server.resume()
+        other = second.lock(name, ttl=60)
+        assert other.acquire(timeout=10)
+        other.release()

@@ -389,6 +389,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
+        #: Those of them that their give-back could not look for (the server did not
+        #: answer): the reaper looks for them, and deletes them, once it answers again.
+        self._lost_creates: set[tuple[str, str]] = set()
         #: Paths we gave up but did not delete yet: the reaper deletes them.
         self._orphans: set[str] = set()
         #: The reaper should try deleting orphans (one was added, or a connection is back).
@@ -642,7 +645,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     self._end_session(self._session_id)
                     self._renew_now()
                 self._session_id = session
-            if self._orphans:
+            if self._orphans or self._lost_creates:
                 # Not _start_reaper: an asyncio reaper can only be started in its loop,
                 # and it runs already (orphans started it).
                 self._orphans_due = True
@@ -1180,11 +1183,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
             zk = await self._client()
             if node is None:
                 # An attempt interrupted mid-create: its node may exist all the same.
-                found = await self._find_own(zk, self._parent(name), token)
-                self._pending.discard(key)
-                if found is not None:
-                    with suppress(NoNodeError):
-                        await self._call(zk.delete_async(found[0]))
+                try:
+                    await self._drop_lost_create(zk, key)
+                except CLIENT_ERRORS:
+                    # The server may yet apply that create, once it answers again: a
+                    # node nobody knows of would then head the queue for as long as the
+                    # session lives. The reaper looks for it then.
+                    self._lost_creates.add(key)
+                    self._start_reaper(orphans=True)
+                    raise
                 return None
             if node.held and not node.gone and node.session == self._session_id:
                 # The connection is down or does not answer (a request timed out in
@@ -1363,11 +1370,34 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._follow_fork()
         return await self._extend_all(list(leases))
 
+    async def _drop_lost_create(self, zk: KazooClient, key: tuple[str, str]) -> None:
+        """Delete the node of a create whose reply was lost, if it went through."""
+        name, token = key
+        found = await self._find_own(zk, self._parent(name), token)
+        self._pending.discard(key)
+        self._lost_creates.discard(key)
+        if found is not None:
+            with suppress(NoNodeError):
+                await self._call(zk.delete_async(found[0]))
+
+    async def _delete_lost_creates(self, zk: KazooClient) -> None:
+        """Delete the nodes of lost creates whose give-back failed (see _release);
+        those that fail stay for the next try."""
+        for key in list(self._lost_creates):
+            async with self._stripe(key):
+                if key not in self._pending or key in self._nodes:
+                    # An attempt under that token looked for it meanwhile (and took it).
+                    self._lost_creates.discard(key)
+                    continue
+                with suppress(*CLIENT_ERRORS):
+                    await self._drop_lost_create(zk, key)
+
     async def _delete_orphans(self) -> None:
         """Delete given-up nodes (pipelined); those that fail stay for the next try."""
         zk = self._zk
         if zk is None or not self._connected.is_set():
             return  # the next CONNECTED wakes the reaper
+        await self._delete_lost_creates(zk)
         paths = list(self._orphans)
         for path, result in [(path, zk.delete_async(path)) for path in paths]:
             try:
@@ -1392,7 +1422,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 # The old wake-up event is bound to the old loop too.
                 self._reaper_wakeup = WakeupEvent()
                 self._reaper_next = float("inf")
-                self._orphans_due = self._orphans_due or bool(self._orphans)
+                self._orphans_due = self._orphans_due or bool(self._orphans or self._lost_creates)
                 self._reaper = spawn(self._reap, name="dlock-zookeeper-reaper")
             self._reaper_wakeup.set()
 
@@ -1431,7 +1461,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 (n.deadline for n in held if n.held and not n.gone), default=float("inf")
             )
             wait = deadline - time.monotonic()
-            if self._orphans:
+            if self._orphans or self._lost_creates:
                 # Some could not be deleted: try again after a while.
                 self._orphans_due = True
                 wait = min(wait, self._op_timeout)
@@ -1554,6 +1584,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
             try:
                 await self._call(result)
             except (NoNodeError, *CLIENT_ERRORS):
+                logger.debug("dlock: could not delete a node on close", exc_info=True)
+        for key in list(self._lost_creates):
+            try:
+                await self._drop_lost_create(zk, key)
+            except CLIENT_ERRORS:
                 logger.debug("dlock: could not delete a node on close", exc_info=True)
 
     async def aclose(self) -> None:
