@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.exceptions import ConnectionLoss
 from kazoo.security import make_acl
 
 import dlock
@@ -1440,3 +1441,50 @@ def test_a_create_whose_give_back_failed_too_does_not_block_the_lock(
         other = second.lock(name, ttl=60)
         assert other.acquire(timeout=10)
         other.release()
+
+
+def test_a_force_release_whose_reply_was_lost_leaves_the_next_holder(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The holder's node was deleted, and the reply lost with the connection: the
+    delete had handed the lock to the waiter behind. Run again, force release deleted
+    the head of the queue once more: that waiter, granted a moment before."""
+    name = f"force-lost-reply-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as holders,
+        dlock.connect(zookeeper_server.url()) as waiters,
+        dlock.connect(zookeeper_server.url()) as admin,
+    ):
+        held = holders.lock(name, ttl=60)
+        assert held.acquire(timeout=0)
+        waiting = waiters.lock(name, ttl=60)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(waiting.acquire(timeout=30)))
+        thread.start()
+        waiter_backend: Any = waiters._backend
+        wait_until(lambda: waiter_backend._nodes)  # queued behind the holder
+        backend: Any = admin._backend
+        call = backend._call
+        deletes: list[Any] = []
+
+        def reply_lost(result: Any, timeout: float | None = None) -> Any:
+            value = call(result, timeout)
+            if value is True and not deletes:  # the first delete's reply
+                deletes.append(result)
+                wait_until(lambda: got)  # the waiter was handed the lock
+                raise ConnectionLoss()
+            return value
+
+        backend._call = reply_lost
+        try:
+            assert admin.force_release(name)
+        finally:
+            backend._call = call
+            thread.join(30)
+        assert deletes and got == [True]
+        info = admin.inspect(name)
+        assert info is not None and info.fencing_token == waiting.fencing_token, (
+            "the next holder was evicted too"
+        )
+        assert waiting.owned()
+        waiting.release()

@@ -16,6 +16,7 @@ worker thread in between. Round trips are pipelined where they can be.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import logging
@@ -1519,9 +1520,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
         infos: list[LockInfo] = await self._guarded(partial(self._list, prefix=prefix))
         return infos
 
-    async def _force_release(self, _: bool, name: str) -> bool:
+    async def _force_release(self, retrying: bool, name: str, deleted: builtins.list[str]) -> bool:
+        """``deleted``: the holder's node whose delete was sent, kept across runs. Run
+        again after a dropped connection, the delete may have been applied with its
+        reply lost: the head of the queue is then the next holder, handed the lock by
+        that delete, and not for this call to end. Only the node tried is deleted."""
         zk = await self._client()
         await self._catch_up(zk)
+        if retrying and deleted:
+            with suppress(NoNodeError):  # gone: our delete (or its holder's release)
+                await self._call(zk.delete_async(deleted[0]))
+            return True
         parent = self._parent(name)
         while True:
             try:
@@ -1533,8 +1542,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 if not found:  # not a node of someone else's (such as /zookeeper)
                     await self._prune(zk, parent)
                 return False
+            deleted[:] = [f"{parent}/{children[0]}"]
             try:
-                await self._call(zk.delete_async(f"{parent}/{children[0]}"))
+                await self._call(zk.delete_async(deleted[0]))
                 return True
             except NoNodeError:
                 continue  # released meanwhile: the next in line now holds it
@@ -1551,7 +1561,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
 
     async def force_release(self, name: str) -> bool:
         self._follow_fork()
-        freed: bool = await self._guarded(partial(self._force_release, name=name))
+        deleted: builtins.list[str] = []  # the class's own list() shadows the type
+        freed: bool = await self._guarded(partial(self._force_release, name=name, deleted=deleted))
         return freed
 
     async def _close(self) -> None:

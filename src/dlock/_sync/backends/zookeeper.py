@@ -17,6 +17,7 @@ worker thread in between. Round trips are pipelined where they can be.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import logging
@@ -1516,9 +1517,17 @@ class ZooKeeperBackend(Backend):
         infos: list[LockInfo] = self._guarded(partial(self._list, prefix=prefix))
         return infos
 
-    def _force_release(self, _: bool, name: str) -> bool:
+    def _force_release(self, retrying: bool, name: str, deleted: builtins.list[str]) -> bool:
+        """``deleted``: the holder's node whose delete was sent, kept across runs. Run
+        again after a dropped connection, the delete may have been applied with its
+        reply lost: the head of the queue is then the next holder, handed the lock by
+        that delete, and not for this call to end. Only the node tried is deleted."""
         zk = self._client()
         self._catch_up(zk)
+        if retrying and deleted:
+            with suppress(NoNodeError):  # gone: our delete (or its holder's release)
+                self._call(zk.delete_async(deleted[0]))
+            return True
         parent = self._parent(name)
         while True:
             try:
@@ -1530,8 +1539,9 @@ class ZooKeeperBackend(Backend):
                 if not found:  # not a node of someone else's (such as /zookeeper)
                     self._prune(zk, parent)
                 return False
+            deleted[:] = [f"{parent}/{children[0]}"]
             try:
-                self._call(zk.delete_async(f"{parent}/{children[0]}"))
+                self._call(zk.delete_async(deleted[0]))
                 return True
             except NoNodeError:
                 continue  # released meanwhile: the next in line now holds it
@@ -1548,7 +1558,8 @@ class ZooKeeperBackend(Backend):
 
     def force_release(self, name: str) -> bool:
         self._follow_fork()
-        freed: bool = self._guarded(partial(self._force_release, name=name))
+        deleted: builtins.list[str] = []  # the class's own list() shadows the type
+        freed: bool = self._guarded(partial(self._force_release, name=name, deleted=deleted))
         return freed
 
     def _close(self) -> None:
