@@ -21,6 +21,7 @@ import pytest
 from pymysql.constants import CLIENT
 
 import dlock
+import dlock._sync.lock
 import dlock.aio
 from dlock._sql import DEFAULT_TABLES, MYSQL, advisory_key, named_lock_key
 from dlock._types import Holder
@@ -1767,9 +1768,11 @@ def test_a_lease_run_out_while_keeping_the_turnstile_is_passed_on(
         assert _turnstile_held(server, name), "the quiet holder never noticed"
 
 
-@pytest.mark.parametrize("before", ["first-wait", "kept-before", "lost-before"])
+@pytest.mark.parametrize(
+    "before", ["first-wait", "kept-before", "lost-before", "unconfirmed-before"]
+)
 def test_newcomers_do_not_pass_the_waiter_in_front(
-    mariadb_server: SQLServer, name: str, before: str
+    mariadb_server: SQLServer, name: str, before: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MySQL cannot notify a release, so the lease waiter in front of the queue polls a
     lease whose holder did not queue, backing off. A release between its polls is still
@@ -1784,6 +1787,11 @@ def test_newcomers_do_not_pass_the_waiter_in_front(
     before its release. The row goes on naming that connection as its keeper (a lease
     run out is anyone's to take, and no statement of ours may write the row then), so
     the connection must not queue again.
+
+    ``unconfirmed-before``: the waiter's connection was once handed a lease inside the
+    server that was gone (force-released, taken by another) when the core confirmed it,
+    and that wait timed out. The row names the connection as its keeper all the same, so
+    it must not queue again either.
     """
     url = mariadb_server.url()
     with (
@@ -1801,6 +1809,8 @@ def test_newcomers_do_not_pass_the_waiter_in_front(
             time.sleep(1.2)
             with pytest.raises(dlock.LockLost):
                 lost.release()
+        elif before == "unconfirmed-before":
+            _hand_over_unconfirmed(url, name, waiter_client, newcomer_client, monkeypatch)
         holder = holder_client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)  # the plain path: no turnstile kept
         token = holder.fencing_token
@@ -1819,6 +1829,37 @@ def test_newcomers_do_not_pass_the_waiter_in_front(
         assert waiter.owned() and waiter.fencing_token is not None
         assert waiter.fencing_token > token
         waiter.release()
+
+
+def _hand_over_unconfirmed(
+    url: str,
+    name: str,
+    waiter_client: dlock.Client,
+    other_client: dlock.Client,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lease is handed to a waiter of ``waiter_client`` inside the server, but is taken
+    by another before the waiter confirms it; the wait then times out."""
+    backend: Any = waiter_client._backend
+    real_extend = backend.extend
+    thief = other_client.lock(name, ttl=30)
+
+    def taken_before_confirmed(*args: Any) -> bool:
+        assert other_client.force_release(name)
+        assert thief.acquire(timeout=0)
+        return bool(real_extend(*args))
+
+    keeper = other_client.lock(name, ttl=30, auto_renew=False)
+    _take_through_the_turnstile(url, name, keeper)
+    with monkeypatch.context() as patch:
+        # Every hand-over is confirmed (an owner-checked extend), not only a late one.
+        patch.setattr(dlock._sync.lock, "RENEW_AFTER", 0.0)
+        patch.setattr(backend, "extend", taken_before_confirmed)
+        waiter = waiter_client.lock(name, ttl=30)
+        threading.Timer(0.3, keeper.release).start()
+        assert not waiter.acquire(timeout=1.5), "the lease was taken before confirmed"
+    assert thief.owned()
+    thief.release()
 
 
 def _questions(server: SQLServer) -> int:

@@ -1164,6 +1164,11 @@ class ServerSQLBackend(Backend):
             self._front.pop(token, None)
         if waiter.granted:
             self._gates[token] = Gate(waiter.conn, waiter.key)
+        elif waiter.took:
+            # Handed a lease it never held: on MariaDB/MySQL the row goes on naming this
+            # session as the keeper, whose turnstile lets anyone in, so the connection
+            # must not queue again (newcomers would pass it). Closing leaves the turnstile.
+            self._drop(waiter.conn)
         elif waiter.in_front:
             # One round trip; the next waiter moves to the front.
             self._leave_turnstile(waiter.conn)
@@ -1316,7 +1321,7 @@ class ServerSQLBackend(Backend):
             # connection, learns which (and makes the row).
             return None
         self._remember(waiter.params["name"])
-        waiter.granted = True
+        waiter.granted = waiter.took = True
         return granted
 
     def _lease_release(self, name: str, token: str) -> int | None:
@@ -1462,6 +1467,9 @@ class TurnstileWaiter(Waiter):
         self.fresh = True
         #: The lease was taken in front of the turnstile, which stays with it.
         self.granted = False
+        #: A lease was handed over to this waiter's connection inside the server, whether
+        #: or not the core then held it (it may have lapsed before it was confirmed).
+        self.took = False
         #: A take failed in flight: it may have committed.
         self.cut_off = False
         #: When (``time.monotonic``) the latest wait and take are over in the server.
