@@ -23,7 +23,7 @@ from ._errors import (
 from ._sync.client import DEFAULT_TTL, Client, connect
 from ._sync.lock import Lock
 from ._types import Holder, LockInfo
-from ._validation import MAX_NAME_LENGTH, MAX_TTL
+from ._validation import MAX_NAME_LENGTH, MAX_TTL, MIN_TTL
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_TTL",
     "MAX_NAME_LENGTH",
     "MAX_TTL",
+    "MIN_TTL",
     "AlreadyAcquired",
     "Backoff",
     "BackendError",

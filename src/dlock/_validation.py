@@ -24,6 +24,9 @@ MAX_LABEL_LENGTH: Final = 512
 #: expiry past 2**63 ms from now, and a thread's wait (the ZooKeeper reaper's, sleeping
 #: until an unrenewed lease ends) overflows past about 9.2e9 s.
 MAX_TTL: Final = 1e9
+#: Shortest TTL, in seconds: the finest grain every backend keeps (Redis counts leases
+#: in whole milliseconds). A shorter lease would be over before its first renewal.
+MIN_TTL: Final = 0.001
 
 
 def check_name(name: object) -> str:
@@ -90,6 +93,8 @@ def check_ttl(ttl: object) -> float:
         raise InvalidTTL(f"ttl must be a number of seconds, not {type(ttl).__name__}")
     if not math.isfinite(seconds) or seconds <= 0:
         raise InvalidTTL(f"ttl must be a positive, finite number of seconds, not {ttl!r}")
+    if seconds < MIN_TTL:
+        raise InvalidTTL(f"ttl is {ttl!r} seconds; the shortest is {MIN_TTL:g} (a millisecond)")
     if seconds > MAX_TTL:
         raise InvalidTTL(f"ttl is {ttl!r} seconds; the limit is {MAX_TTL:g} (about 31 years)")
     return seconds

@@ -682,7 +682,8 @@ def test_bad_names_are_refused(url: str, bad_name: object, message: str) -> None
 
 
 @pytest.mark.parametrize(
-    "bad_ttl", [0, -1, math.nan, math.inf, -math.inf, 1e17, 10**400, "5", True, None]
+    "bad_ttl",
+    [0, -1, 1e-9, 0.000999, math.nan, math.inf, -math.inf, 1e17, 10**400, "5", True, None],
 )
 def test_bad_ttls_are_refused(url: str, name: str, bad_ttl: object) -> None:
     with dlock.connect(url) as client:
