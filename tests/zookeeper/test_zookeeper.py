@@ -158,7 +158,9 @@ def test_a_passed_in_clients_missing_chroot_is_refused_not_unavailable(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:
     """A kazoo client whose hosts end in a chroot that does not exist can lock nothing:
-    a plain BackendError naming the chroot, not BackendUnavailable (worth retrying)."""
+    a plain BackendError naming the chroot, not BackendUnavailable (worth retrying).
+    Nor may it answer that a lock is free, or that there are none: inspect, list and
+    force_release said so."""
     existing = KazooClient(hosts=f"{zookeeper_server.hosts}/no/such/chroot")
     with pytest.warns(UserWarning, match="chroot"):  # kazoo warns, and connects all the same
         existing.start()
@@ -167,6 +169,12 @@ def test_a_passed_in_clients_missing_chroot_is_refused_not_unavailable(
             with pytest.raises(dlock.BackendError, match="chroot") as raised:
                 client.lock("x", ttl=5).acquire(timeout=0)
             assert not isinstance(raised.value, dlock.BackendUnavailable)
+            with pytest.raises(dlock.BackendError, match="chroot"):
+                client.inspect("x")
+            with pytest.raises(dlock.BackendError, match="chroot"):
+                client.list()
+            with pytest.raises(dlock.BackendError, match="chroot"):
+                client.force_release("x")
     finally:
         existing.stop()
         existing.close()

@@ -950,9 +950,14 @@ class AsyncZooKeeperBackend(AsyncBackend):
             except NoNodeError:
                 # Only under a chroot that does not exist (the client's hosts end in
                 # a path): a misconfiguration that no retry mends.
-                raise BackendError(
-                    f"ZooKeeper: the client's chroot {zk.chroot!r} does not exist"
-                ) from None
+                raise _missing_chroot(zk) from None
+
+    async def _check_chroot(self, zk: KazooClient) -> None:
+        """A read found no node: under a chroot that does not exist (a passed-in client
+        whose hosts end in a path) that is a misconfiguration, not a free lock. One
+        round trip, only on that path."""
+        if zk.chroot and await self._call(zk.exists_async("/")) is None:
+            raise _missing_chroot(zk)
 
     async def _find_own(
         self, zk: KazooClient, parent: str, token: str
@@ -1496,6 +1501,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         zk = await self._client()
         await self._catch_up(zk)
         infos = await self._infos(zk, [name])
+        if not infos:
+            await self._check_chroot(zk)
         return infos[0] if infos else None
 
     async def inspect(self, name: str) -> LockInfo | None:
@@ -1509,6 +1516,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         try:
             nodes = await self._call(zk.get_children_async(self._root or "/"))
         except NoNodeError:
+            await self._check_chroot(zk)
             return []
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
@@ -1536,6 +1544,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             try:
                 found = await self._call(zk.get_children_async(parent))
             except NoNodeError:
+                await self._check_chroot(zk)
                 return False
             children = queue_of(found)
             if not children:
@@ -1902,6 +1911,10 @@ def _wrap(exc: BaseException) -> BackendError:
         )
         return BackendError(f"ZooKeeper refused: {type(exc).__name__}: {exc}{hint}")
     return BackendUnavailable(f"ZooKeeper: {type(exc).__name__}: {exc}")
+
+
+def _missing_chroot(zk: KazooClient) -> BackendError:
+    return BackendError(f"ZooKeeper: the client's chroot {zk.chroot!r} does not exist")
 
 
 BACKEND = AsyncZooKeeperBackend

@@ -949,9 +949,14 @@ class ZooKeeperBackend(Backend):
             except NoNodeError:
                 # Only under a chroot that does not exist (the client's hosts end in
                 # a path): a misconfiguration that no retry mends.
-                raise BackendError(
-                    f"ZooKeeper: the client's chroot {zk.chroot!r} does not exist"
-                ) from None
+                raise _missing_chroot(zk) from None
+
+    def _check_chroot(self, zk: KazooClient) -> None:
+        """A read found no node: under a chroot that does not exist (a passed-in client
+        whose hosts end in a path) that is a misconfiguration, not a free lock. One
+        round trip, only on that path."""
+        if zk.chroot and self._call(zk.exists_async("/")) is None:
+            raise _missing_chroot(zk)
 
     def _find_own(self, zk: KazooClient, parent: str, token: str) -> tuple[str, ZnodeStat] | None:
         """Our node whose create's reply was lost, if the create went through.
@@ -1493,6 +1498,8 @@ class ZooKeeperBackend(Backend):
         zk = self._client()
         self._catch_up(zk)
         infos = self._infos(zk, [name])
+        if not infos:
+            self._check_chroot(zk)
         return infos[0] if infos else None
 
     def inspect(self, name: str) -> LockInfo | None:
@@ -1506,6 +1513,7 @@ class ZooKeeperBackend(Backend):
         try:
             nodes = self._call(zk.get_children_async(self._root or "/"))
         except NoNodeError:
+            self._check_chroot(zk)
             return []
         names = sorted(
             name for name in (_decoded(node) for node in nodes) if name and name.startswith(prefix)
@@ -1533,6 +1541,7 @@ class ZooKeeperBackend(Backend):
             try:
                 found = self._call(zk.get_children_async(parent))
             except NoNodeError:
+                self._check_chroot(zk)
                 return False
             children = queue_of(found)
             if not children:
@@ -1899,6 +1908,10 @@ def _wrap(exc: BaseException) -> BackendError:
         )
         return BackendError(f"ZooKeeper refused: {type(exc).__name__}: {exc}{hint}")
     return BackendUnavailable(f"ZooKeeper: {type(exc).__name__}: {exc}")
+
+
+def _missing_chroot(zk: KazooClient) -> BackendError:
+    return BackendError(f"ZooKeeper: the client's chroot {zk.chroot!r} does not exist")
 
 
 BACKEND = ZooKeeperBackend
