@@ -1629,6 +1629,45 @@ def test_queued_waiters_take_the_lease_in_turn(server: SQLServer, name: str) -> 
         assert not _turnstile_held(server, name)
 
 
+class _UpdateTrap:
+    """Holds UPDATEs of a PostgreSQL table whose query matches a LIKE pattern inside the
+    server, in a trigger, until ``release()``: a race held open at a chosen point."""
+
+    def __init__(self, server: SQLServer, table: str, matching: str, when: str, each: str):
+        self._server = server
+        self.key = advisory_key("test", table)
+        run = admin(server)
+        run(
+            f"""CREATE FUNCTION {table}_trap() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF current_query() LIKE '{matching}' THEN
+                    PERFORM pg_advisory_lock({self.key});
+                    PERFORM pg_advisory_unlock({self.key});
+                END IF;
+                RETURN NEW;
+            END $$""",
+            (),
+        )
+        run(
+            f"CREATE TRIGGER trap {when} ON {table} "
+            f"FOR EACH {each} EXECUTE FUNCTION {table}_trap()",
+            (),
+        )
+        self._jailer = server.connect()
+        self._jailer.execute("SELECT pg_advisory_lock(%s)", (self.key,))
+
+    def wait_for_a_statement(self, never: str) -> None:
+        """Until an UPDATE is held in the trap (``never``: the failure's message)."""
+        deadline = time.monotonic() + 10
+        while not _advisory_lock_sessions(self._server, self.key, granted=False):
+            assert time.monotonic() < deadline, never
+            time.sleep(0.01)
+
+    def release(self) -> None:
+        self._jailer.execute("SELECT pg_advisory_unlock(%s)", (self.key,))
+        self._jailer.close()
+
+
 def test_a_release_unheard_while_queueing_is_found_at_once(
     postgresql_server: SQLServer, name: str
 ) -> None:
@@ -1642,8 +1681,6 @@ def test_a_release_unheard_while_queueing_is_found_at_once(
     """
     url = postgresql_server.url()
     table = f"unheard_{uuid.uuid4().hex[:12]}"
-    trap = advisory_key("test", table)
-    run = admin(postgresql_server)
     with dlock.connect(url, table=table) as holder_client:
         holder = holder_client.lock(name, ttl=30)
         # The plain path: no turnstile kept, so the release notifies the name's channel
@@ -1651,24 +1688,7 @@ def test_a_release_unheard_while_queueing_is_found_at_once(
         assert holder.acquire(timeout=0)
         token = holder.fencing_token
         assert token is not None
-        run(
-            f"""CREATE FUNCTION {table}_trap() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF current_query() LIKE '%LISTEN%' THEN
-                    PERFORM pg_advisory_lock({trap});
-                    PERFORM pg_advisory_unlock({trap});
-                END IF;
-                RETURN NULL;
-            END $$""",
-            (),
-        )
-        run(
-            f"CREATE TRIGGER trap AFTER UPDATE ON {table} "
-            f"FOR EACH STATEMENT EXECUTE FUNCTION {table}_trap()",
-            (),
-        )
-        jailer = postgresql_server.connect()
-        jailer.execute("SELECT pg_advisory_lock(%s)", (trap,))
+        trap = _UpdateTrap(postgresql_server, table, "%LISTEN%", "AFTER UPDATE", "STATEMENT")
         # Without the next attempt the waiter would sleep until this fallback, then its
         # timeout: far beyond the bound below.
         patient = dlock.Backoff(notify_fallback=60)
@@ -1683,16 +1703,12 @@ def test_a_release_unheard_while_queueing_is_found_at_once(
             thread = threading.Thread(target=wait_for_it)
             thread.start()
             try:
-                deadline = time.monotonic() + 10
-                while not _advisory_lock_sessions(postgresql_server, trap, granted=False):
-                    assert time.monotonic() < deadline, "the waiter's take never ran"
-                    time.sleep(0.01)
+                trap.wait_for_a_statement("the waiter's take never ran")
                 holder.release()  # commits and notifies while the waiter cannot hear it
             finally:
-                jailer.execute("SELECT pg_advisory_unlock(%s)", (trap,))
+                trap.release()
                 freed = time.monotonic()
                 thread.join(timeout=40)
-                jailer.close()
             assert outcome, "the waiter never returned"
             acquired, at = outcome[0]
             assert acquired, "the waiter gave up on a free lease"
@@ -2302,30 +2318,12 @@ def test_an_eviction_spares_a_holder_whose_renewal_commits_meanwhile(
     server's clock and the eviction has started."""
     server = postgresql_server
     table = f"evict_{uuid.uuid4().hex[:12]}"
-    trap = advisory_key("test", table)
     url = server.url(f"mode=session&table={table}")
     run = admin(server)
     with dlock.connect(url) as holder_client, dlock.connect(url) as waiter_client:
         holder = holder_client.lock(name, ttl=2, auto_renew=False)
         assert holder.acquire(timeout=0)
-        run(
-            f"""CREATE FUNCTION {table}_trap() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF current_query() LIKE '%SET expires =%' THEN
-                    PERFORM pg_advisory_lock({trap});
-                    PERFORM pg_advisory_unlock({trap});
-                END IF;
-                RETURN NEW;
-            END $$""",
-            (),
-        )
-        run(
-            f"CREATE TRIGGER trap BEFORE UPDATE ON {table} "
-            f"FOR EACH ROW EXECUTE FUNCTION {table}_trap()",
-            (),
-        )
-        jailer = server.connect()
-        jailer.execute("SELECT pg_advisory_lock(%s)", (trap,))
+        trap = _UpdateTrap(server, table, "%SET expires =%", "BEFORE UPDATE", "ROW")
         renewed: list[object] = []
 
         def renew() -> None:
@@ -2342,9 +2340,7 @@ def test_an_eviction_spares_a_holder_whose_renewal_commits_meanwhile(
         try:
             renewal.start()
             deadline = time.monotonic() + 10
-            while not _advisory_lock_sessions(server, trap, granted=False):
-                assert time.monotonic() < deadline, "the renewal never ran"
-                time.sleep(0.01)
+            trap.wait_for_a_statement("the renewal never ran")
             # The holder's lease runs out by the server's clock, its renewal still open.
             while run(f"SELECT 1 FROM {table} WHERE expires > date_part('epoch', now())", ()):
                 assert time.monotonic() < deadline, "the lease never ran out"
@@ -2352,10 +2348,9 @@ def test_an_eviction_spares_a_holder_whose_renewal_commits_meanwhile(
             eviction.start()
             time.sleep(0.5)  # the eviction has begun (or is over)
         finally:
-            jailer.execute("SELECT pg_advisory_unlock(%s)", (trap,))
+            trap.release()
             renewal.join(10)
             eviction.join(10)
-            jailer.close()
         assert first == [False], "the waiter took a lock whose holder was renewing"
         run(f"DROP TRIGGER trap ON {table}", ())
         if renewed == [True]:
