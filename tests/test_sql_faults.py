@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -285,6 +287,33 @@ def test_session_force_release_ends_the_holder_not_the_next_one(
             info = waiters.inspect(lock_name)
             assert info is not None and info.fencing_token == waiter.fencing_token
             waiter.release()
+
+
+def test_a_session_force_release_returns_once_the_lock_is_free(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """Ending a session from outside (pg_terminate_backend; MariaDB's KILL) returns
+    before the session has freed its locks, which go only as it exits: a force release
+    that said True left the lock held a moment longer, and an acquire right after it
+    found the lock busy. The holder's server process is paused here (SIGSTOP), so that
+    moment lasts until it resumes."""
+    url = postgresql_server.url("mode=session")
+    with dlock.connect(url) as holder_client, dlock.connect(url) as other:
+        holder = holder_client.lock(name, ttl=30, auto_renew=False)
+        assert holder.acquire(timeout=0)
+        rows = admin(postgresql_server)(
+            "SELECT session FROM dlock_session_locks WHERE name = %s", (name.encode(),)
+        )
+        pid = int(rows[0][0])
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            assert other.force_release(name)
+            taken = other.lock(name, ttl=30).acquire(timeout=0)
+        finally:
+            resume.join()
+        assert taken, "force_release said True while the ended session still held the lock"
 
 
 def test_mysql_clock_ignores_daylight_saving(mariadb_server: SQLServer) -> None:

@@ -672,12 +672,16 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WITH target AS (
                 SELECT session, lock_key FROM {table} WHERE name = %(name)s FOR UPDATE),
             ended AS (
-                SELECT CASE WHEN {held_by("target")}
+                SELECT target.session, CASE WHEN {held_by("target")}
                             THEN pg_terminate_backend(target.session::int) ELSE false END AS ok
                 FROM target)
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
             FROM ended WHERE name = %(name)s AND ended.ok
-            RETURNING 1""",
+            RETURNING ended.session""",
+        # Whether a session ended by a force release still holds the lock: it frees it
+        # only as it exits, after pg_terminate_backend has returned.
+        "session_lock_kept": f"""SELECT {held_by("k")}
+            FROM (SELECT %(session)s::bigint AS session, %(key)s::bigint AS lock_key) AS k""",
     }
 
 
@@ -861,6 +865,9 @@ def mysql_statements(table: str) -> dict[str, str]:
             WHERE name = %(name)s AND session = %(session)s""",
         # KILL takes a literal; PyMySQL interpolates the integer parameter client-side.
         "kill": "KILL CONNECTION %(id)s",
+        # Whether a killed session still holds the lock: a KILL returns before the
+        # session has ended, and its locks go only as it ends.
+        "session_lock_kept": "SELECT IS_USED_LOCK(%(key)s) = %(session)s",
         "kill_query": "KILL QUERY %(id)s",
         "session_running": """
             SELECT 1 FROM information_schema.processlist

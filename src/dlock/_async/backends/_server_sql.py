@@ -1080,14 +1080,35 @@ class AsyncServerSQLBackend(AsyncBackend):
         await self._pin_table_first()
         if not self._session_mode:
             return await self._lease_force_release(name)
-        return await self._session_force_release(name)
+        session = await self._session_force_release(name)
+        if session is None:
+            return False
+        await self._until_lock_left(name, session)
+        return True
 
     @abstractmethod
     async def _lease_force_release(self, name: str) -> bool: ...
 
     @abstractmethod
-    async def _session_force_release(self, name: str) -> bool:
-        """End the holder's database session: only it can free the database's lock."""
+    async def _session_force_release(self, name: str) -> int | None:
+        """End the holder's database session (only it can free the database's lock);
+        the session ended, or None if nobody held the lock."""
+
+    async def _until_lock_left(self, name: str, session: int) -> None:
+        """A session ended from outside (KILL, pg_terminate_backend) frees its locks as
+        it exits, which can come after the call has returned: wait for that, so that a
+        force release that says True leaves the lock free for the next acquire. Bounded
+        by the operation timeout: past it, the server frees the lock when the session
+        does end."""
+        params = {"key": self._session_key(name), "session": session}
+        deadline = time.monotonic() + self._settings.timeout
+        pause = 0.001
+        while True:
+            rows = (await self._call("session_lock_kept", params)).rows
+            if not (rows and rows[0][0]) or time.monotonic() >= deadline:
+                return
+            await sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     # -- lease mode: the turnstile ---------------------------------------------------
 

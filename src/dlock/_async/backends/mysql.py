@@ -540,14 +540,14 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
     async def _lease_force_release(self, name: str) -> bool:
         return (await self._call("force_release", {"name": encode_name(name)})).rowcount > 0
 
-    async def _session_force_release(self, name: str) -> bool:
+    async def _session_force_release(self, name: str) -> int | None:
         rows = (await self._call("session_holder", {"name": encode_name(name)})).rows
         if not rows:
-            return False
+            return None
         session = int(rows[0][0])
         # Clear the row first, so a renewal racing with the kill fails its owner check.
         await self._call("session_clear", {"name": encode_name(name), "session": session})
-        return await self._kill(session)
+        return session if await self._kill(session) else None
 
     async def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         """Per distinct TTL (usually one) an UPDATE, and only when it matched fewer rows

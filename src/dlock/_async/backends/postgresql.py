@@ -558,9 +558,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
         ms = max(1, math.ceil(wait * 1000))
         return f"{_lock_waiting(params['key'], ms)}; EXECUTE {RECORD}({values})", {}
 
-    async def _session_force_release(self, name: str) -> bool:
+    async def _session_force_release(self, name: str) -> int | None:
         result = await self._call("session_force_release", {"name": encode_name(name)})
-        return any(row[0] for row in result.rows)
+        return int(result.rows[0][0]) if result.rows else None
 
 
 BACKEND = AsyncPostgreSQLBackend

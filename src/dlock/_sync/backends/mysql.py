@@ -538,14 +538,14 @@ class MySQLBackend(ServerSQLBackend):
     def _lease_force_release(self, name: str) -> bool:
         return (self._call("force_release", {"name": encode_name(name)})).rowcount > 0
 
-    def _session_force_release(self, name: str) -> bool:
+    def _session_force_release(self, name: str) -> int | None:
         rows = (self._call("session_holder", {"name": encode_name(name)})).rows
         if not rows:
-            return False
+            return None
         session = int(rows[0][0])
         # Clear the row first, so a renewal racing with the kill fails its owner check.
         self._call("session_clear", {"name": encode_name(name), "session": session})
-        return self._kill(session)
+        return session if self._kill(session) else None
 
     def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         """Per distinct TTL (usually one) an UPDATE, and only when it matched fewer rows
