@@ -141,6 +141,9 @@ def test_a_relative_xdg_state_home_is_ignored(
         ("sqlite:///tmp/x#y.db", "fragment"),
         ("postgresql://u@h/db?mode=lease&mode=session", "'mode' is given twice"),
         ("mysql://u@h/db?table=", "'table' is empty"),
+        # Past 32-bit milliseconds PostgreSQL refused every connection, as retryable.
+        ("postgresql://u@h/db?timeout=3e6", "timeout is '3e6' seconds; the longest"),
+        ("mysql://u@h/db?connect_timeout=1e7", "connect_timeout is '1e7' seconds"),
         # An empty value: the driver's default, or nothing, where something was meant.
         ("postgresql://u@h/db?sslmode=", "'sslmode' is empty"),
         ("postgresql://u@h/db?target_session_attrs=", "'target_session_attrs' is empty"),

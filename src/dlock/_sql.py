@@ -198,13 +198,28 @@ def parse_server_url(
         database=database,
         mode=mode,
         table=check_table(settings.get("table", default_table)),
-        connect_timeout=seconds(settings.get("connect_timeout", 5), "connect_timeout"),
-        timeout=seconds(settings.get("timeout", 10), "timeout"),
+        connect_timeout=_bounded_seconds(settings.get("connect_timeout", 5), "connect_timeout"),
+        timeout=_bounded_seconds(settings.get("timeout", 10), "timeout"),
         create_table=flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
         client=_client_factory(settings.get("client")),
         socket=str(settings[socket_option]) if settings.get(socket_option) else None,
     )
+
+
+#: Longest connect or operation timeout, in seconds (about 11.6 days). PostgreSQL takes
+#: its timeouts (``tcp_user_timeout``, ``lock_timeout``) as 32-bit milliseconds, and
+#: PyMySQL refuses a connect timeout over a year: past this, every connection failed.
+MAX_TIMEOUT = 1e6
+
+
+def _bounded_seconds(value: object, what: str) -> float:
+    duration = seconds(value, what)
+    if duration > MAX_TIMEOUT:
+        raise ConfigurationError(
+            f"{what} is {value!r} seconds; the longest is {MAX_TIMEOUT:g} (about 11 days)"
+        )
+    return duration
 
 
 def _check_given_client_url(parts: SplitResult, ignored_options: set[str]) -> None:
