@@ -2431,3 +2431,47 @@ def test_a_loss_the_renewer_found_leaves_a_fresh_hold_taken_before_it_was_declar
         info = rival.inspect("job")
         assert info is not None and info.fencing_token == lock.fencing_token
         lock.release()
+
+
+def test_a_release_answered_after_another_users_last_release_no_longer_revives_the_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two users of a reentrant lock object each release their entry: the backend
+    applies one ("one left"), then the other ("none left"), whose answer is handled
+    first. The earlier answer is stale: set as the count, it made the object hold the
+    lock again (owned() true, renewed) while the backend had it free for anyone."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=30, reentrant=True) as (client, rival, lock):
+        assert lock.acquire(timeout=0)
+        real_release = client._backend.release
+
+        def answered_after_the_other(name: str, token: str) -> int | None:
+            monkeypatch.setattr(client._backend, "release", real_release)
+            remaining = real_release(name, token)
+            lock.release()  # the other user's, applied and answered meanwhile
+            return remaining
+
+        monkeypatch.setattr(client._backend, "release", answered_after_the_other)
+        lock.release()
+        assert rival.inspect("job") is None
+        assert not lock.owned() and lock not in client._renewer._locks
+        assert rival.lock("job", ttl=30).acquire(timeout=0)
+
+    async def main() -> None:
+        async with _async_held(url, "async-job", ttl=30, reentrant=True) as (client, rival, lock):
+            assert await lock.acquire(timeout=0)
+            real_release = client._backend.release
+
+            async def answered_after_the_other(name: str, token: str) -> int | None:
+                monkeypatch.setattr(client._backend, "release", real_release)
+                remaining = await real_release(name, token)
+                await lock.release()
+                return remaining
+
+            monkeypatch.setattr(client._backend, "release", answered_after_the_other)
+            await lock.release()
+            assert await rival.inspect("async-job") is None
+            assert not lock.owned() and lock not in client._renewer._locks
+            assert await rival.lock("async-job", ttl=30).acquire(timeout=0)
+
+    asyncio.run(main())

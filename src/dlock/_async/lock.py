@@ -780,18 +780,23 @@ class AsyncLock:
             if generation == self._generation:
                 self._forget()  # else forgotten already, by another user's release
             raise error
-        self._count = remaining
-        if remaining == 0:
-            if not last:
-                self._client._renewer.discard(self)
-            self._client._let_go(self)
-            if self._changed is not None:
-                self._wake_sharers()
-        elif self.auto_renew and not self._lost:
-            # Entries left where this object counted none (a re-entry the backend applied
-            # but whose answer was cut off, or one another user of this object has in
-            # flight): the hold goes on, so renewal must too.
-            self._client._renewer.add(self)
+        if generation == self._generation and self._count:
+            # Else another user of this object ended the hold while this release was in
+            # flight (its last release answered first, or a loss given up): this answer
+            # is older than that end, and must not revive the hold, nor count a fresh
+            # one taken since.
+            self._count = remaining
+            if remaining == 0:
+                if not last:
+                    self._client._renewer.discard(self)
+                self._client._let_go(self)
+                if self._changed is not None:
+                    self._wake_sharers()
+            elif self.auto_renew and not self._lost:
+                # Entries left where this object counted none (a re-entry the backend
+                # applied but whose answer was cut off, or one another user of this
+                # object has in flight): the hold goes on, so renewal must too.
+                self._client._renewer.add(self)
         if cancel_requests() > cancels:
             # Released, and the caller's cancellation lost by a client library meanwhile.
             await lost_cancel()
