@@ -2475,3 +2475,86 @@ def test_a_release_answered_after_another_users_last_release_no_longer_revives_t
             assert await rival.lock("async-job", ttl=30).acquire(timeout=0)
 
     asyncio.run(main())
+
+
+def test_a_reentry_applied_but_unanswered_no_longer_leaves_a_longer_extend_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(30) on a 0.3 s lease, then a re-entry (TTL 0.3 s) reaches the backend but
+    gets no answer: applied, it made the lease end 0.3 s after it was sent, and owned()
+    must not stay true for 30 s once another client can take the lock."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=0.3, reentrant=True, auto_renew=False) as (client, other, lock):
+        lock.extend(30)
+        real_acquire = client._backend.acquire
+
+        def applied_then_failed(*args: Any) -> Any:
+            real_acquire(*args)
+            raise dlock.BackendUnavailable("no answer")
+
+        monkeypatch.setattr(client._backend, "acquire", applied_then_failed)
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.acquire(timeout=0)
+        _assert_taken_over(other, lock)
+
+    async def main() -> None:
+        async with _async_held(url, "async-job", ttl=0.3, reentrant=True, auto_renew=False) as (
+            client,
+            other,
+            lock,
+        ):
+            await lock.extend(30)
+            real_acquire = client._backend.acquire
+
+            async def applied_then_failed(*args: Any) -> Any:
+                await real_acquire(*args)
+                raise dlock.BackendUnavailable("no answer")
+
+            monkeypatch.setattr(client._backend, "acquire", applied_then_failed)
+            with pytest.raises(dlock.BackendUnavailable):
+                await lock.acquire(timeout=0)
+            await _async_assert_taken_over(other, lock)
+
+    asyncio.run(main())
+
+
+def test_a_reentry_answered_after_an_overlapping_shorter_extend_keeps_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-entry (TTL 30 s) reaches the backend; another user's extend(0.3) is applied
+    after it and answered before it. The two overlap, so the lease is only sure to last
+    until the earlier of their ``sent + ttl``: the re-entry's answer must not count it
+    for 30 s."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=30, reentrant=True, auto_renew=False) as (client, other, lock):
+        real_acquire = client._backend.acquire
+
+        def answered_after_an_extend(*args: Any) -> Any:
+            monkeypatch.setattr(client._backend, "acquire", real_acquire)
+            granted = real_acquire(*args)
+            lock.extend(0.3)
+            return granted
+
+        monkeypatch.setattr(client._backend, "acquire", answered_after_an_extend)
+        assert lock.acquire(timeout=0)
+        _assert_taken_over(other, lock)
+
+    async def main() -> None:
+        async with _async_held(url, "async-job", ttl=30, reentrant=True, auto_renew=False) as (
+            client,
+            other,
+            lock,
+        ):
+            real_acquire = client._backend.acquire
+
+            async def answered_after_an_extend(*args: Any) -> Any:
+                monkeypatch.setattr(client._backend, "acquire", real_acquire)
+                granted = await real_acquire(*args)
+                await lock.extend(0.3)
+                return granted
+
+            monkeypatch.setattr(client._backend, "acquire", answered_after_an_extend)
+            assert await lock.acquire(timeout=0)
+            await _async_assert_taken_over(other, lock)
+
+    asyncio.run(main())

@@ -515,6 +515,8 @@ class Lock:
             wait_done(give_back)
         result: Acquired | Busy | None = None
         generation, gone = self._generation, False
+        write: int | None = None
+        cap = math.inf
         try:
             if not reentry and self._count:
                 if not self.reentrant:
@@ -524,26 +526,40 @@ class Lock:
                 # lease of its token as an orphan). Wait for their release instead.
                 return _SHARER_HOLDS
             started = self._attempt_sent = self._client._clock()
+            if reentry:
+                # A write of the held lease, as extend and renewal are: overlapping them,
+                # it may be applied before or after them (see _write_done).
+                write = self._write_started(started, self.ttl)
             # A fresh acquire never re-enters: a lease under our token that we do not
             # hold is an orphan of an attempt cut off mid-flight, not ours to count.
             result = self._client._backend.acquire(
                 self.name, self._token, self.ttl, self._client._holder, self.reentrant and reentry
             )
+            if write is not None:
+                cap, write = self._write_done(write), None
             gone = reentry and self._reentry_gone(result)
             if not gone:
-                return self._answered(result, started)
+                return self._answered(result, started, cap)
         except BaseException as exc:
+            if write is not None:
+                cap = self._write_done(write)
             if result is None:
                 # Cancelled, interrupted or cut off mid-flight: the server may have granted
                 # the lease anyway. Give it back (owner-checked, so harmless) rather than
                 # leave an orphan until its TTL. Never after a re-entry: that would free the
-                # outer hold. In the background: a server that did not answer the attempt
-                # (hung, gone) may not answer the release either, and the caller's error is
-                # due now.
+                # outer hold, whose lease the re-entry may have shortened instead (an
+                # extend(60) made before it). In the background: a server that did not
+                # answer the attempt (hung, gone) may not answer the release either, and
+                # the caller's error is due now.
                 if isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError):
                     self._unanswered(self.ttl)
                     if not reentry:
                         self._give_back_later(1)
+                    elif cap != math.inf and generation == self._generation:
+                        # A fresh hold taken since (by another user of this object) was
+                        # sent later with the same TTL: applied after it, this re-entry
+                        # ends its lease no earlier than counted.
+                        self._lease_unsure(started, self.ttl, cap)
             elif isinstance(result, Acquired) and not reentry and self._count == 0:
                 # Interrupted (a signal's KeyboardInterrupt) after the backend granted but
                 # before the grant was counted: acquire() cannot see an entry to undo, and
@@ -559,6 +575,7 @@ class Lock:
                 # entry, so that acquire() undoes just this entry.
                 self._count = result.count
                 self._note_entry()
+                self._lease_unsure(started, self.ttl, cap)
             raise
         finally:
             self._attempt_ends(gone and generation == self._generation)
@@ -665,16 +682,17 @@ class Lock:
         self._give_back_later(1)
         return True
 
-    def _answered(self, result: Acquired | Busy, started: float) -> Busy | None:
+    def _answered(self, result: Acquired | Busy, started: float, cap: float) -> Busy | None:
         if isinstance(result, Busy):
             return result
-        self._granted(result, started)
+        self._granted(result, started, cap)
         return None
 
-    def _granted(self, result: Acquired, started: float) -> None:
+    def _granted(self, result: Acquired, started: float, cap: float = math.inf) -> None:
+        """``cap``: a re-entry's, from _write_done (the writes it overlapped)."""
         # The deadline first: a watchdog that sees the new generation sees its deadline,
         # not the ended hold's (which may have passed).
-        self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl)
+        self._lease_renewed(started, self.ttl if result.ttl is None else result.ttl, cap)
         if self._count == 0:
             with self._sharing:
                 self._generation += 1
