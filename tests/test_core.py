@@ -2558,3 +2558,57 @@ def test_a_reentry_answered_after_an_overlapping_shorter_extend_keeps_its_deadli
             await _async_assert_taken_over(other, lock)
 
     asyncio.run(main())
+
+
+def test_a_give_back_of_a_lost_hold_cut_off_in_flight_no_longer_frees_the_next_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """release() of a lost hold gives its lease back, and that release is cut off in
+    flight (Ctrl-C, a cancellation): the backend may still apply it later. Unrecorded,
+    the object's next hold kept the owner token, and the late release freed it while
+    the object still held it."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with _held(url, "job", ttl=30) as (client, rival, lock):
+        assert rival.force_release("job")
+        with pytest.raises(dlock.LockLost):
+            lock.extend()
+        real_release = client._backend.release
+        late: list[tuple[str, str]] = []
+
+        def cut_off(name: str, token: str) -> int | None:
+            late.append((name, token))
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(client._backend, "release", cut_off)
+        with pytest.raises(KeyboardInterrupt):
+            lock.release()
+        monkeypatch.setattr(client._backend, "release", real_release)
+        assert lock.acquire(timeout=0)
+        real_release(*late[0])  # arrives now
+        info = rival.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()
+
+    async def main() -> None:
+        async with _async_held(url, "async-job", ttl=30) as (client, rival, lock):
+            assert await rival.force_release("async-job")
+            with pytest.raises(dlock.LockLost):
+                await lock.extend()
+            real_release = client._backend.release
+            late: list[tuple[str, str]] = []
+
+            async def cut_off(name: str, token: str) -> int | None:
+                late.append((name, token))
+                raise asyncio.CancelledError
+
+            monkeypatch.setattr(client._backend, "release", cut_off)
+            with pytest.raises(asyncio.CancelledError):
+                await lock.release()
+            monkeypatch.setattr(client._backend, "release", real_release)
+            assert await lock.acquire(timeout=0)
+            await real_release(*late[0])
+            info = await rival.inspect("async-job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            await lock.release()
+
+    asyncio.run(main())

@@ -1007,9 +1007,12 @@ class Lock:
         (see _unanswered); a token this object no longer uses has none that matters."""
         try:
             return bool(self._client._backend.release(self.name, token))
-        except Exception:
+        except BaseException as exc:
+            # Cut off (Ctrl-C, a cancellation) as much as failed: sent, it may be applied.
             if token == self._token:
                 self._unanswered(math.inf)
+            if not isinstance(exc, Exception):
+                raise
             logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
             return False
 
