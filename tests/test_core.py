@@ -2612,3 +2612,30 @@ def test_a_give_back_of_a_lost_hold_cut_off_in_flight_no_longer_frees_the_next_h
             await lock.release()
 
     asyncio.run(main())
+
+
+def test_a_timeout_longer_than_a_thread_can_wait_no_longer_overflows(tmp_path: Path) -> None:
+    """A timeout is any number of seconds, but a thread waits at most
+    threading.TIMEOUT_MAX (about 292 years): waiting for another user of the lock
+    object to end its acquire raised OverflowError with a longer one (the threaded
+    face), rather than going on as a call made at that moment would."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        holder = rival.lock("job", ttl=30)
+        assert holder.acquire(timeout=0)
+        lock = client.lock("job", ttl=30)
+        results: list[bool] = []
+        seeker = threading.Thread(target=lambda: results.append(lock.acquire(timeout=10)))
+        seeker.start()
+        give_up = time.monotonic() + 5
+        while lock._seeker is None:
+            assert time.monotonic() < give_up, "the other user did not start seeking"
+            time.sleep(0.005)
+        release = threading.Timer(0.1, holder.release)
+        release.start()
+        with pytest.raises(dlock.AlreadyAcquired):
+            lock.acquire(timeout=threading.TIMEOUT_MAX * 2)
+        seeker.join(5)
+        release.join(5)
+        assert results == [True]
+        lock.release()

@@ -30,6 +30,9 @@ class WakeupEvent:
         self._event.clear()
 
     def wait(self, timeout: float | None) -> bool:
+        # A timeout is any number of seconds; a thread's wait overflows past this one.
+        if timeout is not None and timeout > threading.TIMEOUT_MAX:
+            timeout = threading.TIMEOUT_MAX
         return self._event.wait(timeout)
 
 
