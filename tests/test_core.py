@@ -2639,3 +2639,31 @@ def test_a_timeout_longer_than_a_thread_can_wait_no_longer_overflows(tmp_path: P
         release.join(5)
         assert results == [True]
         lock.release()
+
+
+def test_an_on_lost_closing_the_client_stops_the_renewal_round_it_ran_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewer tells one lease's loss in the round that renews another; its
+    on_lost closes the client (on the renewer's thread). The round went on to renew
+    the other lease on the closed backend, which reopened the SQLite file, for good."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        closed_when_renewing: list[bool] = []
+        real_extend_many = client._backend.extend_many
+
+        def extend_many(leases: list[Any]) -> list[bool]:
+            closed_when_renewing.append(client._closed)
+            return real_extend_many(leases)
+
+        monkeypatch.setattr(client._backend, "extend_many", extend_many)
+        doomed = client.lock("doomed", ttl=30, on_lost=lambda lock: client.close())
+        other = client.lock("other", ttl=30)
+        assert other.acquire(timeout=0) and doomed.acquire(timeout=0)
+        renewer = client._renewer._runner
+        doomed._deadline = client._clock() - 1  # ran out: the process was paused
+        client._renewer.renew_now()
+        renewer.join(5)
+        assert not renewer.is_alive() and client._closed
+        assert True not in closed_when_renewing
+        assert client._backend._connection is None  # type: ignore[attr-defined]

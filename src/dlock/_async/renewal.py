@@ -161,7 +161,9 @@ class AsyncRenewer:
                 lock._declare_lost(reason, watchdog=True, generation=generation)
             elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
                 due.append((lock, generation))
-        if not due:
+        if not due or self._closed:
+            # Closed by an on_lost told just above (threads): its close gave the leases
+            # back, and a call now would reopen the backend (SQLite: the file, for good).
             return
         started = self._clock()
         time_left = min(lock._deadline for lock, _ in due) - started
