@@ -2667,3 +2667,36 @@ def test_an_on_lost_closing_the_client_stops_the_renewal_round_it_ran_in(
         assert not renewer.is_alive() and client._closed
         assert True not in closed_when_renewing
         assert client._backend._connection is None  # type: ignore[attr-defined]
+
+
+def test_an_extend_answered_after_the_loss_was_told_no_longer_renews_the_lost_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renewals fail, and extend(30) is applied but answered only after the renewer
+    told the loss at the lease's deadline (on_lost called, owned() false). The answer
+    put the lock back into the renewer, which kept renewing for good the lease of a
+    lock its holder was told it had lost, unless that holder released it."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        told: list[object] = []
+        async with _async_held(url, "job", ttl=0.3, on_lost=told.append) as (client, _, lock):
+            real_extend = client._backend.extend
+
+            async def unanswered(leases: list[Any]) -> list[bool]:
+                raise dlock.BackendUnavailable("no answer")
+
+            async def answered_after_the_loss(name: str, token: str, ttl: float) -> bool:
+                applied = await real_extend(name, token, ttl)
+                give_up = time.monotonic() + 5
+                while not told:
+                    assert time.monotonic() < give_up, "the loss was not told"
+                    await asyncio.sleep(0.005)
+                return applied
+
+            monkeypatch.setattr(client._backend, "extend_many", unanswered)
+            monkeypatch.setattr(client._backend, "extend", answered_after_the_loss)
+            await lock.extend(30)
+            assert lock.lost and lock not in client._renewer._locks
+
+    asyncio.run(main())

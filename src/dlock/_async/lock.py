@@ -851,8 +851,10 @@ class AsyncLock:
             raise self._lost_error(reason, generation)
         else:
             self._lease_renewed(started, seconds, cap)
-            if self.auto_renew:
+            if self.auto_renew and not self._lost:
                 # A shorter lease is due sooner than the renewer's sleep ends: wake it.
+                # Not a lease told lost meanwhile (at its deadline): renewed, it would
+                # be kept for good by a holder that was told it had lost it.
                 self._client._renewer.add(self)
         if cancel_requests() > cancels:
             await lost_cancel()  # extended, and the cancellation lost meanwhile
