@@ -2700,3 +2700,62 @@ def test_an_extend_answered_after_the_loss_was_told_no_longer_renews_the_lost_lo
             assert lock.lost and lock not in client._renewer._locks
 
     asyncio.run(main())
+
+
+def test_a_lease_taken_while_a_renewal_is_stuck_is_told_lost_at_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The renewer's call for a 30 s lease is stuck (the asyncio face bounds it by that
+    lease's deadline, the threaded one by the client library's timeouts), and a 0.3 s
+    lease is taken meanwhile: the blocked renewer cannot renew it, so its loss must be
+    told at its deadline. The alarm that tells such losses slept until the deadlines it
+    knew of as the call began, and told this one only once the call ended."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        real_extend_many = client._backend.extend_many
+        stuck, go_on = threading.Event(), threading.Event()
+
+        def held_up(leases: list[Any]) -> list[bool]:
+            stuck.set()
+            go_on.wait(10)
+            return real_extend_many(leases)
+
+        monkeypatch.setattr(client._backend, "extend_many", held_up)
+        assert client.lock("long", ttl=30).acquire(timeout=0)
+        try:
+            _renew_now_until(client, stuck.is_set)
+            told: list[object] = []
+            short = client.lock("short", ttl=0.3, on_lost=told.append)
+            assert short.acquire(timeout=0)
+            give_up = time.monotonic() + 3
+            while not told:
+                assert time.monotonic() < give_up, "not told at the deadline"
+                time.sleep(0.005)
+        finally:
+            go_on.set()
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client:
+            real_extend_many = client._backend.extend_many
+            stuck, go_on = asyncio.Event(), asyncio.Event()
+
+            async def held_up(leases: list[Any]) -> list[bool]:
+                stuck.set()
+                await asyncio.wait_for(go_on.wait(), 10)
+                return await real_extend_many(leases)
+
+            monkeypatch.setattr(client._backend, "extend_many", held_up)
+            assert await client.lock("async-long", ttl=30).acquire(timeout=0)
+            try:
+                await _async_renew_now_until(client, stuck.is_set)
+                told: list[object] = []
+                short = client.lock("async-short", ttl=0.3, on_lost=told.append)
+                assert await short.acquire(timeout=0)
+                give_up = time.monotonic() + 3
+                while not told:
+                    assert time.monotonic() < give_up, "not told at the deadline"
+                    await asyncio.sleep(0.005)
+            finally:
+                go_on.set()
+
+    asyncio.run(main())

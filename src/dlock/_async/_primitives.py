@@ -167,23 +167,30 @@ async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:
 
 
 @contextlib.contextmanager
-def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[None]:
+def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[Callable[[], None]]:
     """Twin of the threaded alarm, on the loop's timers (no task): ``call_with_timeout``
-    bounds the call only by its own leases, and the alarm also watches the others."""
+    bounds the call only by its own leases, and the alarm also watches the others.
+    Yields what has ``ring`` called again soon (from the loop's thread)."""
     loop = asyncio.get_running_loop()
-    timer: asyncio.TimerHandle | None = None
+    timer: asyncio.Handle | None = None
 
     def fire() -> None:
         nonlocal timer
         wait = ring()
-        if wait is not None:
-            timer = loop.call_later(max(wait, 0.0), fire)
+        timer = None if wait is None else loop.call_later(max(wait, 0.0), fire)
+
+    def ring_soon() -> None:
+        nonlocal timer
+        if timer is not None:
+            timer.cancel()
+        timer = loop.call_soon(fire)
 
     timer = loop.call_later(max(delay, 0.0), fire)
     try:
-        yield
+        yield ring_soon
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
 
 
 def spawn(func: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:

@@ -66,6 +66,9 @@ class AsyncRenewer:
         #: A lock due no earlier needs no wake-up: waking a thread per acquire costs
         #: about as much as the acquire's own round trip on a small machine.
         self._sleeping_until = math.inf
+        #: While a renewal call is in flight: has its alarm look at the leases again
+        #: soon, one added meanwhile perhaps ending before it would ring (see add).
+        self._ring_soon: Callable[[], None] | None = None
 
     def _forget_parent(self) -> None:
         """In a forked child: the leases in the set are its parent's to renew (renewing
@@ -84,6 +87,7 @@ class AsyncRenewer:
             self._start()
         elif lock._renew_at < self._sleeping_until:
             self._wakeup.set()
+            self._alarm_looks_again()
 
     def _start(self) -> None:
         # The old event may belong to an ended loop, or (threads) hold an internal lock
@@ -106,6 +110,17 @@ class AsyncRenewer:
         """Wake the loop if ``lock``, still renewed here, is now due before it wakes."""
         if lock in self._locks and lock._renew_at < self._sleeping_until:
             self._wakeup.set()
+            self._alarm_looks_again()
+
+    def _alarm_looks_again(self) -> None:
+        """A lease was added or shortened: if a renewal call is in flight, the renewer
+        cannot renew it meanwhile, and the call's alarm must tell its loss at its
+        deadline, which may come before the alarm would ring (a 1 s lease taken while
+        the call for a 30 s one is stuck)."""
+        ring_soon = self._ring_soon
+        # Not one left by a runner of an event loop that has ended: its loop is closed.
+        if ring_soon is not None and serving(self._runner):
+            ring_soon()
 
     def discard(self, lock: AsyncLock) -> None:
         self._locks.discard(lock)
@@ -173,10 +188,13 @@ class AsyncRenewer:
         writes = [lock._write_started(started, lock.ttl) for lock, _ in due]
         try:
             alarm_in = min(time_left, first_end - started, LONGEST_SLEEP)
-            with alarm(alarm_in, self._declare_overdue):
-                renewed = await call_with_timeout(
-                    self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
-                )
+            with alarm(alarm_in, self._declare_overdue) as self._ring_soon:
+                try:
+                    renewed = await call_with_timeout(
+                        self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
+                    )
+                finally:
+                    self._ring_soon = None
         except BaseException as exc:
             # Perhaps applied all the same (an answer lost, a call cut short): each lease
             # may now end as early as this renewal set it.

@@ -88,23 +88,31 @@ def call_with_timeout(value: T, timeout: float) -> T:
 
 
 @contextlib.contextmanager
-def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[None]:
+def alarm(delay: float, ring: Callable[[], float | None]) -> Iterator[Callable[[], None]]:
     """Call ``ring`` after ``delay`` seconds, and again after each delay it returns
-    (until None), while the block runs: what a blocking call cannot do while it waits.
-    A thread per use: the renewer uses it once per renewal round trip. The caller keeps
-    the delays short enough for a thread's wait (``renewal.LONGEST_SLEEP``)."""
-    done = threading.Event()
+    (None: once rung again), while the block runs: what a blocking call cannot do while
+    it waits. Yields what has ``ring`` called again at once (from any thread). A thread
+    per use: the renewer uses it once per renewal round trip. The caller keeps the
+    delays short enough for a thread's wait (``renewal.LONGEST_SLEEP``)."""
+    done, wake = threading.Event(), threading.Event()
 
     def watch() -> None:
         wait: float | None = delay
-        while wait is not None and not done.wait(max(wait, 0.0)):
+        while True:
+            wake.wait(None if wait is None else max(wait, 0.0))
+            if done.is_set():
+                return
+            wake.clear()
+            if done.is_set():  # set, and its wake-up cleared, just now
+                return
             wait = ring()
 
     spawn(watch, name="dlock-renewal-alarm")
     try:
-        yield
+        yield wake.set
     finally:
         done.set()
+        wake.set()
 
 
 def spawn(func: Callable[[], None], name: str) -> threading.Thread:
