@@ -204,6 +204,56 @@ def test_a_lease_handed_over_long_after_the_last_attempt_is_confirmed(
         waiter.release()
 
 
+def test_a_handed_lease_whose_confirmation_gets_no_answer_is_given_back_in_the_background(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease handed over long after the waiter's latest attempt is confirmed by an
+    owner-checked renewal first. When that gets no answer, the lease is given back as an
+    attempt cut off in flight is, in the background: the give-back ran in the caller's
+    thread, and held up its error for as long as a server that did not answer the
+    renewal took not to answer the release either."""
+    name = unique()
+    url = url_of(redis_server)
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        waiter = second.lock(name, ttl=0.3)
+        real_release = second._backend.release
+        go_on = threading.Event()
+
+        def unanswered(*args: Any) -> bool:
+            raise dlock.BackendUnavailable("no answer")
+
+        def held_up(name: str, token: str) -> int | None:
+            go_on.wait(10)
+            return real_release(name, token)
+
+        monkeypatch.setattr(second._backend, "extend", unanswered)
+        monkeypatch.setattr(second._backend, "release", held_up)
+        errors: list[BaseException] = []
+
+        def acquire() -> None:
+            try:
+                waiter.acquire(timeout=5)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=acquire)
+        thread.start()
+        time.sleep(0.5)  # well past a third of the waiter's TTL since its attempt
+        holder.release()
+        thread.join(3)
+        try:
+            assert not thread.is_alive(), "the error waited for the give-back"
+        finally:
+            go_on.set()
+            thread.join(5)
+        assert [type(exc) for exc in errors] == [dlock.BackendUnavailable]
+        for give_back in second._give_backs:
+            give_back.join(5)
+        assert second.inspect(name) is None
+
+
 @contextlib.contextmanager
 def queued_behind_a_holder(
     redis_server: RedisServer, token: str

@@ -498,8 +498,12 @@ class Lock:
         try:
             confirmed = self._client._backend.extend(self.name, self._token, self.ttl)
         except BaseException:
+            # The lease handed over is ours on the backend: give it back as an attempt
+            # cut off in flight does (see _attempt), in the background once this wait,
+            # counted as an attempt, ends: a server that did not answer the renewal may
+            # not answer the release either, and the caller's error is due now.
             self._unanswered(self.ttl)
-            self._release_quietly()
+            self._give_back_later(1)
             raise
         if confirmed:
             self._granted(Acquired(handed.fencing_token, handed.count), started)
