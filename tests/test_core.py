@@ -2759,3 +2759,39 @@ def test_a_lease_taken_while_a_renewal_is_stuck_is_told_lost_at_its_deadline(
                 go_on.set()
 
     asyncio.run(main())
+
+
+def test_give_backs_kept_by_two_threads_at_once_are_both_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits for the give-backs still running (daemon threads: the end of the
+    process would cut one short, leaving its lease to its TTL). Two threads keeping one
+    each at once each wrote a list without the other's: one was dropped. Here the
+    second thread keeps its give-back while the first is writing its list."""
+    import dlock._sync.client as client_module
+    from dlock._sync._primitives import serving as real_serving
+
+    stop = threading.Event()
+    running = [threading.Thread(target=stop.wait, args=(10,), daemon=True) for _ in range(3)]
+    for thread in running:
+        thread.start()
+    try:
+        with dlock.connect(f"sqlite://{tmp_path}/locks.db") as client:
+            client._keep_give_back(running[0])
+            other = threading.Thread(target=client._keep_give_back, args=(running[2],))
+
+            def serving_meanwhile(thread: threading.Thread | None) -> bool:
+                if other.ident is None:
+                    other.start()
+                    other.join(0.2)  # guarded, it waits for this keep to end
+                return real_serving(thread)
+
+            monkeypatch.setattr(client_module, "serving", serving_meanwhile)
+            client._keep_give_back(running[1])
+            other.join(5)
+            monkeypatch.undo()
+            kept = set(client._give_backs)
+            stop.set()  # before the close, which waits for them
+    finally:
+        stop.set()
+    assert set(running) <= kept, "a give-back was dropped"

@@ -256,8 +256,11 @@ class AsyncClient:
     def _keep_give_back(self, give_back: Any) -> None:
         """Closing the client waits for the give-backs still running (the sync face's
         run in daemon threads, which the end of the process would cut short). Those of
-        an event loop that has ended are dropped: they will not run again."""
-        self._give_backs = [x for x in self._give_backs if serving(x)] + [give_back]
+        an event loop that has ended are dropped: they will not run again. Under
+        _held_guard: two threads keeping one each at once would each write a list
+        without the other's."""
+        with self._held_guard:
+            self._give_backs = [x for x in self._give_backs if serving(x)] + [give_back]
 
     @notices_fork
     async def aclose(self) -> None:
