@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import sqlite3
@@ -77,6 +78,25 @@ def test_backoff_leaves_the_applications_random_numbers_alone() -> None:
     random.seed(42)
     assert random.random() == after_first
     random.seed()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"initial": 0}, "initial must be a positive"),
+        ({"initial": -0.1}, "initial must be a positive"),
+        ({"maximum": math.nan}, "maximum must be a positive"),
+        ({"maximum": math.inf}, "maximum must be a positive"),
+        ({"notify_fallback": 0.0}, "notify_fallback must be a positive"),
+        ({"notify_fallback": "2"}, "notify_fallback must be a positive"),
+        ({"initial": True}, "initial must be a positive"),
+        ({"initial": 0.5, "maximum": 0.1}, "maximum .* is below its initial"),
+    ],
+)
+def test_bad_backoffs_are_refused(settings: dict[str, Any], message: str) -> None:
+    """A zero, negative or NaN delay had every waiter retry in a busy loop."""
+    with pytest.raises(dlock.InvalidArgument, match=message):
+        Backoff(**settings)
 
 
 def test_backoff_never_sleeps_past_the_current_lease() -> None:

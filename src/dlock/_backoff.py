@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
+
+from ._errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,21 @@ class Backoff:
     #: alike in two workers (reproducible jobs), they would retry in lockstep too, and
     #: every draw would change what the application draws next.
     rng: random.Random = field(default_factory=random.SystemRandom, compare=False)
+
+    def __post_init__(self) -> None:
+        """A delay of zero, below or NaN makes every waiter retry in a busy loop; an
+        infinite one, never again."""
+        for what in ("initial", "maximum", "notify_fallback"):
+            value = getattr(self, what)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 < value < math.inf:
+                raise InvalidArgument(
+                    f"Backoff {what} must be a positive, finite number of seconds, not {value!r}"
+                )
+        if self.maximum < self.initial:
+            raise InvalidArgument(
+                f"Backoff maximum ({self.maximum!r}) is below its initial delay ({self.initial!r})"
+            )
 
     def delay(self, attempt: int, retry_after: float | None, notifies: bool) -> float:
         if notifies:
