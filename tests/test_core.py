@@ -1154,16 +1154,19 @@ def test_an_extend_cut_off_after_it_was_applied_shortens_the_deadline(
     asyncio.run(main())
 
 
-def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
+def test_a_renewal_applied_but_unanswered_keeps_the_extended_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After extend(30), a renewal (1 s) reaches the backend but its answer is lost, and
-    the backend stays unreachable: the lease ends 1 s after that renewal, so the holder
-    must be told then, not when the extend's 30 s run out."""
+    """After extend(3) on a 1 s lock, a renewal reaches the backend but its answer is
+    lost, and the backend stays unreachable. The renewal asked for the lease's time left
+    (a renewal never shortens a lease), so the lease ends when the extend said: the
+    rival is kept out until then (with the lock's own 1 s, it got in after 1 s), and the
+    holder is told then."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
     told = threading.Event()
     with _held(url, "job", ttl=1, on_lost=lambda _: told.set()) as (client, other, lock):
-        lock.extend(30)
+        lock.extend(3)
+        extended = client._clock()
         real_extend_many = client._backend.extend_many
         calls: list[object] = []
 
@@ -1175,6 +1178,9 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
 
         monkeypatch.setattr(client._backend, "extend_many", unanswered)
         _renew_now_until(client, lambda: calls)
+        time.sleep(max(0.0, extended + 1.5 - client._clock()))
+        assert not other.lock("job", ttl=30).acquire(timeout=0), "the renewal cut the lease"
+        assert not told.is_set()
         _assert_taken_over(other, lock)
         assert told.wait(5), "not told when the renewed lease ran out"
 
@@ -1185,7 +1191,8 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
             other,
             lock,
         ):
-            await lock.extend(30)
+            await lock.extend(3)
+            extended = client._clock()
             real_extend_many = client._backend.extend_many
             calls: list[object] = []
 
@@ -1197,6 +1204,10 @@ def test_a_renewal_applied_but_unanswered_shortens_the_deadline(
 
             monkeypatch.setattr(client._backend, "extend_many", unanswered)
             await _async_renew_now_until(client, lambda: calls)
+            await asyncio.sleep(max(0.0, extended + 1.5 - client._clock()))
+            rival = other.lock("async-job", ttl=30)
+            assert not await rival.acquire(timeout=0), "the renewal cut the lease"
+            assert not told.is_set()
             await _async_assert_taken_over(other, lock)
             await asyncio.wait_for(told.wait(), 5)
 
@@ -2815,3 +2826,22 @@ def test_give_backs_kept_by_two_threads_at_once_are_both_waited_for(
     finally:
         stop.set()
     assert set(running) <= kept, "a give-back was dropped"
+
+
+def test_a_renewal_never_shortens_a_lease_the_holder_extended(tmp_path: Path) -> None:
+    """``extend(600)`` on a lock with a 30 s TTL promises the lease for 600 s (a holder
+    about to block where it cannot renew). The watchdog renewed it with the lock's own
+    TTL (a third of the way in, or at once when the backend asked for a re-check), and
+    the lease then ended 30 s later: a holder paused meanwhile lost it early."""
+    url = f"sqlite://{tmp_path}/locks.db"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=30)
+        assert lock.acquire(timeout=0)
+        lock.extend(600)
+        before = lock._renew_at
+        _renew_now_until(client, lambda: lock._renew_at != before)
+        info = other.inspect("job")
+        assert info is not None and info.expires_in is not None
+        assert info.expires_in > 590, f"the renewal cut the lease to {info.expires_in:.0f} s"
+        assert lock._deadline - client._clock() > 590
+        lock.release()

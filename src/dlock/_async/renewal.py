@@ -182,25 +182,33 @@ class AsyncRenewer:
             return
         started = self._clock()
         time_left = min(lock._deadline for lock, _ in due) - started
+        # A renewal never shortens a lease: one the holder extended past the lock's TTL
+        # (extend(600) ahead of a long blocking call) keeps the end it was promised.
+        ttls = [max(lock.ttl, lock._deadline - started) for lock, _ in due]
         # The alarm watches every held lease, not just this batch's: while the call is
         # stuck, a short lease that is not yet due runs out too, and must be told then.
         first_end = min((lock._deadline for lock in tuple(self._locks)), default=math.inf)
-        writes = [lock._write_started(started, lock.ttl) for lock, _ in due]
+        writes = [
+            lock._write_started(started, ttl) for (lock, _), ttl in zip(due, ttls, strict=True)
+        ]
         try:
             alarm_in = min(time_left, first_end - started, LONGEST_SLEEP)
             with alarm(alarm_in, self._declare_overdue) as self._ring_soon:
                 try:
                     renewed = await call_with_timeout(
-                        self._backend.extend_many([lock._lease() for lock, _ in due]), time_left
+                        self._backend.extend_many(
+                            [lock._lease(ttl) for (lock, _), ttl in zip(due, ttls, strict=True)]
+                        ),
+                        time_left,
                     )
                 finally:
                     self._ring_soon = None
         except BaseException as exc:
             # Perhaps applied all the same (an answer lost, a call cut short): each lease
             # may now end as early as this renewal set it.
-            for (lock, _), write in zip(due, writes, strict=True):
-                lock._unanswered(lock.ttl)
-                lock._lease_unsure(started, lock.ttl, lock._write_done(write))
+            for (lock, _), ttl, write in zip(due, ttls, writes, strict=True):
+                lock._unanswered(ttl)
+                lock._lease_unsure(started, ttl, lock._write_done(write))
             if not isinstance(exc, Exception):
                 raise
             # Unreachable or slow backend: keep trying until each lease's own deadline.
@@ -223,14 +231,14 @@ class AsyncRenewer:
                 lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
             return
         caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
-        for (lock, generation), ok, cap in zip(due, renewed, caps, strict=True):
+        for (lock, generation), ttl, ok, cap in zip(due, ttls, renewed, caps, strict=True):
             if lock not in self._locks or lock._generation != generation:
                 # Released (and perhaps re-acquired) while we were renewing: the answer
                 # is not about the hold there is now, which the write may have reached.
-                lock._lease_unsure(started, lock.ttl, cap)
+                lock._lease_unsure(started, ttl, cap)
                 continue
             if ok:
-                lock._lease_renewed(started, lock.ttl, cap)
+                lock._lease_renewed(started, ttl, cap)
             else:
                 reason = "the backend no longer had the lease when renewing"
                 lock._declare_lost(reason, watchdog=True, generation=generation)

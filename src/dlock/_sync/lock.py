@@ -862,8 +862,8 @@ class Lock:
         if cancel_requests() > cancels:
             lost_cancel()  # extended, and the cancellation lost meanwhile
 
-    def _lease(self) -> Lease:
-        return Lease(self.name, self._token, self.ttl)
+    def _lease(self, ttl: float) -> Lease:
+        return Lease(self.name, self._token, ttl)
 
     def _declare_lost(
         self,
