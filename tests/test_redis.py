@@ -992,6 +992,36 @@ def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
         assert isinstance(wrap(exc, "here"), dlock.BackendUnavailable), exc
 
 
+def test_a_wrong_password_on_a_cluster_is_refused_not_unavailable() -> None:
+    """A cluster client that reached no node reports "cannot be connected", caused by
+    the nodes' refusal: retrying will not mend a password, so it is no BackendUnavailable."""
+    cluster = start_cluster()
+    try:
+        for node in cluster.nodes:
+            with redis.Redis(port=node.port) as admin:
+                admin.config_set("requirepass", "s3cret")
+        address = cluster.nodes[0].address
+
+        async def asynchronously(url: str) -> BaseException:
+            async with dlock.aio.connect(url) as client:
+                with pytest.raises(dlock.BackendError) as caught:
+                    await client.lock(unique()).acquire(timeout=0)
+            return caught.value
+
+        for url in (f"redis+cluster://:wrong@{address}", f"redis+cluster://{address}"):
+            with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as caught:
+                client.lock(unique()).acquire(timeout=0)
+            for error in (caught.value, asyncio.run(asynchronously(url))):
+                assert not isinstance(error, dlock.BackendUnavailable), error
+        with dlock.connect(f"redis+cluster://:s3cret@{address}") as client:
+            assert client.lock(unique()).acquire(timeout=0)
+    finally:
+        stop_every(cluster.nodes, RedisServer.remove)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
 def test_redlock_failed_quorum_gives_back_on_a_master_that_timed_out(
     own_masters: list[RedisServer],
 ) -> None:

@@ -216,14 +216,25 @@ def _tls_version(value: str) -> int:
         ) from None
 
 
-def _file_missing(error: BaseException) -> bool:
-    """A file that the client reads to connect (a TLS certificate or key) is missing or
-    unreadable, somewhere in ``error``'s chain: waiting will not mend that."""
+#: Refusals that waiting will not mend: the server's (password, ACL), or a file that the
+#: client reads to connect (a TLS certificate or key) missing or unreadable.
+REFUSALS = (
+    AuthenticationError,
+    AuthorizationError,
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+)
+
+
+def _refusal(error: BaseException) -> bool:
+    """One of REFUSALS somewhere in ``error``'s chain: a cluster client that reached no
+    node says "cannot be connected", caused by the last node's refusal."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        if isinstance(current, REFUSALS):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -239,9 +250,8 @@ def wrap(exc: Exception, where: str) -> BackendError:
     certificate) or a certificate file that is gone is a plain BackendError, which
     retrying will not mend, though redis-py calls it a ConnectionError."""
     if (
-        isinstance(exc, (AuthenticationError, AuthorizationError))
+        _refusal(exc)
         or certificate_refused(exc)
-        or _file_missing(exc)
         # cluster=true against a server that is not in a cluster: a wrong URL.
         or (isinstance(exc, RedisClusterException) and CLUSTER_MODE_OFF in str(exc))
     ):
