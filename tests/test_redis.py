@@ -146,6 +146,40 @@ def test_lost_wakeup_still_acquires_by_timer(own_server: RedisServer) -> None:
         assert got[0] - released < 3.0  # the core's fallback timer (2 s) let it in
 
 
+def test_a_waiter_whose_subscription_dropped_subscribes_again_rather_than_polling(
+    own_server: RedisServer,
+) -> None:
+    """A dropped pub/sub connection (a restart, a network fault) must not leave the waiter
+    polling for the rest of a wait that may last long: it subscribes again."""
+    name = unique()
+    admin = redis.Redis(port=own_server.port)
+    channels = f"dlock:{{n:{name}}}:wake:*"
+    with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
+        deadline = time.monotonic() + 5
+        while not admin.pubsub_channels(channels) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert admin.client_kill_filter(_type="pubsub") >= 1
+
+        def attempts_in(seconds: float) -> int:
+            admin.config_resetstat()
+            time.sleep(seconds)
+            return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+        # It polls (UNHEARD_POLL) until it has subscribed again (RESUBSCRIBE_AFTER).
+        deadline = time.monotonic() + 5
+        while (polled := attempts_in(0.3)) > 1 and time.monotonic() < deadline:
+            pass
+        assert polled <= 1, f"the waiter kept polling: {polled} attempts in 0.3 s"
+        assert admin.pubsub_channels(channels)
+        released = time.monotonic()
+        holder.release()
+        assert acquired() is True
+        assert time.monotonic() - released < 1.0
+
+
 def test_unreleased_lease_lets_waiter_in_when_it_expires(own_server: RedisServer) -> None:
     name = unique()
     with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:

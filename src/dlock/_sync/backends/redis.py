@@ -92,6 +92,11 @@ QUEUE_TTL = 6.0
 LINGER = 1.0
 #: Seconds between attempts of a waiter that cannot subscribe (e.g. pub/sub refused).
 UNHEARD_POLL = 0.1
+#: Seconds after which a waiter whose subscription failed or dropped (a restart, a
+#: network fault) subscribes again, polling meanwhile: a wait may last long. Doubled
+#: after each failure, so a server that stays unreachable (a Redlock master whose
+#: connects time out) is not tried every second.
+RESUBSCRIBE_AFTER = 1.0
 #: Idle pub/sub connections kept for the next waiter.
 IDLE_SUBSCRIBERS = 8
 
@@ -326,15 +331,26 @@ class _PubSubWaiter(Waiter):
         self._channel = channel
         self._token = token
         self.broken = False
+        #: When a broken waiter subscribes again (never if pub/sub was refused).
+        self._resubscribe_at = math.inf
+        self._resubscribe_after = RESUBSCRIBE_AFTER
+
+    def _unheard(self, error: Exception) -> None:
+        """No subscription: waiting still works on the core's timer and the lease's time
+        left, only later. Tried again after a while, unless refused (ACL, password)."""
+        self.broken = True
+        if isinstance(wrap(error, self._backend._where), BackendUnavailable):
+            self._resubscribe_at = time.monotonic() + self._resubscribe_after
+            self._resubscribe_after *= 2
 
     def wait(self, timeout: float) -> Acquired | None:
+        if self.broken and time.monotonic() >= self._resubscribe_at:
+            self.broken, self._resubscribe_at = False, math.inf
         if self.pubsub is None and not self.broken:
             try:
                 self.pubsub = self._backend.subscribe(self._channel)
-            except (*ERRORS, OSError):
-                # No subscription (e.g. a node that refuses pub/sub): waiting still works
-                # on the core's timer and the lease's time left, only later.
-                self.broken = True
+            except (*ERRORS, OSError) as exc:
+                self._unheard(exc)
             # A release before the subscription was not heard: the caller tries again now.
             return None
         deadline = time.monotonic() + timeout
@@ -350,9 +366,11 @@ class _PubSubWaiter(Waiter):
                 return None
             try:
                 message = self.pubsub.get_message(ignore_subscribe_messages=True, timeout=remaining)
-            except (*ERRORS, OSError):
+            except (*ERRORS, OSError) as exc:
                 # The subscription is gone: the core's timer still lets us in.
-                self.broken = True
+                pubsub, self.pubsub = self.pubsub, None
+                self._backend._aclose_quietly(pubsub)
+                self._unheard(exc)
                 continue
             except (TypeError, ValueError):
                 # The client closed under this wait (the sync face: from another thread)
