@@ -1001,6 +1001,57 @@ def test_a_busy_server_is_unavailable_not_refused(own_server: RedisServer) -> No
         admin.close()
 
 
+def test_a_cluster_waiter_is_woken_with_the_seed_node_down() -> None:
+    """Waiters listen on the node that serves the name's slot, not on the seed node of
+    the URL: with the seed down (the rest of the cluster serving) they are still woken,
+    and do not poll for as long as it stays down."""
+    cluster = start_cluster()
+    try:
+        for node in cluster.nodes:
+            with redis.Redis(port=node.port) as admin:
+                admin.config_set("cluster-require-full-coverage", "no")
+        seed = cluster.nodes[0]
+        with redis.RedisCluster(host="127.0.0.1", port=seed.port) as mapped:
+            name = next(
+                name
+                for name in iter(unique, None)
+                if mapped.get_node_from_key(Keys(b"dlock", name).lease).port != seed.port
+            )
+            port = mapped.get_node_from_key(Keys(b"dlock", name).lease).port
+        admin = redis.Redis(port=port)
+        with dlock.connect(cluster.url) as first, dlock.connect(cluster.url) as second:
+            holder = first.lock(name, ttl=30)
+            holder.acquire()
+            acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
+            deadline = time.monotonic() + 5
+            while not admin.exists(Keys(b"dlock", name).queue) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seed.kill()
+
+            def attempts_in(seconds: float) -> int:
+                admin.config_resetstat()
+                time.sleep(seconds)
+                stats = admin.info("commandstats")
+                return sum(
+                    int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval")
+                )
+
+            deadline = time.monotonic() + 5
+            while (polled := attempts_in(0.3)) > 1 and time.monotonic() < deadline:
+                pass
+            assert polled <= 1, f"the waiter kept polling: {polled} attempts in 0.3 s"
+            released = time.monotonic()
+            holder.release()
+            assert acquired() is True
+            assert time.monotonic() - released < 1.0
+            admin.close()
+    finally:
+        stop_every(cluster.nodes, RedisServer.remove)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
 def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
     from redis.crc import key_slot
 

@@ -135,6 +135,15 @@ def split_url(url: str) -> SplitResult:
     return parts
 
 
+def _with_server(url: str, host: str, port: int) -> str:
+    """``url`` naming another server (a cluster's node), with its credentials and options."""
+    parts = urlsplit(url)
+    auth, at, _ = parts.netloc.rpartition("@")
+    if ":" in host:
+        host = f"[{host}]"
+    return urlunsplit(parts._replace(netloc=f"{auth}{at}{host}:{port}"))
+
+
 def _check_database(path: str, db: str | None) -> None:
     """The database number, given once and as digits: redis-py reads a path it cannot
     parse as database 0, and lets ``?db=`` override the path, so a typo would put the
@@ -487,7 +496,8 @@ class AsyncRedisBackend(AsyncBackend):
         self._prefix = prefix.encode("utf-8")
         self._client_options = client_options or {}
         self._queue_ttl_ms = _ms(queue_ttl)
-        self._subscriber: Any = None
+        #: Clients that pub/sub connections are made from, by server URL (see _listen_on).
+        self._subscribers: dict[str, Any] = {}
         #: After aclose(): calls are refused rather than reconnecting.
         self._closed = False
         #: The event loop the connections above were made in (asyncio face).
@@ -592,8 +602,7 @@ class AsyncRedisBackend(AsyncBackend):
             return
         with self._creating:
             if self._loop is not None:
-                self._idle = []
-                self._subscriber = None
+                self._idle, self._subscribers = [], {}
                 if self._owns_client:
                     self._client = self._connections = None
                 else:
@@ -605,7 +614,7 @@ class AsyncRedisBackend(AsyncBackend):
         sockets are the parent's, to neither use nor close (a child subscribing one to
         its own channel would take the parent's wake-ups away). Command connections
         check for a fork themselves (_Connections, redis-py's pools)."""
-        self._idle, self._subscriber = [], None
+        self._idle, self._subscribers = [], {}
 
     def _get_client(self) -> Any:
         self._check_open()
@@ -810,24 +819,32 @@ class AsyncRedisBackend(AsyncBackend):
         calls = [((self._keys(x.name).lease,), (x.token, _ms(x.ttl))) for x in leases]
         return [bool(int(r)) for r in await self._call_many(scripts.EXTEND, calls)]
 
-    def _new_pubsub(self) -> Any:
-        """A pub/sub connection. On a cluster, a classic PUBLISH reaches every node, so
-        a plain connection to one node hears releases of every slot."""
+    async def _listen_on(self, channel: bytes) -> str | None:
+        """The URL of the server to subscribe to ``channel`` on; None for a given client,
+        whose own pub/sub picks it. On a cluster, the node that serves the name's slot
+        by the client's map: a classic PUBLISH reaches every node, but the seed node of
+        the URL may be down while the name's node serves the lock and publishes its
+        releases."""
+        if self._url is None or not self._cluster:
+            return self._url
+        client = self._get_client()
+        if IS_ASYNC:
+            await client.initialize()  # the sync face's client maps slots as it is made
+        node = client.get_node_from_key(channel)
+        return _with_server(self._url, node.host, node.port)
+
+    def _new_pubsub(self, url: str | None) -> Any:
+        """A pub/sub connection to ``url`` (see _listen_on)."""
         self._follow_loop()
         self._follow_fork()
         with self._creating:
             self._check_open()
-            return self._create_pubsub()
-
-    def _create_pubsub(self) -> Any:
-        if self._subscriber is None:
-            if self._url is not None:
-                self._subscriber = redis_client.Redis.from_url(
-                    self._url, **self._connection_options()
-                )
-            else:
-                self._subscriber = self._client
-        return self._subscriber.pubsub()
+            if url is None:
+                return self._client.pubsub()
+            if url not in self._subscribers:
+                options = self._connection_options()
+                self._subscribers[url] = redis_client.Redis.from_url(url, **options)
+            return self._subscribers[url].pubsub()
 
     @asynccontextmanager
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:
@@ -878,7 +895,7 @@ class AsyncRedisBackend(AsyncBackend):
         pubsub, subscribed = self._take_idle(channel)
         try:
             if pubsub is None:
-                pubsub = self._new_pubsub()
+                pubsub = self._new_pubsub(await self._listen_on(channel))
             if subscribed != channel:
                 if subscribed is not None:
                     await pubsub.unsubscribe(subscribed)
@@ -1012,8 +1029,8 @@ class AsyncRedisBackend(AsyncBackend):
         idle, self._idle = self._idle, []
         for pubsub, _, _ in idle:
             await self._aclose_quietly(pubsub)
-        subscriber, self._subscriber = self._subscriber, None
-        if subscriber is not None and subscriber is not self._client:
+        subscribers, self._subscribers = self._subscribers, {}
+        for subscriber in subscribers.values():
             await self._aclose_quietly(subscriber)
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
