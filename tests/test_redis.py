@@ -180,6 +180,32 @@ def test_a_waiter_whose_subscription_dropped_subscribes_again_rather_than_pollin
         assert time.monotonic() - released < 1.0
 
 
+def test_a_release_to_a_waiter_is_not_an_error_when_the_user_may_not_publish(
+    own_server: RedisServer,
+) -> None:
+    """Redis 7 gives a new ACL user no channels (acl-pubsub-default resetchannels): the
+    scripts' PUBLISH is refused. A release (or force release) that hands the lock on has
+    freed it all the same, so it must not fail; the waiter, unheard, polls."""
+    admin = redis.Redis(port=own_server.port)
+    admin.acl_setuser("locker", enabled=True, passwords=["+pw"], keys=["~*"], commands=["+@all"])
+    url = f"redis://locker:pw@{own_server.address}/0"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        for free in (dlock.Lock.release, lambda lock: first.force_release(lock.name)):
+            holder = first.lock(unique(), ttl=30)
+            holder.acquire()
+            waiter = second.lock(holder.name, ttl=30)
+            acquired = acquire_in_thread(waiter, timeout=5)
+            deadline = time.monotonic() + 5
+            while not admin.exists(Keys(b"dlock", holder.name).queue):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            free(holder)
+            assert acquired() is True
+            assert waiter.fencing_token is not None
+            assert waiter.fencing_token > (holder.fencing_token or 0)
+            waiter.release()
+
+
 def test_unreleased_lease_lets_waiter_in_when_it_expires(own_server: RedisServer) -> None:
     name = unique()
     with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:

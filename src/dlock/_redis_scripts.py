@@ -103,13 +103,16 @@ end
 -- grant alone) the message only wakes it. Each waiter has its own channel: no herd.
 -- ``releaser`` is not woken: a Redlock waiter keeps its place while it gives back a
 -- minority's grant, and waking itself, it would retry at once, in a loop.
+-- PUBLISH by pcall: an ACL user without channels (Redis 7's default for new users) is
+-- refused it, and an error would end the script after the lease was freed and granted,
+-- telling the caller its release failed; an unheard waiter finds its grant by polling.
 local function hand_on(lease, fence, queue, qexp, info, wake, hand_over, releaser)
     prune(queue, qexp, info)
     local head = redis.call('ZRANGE', queue, 0, 0)[1]
     if not head then return end
     local entry = redis.call('HGET', info, head)
     if hand_over ~= '1' or not entry then
-        if head ~= releaser then redis.call('PUBLISH', wake .. head, '') end
+        if head ~= releaser then redis.pcall('PUBLISH', wake .. head, '') end
         return
     end
     local ttl_ms, attempt, holder = string.match(entry, '^(%d+) (%d+) (.*)$')
@@ -122,7 +125,7 @@ local function hand_on(lease, fence, queue, qexp, info, wake, hand_over, release
     if place_ends then px = math.max(1, math.min(px, tonumber(place_ends) - now_ms())) end
     local f = grant(lease, fence, head, px, holder)
     leave(queue, qexp, info, {head})
-    redis.call('PUBLISH', wake .. head, attempt .. ' ' .. f .. ' ' .. ttl_ms)
+    redis.pcall('PUBLISH', wake .. head, attempt .. ' ' .. f .. ' ' .. ttl_ms)
 end
 """
 
