@@ -14,7 +14,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1410,7 +1410,7 @@ def test_a_renewal_overlapping_the_last_release_tells_no_loss(
         in_flight, go_on = threading.Event(), threading.Event()
         renewals: list[list[str]] = []
 
-        def held_up(leases: list[Any]) -> list[bool]:
+        def held_up(leases: list[Any]) -> Sequence[bool | None]:
             names = [lease.name for lease in leases]
             if "job" in names and not in_flight.is_set():
                 in_flight.set()
@@ -1443,7 +1443,7 @@ def test_a_renewal_overlapping_the_last_release_tells_no_loss(
             in_flight, go_on = asyncio.Event(), asyncio.Event()
             renewals: list[list[str]] = []
 
-            async def held_up(leases: list[Any]) -> list[bool]:
+            async def held_up(leases: list[Any]) -> Sequence[bool | None]:
                 names = [lease.name for lease in leases]
                 if "async-job" in names and not in_flight.is_set():
                     in_flight.set()
@@ -2683,7 +2683,7 @@ def test_an_on_lost_closing_the_client_stops_the_renewal_round_it_ran_in(
         closed_when_renewing: list[bool] = []
         real_extend_many = client._backend.extend_many
 
-        def extend_many(leases: list[Any]) -> list[bool]:
+        def extend_many(leases: list[Any]) -> Sequence[bool | None]:
             closed_when_renewing.append(client._closed)
             return real_extend_many(leases)
 
@@ -2746,7 +2746,7 @@ def test_a_lease_taken_while_a_renewal_is_stuck_is_told_lost_at_its_deadline(
         real_extend_many = client._backend.extend_many
         stuck, go_on = threading.Event(), threading.Event()
 
-        def held_up(leases: list[Any]) -> list[bool]:
+        def held_up(leases: list[Any]) -> Sequence[bool | None]:
             stuck.set()
             go_on.wait(10)
             return real_extend_many(leases)
@@ -2770,7 +2770,7 @@ def test_a_lease_taken_while_a_renewal_is_stuck_is_told_lost_at_its_deadline(
             real_extend_many = client._backend.extend_many
             stuck, go_on = asyncio.Event(), asyncio.Event()
 
-            async def held_up(leases: list[Any]) -> list[bool]:
+            async def held_up(leases: list[Any]) -> Sequence[bool | None]:
                 stuck.set()
                 await asyncio.wait_for(go_on.wait(), 10)
                 return await real_extend_many(leases)

@@ -1078,6 +1078,44 @@ def test_a_cluster_waiter_is_woken_with_the_seed_node_down() -> None:
         gc.collect()
 
 
+def test_a_cluster_node_down_no_longer_loses_the_leases_held_on_other_nodes() -> None:
+    """Renewal batches a client's leases; on a cluster one batch spans nodes, and a node
+    that is down (before a failover, or for good) must not keep the leases held on the
+    nodes that serve from being renewed: they would be lost with it."""
+    cluster = start_cluster()
+    try:
+        for node in cluster.nodes:
+            with redis.Redis(port=node.port) as admin:
+                admin.config_set("cluster-require-full-coverage", "no")
+        victim = cluster.nodes[2]
+        names: dict[int, str] = {}
+        with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
+            while len(names) < len(cluster.nodes):
+                name = unique()
+                names.setdefault(mapped.get_node_from_key(Keys(b"dlock", name).lease).port, name)
+        with dlock.connect(cluster.url) as client:
+            locks = {port: client.lock(name, ttl=1.0) for port, name in names.items()}
+            for lock in locks.values():
+                assert lock.acquire(timeout=0)
+            victim.kill()
+            deadline = time.monotonic() + 5
+            while not locks[victim.port].lost:
+                assert time.monotonic() < deadline, "the lease on the dead node outlived its TTL"
+                time.sleep(0.05)
+            time.sleep(1.0)  # another TTL: only renewals kept the others
+            for port, lock in locks.items():
+                if port != victim.port:
+                    assert lock.owned(), "a lease on a live node was lost with the dead one"
+                    info = client.inspect(lock.name)
+                    assert info is not None and info.fencing_token == lock.fencing_token
+                    lock.release()
+    finally:
+        stop_every(cluster.nodes, RedisServer.remove)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
 def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
     from redis.crc import key_slot
 

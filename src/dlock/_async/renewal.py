@@ -204,11 +204,8 @@ class AsyncRenewer:
                 finally:
                     self._ring_soon = None
         except BaseException as exc:
-            # Perhaps applied all the same (an answer lost, a call cut short): each lease
-            # may now end as early as this renewal set it.
             for (lock, _), ttl, write in zip(due, ttls, writes, strict=True):
-                lock._unanswered(ttl)
-                lock._lease_unsure(started, ttl, lock._write_done(write))
+                self._retry_later(lock, started, ttl, lock._write_done(write))
             if not isinstance(exc, Exception):
                 raise
             # Unreachable or slow backend: keep trying until each lease's own deadline.
@@ -227,21 +224,39 @@ class AsyncRenewer:
                 time_left,
                 exc,
             )
-            for lock, _ in due:
-                lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
             return
         caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
+        unasked = 0
         for (lock, generation), ttl, ok, cap in zip(due, ttls, renewed, caps, strict=True):
             if lock not in self._locks or lock._generation != generation:
                 # Released (and perhaps re-acquired) while we were renewing: the answer
                 # is not about the hold there is now, which the write may have reached.
                 lock._lease_unsure(started, ttl, cap)
                 continue
-            if ok:
+            if ok is None:
+                # Its server could not be asked (see extend_many): as a failed renewal.
+                self._retry_later(lock, started, ttl, cap)
+                unasked += 1
+            elif ok:
                 lock._lease_renewed(started, ttl, cap)
             else:
                 reason = "the backend no longer had the lease when renewing"
                 lock._declare_lost(reason, watchdog=True, generation=generation)
+        if unasked:
+            logger.warning(
+                "dlock: renewing %d of %d lease(s) failed: their server could not be asked;"
+                " will retry while they last",
+                unasked,
+                len(due),
+            )
+
+    def _retry_later(self, lock: AsyncLock, started: float, ttl: float, cap: float) -> None:
+        """A renewal with no answer may have been applied all the same (an answer lost,
+        a call cut short): the lease may now end as early as it set. Tried again soon,
+        until the lease's deadline."""
+        lock._unanswered(ttl)
+        lock._lease_unsure(started, ttl, cap)
+        lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
 
     def _check_unrenewed(self) -> None:
         """Tell the loss of held leases that are not renewed (``auto_renew=False``) and

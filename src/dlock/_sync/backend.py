@@ -78,8 +78,12 @@ class Backend(ABC):
     def extend(self, name: str, token: str, ttl: float) -> bool:
         """Make the lease end ``ttl`` seconds from now; False if ``token`` does not hold it."""
 
-    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
-        """Renew many leases at once. Backends override this to batch round trips."""
+    def extend_many(self, leases: Sequence[Lease]) -> Sequence[bool | None]:
+        """Renew many leases at once. Backends override this to batch round trips.
+
+        None for a lease whose server could not be asked while others' were (a cluster's
+        node that is down): it is as unsure as if the whole call had failed, and the
+        leases renewed elsewhere are not lost with it."""
         return [self.extend(lease.name, lease.token, lease.ttl) for lease in leases]
 
     @contextmanager

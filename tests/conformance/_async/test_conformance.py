@@ -455,7 +455,7 @@ async def test_one_client_renews_many_locks_together(url: str, name: str) -> Non
         renew_batches: list[int] = []
         extend_many = backend.extend_many
 
-        async def counting_extend_many(leases: Sequence[Lease]) -> list[bool]:
+        async def counting_extend_many(leases: Sequence[Lease]) -> Sequence[bool | None]:
             renew_batches.append(len(leases))
             return await extend_many(leases)
 

@@ -450,7 +450,7 @@ def test_one_client_renews_many_locks_together(url: str, name: str) -> None:
         renew_batches: list[int] = []
         extend_many = backend.extend_many
 
-        def counting_extend_many(leases: Sequence[Lease]) -> list[bool]:
+        def counting_extend_many(leases: Sequence[Lease]) -> Sequence[bool | None]:
             renew_batches.append(len(leases))
             return extend_many(leases)
 

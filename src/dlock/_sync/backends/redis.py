@@ -808,9 +808,46 @@ class RedisBackend(Backend):
     def extend(self, name: str, token: str, ttl: float) -> bool:
         return bool(int(self._call(scripts.EXTEND, (self._keys(name).lease,), (token, _ms(ttl)))))
 
-    def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
+    def extend_many(self, leases: Sequence[Lease]) -> list[bool | None]:
         calls = [((self._keys(x.name).lease,), (x.token, _ms(x.ttl))) for x in leases]
+        if self._cluster:
+            return self._extend_by_node(calls)
         return [bool(int(r)) for r in self._call_many(scripts.EXTEND, calls)]
+
+    def _extend_by_node(
+        self, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
+    ) -> list[bool | None]:
+        """A cluster's renewal, one pipeline per node (as redis-py's would send): a node
+        that cannot be reached, or a slot nobody serves, leaves its leases unknown (None)
+        rather than failing those of the nodes that answer. Raises if none answers."""
+        client = self._get_client()
+        groups: dict[str | None, list[int]] = {}
+        try:
+            if IS_ASYNC:
+                client.initialize()  # the sync face's client maps slots as it is made
+            for i, (keys, _) in enumerate(calls):
+                try:
+                    node = client.get_node_from_key(keys[0]).name
+                except SlotNotCoveredError:
+                    node = None
+                groups.setdefault(node, []).append(i)
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+        results: list[bool | None] = [None] * len(calls)
+        failure: BackendError | None = None
+        for node, indices in groups.items():
+            if node is None:
+                continue
+            try:
+                answers = self._call_many(scripts.EXTEND, [calls[i] for i in indices])
+            except BackendUnavailable as exc:
+                failure = exc
+                continue
+            for i, answer in zip(indices, answers, strict=True):
+                results[i] = bool(int(answer))
+        if failure is not None and all(result is None for result in results):
+            raise failure
+        return results
 
     def _listen_on(self, channel: bytes) -> str | None:
         """The URL of the server to subscribe to ``channel`` on; None for a given client,
