@@ -206,6 +206,36 @@ def test_a_release_to_a_waiter_is_not_an_error_when_the_user_may_not_publish(
             waiter.release()
 
 
+def test_a_live_waiter_no_longer_loses_its_place_to_a_short_queue_ttl(
+    redis_server: RedisServer,
+) -> None:
+    """A waiter refreshes its place with each attempt, and waits for a release up to the
+    core's fallback (2 s): with a queue_ttl shorter than that, a live waiter's place
+    lapsed between attempts and a later arrival was handed the lock before it."""
+    url = url_of(redis_server)
+    with (
+        dlock.connect(url) as first,
+        dlock.connect(url + "?queue_ttl=0.6") as second,
+        dlock.connect(url + "?queue_ttl=0.6") as third,
+    ):
+        holder = first.lock(unique(), ttl=30)
+        holder.acquire()
+        early, late = second.lock(holder.name, ttl=30), third.lock(holder.name, ttl=30)
+        early_acquired = acquire_in_thread(early, timeout=10)
+        time.sleep(1.2)  # twice the early waiter's queue_ttl since it joined
+        late_acquired = acquire_in_thread(late, timeout=10)
+        time.sleep(0.1)
+        holder.release()
+        deadline = time.monotonic() + 3
+        while not (early.owned() or late.owned()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not late.owned(), "the later arrival was served first"
+        assert early_acquired() is True
+        early.release()
+        assert late_acquired() is True
+        late.release()
+
+
 def test_unreleased_lease_lets_waiter_in_when_it_expires(own_server: RedisServer) -> None:
     name = unique()
     with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:

@@ -361,7 +361,11 @@ class _PubSubWaiter(AsyncWaiter):
                 self._unheard(exc)
             # A release before the subscription was not heard: the caller tries again now.
             return None
-        deadline = time.monotonic() + timeout
+        # Each attempt refreshes this waiter's place in the queue, which a wait as long
+        # as the core's fallback (2 s) would outlast with a short queue_ttl (not polling
+        # faster than an unheard waiter for a tiny one).
+        refresh = max(self._backend._queue_ttl_ms / 3000, UNHEARD_POLL)
+        deadline = time.monotonic() + min(timeout, refresh)
         cancels = cancel_requests()
         while (remaining := deadline - time.monotonic()) > 0:
             if cancel_requests() > cancels:
