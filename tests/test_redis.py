@@ -1847,3 +1847,49 @@ def test_a_slow_redlock_renewal_loses_only_the_leases_it_outlasted(
         assert backend.release(name, name) == 0
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("flavour", ["redis", "redis-cluster", "redlock"])
+def test_inspect_names_the_waiters_in_line(request: pytest.FixtureRequest, flavour: str) -> None:
+    """Redis keeps a queue of waiters, as ZooKeeper does: inspect (and `dlock status`)
+    names them in order, as ZooKeeper's does, not an empty line."""
+    if flavour == "redis":
+        url = f"redis://{request.getfixturevalue('redis_server').address}/0"
+    elif flavour == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        url = make_redlock_url(request.getfixturevalue("redlock_servers"))
+    name = unique()
+    with dlock.connect(url, label="holder") as holder_client:
+        holder = holder_client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiters = []
+        for label in ("first", "second"):
+            client = dlock.connect(url, label=label)
+            lock = client.lock(name, ttl=30)
+            thread = threading.Thread(target=lock.acquire, kwargs={"timeout": 10})
+            thread.start()
+            waiters.append((client, lock, thread))
+            deadline = time.monotonic() + 10
+            while [w.label for w in _waiters(holder_client, name)][-1:] != [label]:
+                assert time.monotonic() < deadline, f"{label} never showed as waiting"
+                time.sleep(0.01)
+        assert [w.label for w in _waiters(holder_client, name)] == ["first", "second"]
+        holder.release()
+        _, first, thread = waiters[0]
+        thread.join(10)
+        assert first.owned()
+        info = holder_client.inspect(name)
+        assert info is not None and info.holder.label == "first"
+        assert [w.label for w in info.waiters] == ["second"]
+        first.release()
+        for client, lock, thread in waiters:
+            thread.join(10)
+            if lock.owned():
+                lock.release()
+            client.close()
+
+
+def _waiters(client: dlock.Client, name: str) -> tuple[dlock.Holder, ...]:
+    info = client.inspect(name)
+    return () if info is None else info.waiters

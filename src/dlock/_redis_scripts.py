@@ -271,14 +271,26 @@ return 1
 """
 )
 
-#: KEYS lease. Returns {fence, count, holder, ms_left} or an empty reply when free.
+#: KEYS lease queue qexp info. Returns {fence, count, holder, ms_left, waiter holders...}
+#: (the waiters whose places are live, in queue order), or an empty reply when free.
 INSPECT = Script(
     _PARSE
     + """
 local value = redis.call('GET', KEYS[1])
 if not value then return {} end
 local _, count, f, holder = parse(value)
-return {f, count, holder, redis.call('PTTL', KEYS[1])}
+local reply = {f, count, holder, redis.call('PTTL', KEYS[1])}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, token in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    local ends = redis.call('ZSCORE', KEYS[3], token)
+    local entry = redis.call('HGET', KEYS[4], token)
+    if ends and tonumber(ends) > now and entry then
+        local waiting = string.match(entry, '^%d+ %d+ (.*)$')
+        if waiting then reply[#reply + 1] = waiting end
+    end
+end
+return reply
 """
 )
 

@@ -50,7 +50,8 @@ class LockInfo:
     expires_in: float | None
     #: How many times the holder has entered a reentrant lock.
     count: int = 1
-    #: Holders waiting in line, in order, where the backend keeps a queue (ZooKeeper).
+    #: Holders waiting in line, in order, where the backend keeps a queue (ZooKeeper,
+    #: Redis).
     waiters: tuple[Holder, ...] = ()
 
 

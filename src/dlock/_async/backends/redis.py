@@ -1011,17 +1011,23 @@ class AsyncRedisBackend(AsyncBackend):
     def _info(self, name: str, reply: Any) -> LockInfo | None:
         if not reply:
             return None
-        fence, count, holder, left = reply
+        fence, count, holder, left, *waiting = reply
         return LockInfo(
             name=name,
             fencing_token=int(fence),
             holder=Holder.from_json(holder),
             expires_in=int(left) / 1000 if int(left) >= 0 else None,
             count=int(count),
+            waiters=tuple(Holder.from_json(waiter) for waiter in waiting),
         )
 
+    def _inspected(self, name: str) -> tuple[bytes, ...]:
+        """The keys INSPECT reads: the lease, and the queue of its waiters."""
+        k = self._keys(name)
+        return (k.lease, k.queue, k.qexp, k.info)
+
     async def inspect(self, name: str) -> LockInfo | None:
-        return self._info(name, await self._call(scripts.INSPECT, (self._keys(name).lease,), ()))
+        return self._info(name, await self._call(scripts.INSPECT, self._inspected(name), ()))
 
     async def _scan_names(self, prefix: str) -> list[str]:
         """Names of leases under ``prefix``: SCAN (never KEYS), on every cluster master."""
@@ -1044,7 +1050,7 @@ class AsyncRedisBackend(AsyncBackend):
     async def list(self, prefix: str) -> list[LockInfo]:
         names = await self._scan_names(prefix)
         replies = await self._call_many(
-            scripts.INSPECT, [((self._keys(name).lease,), ()) for name in names]
+            scripts.INSPECT, [(self._inspected(name), ()) for name in names]
         )
         infos = (self._info(name, reply) for name, reply in zip(names, replies, strict=True))
         return [info for info in infos if info is not None]

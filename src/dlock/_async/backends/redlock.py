@@ -328,6 +328,8 @@ class AsyncRedlockBackend(AsyncBackend):
                     holder=info.holder,
                     expires_in=min(lefts) if lefts else None,
                     count=info.count,
+                    # A waiter joins each master's queue in turn: the longest names all.
+                    waiters=max((x.waiters for x in same), key=len),
                 )
         return None
 
