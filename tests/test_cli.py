@@ -1076,3 +1076,37 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(
         errors = process.stderr.read()
         assert process.wait(30) == 141, errors
         assert errors == ""
+
+
+#: Keeps the SQLite file argv[1] write-locked from when it creates argv[2] until
+#: argv[3] appears (or 20 s have passed), from outside the command's process group.
+WRITE_LOCKER = """
+import os, sqlite3, sys, time
+connection = sqlite3.connect(sys.argv[1], isolation_level=None)
+connection.execute("BEGIN IMMEDIATE")
+open(sys.argv[2], "w").close()
+deadline = time.monotonic() + 20
+while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+    time.sleep(0.01)
+"""
+
+
+def test_a_release_that_fails_after_the_command_no_longer_hides_its_status(
+    db: str, name: str, tmp_path: Path
+) -> None:
+    """The command ran to its end under the lock; the give-back that then fails (the
+    file kept write-locked past busy_timeout) is told on stderr, and the command's
+    status is passed on. dlock exited 69, "worth retrying": a script that retries on it
+    ran the command again."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    script = (
+        f'setsid "$PYTHON" -c "$LOCKER" {tmp_path}/cli.sqlite3 {ready} {go} >/dev/null 2>&1 & '
+        f"until [ -e {ready} ]; do sleep 0.01; done; exit 3"
+    )
+    env = {**os.environ, "PYTHON": sys.executable, "LOCKER": WRITE_LOCKER}
+    try:
+        result = dlock_cmd(f"{db}?busy_timeout=0.2", "run", name, "--", "sh", "-c", script, env=env)
+    finally:
+        go.touch()
+    assert result.returncode == 3, result.stderr
+    assert "database is locked" in result.stderr and repr(name) in result.stderr

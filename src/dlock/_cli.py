@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
             "process group of its own: signals to dlock are passed to the whole group, and "
             "the lock is released only once no process of the group is left (what the "
             "command leaves running is stopped: TERM, then KILL after --grace). Exit "
-            "status: the command's; the conflict code if the lock was not acquired; "
+            "status: the command's (also if giving the lock back then fails); the "
+            "conflict code if the lock was not acquired; "
             f"{EXIT_LOST} if the lease was lost (the group is stopped the same way); "
             f"{EXIT_UNAVAILABLE} if the backend could not be reached, {EXIT_REFUSED} if it "
             "refused or failed (credentials, privileges, a read-only replica); 128+N if "
@@ -417,6 +418,14 @@ def finish(job: Job, lock: Lock, grace: float) -> int:
     except LockLost as exc:
         print(f"dlock: {exc}; the command may have run without the lock", file=sys.stderr)
         return EXIT_LOST
+    except BackendError as exc:
+        # The command ran to its end under the lock: its status stands. The backend's
+        # (69, "worth retrying") would have a script run it again.
+        print(
+            f"dlock: the command has ended, but giving back {lock.name!r} failed ({exc}); "
+            "it is free once its lease runs out",
+            file=sys.stderr,
+        )
     return 128 - status if status < 0 else status
 
 
