@@ -807,3 +807,18 @@ def test_a_relative_path_names_the_file_of_the_directory_the_client_was_made_in(
         held.extend()
         held.release()
     assert not (elsewhere / "locks.db").exists()
+
+
+def test_a_table_named_by_a_keyword_is_no_longer_a_syntax_error(tmp_path: Path) -> None:
+    """``?table=`` takes any plain identifier, as on the server backends (which quote
+    it): ``order`` failed every statement with a syntax error, a ``BackendError``. A
+    name SQLite keeps for itself (``sqlite_...``) is refused as configuration."""
+    path = tmp_path / "keywords.db"
+    for table in ("order", "group", "Select"):
+        with dlock.connect(f"sqlite://{path}?table={table}") as client:
+            with client.lock("x", ttl=5) as lock:
+                assert lock.fencing_token == 1
+                assert client.inspect("x") is not None
+            assert client.prune(600) == 0
+    with pytest.raises(dlock.ConfigurationError, match="sqlite_"):
+        dlock.connect(f"sqlite://{path}?table=SQLite_locks")

@@ -157,6 +157,10 @@ class AsyncSQLiteBackend(AsyncBackend):
         # file the first one did, whatever directory the process has moved to since.
         self._path = os.path.abspath(path)
         self._table = check_identifier(table, "table")
+        if self._table.lower().startswith("sqlite_"):
+            raise ConfigurationError(
+                f"table {table!r}: SQLite keeps names that start with sqlite_ for itself"
+            )
         if synchronous not in SYNCHRONOUS_MODES:
             raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self._synchronous = synchronous
@@ -168,7 +172,8 @@ class AsyncSQLiteBackend(AsyncBackend):
         # and the thread using it (see dlock._sqlite_fork).
         self._mutex = threading.Lock()
         self._user: int | None = None
-        self._sql = sqlite_statements(self._table)
+        # Quoted: a plain identifier may be a keyword (``order``), as the servers allow.
+        self._sql = sqlite_statements(f'"{self._table}"')
         _sqlite_fork.register(self)  # its connection is closed before a fork
 
     @classmethod
