@@ -1110,3 +1110,23 @@ def test_a_release_that_fails_after_the_command_no_longer_hides_its_status(
         go.touch()
     assert result.returncode == 3, result.stderr
     assert "database is locked" in result.stderr and repr(name) in result.stderr
+
+
+def test_an_empty_url_no_longer_runs_under_the_default_file(tmp_path: Path) -> None:
+    """``--url "$LOCKS"`` with LOCKS unset, or an empty ``$DLOCK_URL``: the command ran
+    under the per-user SQLite file, excluding nothing on other hosts. A usage error
+    now, and nothing runs."""
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}
+    for args, url in (
+        (["--url", "", "run", "x", "--", "touch", "ran"], None),
+        (["run", "--url", "", "x", "--", "touch", "ran"], None),
+        (["run", "x", "--", "touch", "ran"], ""),
+    ):
+        if url is not None:
+            env["DLOCK_URL"] = url
+        result = subprocess.run(
+            [DLOCK, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30
+        )
+        assert result.returncode == 2, (args, result.stderr)
+        assert "URL" in result.stderr
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "dlock").exists()

@@ -126,6 +126,22 @@ def test_default_url_uses_env_then_state_dir(
     assert _registry.default_url() == "sqlite:///elsewhere.db"
 
 
+def test_an_empty_url_no_longer_means_the_default_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An empty URL (``connect(os.environ.get("LOCKS", ""))``, ``DLOCK_URL=$UNSET``)
+    meant something else was meant: it gave the per-user SQLite file, so jobs on two
+    hosts, or of two users, that should exclude each other both held the lock."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.delenv("DLOCK_URL", raising=False)
+    with pytest.raises(dlock.ConfigurationError, match="not a dlock URL"):
+        dlock.connect("")
+    monkeypatch.setenv("DLOCK_URL", "")
+    with pytest.raises(dlock.ConfigurationError, match="DLOCK_URL is empty"):
+        dlock.connect()
+    assert not (tmp_path / "dlock").exists()
+
+
 def test_a_relative_xdg_state_home_is_ignored(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

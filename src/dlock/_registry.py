@@ -39,8 +39,17 @@ BACKENDS: dict[str, Entry] = {scheme: entry for entry in ENTRIES for scheme in e
 
 
 def default_url() -> str:
-    """``$DLOCK_URL``, else a SQLite file in the user's state directory."""
-    return os.environ.get("DLOCK_URL") or default_sqlite_url()
+    """``$DLOCK_URL``, else a SQLite file in the user's state directory. Set but empty
+    (``DLOCK_URL=$UNSET``), it is refused: some backend was meant, not a per-user file."""
+    url = os.environ.get("DLOCK_URL")
+    if url is None:
+        return default_sqlite_url()
+    if not url:
+        raise ConfigurationError(
+            "$DLOCK_URL is empty: set it to a backend URL, or unset it for the default"
+            f" ({default_sqlite_url()})"
+        )
+    return url
 
 
 def default_sqlite_url() -> str:

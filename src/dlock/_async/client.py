@@ -58,7 +58,7 @@ def connect(
     No I/O happens here; the backend connects on first use, and an unreachable one
     raises :class:`dlock.BackendError` from that first operation.
     """
-    backend = load_backend("dlock._async", url or default_url(), options)
+    backend = load_backend("dlock._async", default_url() if url is None else url, options)
     return AsyncClient(backend, label=label, backoff=backoff)
 
 

@@ -59,7 +59,7 @@ def connect(
     No I/O happens here; the backend connects on first use, and an unreachable one
     raises :class:`dlock.BackendError` from that first operation.
     """
-    backend = load_backend("dlock._sync", url or default_url(), options)
+    backend = load_backend("dlock._sync", default_url() if url is None else url, options)
     return Client(backend, label=label, backoff=backoff)
 
 
