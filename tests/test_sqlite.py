@@ -822,3 +822,26 @@ def test_a_table_named_by_a_keyword_is_no_longer_a_syntax_error(tmp_path: Path) 
             assert client.prune(600) == 0
     with pytest.raises(dlock.ConfigurationError, match="sqlite_"):
         dlock.connect(f"sqlite://{path}?table=SQLite_locks")
+
+
+def test_a_busy_timeout_past_32_bit_milliseconds_is_refused_not_zero(tmp_path: Path) -> None:
+    """SQLite takes the busy timeout as an int of milliseconds: past about 24.8 days it
+    wrapped round to none at all, and every write that met another fails at once as
+    "database is locked for busy_timeout=1e+09 s". Refused past the longest of the other
+    SQL backends; the longest accepted still waits."""
+    path = tmp_path / "busy.db"
+    with pytest.raises(dlock.ConfigurationError, match="busy_timeout is '1e9' seconds"):
+        dlock.connect(f"sqlite://{path}?busy_timeout=1e9")
+    with pytest.raises(dlock.ConfigurationError, match="busy_timeout is 3000000 seconds"):
+        dlock.connect(f"sqlite://{path}", busy_timeout=3_000_000)
+    with dlock.connect(f"sqlite://{path}", busy_timeout=1e6) as client:
+        client.inspect("x")  # creates the file and its table
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
+        timer = threading.Timer(0.3, other.execute, ["ROLLBACK"])
+        timer.start()
+        try:
+            assert client.lock("x", ttl=5).acquire(timeout=0), "waited for the write lock"
+        finally:
+            timer.join()
+            other.close()

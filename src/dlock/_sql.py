@@ -198,8 +198,8 @@ def parse_server_url(
         database=database,
         mode=mode,
         table=check_table(settings.get("table", default_table)),
-        connect_timeout=_bounded_seconds(settings.get("connect_timeout", 5), "connect_timeout"),
-        timeout=_bounded_seconds(settings.get("timeout", 10), "timeout"),
+        connect_timeout=bounded_seconds(settings.get("connect_timeout", 5), "connect_timeout"),
+        timeout=bounded_seconds(settings.get("timeout", 10), "timeout"),
         create_table=flag(settings.get("create_table", True), "create_table"),
         extra={k: str(v) for k, v in settings.items() if k in passthrough},
         client=_client_factory(settings.get("client")),
@@ -210,10 +210,11 @@ def parse_server_url(
 #: Longest connect or operation timeout, in seconds (about 11.6 days). PostgreSQL takes
 #: its timeouts (``tcp_user_timeout``, ``lock_timeout``) as 32-bit milliseconds, and
 #: PyMySQL refuses a connect timeout over a year: past this, every connection failed.
+#: SQLite's busy timeout is an int of milliseconds too: past it, it wrapped to none.
 MAX_TIMEOUT = 1e6
 
 
-def _bounded_seconds(value: object, what: str) -> float:
+def bounded_seconds(value: object, what: str) -> float:
     duration = seconds(value, what)
     if duration > MAX_TIMEOUT:
         raise ConfigurationError(

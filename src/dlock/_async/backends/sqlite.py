@@ -21,9 +21,10 @@ from urllib.parse import unquote, urlsplit
 from ... import _fork, _sqlite_fork
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._options import query_options, seconds
+from ..._options import query_options
 from ..._sql import (
     DEFAULT_TABLES,
+    bounded_seconds,
     check_identifier,
     encode_name,
     lock_info,
@@ -164,7 +165,8 @@ class AsyncSQLiteBackend(AsyncBackend):
         if synchronous not in SYNCHRONOUS_MODES:
             raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
         self._synchronous = synchronous
-        self._busy_timeout = seconds(busy_timeout, "busy_timeout")
+        # SQLite takes it as an int of milliseconds: past that, it would wrap to none.
+        self._busy_timeout = bounded_seconds(busy_timeout, "busy_timeout")
         self._connection: sqlite3.Connection | None = None
         #: The (device, inode) of the file the connection has open (see _same_file).
         self._file: tuple[int, int] | None = None
@@ -203,7 +205,7 @@ class AsyncSQLiteBackend(AsyncBackend):
         return cls(
             path,
             table=settings.get("table", DEFAULT_TABLES["lease"]),
-            busy_timeout=seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
+            busy_timeout=bounded_seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
             synchronous=str(settings.get("synchronous", "full")).lower(),
         )
 
