@@ -1130,3 +1130,50 @@ def test_an_empty_url_no_longer_runs_under_the_default_file(tmp_path: Path) -> N
         assert result.returncode == 2, (args, result.stderr)
         assert "URL" in result.stderr
     assert not (tmp_path / "ran").exists() and not (tmp_path / "dlock").exists()
+
+
+def test_a_stderr_that_cannot_be_written_no_longer_keeps_a_lost_lease_running(
+    db: str, name: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    """What dlock says on stderr (a disk full under the log, /dev/full, a reader gone)
+    may fail to be written: the failure raised, so that on a lost lease dlock died of it
+    (status 1) before stopping the command, which ran on without the lock; and every
+    status dlock sets itself (conflict, backend, cannot run) read as 1. A stderr that is
+    closed sent the messages to stdout instead."""
+    pidfile = tmp_path / "child.pid"
+    script = f"echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile} && exec sleep 60"
+    env = {**os.environ, "DLOCK_URL": db}
+    with open(os.devnull, "w") as nothing, open("/dev/full", "w") as full:
+        process = spawn(
+            [DLOCK, "run", "--ttl", "1", "--grace", "0.5", name, "--", "sh", "-c", script],
+            stdout=nothing,
+            stderr=full,
+            env=env,
+        )
+        child = wait_for_pid(pidfile, process)
+        with dlock.connect(db) as client:
+            assert client.force_release(name)
+        assert process.wait(15) == 75
+        assert gone(child), "the command ran on without the lock"
+        with dlock.connect(db) as client, client.lock(name, ttl=30):
+            for args, status in (
+                (["run", "-n", "-E", "9", name, "--", "true"], 9),
+                (["--url", "sqlite:///proc/no-such-dir/x.db", "status", name], 76),
+                (["run", "-w", "-1", name, "--", "true"], 2),
+            ):
+                result = subprocess.run([DLOCK, *args], stderr=full, env=env, timeout=30)
+                assert result.returncode == status, args
+                # Closed (2>&-), the messages went to stdout, as data.
+                closed = subprocess.run(
+                    ["sh", "-c", 'exec "$@" 2>&-', "sh", DLOCK, *args],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    timeout=30,
+                )
+                assert (closed.returncode, closed.stdout) == (status, ""), args
+        missing = str(tmp_path / "no-such-command")
+        cannot_run = subprocess.run(
+            [DLOCK, "run", name, "--", missing], stderr=full, env=env, timeout=30
+        )
+        assert cannot_run.returncode == 127

@@ -66,10 +66,10 @@ def command_line(argv: Sequence[str] | None) -> int:
     except BackendError as exc:
         # Told apart so a script retries only what a retry can mend: a server that is
         # down, not one that refuses the credentials or is a read-only replica.
-        print(f"dlock: backend error: {exc}", file=sys.stderr)
+        note(f"dlock: backend error: {exc}")
         return EXIT_UNAVAILABLE if isinstance(exc, BackendUnavailable) else EXIT_REFUSED
     except LockError as exc:  # bad URL, name, TTL or timeout
-        print(f"dlock: {exc}", file=sys.stderr)
+        note(f"dlock: {exc}")
         return EXIT_USAGE
     except Interrupted as stop:
         # dlock run: a signal as an error left its wait, before the handlers stopped
@@ -92,9 +92,7 @@ def write_output(stream: TextIO | None, text: str, status: int) -> int:
         return 128 + signal.SIGPIPE
     except OSError as exc:  # /dev/full, a closed descriptor, an I/O error
         discard_stdout()
-        if sys.stderr is not None:
-            with contextlib.suppress(OSError):
-                print(f"dlock: cannot write to standard output: {exc.strerror}", file=sys.stderr)
+        note(f"dlock: cannot write to standard output: {exc.strerror}")
         return EXIT_IOERR
     return status
 
@@ -278,16 +276,13 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if command is args.command and command and command[0].startswith("-"):
         # argparse stops at NAME: "dlock run NAME -n -- cmd" would run "-n".
-        print(
-            f"dlock run: {command[0]!r} after NAME: options go before NAME, the command after --",
-            file=sys.stderr,
-        )
+        note(f"dlock run: {command[0]!r} after NAME: options go before NAME, the command after --")
         return EXIT_USAGE
     if not command:
-        print("dlock run: no command given (dlock run NAME -- COMMAND ...)", file=sys.stderr)
+        note("dlock run: no command given (dlock run NAME -- COMMAND ...)")
         return EXIT_USAGE
     if not math.isfinite(args.grace) or args.grace < 0:
-        print(f"dlock run: --grace must be >= 0 seconds, not {args.grace}", file=sys.stderr)
+        note(f"dlock run: --grace must be >= 0 seconds, not {args.grace}")
         return EXIT_USAGE
     lost = threading.Event()
     done = threading.Event()
@@ -317,7 +312,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
                 lock.release()
             return 128 + stop.signum
         if not acquired:
-            print(f"dlock: {args.name!r} is held by someone else{holder}", file=sys.stderr)
+            note(f"dlock: {args.name!r} is held by someone else{holder}")
             return int(args.conflict_exit_code)
         env = {
             **os.environ,
@@ -334,7 +329,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             job = Job(command, env, done)
         except OSError as exc:
             lock.release()
-            print(f"dlock: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+            note(f"dlock: cannot run {command[0]!r}: {exc}")
             return 127 if isinstance(exc, FileNotFoundError) else 126
         try:
             forwarder.attach(job)
@@ -394,7 +389,9 @@ def holder_if_told(client: Client, name: str) -> str:
 
 
 def note(text: str) -> None:
-    """A line on stderr that changes no outcome: one that cannot be written is dropped."""
+    """A line on stderr. One that cannot be written (stderr closed, on a full disk, its
+    reader gone) is dropped: it must change no outcome, neither the exit status nor
+    what dlock does next (such as stopping a command whose lease is lost)."""
     if sys.stderr is not None:
         with contextlib.suppress(OSError):
             print(text, file=sys.stderr)
@@ -406,34 +403,29 @@ def finish(job: Job, lock: Lock, grace: float) -> int:
     # A moment first for processes that are ending anyway (a signal to the group ends
     # them together with the command's own process).
     if not job.wait_gone(0.2):
-        print(
+        note(
             f"dlock: the command has ended; stopping what it left running (process group "
-            f"{job.pgid}) before releasing {lock.name!r}",
-            file=sys.stderr,
+            f"{job.pgid}) before releasing {lock.name!r}"
         )
         job.stop(grace)
     status = job.status()
     try:
         lock.release()
     except LockLost as exc:
-        print(f"dlock: {exc}; the command may have run without the lock", file=sys.stderr)
+        note(f"dlock: {exc}; the command may have run without the lock")
         return EXIT_LOST
     except BackendError as exc:
         # The command ran to its end under the lock: its status stands. The backend's
         # (69, "worth retrying") would have a script run it again.
-        print(
+        note(
             f"dlock: the command has ended, but giving back {lock.name!r} failed ({exc}); "
-            "it is free once its lease runs out",
-            file=sys.stderr,
+            "it is free once its lease runs out"
         )
     return 128 - status if status < 0 else status
 
 
 def stop_after_loss(job: Job, lock: Lock, grace: float) -> int:
-    print(
-        f"dlock: lost the lock {lock.name!r} ({lock._lost_reason}); stopping the command",
-        file=sys.stderr,
-    )
+    note(f"dlock: lost the lock {lock.name!r} ({lock._lost_reason}); stopping the command")
     job.stop(grace)
     return EXIT_LOST
 
@@ -486,7 +478,7 @@ def cmd_init(client: Client, args: argparse.Namespace) -> int:
     schema_sql = getattr(client._backend, "schema_sql", None)
     init = getattr(client._backend, "init", None)
     if schema_sql is None or init is None:
-        print("dlock init: this backend keeps no schema; nothing to do", file=sys.stderr)
+        note("dlock init: this backend keeps no schema; nothing to do")
         return 0
     if args.print:
         for statement in schema_sql():
