@@ -1177,3 +1177,16 @@ def test_a_stderr_that_cannot_be_written_no_longer_keeps_a_lost_lease_running(
             [DLOCK, "run", name, "--", missing], stderr=full, env=env, timeout=30
         )
         assert cannot_run.returncode == 127
+
+
+def test_a_home_that_is_not_utf8_no_longer_fails_every_command(tmp_path: Path) -> None:
+    """The help names the default file, so every command built it from $HOME: one named
+    in another encoding failed them all with a traceback, even given --url, and
+    ``dlock run`` exited 1, "lock busy"."""
+    home = os.fsdecode(bytes(tmp_path) + b"/h\xe9")
+    env = {k: v for k, v in os.environ.items() if k not in ("DLOCK_URL", "XDG_STATE_HOME")}
+    env["HOME"] = home
+    for args in (["--url", f"sqlite://{tmp_path}/given.db", "status", "x"], ["status", "x"]):
+        result = subprocess.run([DLOCK, *args], capture_output=True, text=True, env=env)
+        assert result.returncode == 1 and result.stdout == "x: free\n", result.stderr
+    assert os.path.exists(os.fsencode(home) + b"/.local/state/dlock/locks.sqlite3")

@@ -248,6 +248,22 @@ def test_default_database_path_is_quoted_into_its_url(
         assert (state / "dlock" / "locks.sqlite3").exists()
 
 
+def test_a_state_directory_that_is_not_utf8_no_longer_fails_every_client(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """File names are bytes: a home or state directory named in another encoding
+    (``\\xff``, Latin-1) failed every ``connect()`` with a UnicodeEncodeError, and so
+    every ``dlock`` command. A ``%FF`` in a sqlite URL named the file by U+FFFD, another
+    file, rather than by the byte it escapes."""
+    state = Path(os.fsdecode(bytes(tmp_path) + b"/\xe9t\xe9"))
+    monkeypatch.delenv("DLOCK_URL", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    with dlock.connect() as client, client.lock("default", ttl=5):
+        assert (state / "dlock" / "locks.sqlite3").exists()
+    with dlock.connect(f"sqlite://{tmp_path}/%FF.db") as client, client.lock("x", ttl=5):
+        assert os.listdir(bytes(tmp_path)).count(b"\xff.db") == 1
+
+
 def test_missing_client_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(
         _registry.BACKENDS,

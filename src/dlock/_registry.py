@@ -59,7 +59,10 @@ def default_sqlite_url() -> str:
         # The XDG spec says to ignore a relative path: it would make the file, and so
         # the locks, depend on the working directory.
         state = str(Path.home() / ".local" / "state")
-    return "sqlite://" + quote(str(Path(state, "dlock", "locks.sqlite3").absolute()))
+    # A file name is bytes: one not in UTF-8 (a home named in Latin-1) is escaped as its
+    # bytes, which the sqlite URL's unquoting gives back.
+    path = str(Path(state, "dlock", "locks.sqlite3").absolute())
+    return "sqlite://" + quote(path, errors="surrogateescape")
 
 
 def split_url(url: str) -> SplitResult:

@@ -187,7 +187,8 @@ class SQLiteBackend(Backend):
                 f"{url!r}: a sqlite URL names a file, as sqlite:///absolute/path.db "
                 "or sqlite:relative/path.db"
             )
-        path = unquote(parts.path)
+        # %FF is the byte 0xFF of a file name not in UTF-8, as the OS gives it to Python.
+        path = unquote(parts.path, errors="surrogateescape")
         if not path:
             raise ConfigurationError(f"{url!r} names no database file")
         if path == ":memory:":
