@@ -845,3 +845,17 @@ def test_a_busy_timeout_past_32_bit_milliseconds_is_refused_not_zero(tmp_path: P
         finally:
             timer.join()
             other.close()
+
+
+def test_a_relative_path_from_a_deleted_directory_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A relative path is resolved against the working directory as the client is made:
+    one that was deleted has no path, and the FileNotFoundError escaped, a traceback
+    out of ``dlock`` with status 1, which ``dlock run`` uses for "lock busy"."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(dlock.ConfigurationError, match="working directory"):
+        dlock.connect("sqlite:locks.db")

@@ -156,7 +156,13 @@ class AsyncSQLiteBackend(AsyncBackend):
     ) -> None:
         # Resolved now: every open (after a fork, or of a replaced file) must find the
         # file the first one did, whatever directory the process has moved to since.
-        self._path = os.path.abspath(path)
+        try:
+            self._path = os.path.abspath(path)
+        except OSError as exc:  # the working directory was deleted
+            raise ConfigurationError(
+                f"{path!r} is relative to the working directory, which cannot be found"
+                f" ({exc.strerror}); name the file by an absolute path"
+            ) from None
         self._table = check_identifier(table, "table")
         if self._table.lower().startswith("sqlite_"):
             raise ConfigurationError(
