@@ -12,6 +12,7 @@ import select
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -1190,3 +1191,24 @@ def test_a_home_that_is_not_utf8_no_longer_fails_every_command(tmp_path: Path) -
         result = subprocess.run([DLOCK, *args], capture_output=True, text=True, env=env)
         assert result.returncode == 1 and result.stdout == "x: free\n", result.stderr
     assert os.path.exists(os.fsencode(home) + b"/.local/state/dlock/locks.sqlite3")
+
+
+def test_a_holder_written_with_a_label_that_is_not_text_no_longer_fails_the_command(
+    tmp_path: Path, name: str
+) -> None:
+    """The holder column is text any program with the file can write: a label that is
+    not a string (``"label": 5``) reached the table printer as is, and ``dlock status``
+    died of it with a traceback, ``dlock run -E 9`` with status 1. Unreadable, it names
+    an unknown holder, as malformed JSON does."""
+    path = tmp_path / "cli.sqlite3"
+    db = f"sqlite://{path}"
+    with dlock.connect(db) as client, client.lock(name, ttl=30):
+        with contextlib.closing(sqlite3.connect(path)) as other, other:
+            other.execute(
+                "UPDATE dlock_locks SET holder = ?", ('{"host": "h", "pid": 1, "label": 5}',)
+            )
+        status = dlock_cmd(db, "status", name)
+        assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+        assert dlock_cmd(db, "run", "-n", "-E", "9", name, "--", "true").returncode == 9
+        listed = json.loads(dlock_cmd(db, "list", "--json").stdout)
+        assert [info["holder"] for info in listed] == [{"host": "?", "pid": 0, "label": None}]

@@ -34,7 +34,10 @@ class Holder:
         """Parse what :meth:`to_json` wrote; anything unreadable becomes an unknown holder."""
         try:
             data = json.loads(text) if text else {}
-            return cls(host=str(data["host"]), pid=int(data["pid"]), label=data.get("label"))
+            label = data.get("label")
+            if not isinstance(label, (str, type(None))):
+                raise TypeError(f"a label is text, not {label!r}")
+            return cls(host=str(data["host"]), pid=int(data["pid"]), label=label)
         except (ValueError, KeyError, TypeError):
             return cls(host="?", pid=0, label=None)
 
