@@ -1212,3 +1212,26 @@ def test_a_holder_written_with_a_label_that_is_not_text_no_longer_fails_the_comm
         assert dlock_cmd(db, "run", "-n", "-E", "9", name, "--", "true").returncode == 9
         listed = json.loads(dlock_cmd(db, "list", "--json").stdout)
         assert [info["holder"] for info in listed] == [{"host": "?", "pid": 0, "label": None}]
+
+
+def test_an_internal_error_exits_with_a_status_of_its_own(db: str, name: str) -> None:
+    """A bug of dlock's own (here: the client library raising what it never should)
+    exited 1, the conflict code, which a script reads as "busy" and may skip its job on.
+    It exits 70 (EX_SOFTWARE) with the trace on stderr."""
+    script = (
+        "import sys, dlock\n"
+        "from dlock import _cli\n"
+        "def broken(*args, **kwargs):\n"
+        "    raise RuntimeError('a bug')\n"
+        "_cli.connect = broken\n"
+        "sys.exit(_cli.main(sys.argv[1:]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "run", name, "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DLOCK_URL": db},
+    )
+    assert done.returncode == 70, done.stderr
+    assert "internal error" in done.stderr and "RuntimeError: a bug" in done.stderr

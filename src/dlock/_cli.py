@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
@@ -38,6 +39,7 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the backend could not be reached; worth
 EXIT_REFUSED = 76  # EX_PROTOCOL: the backend answered with a refusal or failure
 EXIT_IOERR = 74  # EX_IOERR: the output could not be written (closed, disk full)
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost while the command ran
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), told apart from "busy"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command_line(argv)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    except Exception:
+        # A bug of dlock's own, or of a library under it: not 1, which a script reads
+        # as "busy" (and may skip its job on), but a status of its own, with the trace.
+        note(f"dlock: internal error:\n{traceback.format_exc().rstrip()}")
+        return EXIT_SOFTWARE
 
 
 def command_line(argv: Sequence[str] | None) -> int:
@@ -148,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
             "refused or failed (credentials, privileges, a read-only replica); 128+N if "
             "signal N (TERM, HUP, QUIT, USR1, USR2, INT) ends dlock while it waits for the "
             "lock or before it starts the command (it runs nothing, and gives back a lock "
-            "it got)."
+            f"it got); {EXIT_SOFTWARE} on an internal error (a bug)."
         ),
     )
     run.add_argument(
