@@ -534,6 +534,44 @@ async def test_an_exhausted_aiomysql_pool_names_the_bound_that_applied(
         await asyncio.wait_for(pool.wait_closed(), 5)
 
 
+async def test_a_connection_given_back_closed_no_longer_strands_the_pools_waiters(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """A lease waiter's borrowed connection goes back to the pool closed (it carries the
+    turnstile). aiomysql's pool wakes the acquires waiting for a connection only when
+    one comes back open: the application's tasks waiting on a full pool slept on,
+    though it had room again, until some other connection came back open."""
+    server = mariadb_server
+    pool = await _aiomysql_pool(
+        server, minsize=0, maxsize=1, client_flag=CLIENT.FOUND_ROWS | CLIENT.MULTI_STATEMENTS
+    )
+    try:
+        async with (
+            dlock.aio.connect(server.url()) as holding,
+            dlock.aio.connect("mysql://", client=pool.acquire) as pooled,
+        ):
+            holder = holding.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            backend: Any = pooled._backend
+            waiting = asyncio.create_task(pooled.lock(name, ttl=30).acquire(timeout=1))
+            deadline = time.monotonic() + 5
+            while not any(waiter.in_front for waiter in backend._front.values()):
+                assert time.monotonic() < deadline, "the waiter never got in front"
+                await asyncio.sleep(0.01)
+
+            async def borrow() -> None:
+                async with pool.acquire() as conn, conn.cursor() as cursor:
+                    await cursor.execute("SELECT 1")
+
+            app = asyncio.create_task(borrow())
+            assert not await waiting
+            await asyncio.wait_for(app, 3)
+            await holder.release()
+    finally:
+        pool.close()
+        await asyncio.wait_for(pool.wait_closed(), 5)
+
+
 @pytest.mark.parametrize("database", ["postgresql", "mariadb"])
 def test_client_that_is_no_connection_is_refused_by_name(
     database: str, request: pytest.FixtureRequest, name: str

@@ -206,6 +206,11 @@ class AsyncServerSQLBackend(AsyncBackend):
     async def _driver_restore(self, raw: Any, autocommit: bool) -> None:
         """Give a borrowed connection its own autocommit setting back."""
 
+    async def _driver_end_loan(self, context: Any, closed: bool) -> None:
+        """Return a connection to the pool whose context manager lent it; ``closed``:
+        it goes back closed, and the pool makes a new one in its place."""
+        await context.__aexit__(None, None, None)
+
     @abstractmethod
     async def _driver_execute(
         self, raw: Any, sql: str, params: dict[str, Any], timeout: float
@@ -456,7 +461,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             finally:
                 if loan is not None:
                     if loan.context is not None:
-                        await loan.context.__aexit__(None, None, None)
+                        await self._driver_end_loan(loan.context, closed=not restored)
                     elif loan.proxy is not None and restored:
                         loan.proxy.close()
 

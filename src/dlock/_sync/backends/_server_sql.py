@@ -207,6 +207,11 @@ class ServerSQLBackend(Backend):
     def _driver_restore(self, raw: Any, autocommit: bool) -> None:
         """Give a borrowed connection its own autocommit setting back."""
 
+    def _driver_end_loan(self, context: Any, closed: bool) -> None:
+        """Return a connection to the pool whose context manager lent it; ``closed``:
+        it goes back closed, and the pool makes a new one in its place."""
+        context.__exit__(None, None, None)
+
     @abstractmethod
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any], timeout: float) -> Result:
         """Run ``sql``; a driver that can bound its own wait for the answer does so by
@@ -455,7 +460,7 @@ class ServerSQLBackend(Backend):
             finally:
                 if loan is not None:
                     if loan.context is not None:
-                        loan.context.__exit__(None, None, None)
+                        self._driver_end_loan(loan.context, closed=not restored)
                     elif loan.proxy is not None and restored:
                         loan.proxy.close()
 

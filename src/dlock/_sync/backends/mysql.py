@@ -256,6 +256,17 @@ class MySQLBackend(ServerSQLBackend):
     def _driver_restore(self, raw: Any, autocommit: bool) -> None:
         raw.autocommit(autocommit)
 
+    def _driver_end_loan(self, context: Any, closed: bool) -> None:
+        """The asyncio driver's pool wakes an acquire waiting for a connection only
+        when one comes back open: one given back closed (a waiter's, which carries the
+        turnstile) left the application's tasks waiting on a full pool asleep, though it
+        had room again. Woken here as the pool's own release wakes them, in a task of
+        the pool's loop."""
+        pool: Any = getattr(context, "_pool", None)
+        super()._driver_end_loan(context, closed)
+        if closed and IS_ASYNC and hasattr(pool, "_wakeup"):
+            pool._loop.create_task(pool._wakeup())
+
     def _driver_execute(self, raw: Any, sql: str, params: dict[str, Any], timeout: float) -> Result:
         # PyMySQL's read timeout (the operation timeout, fixed per connection) bounds the
         # sync face; waits inside the server are kept shorter than it (_session_wait).
