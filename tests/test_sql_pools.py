@@ -141,6 +141,44 @@ def test_session_lock_keeps_its_connection_out_of_the_pool(pool: Pool, name: str
         lock.release()
 
 
+def test_a_pooled_connection_ended_while_idle_no_longer_fails_the_operation(
+    pool: Pool, name: str
+) -> None:
+    """The application's pool may lend connections whose sessions the server ended
+    while they sat idle (a restart, a KILL): dlock weeds them out before it sends
+    anything. PyMySQL's switch to autocommit, a round trip, came first, and failed
+    on the dead connection: the operation was BackendUnavailable, with the server up."""
+    mysql = pool.server.scheme != "postgresql"
+    with pool.borrow() as first, pool.borrow() as second:
+        sessions = [c.thread_id() if mysql else c.info.backend_pid for c in (first, second)]
+    admin = pool.server.connect()
+    try:
+        cursor = admin.cursor()
+        kill = "KILL CONNECTION %s" if mysql else "SELECT pg_terminate_backend(%s)"
+        for session in sessions:
+            cursor.execute(kill, (session,))
+        # Both only signal the session, which ends moments later.
+        alive = (
+            "SELECT count(*) FROM information_schema.processlist WHERE id IN (%s, %s)"
+            if mysql
+            else "SELECT count(*) FROM pg_stat_activity WHERE pid IN (%s, %s)"
+        )
+        deadline = time.monotonic() + 5
+        while True:
+            cursor.execute(alive, tuple(sessions))
+            if not cursor.fetchone()[0]:
+                break
+            assert time.monotonic() < deadline, "the killed sessions did not end"
+            time.sleep(0.01)
+    finally:
+        admin.close()
+    time.sleep(0.1)  # the server's goodbye reaches the idle connections' sockets
+    with dlock.connect(url(pool), client=pool.client) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        lock.release()
+
+
 def _idle_timeout(pool: Pool, conn: Any) -> str:
     """The session's own idle timeout, as the server reports it."""
     pg = pool.server.scheme == "postgresql"

@@ -391,21 +391,22 @@ class ServerSQLBackend(Backend):
             return self._driver_connect(), None
         for _ in range(POOL_SIZE):
             raw, loan = self._borrow(factory)
+            # The application's pool may lend a connection that died while idle, and a
+            # statement that fails in flight is never sent again: weed it out first,
+            # before adopting it, which may take a round trip (PyMySQL's autocommit).
+            if loan is not None and self._driver_idle_dead(raw):
+                self._connection_died()
+                self._give_back(raw, loan, keep=False)
+                continue
             try:
                 autocommit = self._driver_adopt(raw)
             except BaseException:
                 with contextlib.suppress(Exception):
                     self._give_back(raw, loan, keep=False)
                 raise
-            if loan is None:
-                return raw, None
-            loan.autocommit = autocommit
-            # The application's pool may lend a connection that died while idle, and a
-            # statement that fails in flight is never sent again: weed it out first.
-            if not self._driver_idle_dead(raw):
-                return raw, loan
-            self._connection_died()
-            self._give_back(raw, loan, keep=False)
+            if loan is not None:
+                loan.autocommit = autocommit
+            return raw, loan
         raise BackendUnavailable("the client= pool lent only dead connections")
 
     def _borrow(self, factory: Any) -> tuple[Any, Loan | None]:
