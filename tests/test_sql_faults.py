@@ -901,6 +901,36 @@ def test_wrong_credentials_are_a_clear_error(server: SQLServer, wrong: str) -> N
             assert client.lock("x", ttl=5).acquire(timeout=0)
 
 
+def test_a_login_at_its_connection_limit_is_unavailable_not_refused(server: SQLServer) -> None:
+    """A login whose connections are all in use (a role's CONNECTION LIMIT, MySQL's
+    MAX_USER_CONNECTIONS) is turned away for now, as a server at max_connections is:
+    BackendUnavailable, which a caller may retry. On MariaDB/MySQL it was a plain
+    BackendError, a refusal that trying again would not mend."""
+    run = admin(server)
+    user = f"cap_{uuid.uuid4().hex[:8]}"
+    with dlock.connect(server.url()) as client:
+        client.inspect("cap")  # the lock table exists, to be granted
+    if server.scheme == "postgresql":
+        run(f"CREATE ROLE {user} LOGIN CONNECTION LIMIT 1", ())
+        run(f"GRANT ALL ON public.dlock_locks TO {user}", ())
+        url = f"postgresql://{user}@127.0.0.1:{server.port}/{server.database}"
+        match = "too many connections"
+    else:
+        run(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw' WITH MAX_USER_CONNECTIONS 1", ())
+        run(f"GRANT ALL ON {server.database}.* TO '{user}'@'%'", ())
+        url = f"mysql://{user}:pw@127.0.0.1:{server.port}/{server.database}"
+        match = "max_user_connections"
+    try:
+        with dlock.connect(url) as first, dlock.connect(url) as second:
+            assert first.lock("cap", ttl=5).acquire(timeout=0)  # keeps its connection
+            with pytest.raises(dlock.BackendUnavailable, match=match):
+                second.lock("cap", ttl=5).acquire(timeout=0)
+    finally:
+        if server.scheme == "postgresql":
+            run(f"DROP OWNED BY {user}", ())
+        run(f"DROP {'ROLE' if server.scheme == 'postgresql' else 'USER'} {user}", ())
+
+
 def test_tls_asked_of_a_server_without_it_is_refused(
     server: SQLServer, name: str, certificates: Certificates
 ) -> None:

@@ -53,8 +53,10 @@ ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
 CLIENT_ERRORS = range(2000, 3000)
 #: Server errors that end the connection or turn it away for now: too many
 #: connections, shutting down, killed (MariaDB), closed as idle (MySQL 8.0.24+; on
-#: MariaDB 4031 is a trigger-order error, which dlock's statements cannot raise).
-CONNECTION_ENDED = {1040, 1053, 1927, 4031}
+#: MariaDB 4031 is a trigger-order error, which dlock's statements cannot raise); and
+#: the login's own limits, which free up as its other connections end or the hour
+#: passes: max_user_connections (1203), an account's resource limits (1226).
+CONNECTION_ENDED = {1040, 1053, 1203, 1226, 1927, 4031}
 #: Errors of a session the server ended: shutting down, killed (MariaDB), closed as
 #: idle (MySQL 8), and the client library's CR_SERVER_GONE_ERROR and CR_SERVER_LOST
 #: for a connection closed under a statement (a KILL, a restart), which are also how
