@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -947,6 +948,54 @@ def test_tls_asked_of_a_server_without_it_is_refused(
         _refused_in_both_faces(url, name, why)
     with dlock.connect(server.url()) as client:
         assert client.inspect(name) is None
+
+
+@contextlib.contextmanager
+def _relay(port: int) -> Iterator[tuple[int, list[bytes]]]:
+    """A TCP relay to ``port`` on loopback, as someone in between would run one: its
+    port, and what clients sent through it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent: list[bytes] = []
+    opened: list[socket.socket] = []
+
+    def pump(source: socket.socket, sink: socket.socket, record: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if record:
+                    sent.append(data)
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", port))
+                opened.extend((client, upstream))
+                for args in ((client, upstream, True), (upstream, client, False)):
+                    threading.Thread(target=pump, args=args, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1], sent
+    finally:
+        listener.close()
+        for sock in opened:
+            sock.close()
+
+
+def test_a_mysql_login_is_not_sent_before_tls(mariadb_server: SQLServer, name: str) -> None:
+    """TLS asked for and not offered (a server without it, or someone in between who
+    strips the offer from the greeting): PyMySQL and aiomysql sent the login (user name,
+    password hash; the password itself if the server asks for the cleartext plugin)
+    in plain text before dlock found the connection unencrypted. Now they send
+    nothing."""
+    server = mariadb_server
+    with _relay(server.port) as (port, sent):
+        url = server.url("ssl=true").replace(f":{server.port}/", f":{port}/")
+        _refused_in_both_faces(url, name, "TLS was asked for")
+        assert server.user.encode() not in b"".join(sent)
 
 
 def _refused_in_both_faces(url: str, name: str, why: str) -> None:

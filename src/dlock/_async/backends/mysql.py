@@ -142,6 +142,27 @@ def _literal(value: Any, conn: Any) -> str:
     return str(conn.escape(value))
 
 
+class _TLSNotOffered(Exception):
+    """Raised by ``_Connection`` before it logs in (not an OSError, which the drivers
+    would turn into "cannot connect", a server out of reach)."""
+
+
+class _Connection(aiomysql.Connection):  # type: ignore[misc]
+    """The driver's connection, which logs in only over TLS when TLS was asked for.
+
+    The drivers go on in plain text when the server's greeting does not offer TLS (a
+    server without it, or someone in between who strips the offer), and send the login
+    first: the user name and password hash, or the password itself if the server asks
+    for the cleartext plugin. libpq's sslmode=require sends nothing."""
+
+    async def _request_authentication(self) -> None:
+        # The asyncio driver keeps the context it was given; the threaded one a flag.
+        wanted = getattr(self, "_ssl_context", None) or getattr(self, "ssl", False)
+        if wanted and not self.server_capabilities & CLIENT.SSL:
+            raise _TLSNotOffered
+        await super()._request_authentication()
+
+
 class AsyncMySQLBackend(AsyncServerSQLBackend):
     def __init__(self, settings: ServerSettings) -> None:
         if settings.client is None and settings.database and "." not in settings.table:
@@ -211,15 +232,16 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
                 write_timeout=s.timeout,
                 ssl_disabled=self._ssl is None,
             )
-        raw = await aiomysql.connect(**kwargs)
-        if self._ssl is not None and not raw.server_capabilities & CLIENT.SSL:
-            # The driver goes on in plain text when the server does not offer TLS (or
-            # when someone in between strips the offer); libpq's sslmode=require does not.
-            await self._driver_close(raw)
+        try:
+            raw = _Connection(**kwargs)
+            if IS_ASYNC:
+                await raw._connect()  # the threaded driver connects as it is made
+        except _TLSNotOffered:
             raise BackendError(
                 f"{self._settings.address}: refused: TLS was asked for, but the server "
-                "does not offer it; not locking over an unencrypted connection"
-            )
+                "does not offer it; not logging in, nor locking, over an unencrypted "
+                "connection"
+            ) from None
         self._note_server(raw)
         return raw
 
