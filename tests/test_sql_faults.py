@@ -1211,6 +1211,24 @@ def _own_sessions(
     return made, still_open
 
 
+async def test_a_session_ended_unseen_by_the_event_loop_no_longer_fails_the_next_call(
+    server: SQLServer, name: str
+) -> None:
+    """A pooled connection whose session the server ended (a restart, a KILL) while the
+    event loop did not run (blocked, or not yet woken) is weeded out before sending, as
+    the threaded face's is. aiomysql's was judged by what the loop had read, which did
+    not have the server's goodbye yet: the next call went out on the dead connection
+    and was BackendUnavailable, with the server up."""
+    async with dlock.aio.connect(server.url()) as client:
+        lock = client.lock(name, ttl=5)
+        assert await lock.acquire(timeout=0)
+        await lock.release()
+        kill_other_sessions(server)  # blocks the event loop meanwhile
+        time.sleep(0.1)  # noqa: ASYNC251 (the goodbye reaches the socket, unread)
+        assert await lock.acquire(timeout=0)
+        await lock.release()
+
+
 async def test_connections_beyond_the_pool_are_closed(server: SQLServer, name: str) -> None:
     """A burst opens more connections than the pool keeps: the surplus is closed."""
     import asyncio

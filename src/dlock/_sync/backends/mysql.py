@@ -352,9 +352,16 @@ class MySQLBackend(ServerSQLBackend):
 
     def _driver_idle_dead(self, raw: Any) -> bool:
         if IS_ASYNC:
-            # The event loop reads the socket as data comes, into the stream reader.
+            # The event loop reads the socket as data comes, into the stream reader; what
+            # came since it last ran (a restart while it was blocked) is still unread.
             reader = getattr(raw, "_reader", None)
-            return reader is None or bool(reader._eof or reader._buffer)
+            if reader is None or reader._eof or reader._buffer:
+                return True
+            try:
+                fd = self._driver_fileno(raw)
+            except (AttributeError, OSError):
+                return True
+            return self._readable(fd)
         sock = getattr(raw, "_sock", None)
         return sock is None or self._readable(sock.fileno())
 
