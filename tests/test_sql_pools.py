@@ -554,6 +554,23 @@ def test_an_exhausted_sqlalchemy_pool_is_unavailable(
         engine.dispose()
 
 
+def test_a_closed_psycopg_pool_is_a_refusal_not_unavailable(
+    postgresql_server: SQLServer, name: str
+) -> None:
+    """A psycopg_pool closed by the application lends nothing ever again: its
+    PoolClosed (a psycopg OperationalError) was BackendUnavailable, which a caller may
+    retry for ever. It is a plain BackendError that says so, as aiomysql's closed pool
+    already was."""
+    pool = psycopg_pool.ConnectionPool(postgresql_server.url(), min_size=1, open=True)
+    pool.close()
+    with (
+        dlock.connect("postgresql://", client=pool.connection) as client,
+        pytest.raises(dlock.BackendError, match="closed") as raised,
+    ):
+        client.lock(name, ttl=5).acquire(timeout=0)
+    assert not isinstance(raised.value, dlock.BackendUnavailable), raised.value
+
+
 async def test_an_exhausted_aiomysql_pool_names_the_bound_that_applied(
     mariadb_server: SQLServer, name: str
 ) -> None:

@@ -316,6 +316,12 @@ class ServerSQLBackend(Backend):
                 raise BackendUnavailable(
                     f"{address}: cannot connect: the client= pool lent no connection in time: {exc}"
                 ) from exc
+            if _pool_closed(exc):
+                # psycopg_pool's is a psycopg OperationalError, read as the server out of
+                # reach; a closed pool lends nothing ever again.
+                raise BackendError(
+                    f"{address}: cannot connect: the client= pool is closed: {exc}"
+                ) from exc
             raise self._wrap(exc, "cannot connect") from exc
         conn = Conn(raw, loan=loan, loop=_running_loop())
         if loan is None:
@@ -1439,6 +1445,12 @@ def _pool_timed_out(exc: BaseException) -> bool:
     """SQLAlchemy's pool found no connection to lend within its ``pool_timeout``."""
     errors = sys.modules.get("sqlalchemy.exc")
     return errors is not None and isinstance(exc, errors.TimeoutError)
+
+
+def _pool_closed(exc: BaseException) -> bool:
+    """psycopg_pool's pool was closed by the application."""
+    pools = sys.modules.get("psycopg_pool")
+    return pools is not None and isinstance(exc, pools.PoolClosed)
 
 
 def _timed_out(exc: BaseException) -> bool:
