@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 import dlock
@@ -143,6 +144,37 @@ def test_refused_tls_is_a_clear_error_never_a_lock(tls_server: TLSServer, mode: 
         assert why in str(refused.value), refused.value
         # Misconfigured, not unavailable: a caller retrying ConnectionError would loop.
         assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value
+
+
+@pytest.mark.parametrize("tls_server", ["postgresql"], indirect=True)
+def test_a_server_of_older_tls_versions_only_is_refused_not_unavailable(
+    tls_server: TLSServer,
+) -> None:
+    """A server that offers only TLS versions the client will not speak (a legacy
+    server's TLS 1.1) will not change its mind: that is a misconfiguration, a plain
+    BackendError. libpq's "tlsv1 alert protocol version" was BackendUnavailable, which
+    a caller may retry for ever. (MariaDB's TLS versions are fixed at its start.)"""
+    server, c = tls_server.server, tls_server.certificates
+    admin = psycopg.connect(
+        f"host=127.0.0.1 port={server.port} user={server.user} dbname={server.database}"
+        f" sslmode=require sslcert={c.client_cert} sslkey={c.client_key}",
+        autocommit=True,
+    )
+    try:
+        admin.execute("ALTER SYSTEM SET ssl_min_protocol_version = 'TLSv1'")
+        admin.execute("ALTER SYSTEM SET ssl_max_protocol_version = 'TLSv1.1'")
+        admin.execute("SELECT pg_reload_conf()")
+        with (
+            dlock.connect(tls_server.url("lease")) as client,
+            pytest.raises(dlock.BackendError, match="protocol version") as refused,
+        ):
+            client.lock(_name(), ttl=5).acquire(timeout=0)
+        assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value
+    finally:
+        admin.execute("ALTER SYSTEM RESET ssl_min_protocol_version")
+        admin.execute("ALTER SYSTEM RESET ssl_max_protocol_version")
+        admin.execute("SELECT pg_reload_conf()")
+        admin.close()
 
 
 def test_a_ca_alone_means_verified_tls(tls_server: TLSServer) -> None:

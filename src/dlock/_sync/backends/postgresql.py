@@ -129,6 +129,10 @@ REFUSALS = (
     "alert unknown ca",  # the server does not trust our certificate's issuer
     "SSL was required",
     "does not support SSL",
+    # No TLS version both sides speak (a legacy server's TLS 1.1): the server's alert,
+    # or the client's own refusal of the version the server answers with.
+    "alert protocol version",
+    "unsupported protocol",
 )
 
 
