@@ -33,6 +33,7 @@ from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.servers import stop_every
 from tests.servers.redis import (
+    RedisCluster,
     RedisServer,
     TLSRedis,
     start_cluster,
@@ -62,6 +63,25 @@ def own_masters() -> Iterator[list[RedisServer]]:
     servers = start_masters()
     yield servers
     stop_every(servers, RedisServer.remove)
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[RedisCluster]:
+    """A cluster this test alone may reconfigure or kill nodes of."""
+    cluster = start_cluster()
+    yield cluster
+    stop_every(cluster.nodes, RedisServer.remove)
+    # The clients of nodes killed under them leave sockets for the collector.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+
+
+def _serving_without_full_coverage(cluster: RedisCluster) -> None:
+    """The nodes left go on serving their slots while one is down."""
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as admin:
+            admin.config_set("cluster-require-full-coverage", "no")
 
 
 @pytest.fixture(scope="module")
@@ -1057,111 +1077,94 @@ def test_a_busy_server_is_unavailable_not_refused(own_server: RedisServer) -> No
         admin.close()
 
 
-def test_a_cluster_waiter_is_woken_with_the_seed_node_down() -> None:
+def test_a_cluster_waiter_is_woken_with_the_seed_node_down(own_cluster: RedisCluster) -> None:
     """Waiters listen on the node that serves the name's slot, not on the seed node of
     the URL: with the seed down (the rest of the cluster serving) they are still woken,
     and do not poll for as long as it stays down."""
-    cluster = start_cluster()
-    try:
-        for node in cluster.nodes:
-            with redis.Redis(port=node.port) as admin:
-                admin.config_set("cluster-require-full-coverage", "no")
-        seed = cluster.nodes[0]
-        with redis.RedisCluster(host="127.0.0.1", port=seed.port) as mapped:
-            name = next(
-                name
-                for name in iter(unique, None)
-                if mapped.get_node_from_key(Keys(b"dlock", name).lease).port != seed.port
+    cluster = own_cluster
+    _serving_without_full_coverage(cluster)
+    seed = cluster.nodes[0]
+    with redis.RedisCluster(host="127.0.0.1", port=seed.port) as mapped:
+        name = next(
+            name
+            for name in iter(unique, None)
+            if mapped.get_node_from_key(Keys(b"dlock", name).lease).port != seed.port
+        )
+        port = mapped.get_node_from_key(Keys(b"dlock", name).lease).port
+    admin = redis.Redis(port=port)
+    with dlock.connect(cluster.url) as first, dlock.connect(cluster.url) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
+        deadline = time.monotonic() + 5
+        while not admin.exists(Keys(b"dlock", name).queue) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seed.kill()
+
+        def attempts_in(seconds: float) -> int:
+            admin.config_resetstat()
+            time.sleep(seconds)
+            stats = admin.info("commandstats")
+            return sum(
+                int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval")
             )
-            port = mapped.get_node_from_key(Keys(b"dlock", name).lease).port
-        admin = redis.Redis(port=port)
-        with dlock.connect(cluster.url) as first, dlock.connect(cluster.url) as second:
-            holder = first.lock(name, ttl=30)
-            holder.acquire()
-            acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
-            deadline = time.monotonic() + 5
-            while not admin.exists(Keys(b"dlock", name).queue) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            seed.kill()
 
-            def attempts_in(seconds: float) -> int:
-                admin.config_resetstat()
-                time.sleep(seconds)
-                stats = admin.info("commandstats")
-                return sum(
-                    int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval")
-                )
-
-            deadline = time.monotonic() + 5
-            while (polled := attempts_in(0.3)) > 1 and time.monotonic() < deadline:
-                pass
-            assert polled <= 1, f"the waiter kept polling: {polled} attempts in 0.3 s"
-            released = time.monotonic()
-            holder.release()
-            assert acquired() is True
-            assert time.monotonic() - released < 1.0
-            admin.close()
-    finally:
-        stop_every(cluster.nodes, RedisServer.remove)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+        deadline = time.monotonic() + 5
+        while (polled := attempts_in(0.3)) > 1 and time.monotonic() < deadline:
+            pass
+        assert polled <= 1, f"the waiter kept polling: {polled} attempts in 0.3 s"
+        released = time.monotonic()
+        holder.release()
+        assert acquired() is True
+        assert time.monotonic() - released < 1.0
+        admin.close()
 
 
-def test_a_cluster_node_down_no_longer_loses_the_leases_held_on_other_nodes() -> None:
+def test_a_cluster_node_down_no_longer_loses_the_leases_held_on_other_nodes(
+    own_cluster: RedisCluster,
+) -> None:
     """Renewal batches a client's leases; on a cluster one batch spans nodes, and a node
     that is down (before a failover, or for good) must not keep the leases held on the
     nodes that serve from being renewed: they would be lost with it."""
-    cluster = start_cluster()
-    try:
-        for node in cluster.nodes:
-            with redis.Redis(port=node.port) as admin:
-                admin.config_set("cluster-require-full-coverage", "no")
-        victim = cluster.nodes[2]
-        names: dict[int, str] = {}
-        with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
-            while len(names) < len(cluster.nodes):
-                name = unique()
-                names.setdefault(mapped.get_node_from_key(Keys(b"dlock", name).lease).port, name)
-        with dlock.connect(cluster.url) as client:
-            locks = {port: client.lock(name, ttl=1.0) for port, name in names.items()}
-            for lock in locks.values():
-                assert lock.acquire(timeout=0)
-            victim.kill()
-            deadline = time.monotonic() + 5
-            while not locks[victim.port].lost:
-                assert time.monotonic() < deadline, "the lease on the dead node outlived its TTL"
-                time.sleep(0.05)
-            time.sleep(1.0)  # another TTL: only renewals kept the others
-            for port, lock in locks.items():
-                if port != victim.port:
-                    assert lock.owned(), "a lease on a live node was lost with the dead one"
-                    info = client.inspect(lock.name)
-                    assert info is not None and info.fencing_token == lock.fencing_token
-                    lock.release()
-    finally:
-        stop_every(cluster.nodes, RedisServer.remove)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    cluster = own_cluster
+    _serving_without_full_coverage(cluster)
+    victim = cluster.nodes[2]
+    names: dict[int, str] = {}
+    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
+        while len(names) < len(cluster.nodes):
+            name = unique()
+            names.setdefault(mapped.get_node_from_key(Keys(b"dlock", name).lease).port, name)
+    with dlock.connect(cluster.url) as client:
+        locks = {port: client.lock(name, ttl=1.0) for port, name in names.items()}
+        for lock in locks.values():
+            assert lock.acquire(timeout=0)
+        victim.kill()
+        deadline = time.monotonic() + 5
+        while not locks[victim.port].lost:
+            assert time.monotonic() < deadline, "the lease on the dead node outlived its TTL"
+            time.sleep(0.05)
+        time.sleep(1.0)  # another TTL: only renewals kept the others
+        for port, lock in locks.items():
+            if port != victim.port:
+                assert lock.owned(), "a lease on a live node was lost with the dead one"
+                info = client.inspect(lock.name)
+                assert info is not None and info.fencing_token == lock.fencing_token
+                lock.release()
 
 
-def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
+def test_a_cluster_between_states_is_unavailable_not_refused(own_cluster: RedisCluster) -> None:
     from redis.crc import key_slot
 
-    cluster = start_cluster()
-    try:
-        name = unique()
-        slot = key_slot(Keys(b"dlock", name).lease)
-        with dlock.connect(cluster.url) as client:
-            client.lock(unique()).acquire(timeout=0)  # the client knows the slot map
-            for node in cluster.nodes:  # nobody serves the name's slot: CLUSTERDOWN
-                with redis.Redis(port=node.port) as admin:
-                    admin.cluster("DELSLOTS", str(slot))
-            with pytest.raises(dlock.BackendUnavailable, match=r"(?i)cluster|slot"):
-                client.lock(name).acquire(timeout=0)
-    finally:
-        stop_every(cluster.nodes, RedisServer.remove)
+    cluster = own_cluster
+    name = unique()
+    slot = key_slot(Keys(b"dlock", name).lease)
+    with dlock.connect(cluster.url) as client:
+        client.lock(unique()).acquire(timeout=0)  # the client knows the slot map
+        for node in cluster.nodes:  # nobody serves the name's slot: CLUSTERDOWN
+            with redis.Redis(port=node.port) as admin:
+                admin.cluster("DELSLOTS", str(slot))
+        with pytest.raises(dlock.BackendUnavailable, match=r"(?i)cluster|slot"):
+            client.lock(name).acquire(timeout=0)
     # What redis-py raises when a slot is moving and its redirections run out.
     for exc in (
         redis.exceptions.TryAgainError("Multiple keys request during rehashing of slot"),
@@ -1171,34 +1174,30 @@ def test_a_cluster_between_states_is_unavailable_not_refused() -> None:
         assert isinstance(wrap(exc, "here"), dlock.BackendUnavailable), exc
 
 
-def test_a_wrong_password_on_a_cluster_is_refused_not_unavailable() -> None:
+def test_a_wrong_password_on_a_cluster_is_refused_not_unavailable(
+    own_cluster: RedisCluster,
+) -> None:
     """A cluster client that reached no node reports "cannot be connected", caused by
     the nodes' refusal: retrying will not mend a password, so it is no BackendUnavailable."""
-    cluster = start_cluster()
-    try:
-        for node in cluster.nodes:
-            with redis.Redis(port=node.port) as admin:
-                admin.config_set("requirepass", "s3cret")
-        address = cluster.nodes[0].address
+    cluster = own_cluster
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as admin:
+            admin.config_set("requirepass", "s3cret")
+    address = cluster.nodes[0].address
 
-        async def asynchronously(url: str) -> BaseException:
-            async with dlock.aio.connect(url) as client:
-                with pytest.raises(dlock.BackendError) as caught:
-                    await client.lock(unique()).acquire(timeout=0)
-            return caught.value
+    async def asynchronously(url: str) -> BaseException:
+        async with dlock.aio.connect(url) as client:
+            with pytest.raises(dlock.BackendError) as caught:
+                await client.lock(unique()).acquire(timeout=0)
+        return caught.value
 
-        for url in (f"redis+cluster://:wrong@{address}", f"redis+cluster://{address}"):
-            with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as caught:
-                client.lock(unique()).acquire(timeout=0)
-            for error in (caught.value, asyncio.run(asynchronously(url))):
-                assert not isinstance(error, dlock.BackendUnavailable), error
-        with dlock.connect(f"redis+cluster://:s3cret@{address}") as client:
-            assert client.lock(unique()).acquire(timeout=0)
-    finally:
-        stop_every(cluster.nodes, RedisServer.remove)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    for url in (f"redis+cluster://:wrong@{address}", f"redis+cluster://{address}"):
+        with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as caught:
+            client.lock(unique()).acquire(timeout=0)
+        for error in (caught.value, asyncio.run(asynchronously(url))):
+            assert not isinstance(error, dlock.BackendUnavailable), error
+    with dlock.connect(f"redis+cluster://:s3cret@{address}") as client:
+        assert client.lock(unique()).acquire(timeout=0)
 
 
 def test_redlock_failed_quorum_gives_back_on_a_master_that_timed_out(
@@ -1707,8 +1706,8 @@ def test_a_given_single_connection_client_never_runs_a_script_twice(
         given.close()
 
 
-def test_a_given_cluster_client_never_runs_a_script_twice() -> None:
-    cluster = start_cluster()
+def test_a_given_cluster_client_never_runs_a_script_twice(own_cluster: RedisCluster) -> None:
+    cluster = own_cluster
     given: Any = redis.RedisCluster(
         host="127.0.0.1", port=cluster.nodes[0].port, socket_timeout=0.3
     )
@@ -1722,7 +1721,6 @@ def test_a_given_cluster_client_never_runs_a_script_twice() -> None:
             _inner_release_outlasting_a_timeout(client, server_of)
     finally:
         given.close()
-        stop_every(cluster.nodes, RedisServer.remove)
 
 
 def test_a_redlock_force_release_that_reaches_a_minority_is_unavailable(
