@@ -46,3 +46,20 @@ def seconds(value: object, what: str) -> float:
     if not math.isfinite(duration) or duration <= 0:
         raise ConfigurationError(f"{what} must be a positive number of seconds, not {value!r}")
     return duration
+
+
+#: Longest connect or operation timeout, in seconds (about 11.6 days). PostgreSQL takes
+#: its timeouts (``tcp_user_timeout``, ``lock_timeout``) as 32-bit milliseconds, and
+#: PyMySQL refuses a connect timeout over a year: past this, every connection failed.
+#: SQLite's busy timeout is an int of milliseconds too: past it, it wrapped to none.
+MAX_TIMEOUT = 1e6
+
+
+def bounded_seconds(value: object, what: str) -> float:
+    """``seconds``, for a duration a database or its driver keeps in 32-bit milliseconds."""
+    duration = seconds(value, what)
+    if duration > MAX_TIMEOUT:
+        raise ConfigurationError(
+            f"{what} is {value!r} seconds; the longest is {MAX_TIMEOUT:g} (about 11 days)"
+        )
+    return duration

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from ._errors import ConfigurationError
-from ._options import flag, query_options, seconds
+from ._options import bounded_seconds, flag, query_options
 from ._types import Holder, LockInfo
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -205,22 +205,6 @@ def parse_server_url(
         client=_client_factory(settings.get("client")),
         socket=str(settings[socket_option]) if settings.get(socket_option) else None,
     )
-
-
-#: Longest connect or operation timeout, in seconds (about 11.6 days). PostgreSQL takes
-#: its timeouts (``tcp_user_timeout``, ``lock_timeout``) as 32-bit milliseconds, and
-#: PyMySQL refuses a connect timeout over a year: past this, every connection failed.
-#: SQLite's busy timeout is an int of milliseconds too: past it, it wrapped to none.
-MAX_TIMEOUT = 1e6
-
-
-def bounded_seconds(value: object, what: str) -> float:
-    duration = seconds(value, what)
-    if duration > MAX_TIMEOUT:
-        raise ConfigurationError(
-            f"{what} is {value!r} seconds; the longest is {MAX_TIMEOUT:g} (about 11 days)"
-        )
-    return duration
 
 
 def _check_given_client_url(parts: SplitResult, ignored_options: set[str]) -> None:

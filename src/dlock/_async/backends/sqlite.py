@@ -21,10 +21,9 @@ from urllib.parse import unquote, urlsplit
 from ... import _fork, _sqlite_fork
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
-from ..._options import query_options
+from ..._options import bounded_seconds, query_options
 from ..._sql import (
     DEFAULT_TABLES,
-    bounded_seconds,
     check_identifier,
     encode_name,
     lock_info,
