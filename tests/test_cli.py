@@ -115,9 +115,10 @@ def test_run_passes_name_token_and_exit_status(db: str, name: str) -> None:
     script = 'echo "$DLOCK_NAME $DLOCK_FENCING_TOKEN $DLOCK_TTL"; exit 3'
     first = dlock_cmd(db, "run", "--ttl", "7", name, "--", "sh", "-c", script)
     assert first.returncode == 3, first.stderr
-    assert first.stdout.split() == [name, "1", "7.0"]
+    shown_name, token, ttl = first.stdout.split()
+    assert (shown_name, ttl) == (name, "7.0") and int(token) > 0, first.stdout
     second = dlock_cmd(db, "run", name, "--", "sh", "-c", script)
-    assert second.stdout.split()[1] == "2", "each run is a new acquisition"
+    assert int(second.stdout.split()[1]) > int(token), "each run is a new acquisition"
     with dlock.connect(db) as client:
         assert client.inspect(name) is None, "the lock is released when the command ends"
 

@@ -79,29 +79,36 @@ def _token(client: dlock.Client, name: str) -> int:
         return lock.fencing_token
 
 
-def test_prune_keeps_tokens_increasing_with_no_server_clock(tmp_path: Path) -> None:
-    """SQLite counts tokens from 1: a name made again after a prune counts on from the
-    largest token of the rows deleted, or a holder cut off before the prune would
-    outrank the next one."""
+def test_prune_keeps_tokens_increasing_when_the_clock_steps_back(tmp_path: Path) -> None:
+    """Tokens start from the host's wall clock, which an NTP step can set back: a name
+    made again after a prune counts on from the largest token of the rows deleted, or a
+    holder cut off before the prune would outrank the next one."""
     path = tmp_path / "locks.sqlite3"
     with dlock.connect(f"sqlite:///{path}") as client:
-        tokens = {
-            name: [_token(client, name) for _ in range(turns)]
-            for name, turns in [("idle", 3), ("other", 5), ("recent", 1)]
-        }
+        for name, turns in [("idle", 3), ("other", 5), ("recent", 1)]:
+            for _ in range(turns):
+                _token(client, name)
         held = client.lock("held", ttl=30)
         assert held.acquire(timeout=0)
+        # Tokens handed out while the clock read an hour ahead of where it reads now.
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE dlock_locks SET fence = fence + 3600000000")
+        tokens = dict(conn.execute("SELECT CAST(name AS TEXT), fence FROM dlock_locks"))
+        conn.close()
         for name in ("idle", "other", "held"):
             _set_back(path, name, 7200)
         # "held" ran out two hours ago: expired, so idle too. Re-take it as held.
         held_again = client.lock("held", ttl=30)
         assert held_again.acquire(timeout=0)
+        assert held_again.fencing_token == tokens["held"] + 1
         # One row per transaction: the floor must still rise over both.
         assert client.prune(3600, batch=1) == 2  # "idle" and "other"
         assert {info.name for info in client.list()} == {"held"}
-        assert _token(client, "recent") == tokens["recent"][-1] + 1
-        # Above "other"'s 5, the largest token pruned, not just above "idle"'s own 3.
-        assert _token(client, "idle") > 5
+        assert _token(client, "recent") == tokens["recent"] + 1
+        # Above "other"'s, the largest token pruned, not just above "idle"'s own.
+        assert tokens["other"] > tokens["idle"]
+        assert _token(client, "idle") == tokens["other"] + 1
         held_again.release()
         _set_back(path, "idle", 7200)
         last = _token(client, "other")
@@ -447,7 +454,8 @@ def test_leases_are_timed_by_the_hosts_boot_clock_in_a_time_namespace(tmp_path: 
         held = client.lock("job", ttl=60)
         assert held.acquire(timeout=0)
         assert _try_once(url, "job", prefix=ahead) == "False None", "a live lease taken over"
-        assert _try_once(url, "crashed", ttl=5, prefix=ahead) == "True 1"
+        granted, token = _try_once(url, "crashed", ttl=5, prefix=ahead).split()
+        assert granted == "True" and int(token) > 0, (granted, token)
         info = client.inspect("crashed")
         assert info is not None and info.expires_in is not None, info
         assert 0 < info.expires_in <= 5, info
@@ -638,7 +646,8 @@ def test_a_process_that_unshared_a_time_namespace_for_its_children_is_refused(
     url = f"sqlite://{tmp_path}/locks.sqlite3"
     answer = _unshare_time_for_children(url, "fresh")
     assert answer.startswith("BackendError") and "time namespace" in answer, answer
-    assert _unshare_time_for_children(url, "used-before") == "True 1"
+    granted, token = _unshare_time_for_children(url, "used-before").split()
+    assert granted == "True" and int(token) > 0, (granted, token)
     with dlock.connect(url) as client:
         info = client.inspect("job")
         assert info is not None and info.expires_in is not None, info
@@ -778,12 +787,34 @@ def test_a_lock_file_deleted_or_replaced_while_held_is_a_loss(tmp_path: Path, ho
             fresh.replace(path)
         other = second.lock("x", ttl=30)
         assert other.acquire(timeout=0), "the file now at the path is free"
+        assert (other.fencing_token or 0) > (held.fencing_token or 0), "a token fell"
         with pytest.raises(dlock.LockLost):
             held.extend()
         assert not held.owned()
         # The first client's acquires go to the new file too, where the lock is taken.
         assert first.lock("x", ttl=30).acquire(timeout=0) is False
         other.release()
+
+
+def test_tokens_keep_increasing_in_a_lock_file_restored_from_a_copy(tmp_path: Path) -> None:
+    """A lock file put back from a backup holds older counters than the tokens handed
+    out since; a holder cut off by the restore still writes with its token, so the next
+    grant must carry a larger one (each name's counter started at 1 in a new file, and
+    counted on from the copy's)."""
+    path, copy = tmp_path / "locks.db", tmp_path / "backup.db"
+    url = f"sqlite://{path}"
+    with dlock.connect(url) as client:
+        _token(client, "x")
+        source, target = sqlite3.connect(path), sqlite3.connect(copy)
+        source.backup(target)
+        target.close()
+        source.close()
+        tokens = [_token(client, "x") for _ in range(3)]
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    copy.replace(path)
+    with dlock.connect(url) as client:
+        assert _token(client, "x") > max(tokens)
 
 
 @FORKS
@@ -817,8 +848,8 @@ def test_a_table_named_by_a_keyword_is_no_longer_a_syntax_error(tmp_path: Path) 
     for table in ("order", "group", "Select"):
         with dlock.connect(f"sqlite://{path}?table={table}") as client:
             with client.lock("x", ttl=5) as lock:
-                assert lock.fencing_token == 1
-                assert client.inspect("x") is not None
+                info = client.inspect("x")
+                assert info is not None and info.fencing_token == lock.fencing_token
             assert client.prune(600) == 0
     with pytest.raises(dlock.ConfigurationError, match="sqlite_"):
         dlock.connect(f"sqlite://{path}?table=SQLite_locks")

@@ -264,7 +264,8 @@ class Dialect:
     #: The clock, evaluated once per statement.
     now: str
     #: The server's clock in whole microseconds since the epoch: the floor of the
-    #: fencing counters (see :func:`next_fence`); empty for SQLite, which has none.
+    #: fencing counters (see :func:`next_fence`). SQLite's is the host's wall clock,
+    #: passed in by the client.
     clock_us: str
     name_type: str
     owner_type: str
@@ -282,6 +283,8 @@ class Dialect:
     session_table_options: str = ""
     #: Session mode's holder column (MEMORY tables store every row at full width).
     session_holder_type: str = "VARCHAR(1024)"
+    #: The larger of its arguments (SQLite's scalar MAX).
+    greatest: str = "GREATEST"
 
     def schema(self, table: str, session: bool = False) -> str:
         columns = [
@@ -315,7 +318,7 @@ class Dialect:
         increasing, unless the server's clock went back by more than the outage lasted.
         While the row lives, the ``+ 1`` keeps them increasing whatever the clock does.
         """
-        return f"GREATEST({previous} + 1, {self.clock_us})"
+        return f"{self.greatest}({previous} + 1, {self.clock_us})"
 
     def live(self, alias: str = "") -> str:
         extra = "".join(f" AND {alias}{c} = {value}" for c, _, value in self.extra_columns)
@@ -393,7 +396,9 @@ SQLITE = Dialect(
     name="sqlite",
     # The host's boot clock, passed in by the client: SQLite has no server.
     now="%(now)s",
-    clock_us="",
+    # Fencing counters start from the host's wall clock, as the servers' start from
+    # theirs: a lock file replaced or restored from a copy still hands out larger tokens.
+    clock_us="%(clock_us)s",
     # Names are bound as UTF-8 BLOBs, as on the servers: SQLite's length() and substr()
     # of TEXT stop at a NUL, of a BLOB they count bytes.
     name_type="BLOB",
@@ -402,6 +407,7 @@ SQLITE = Dialect(
     # A lease from an earlier boot of the host is dead whatever its clock says.
     extra_columns=(("boot", "TEXT NOT NULL DEFAULT ''", "%(boot)s"),),
     session_columns=False,
+    greatest="MAX",
 )
 
 
@@ -419,13 +425,14 @@ def upsert_statements(table: str, d: Dialect) -> dict[str, str]:
         # A free or expired name is taken (fence + 1), a live one re-entered by its owner
         # (count + 1), anything else left alone. The row lock taken by ON CONFLICT
         # decides; nothing is read first. A new row counts on from the floor that
-        # ``prune`` leaves in the row of the empty name (no lock has that name).
+        # ``prune`` leaves in the row of the empty name (no lock has that name), and
+        # every token from the clock (see Dialect.next_fence).
         "acquire": f"""
             INSERT INTO {table} AS x (name, owner, fence, count, expires, holder{extra})
-            VALUES (%(name)s, %(owner)s, {sqlite_fence_floor(table)} + 1, 1, {now} + %(ttl)s,
-                    %(holder)s{extra_values})
+            VALUES (%(name)s, %(owner)s, {d.next_fence(sqlite_fence_floor(table))}, 1,
+                    {now} + %(ttl)s, %(holder)s{extra_values})
             ON CONFLICT (name) DO UPDATE SET
-                fence = CASE WHEN {reenter} THEN x.fence ELSE x.fence + 1 END,
+                fence = CASE WHEN {reenter} THEN x.fence ELSE {d.next_fence("x.fence")} END,
                 count = CASE WHEN {reenter} THEN x.count + 1 ELSE 1 END,
                 owner = excluded.owner, expires = excluded.expires,
                 holder = excluded.holder{extra_set}
@@ -449,8 +456,9 @@ def sqlite_fence_floor(table: str) -> str:
 def sqlite_statements(table: str) -> dict[str, str]:
     """SQLite: the same statements, with ``:name`` parameters.
 
-    SQLite has no server clock for new rows' tokens to start from, so ``prune`` keeps
-    the largest token of the rows it deletes in a row of the empty name: the floor.
+    New rows' tokens start from the host's wall clock, which an NTP step can set back,
+    so ``prune`` also keeps the largest token of the rows it deletes in a row of the
+    empty name: the floor, which a new row counts on from too.
     Rows of an earlier boot of the host have been idle for at least the time since
     boot, which the boot clock (``now``) counts.
     """
