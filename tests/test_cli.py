@@ -27,7 +27,7 @@ import pytest
 
 import dlock
 from dlock._job import FORWARDED_SIGNALS
-from dlock._redis_scripts import INSPECT, Script
+from dlock._redis_scripts import INSPECT, RELEASE, Script
 from tests.servers import free_port
 from tests.servers.redis import RedisServer
 
@@ -121,6 +121,20 @@ def test_run_passes_name_token_and_exit_status(db: str, name: str) -> None:
     assert int(second.stdout.split()[1]) > int(token), "each run is a new acquisition"
     with dlock.connect(db) as client:
         assert client.inspect(name) is None, "the lock is released when the command ends"
+
+
+def test_everything_after_the_separator_is_the_command(db: str, name: str, tmp_path: Path) -> None:
+    """argparse drops the ``--`` after NAME, so ``NAME -- -tool`` was refused as an
+    option after NAME, and ``NAME -- -- cmd`` ran ``cmd``: the command is everything
+    after the separator, as with env(1) and flock(1)."""
+    tool = tmp_path / "-tool"
+    tool.write_text('#!/bin/sh\necho "ran $*"\n')
+    tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    dashed = dlock_cmd(db, "run", name, "--", "-tool", "--", "-x", env=env)
+    assert (dashed.returncode, dashed.stdout) == (0, "ran -- -x\n"), dashed.stderr
+    doubled = dlock_cmd(db, "run", name, "--", "--", "true")
+    assert doubled.returncode == 127 and "cannot run '--'" in doubled.stderr, doubled.stderr
 
 
 def test_conflict_exit_code_and_wait(db: str, name: str) -> None:
@@ -1112,6 +1126,19 @@ def test_a_release_that_fails_after_the_command_no_longer_hides_its_status(
         go.touch()
     assert result.returncode == 3, result.stderr
     assert "database is locked" in result.stderr and repr(name) in result.stderr
+
+
+def test_a_command_that_cannot_start_keeps_its_status_when_the_give_back_fails(
+    redis_server: RedisServer, name: str
+) -> None:
+    """Nothing ran: the command is not there. The give-back that then failed made the
+    exit status the backend's (76, or 69, "worth retrying"), hiding the 127 of a command
+    not found; it is told on stderr instead, and the lease runs out."""
+    with refusing_script(redis_server, RELEASE) as proxied:
+        result = dlock_cmd(proxied, "run", "--ttl", "5", name, "--", "no-such-command-here")
+    assert result.returncode == 127, result.stderr
+    assert "cannot run 'no-such-command-here'" in result.stderr, result.stderr
+    assert f"giving back {name!r} failed" in result.stderr, result.stderr
 
 
 def test_an_empty_url_no_longer_runs_under_the_default_file(tmp_path: Path) -> None:

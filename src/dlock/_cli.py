@@ -58,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def command_line(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.handler is cmd_run:
+        args.command, args.separated = run_command(argv, args.name, args.command)
     stdout = sys.stdout  # None if the caller closed it (>&-)
     # What a command prints is written once it is done: a failure to write it is then
     # told apart from the backend's, and ends with a status of its own. (``run`` prints
@@ -279,9 +282,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(argv: list[str], name: str, parsed: list[str]) -> tuple[list[str], bool]:
+    """``dlock run``'s command, and whether it came after a ``--`` separator.
+
+    argparse drops the ``--`` after NAME before it hands the rest over, so from what it
+    parsed alone, ``NAME -- -x`` looks like the misplaced option ``NAME -x`` and
+    ``NAME -- -- cmd`` like ``NAME -- cmd``; the arguments themselves tell them apart.
+    """
+    if "--" in argv:
+        cut = argv.index("--")
+        if cut > 0 and argv[cut - 1] == name and argv[cut + 1 :] == parsed:
+            return parsed, True
+    if parsed[:1] == ["--"]:
+        return parsed[1:], True
+    return parsed, False
+
+
 def cmd_run(client: Client, args: argparse.Namespace) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if command is args.command and command and command[0].startswith("-"):
+    command = args.command
+    if not args.separated and command and command[0].startswith("-"):
         # argparse stops at NAME: "dlock run NAME -n -- cmd" would run "-n".
         note(f"dlock run: {command[0]!r} after NAME: options go before NAME, the command after --")
         return EXIT_USAGE
@@ -316,7 +335,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         except Interrupted as stop:
             # (The handler stopped listening as it raised: later signals are kept.)
             if lock.owned():
-                lock.release()
+                give_back_unused(lock)
             return 128 + stop.signum
         if not acquired:
             note(f"dlock: {args.name!r} is held by someone else{holder}")
@@ -330,13 +349,13 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         if forwarder.pending:
             # Since the wait: not a signal for a command that has not started (which
             # would start only to get it, and perhaps do its first step).
-            lock.release()
+            give_back_unused(lock)
             return 128 + forwarder.pending[0]
         try:
             job = Job(command, env, done)
         except OSError as exc:
-            lock.release()
             note(f"dlock: cannot run {command[0]!r}: {exc}")
+            give_back_unused(lock)
             return 127 if isinstance(exc, FileNotFoundError) else 126
         try:
             forwarder.attach(job)
@@ -429,6 +448,16 @@ def finish(job: Job, lock: Lock, grace: float) -> int:
             "it is free once its lease runs out"
         )
     return 128 - status if status < 0 else status
+
+
+def give_back_unused(lock: Lock) -> None:
+    """Give back a lock no command ran under. dlock's status says why nothing ran (a
+    signal, a command that cannot start): a give-back that fails is told, not made the
+    status (the backend's 69 would have a script retry a command that is not there)."""
+    try:
+        lock.release()
+    except (LockLost, BackendError) as exc:
+        note(f"dlock: giving back {lock.name!r} failed ({exc}); it is free once its lease runs out")
 
 
 def stop_after_loss(job: Job, lock: Lock, grace: float) -> int:
