@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+import redis
 
 import dlock
 from dlock._job import FORWARDED_SIGNALS
@@ -1139,6 +1140,42 @@ def test_a_command_that_cannot_start_keeps_its_status_when_the_give_back_fails(
     assert result.returncode == 127, result.stderr
     assert "cannot run 'no-such-command-here'" in result.stderr, result.stderr
     assert f"giving back {name!r} failed" in result.stderr, result.stderr
+
+
+def _rename_sqlite(db: str, old: bytes, new: bytes) -> None:
+    with sqlite3.connect(db.removeprefix("sqlite://")) as conn:
+        conn.execute("UPDATE dlock_locks SET name = ? WHERE name = ?", (new, old))
+    conn.close()
+
+
+def _rename_redis(url: str, old: bytes, new: bytes) -> None:
+    server = redis.Redis.from_url(url)
+    for key in server.scan_iter(match=b"*{n:" + old + b"}*"):
+        server.rename(key, key.replace(b"{n:" + old + b"}", b"{n:" + new + b"}"))
+    server.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_a_name_not_in_utf8_is_listed_escaped(
+    backend: str, db: str, name: str, request: pytest.FixtureRequest
+) -> None:
+    """A lock name that another program wrote, not in UTF-8, ended ``dlock list`` (and
+    ``Client.list``) with a UnicodeDecodeError: an internal error, exit 70. It is
+    listed with its bytes kept, shown escaped."""
+    if backend == "redis":
+        db = f"redis://{request.getfixturevalue('redis_server').address}/0"
+    rename = _rename_sqlite if backend == "sqlite" else _rename_redis
+    foreign = name.encode() + b"\xff"
+    with dlock.connect(db) as client, client.lock(name, ttl=30):
+        rename(db, name.encode(), foreign)
+        [info] = client.list(name)
+        assert info.name == name + "\udcff"
+        shown = dlock_cmd(db, "list", name)
+        assert shown.returncode == 0 and repr(name + "\udcff") in shown.stdout, shown.stderr
+        as_json = dlock_cmd(db, "list", "--json", name)
+        assert as_json.returncode == 0, as_json.stderr
+        assert [row["name"] for row in json.loads(as_json.stdout)] == [name + "\udcff"]
+        rename(db, foreign, name.encode())
 
 
 def test_an_empty_url_no_longer_runs_under_the_default_file(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 from ._errors import ConfigurationError
 from ._options import bounded_seconds, flag, query_options
 from ._types import Holder, LockInfo
+from ._validation import name_bytes, name_from_bytes
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
@@ -71,11 +72,11 @@ POSTGRESQL_QUOTE_TABLE = "SELECT format('%%I.%%I', lower(%(schema)s), lower(%(ta
 def encode_name(name: str) -> bytes:
     """Names are stored as their UTF-8 bytes: PostgreSQL text cannot hold NUL, and byte
     order is code point order, so listing sorts exactly as Python sorts str."""
-    return name.encode("utf-8")
+    return name_bytes(name)
 
 
 def decode_name(stored: str | bytes | bytearray | memoryview) -> str:
-    return stored if isinstance(stored, str) else bytes(stored).decode("utf-8")
+    return stored if isinstance(stored, str) else name_from_bytes(bytes(stored))
 
 
 # The keys below are cached: a lock name is usually used again and again, and hashing it

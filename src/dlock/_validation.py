@@ -45,6 +45,18 @@ def check_name(name: object) -> str:
     return name
 
 
+def name_bytes(name: str) -> bytes:
+    """A name as backends store it: its UTF-8 bytes (see :func:`name_from_bytes`)."""
+    return name.encode("utf-8", "surrogateescape")
+
+
+def name_from_bytes(stored: bytes) -> str:
+    """A stored name. One that another program wrote, not in UTF-8, keeps its bytes as
+    lone surrogates (as ``os.fsdecode`` does): listed and shown escaped, not a crash of
+    ``list`` and ``dlock list``. :func:`check_name` refuses such a name for a lock."""
+    return stored.decode("utf-8", "surrogateescape")
+
+
 def check_prefix(prefix: object) -> str:
     """A ``list`` prefix: any text a name may start with, the empty string included."""
     if not isinstance(prefix, str):

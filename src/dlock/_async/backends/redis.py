@@ -55,6 +55,7 @@ from ..._fork import ForkFollower
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from ..._validation import name_bytes, name_from_bytes
 from .._primitives import IS_ASYNC, cancel_requests, current_task, lost_cancel, sleep
 from ..backend import AsyncBackend, AsyncWaiter
 
@@ -290,7 +291,7 @@ class Keys:
 
     def __init__(self, prefix: bytes, name: str) -> None:
         # "n:" keeps the hash tag non-empty even for a name starting with "}".
-        base = prefix + b":{n:" + name.encode("utf-8") + b"}:"
+        base = prefix + b":{n:" + name_bytes(name) + b"}:"
         self.lease = base + b"lease"
         self.fence = base + b"fence"
         self.queue = base + b"queue"
@@ -1042,7 +1043,7 @@ class AsyncRedisBackend(AsyncBackend):
             async for key in self._get_client().scan_iter(match=escaped + b"*" + tail, count=1000):
                 raw = _bytes(key)
                 if raw.startswith(head) and raw.endswith(tail):
-                    names.add(raw[len(head) : -len(tail)].decode("utf-8"))
+                    names.add(name_from_bytes(raw[len(head) : -len(tail)]))
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         return sorted(names)

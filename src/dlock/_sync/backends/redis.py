@@ -56,6 +56,7 @@ from ..._fork import ForkFollower
 from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from ..._validation import name_bytes, name_from_bytes
 from .._primitives import IS_ASYNC, cancel_requests, current_task, lost_cancel, sleep
 from ..backend import Backend, Waiter
 
@@ -291,7 +292,7 @@ class Keys:
 
     def __init__(self, prefix: bytes, name: str) -> None:
         # "n:" keeps the hash tag non-empty even for a name starting with "}".
-        base = prefix + b":{n:" + name.encode("utf-8") + b"}:"
+        base = prefix + b":{n:" + name_bytes(name) + b"}:"
         self.lease = base + b"lease"
         self.fence = base + b"fence"
         self.queue = base + b"queue"
@@ -1035,7 +1036,7 @@ class RedisBackend(Backend):
             for key in self._get_client().scan_iter(match=escaped + b"*" + tail, count=1000):
                 raw = _bytes(key)
                 if raw.startswith(head) and raw.endswith(tail):
-                    names.add(raw[len(head) : -len(tail)].decode("utf-8"))
+                    names.add(name_from_bytes(raw[len(head) : -len(tail)]))
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         return sorted(names)
