@@ -932,6 +932,34 @@ def test_a_login_at_its_connection_limit_is_unavailable_not_refused(server: SQLS
         run(f"DROP {'ROLE' if server.scheme == 'postgresql' else 'USER'} {user}", ())
 
 
+def test_a_row_lock_wait_ended_by_the_server_is_unavailable_not_refused(
+    server: SQLServer, name: str
+) -> None:
+    """A transaction of someone else's (a DBA's, a migration's) holds the lock row past
+    the server's own limit on row lock waits (MySQL's ``innodb_lock_wait_timeout``,
+    PostgreSQL's ``lock_timeout``), and a deadlock likewise rolls back: the statement is
+    undone, nothing is held, and trying again can succeed. On MariaDB/MySQL it was a
+    plain BackendError (1205), a refusal that a retry would not mend. (PostgreSQL's
+    connections turn ``lock_timeout`` off: the wait ends at dlock's own timeout.)"""
+    limits = (("lock_timeout", "'1s'"), ("innodb_lock_wait_timeout", "1"))
+    with _login_where(server, *limits) as url, dlock.connect(f"{url}?timeout=2") as client:
+        lock = client.lock(name, ttl=30, auto_renew=False)
+        assert lock.acquire(timeout=0)  # creates the row
+        lock.release()
+        blocker = server.connect(autocommit=False)
+        try:
+            blocker.cursor().execute(
+                "SELECT fence FROM dlock_locks WHERE name = %s FOR UPDATE", (name.encode(),)
+            )
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.acquire(timeout=0)
+        finally:
+            blocker.rollback()
+            blocker.close()
+        assert lock.acquire(timeout=0), "nothing was held: a retry takes the lock"
+        lock.release()
+
+
 def test_tls_asked_of_a_server_without_it_is_refused(
     server: SQLServer, name: str, certificates: Certificates
 ) -> None:

@@ -62,6 +62,10 @@ CONNECTION_ENDED = {1040, 1053, 1203, 1226, 1927, 4031}
 #: for a connection closed under a statement (a KILL, a restart), which are also how
 #: PyMySQL words a read that timed out (told apart by its cause, ``_timed_out``).
 SESSION_ENDED = {1053, 1927, 4031, 2006, 2013}
+#: A row lock wait that the server ended: ER_LOCK_WAIT_TIMEOUT (another transaction
+#: held the row past ``innodb_lock_wait_timeout``), ER_LOCK_DEADLOCK. The statement is
+#: undone and nothing is held: worth trying again, as PostgreSQL's are.
+LOCK_WAIT_ENDED = {1205, 1213}
 #: ER_RECORD_FILE_FULL: the session mode's MEMORY table reached max_heap_table_size.
 TABLE_FULL = 1114
 READ_ONLY = {1290, 1792, 1836}
@@ -387,6 +391,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         if (
             code in CLIENT_ERRORS
             or code in CONNECTION_ENDED
+            or code in LOCK_WAIT_ENDED
             or isinstance(exc, pymysql.err.InterfaceError)
         ):
             return BackendUnavailable(f"({code}) {text}")
