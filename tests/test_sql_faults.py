@@ -132,6 +132,31 @@ def test_session_lock_freed_at_once_when_its_connection_is_killed(
             successor.release()
 
 
+@pytest.mark.parametrize("step", ["re-entry", "partial release"])
+def test_a_session_lock_whose_connection_was_killed_is_neither_re_entered_nor_kept(
+    server: SQLServer, name: str, step: str
+) -> None:
+    """A re-entry or a partial release only counted the level in the row, on another
+    connection: after the holder's session was killed (the lock freed at once, and
+    another client's to take), a re-entry was granted, and a partial release left
+    ``owned()`` true, until the next renewal."""
+    lost: list[object] = []
+    with dlock.connect(server.url("mode=session")) as first:
+        lock = first.lock(name, ttl=30, reentrant=True, on_lost=lost.append, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        if step == "partial release":
+            assert lock.acquire(timeout=0)
+        kill_other_sessions(server)
+        with pytest.raises(dlock.LockLost):
+            if step == "re-entry":
+                lock.acquire(timeout=0)
+            else:
+                lock.release()
+        assert not lock.owned() and lost == [lock]
+        with dlock.connect(server.url("mode=session")) as second:
+            assert second.lock(name, ttl=30).acquire(timeout=0)
+
+
 def test_a_grant_answered_as_the_client_closes_is_given_back(server: SQLServer, name: str) -> None:
     """close() while an acquire's attempt is in flight: the grant comes back after close
     began. The acquire must give it back before close shuts the backend, which would

@@ -631,9 +631,10 @@ def postgresql_statements(table: str) -> dict[str, str]:
             WHERE current_setting('idle_session_timeout', true) IS NOT NULL""",
         "idle_timeout": "SELECT current_setting('idle_session_timeout', true)",
         "idle_timeout_restore": "SELECT set_config('idle_session_timeout', %(value)s, false)",
+        # Re-entry and partial release: only while the session still holds the lock.
         "session_count": f"""
             UPDATE {table} SET count = count + %(delta)s
-            WHERE name = %(name)s AND owner = %(owner)s RETURNING count""",
+            WHERE name = %(name)s AND owner = %(owner)s AND {held} RETURNING count""",
         "session_extend": d.extend(table) + f" AND {held} RETURNING 1",
         # Batched renewal checks pg_locks too: a holder whose session was ended by the
         # server (pg_terminate_backend, idle timeout) still has a live row.
@@ -832,9 +833,10 @@ def mysql_statements(table: str) -> dict[str, str]:
         "no_idle_timeout": "SET SESSION wait_timeout = 31536000",
         "idle_timeout": "SELECT @@SESSION.wait_timeout",
         "idle_timeout_restore": "SET SESSION wait_timeout = %(value)s",
+        # Re-entry and partial release: only while the session still holds the lock.
         "session_count": f"""
             UPDATE {table} SET count = LAST_INSERT_ID(count + %(delta)s)
-            WHERE name = %(name)s AND owner = %(owner)s""",
+            WHERE name = %(name)s AND owner = %(owner)s AND {held}""",
         "session_extend": d.extend(table) + f" AND {held}",
         "session_extend_many": f"""
             UPDATE {table} SET expires = {now} + %(ttl)s
