@@ -1174,6 +1174,102 @@ def test_a_cluster_between_states_is_unavailable_not_refused(own_cluster: RedisC
         assert isinstance(wrap(exc, "here"), dlock.BackendUnavailable), exc
 
 
+def test_a_blocking_acquire_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster) -> None:
+    """While a resharding moves a name's slot (CLUSTER SETSLOT MIGRATING / IMPORTING,
+    then MIGRATE of its keys), the nodes answer the lock's scripts TRYAGAIN, before
+    running them. A try says so (BackendUnavailable); a blocking acquire tries again
+    within its timeout and gets the lock once the slot has moved, on its new node."""
+    from redis.crc import key_slot
+
+    cluster = own_cluster
+    name = unique()
+    keys = Keys(b"dlock", name)
+    slot = key_slot(keys.lease)
+    admins = [redis.Redis(port=node.port, decode_responses=True) for node in cluster.nodes]
+    ids = [admin.cluster("MYID") for admin in admins]
+    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
+        port = mapped.get_node_from_key(keys.lease).port
+    source = next(i for i, node in enumerate(cluster.nodes) if node.port == port)
+    target = (source + 1) % len(cluster.nodes)
+    try:
+        with dlock.connect(cluster.url) as client:
+            lock = client.lock(name, ttl=30)
+            assert lock.acquire(timeout=0)  # the name's fencing counter stays behind
+            lock.release()
+            admins[target].cluster("SETSLOT", slot, "IMPORTING", ids[source])
+            admins[source].cluster("SETSLOT", slot, "MIGRATING", ids[target])
+            with pytest.raises(dlock.BackendUnavailable, match="moving"):
+                client.lock(name).acquire(timeout=0)
+            moved = threading.Event()
+
+            def move() -> None:
+                time.sleep(1.0)  # the source holds some of the keys only: TRYAGAIN
+                for key in admins[source].cluster("GETKEYSINSLOT", slot, 100):
+                    admins[source].migrate("127.0.0.1", cluster.nodes[target].port, key, 0, 5000)
+                time.sleep(1.0)  # ASK to the target, which holds some only: TRYAGAIN
+                for admin in admins:
+                    admin.cluster("SETSLOT", slot, "NODE", ids[target])
+                moved.set()
+
+            mover = threading.Thread(target=move)
+            mover.start()
+            try:
+                assert lock.acquire(timeout=20)
+                assert moved.is_set()
+            finally:
+                mover.join(10)
+            assert admins[target].exists(keys.lease)
+            assert admins[source].cluster("COUNTKEYSINSLOT", slot) == 0
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == lock.fencing_token
+            lock.release()
+    finally:
+        for admin in admins:
+            admin.close()
+
+
+def test_nodes_that_disagree_on_the_slots_are_unavailable_and_ridden_out(
+    own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py's "startup_nodes could not agree" comes from mapping the slots while
+    nodes disagree about who serves some (a resharding's news spreading), before any
+    script is sent: BackendUnavailable for a try, and a blocking acquire rides it out."""
+    from redis.asyncio.cluster import NodesManager
+    from redis.exceptions import RedisClusterException
+
+    async def main() -> None:
+        async with dlock.aio.connect(own_cluster.url) as client:
+            backend: Any = client._backend
+            lock = client.lock(unique())
+            assert await lock.acquire(timeout=0)  # the client has mapped the slots
+            await lock.release()
+            cluster_client = backend._get_client()
+            manager = cluster_client.nodes_manager
+            disagreements = 3
+
+            real_initialize = NodesManager.initialize
+
+            async def initialize(self: NodesManager, *args: Any, **kwargs: Any) -> None:
+                nonlocal disagreements
+                if self is manager and disagreements > 0:
+                    disagreements -= 1
+                    raise RedisClusterException(
+                        "startup_nodes could not agree on a valid slots cache: "
+                        "127.0.0.1:1 vs 127.0.0.1:2 on slot: 1, ..."
+                    )
+                await real_initialize(self, *args, **kwargs)
+
+            monkeypatch.setattr(NodesManager, "initialize", initialize)
+            cluster_client._initialize = True
+            with pytest.raises(dlock.BackendUnavailable, match="could not agree"):
+                await lock.acquire(timeout=0)
+            assert await lock.acquire(timeout=10)
+            assert disagreements == 0
+            await lock.release()
+
+    asyncio.run(main())
+
+
 def test_a_wrong_password_on_a_cluster_is_refused_not_unavailable(
     own_cluster: RedisCluster,
 ) -> None:

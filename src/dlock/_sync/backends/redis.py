@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import random
 import re
 import ssl
 import threading
@@ -34,6 +35,7 @@ from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
+    ClusterDownError,
     ClusterError,
     NoScriptError,
     RedisClusterException,
@@ -116,6 +118,32 @@ TRANSIENT = (ClusterError, TryAgainError, SlotNotCoveredError)
 #: Error replies redis-py has no class for, of a server busy for now: BUSY, another
 #: client's script running past busy-reply-threshold.
 TRANSIENT_REPLIES = ("BUSY ",)
+#: Seconds before a waiter tries again after a cluster refused its attempt for moving
+#: the name's slot (see ``moving``); doubled per refusal in a row up to MOVING_RETRY_MAX,
+#: less up to half of it at random, so that waiters do not retry in lockstep.
+MOVING_RETRY = 0.05
+MOVING_RETRY_MAX = 0.5
+_JITTER = random.SystemRandom()
+
+
+def moving(exc: BaseException | None) -> bool:
+    """A cluster between two maps of its slots, that refused a call before running it.
+
+    Moving the name's slot: the node that serves it answers TRYAGAIN to a script whose
+    keys it holds only some of, and so does the node importing it; redis-py tries again
+    a few times (and follows MOVED and ASK) and then raises ClusterError "TTL
+    exhausted". Every one of those answers comes before the script runs, as does a
+    ClusterError's, which redis-py raises only once its redirections ran out (a timeout
+    or a lost connection, which may come after the script ran, is another error). Or
+    redis-py's "startup_nodes could not agree", mapping the slots before it sends
+    anything: nodes that disagree about who serves some, while a resharding's news
+    spreads. So a script refused so may be sent again, and a retry may find it over.
+    CLUSTERDOWN (a ClusterError as well) is not a move: a cluster that is down."""
+    return (
+        isinstance(exc, TryAgainError)
+        or (isinstance(exc, ClusterError) and not isinstance(exc, ClusterDownError))
+        or (isinstance(exc, RedisClusterException) and "could not agree" in str(exc))
+    )
 
 
 def _ms(seconds: float) -> int:
@@ -275,6 +303,11 @@ def wrap(exc: Exception, where: str) -> BackendError:
         isinstance(exc, RedisClusterException) and "connect" in str(exc)
     ):
         return BackendUnavailable(f"Redis {where}: {type(exc).__name__}: {exc}")
+    if moving(exc):
+        return BackendUnavailable(
+            f"Redis {where}: the cluster is moving the name's slot or remapping its slots "
+            f"(a retry may find it done): {type(exc).__name__}: {exc}"
+        )
     if (
         isinstance(exc, TRANSIENT)
         or (isinstance(exc, ResponseError) and str(exc).startswith(TRANSIENT_REPLIES))
@@ -326,6 +359,8 @@ class _Waiting:
     #: Out of the queue already (granted by an attempt or handed the lease): leaving
     #: needs no round trip.
     left: bool = False
+    #: Attempts in a row that the cluster refused for moving the name's slot.
+    refused: int = 0
 
 
 class _PubSubWaiter(Waiter):
@@ -779,9 +814,22 @@ class RedisBackend(Backend):
             min(ttl_ms, self._queue_ttl_ms),
         )
         # A call cut off mid-flight may have been granted: the core gives the lease back.
-        result = self._call(scripts.ACQUIRE, k.queued(), args)
+        try:
+            result = self._call(scripts.ACQUIRE, k.queued(), args)
+        except BackendUnavailable as exc:
+            if waiting is None or not moving(exc.__cause__):
+                raise
+            # Refused before the script ran (a resharding moves the name's slot): no
+            # lease to give back, nor place taken. A blocking acquire waits a while and
+            # tries again, within its own timeout, rather than fail. The number this
+            # attempt took stays the latest: a grant made for the one before may have
+            # been made before this one was sent, the moment the core counts it from.
+            waiting.refused += 1
+            delay = min(MOVING_RETRY * 2 ** min(waiting.refused - 1, 16), MOVING_RETRY_MAX)
+            return Busy(retry_after=_JITTER.uniform(delay / 2, delay))
         granted = int(result[0]) == 1
         if waiting is not None:
+            waiting.refused = 0
             waiting.left = granted and bool(int(result[3]))
         if granted:
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
