@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 import dlock
 import dlock.aio
-from dlock._redis_scripts import FENCE_KEPT_MS
+from dlock._redis_scripts import DEQUEUE, FENCE_KEPT_MS
 from dlock._sync.backends.redis import Keys, RedisBackend, wrap
 from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
@@ -1514,6 +1514,98 @@ def test_a_cancellation_lost_while_waiting_for_a_release_stops_the_wait(
             assert time.monotonic() - started < 1.5, "the wait went on"
             assert task.cancelling() == 0
             await holder.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("flavour", ["redis_server", "redlock_servers"])
+def test_a_waiter_cancelled_twice_still_leaves_the_queue(
+    request: pytest.FixtureRequest, flavour: str
+) -> None:
+    """A waiter cancelled (asyncio.timeout) and cancelled again while it leaves the
+    queue (its TaskGroup, its caller) still leaves it: cut off, its place would keep
+    the others out until it lapsed (queue_ttl), and a lease a release handed to it
+    meanwhile would stay taken as long (Redlock: its places on the masters it had not
+    left yet). The same lock object's next acquire waits for that leave, which would
+    otherwise take the place and the lease it gets."""
+    servers = request.getfixturevalue(flavour)
+    if flavour == "redis_server":
+        url = f"{url_of(servers)}?queue_ttl=30"
+    else:
+        url = f"{make_redlock_url(servers)}?queue_ttl=30"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend: Any = client._backend
+            leaving = asyncio.Event()
+
+            def slow_to_leave(server: Any) -> None:
+                real_call = server._call
+
+                async def call(script: Any, keys: Any, args: Any) -> Any:
+                    if script is DEQUEUE:
+                        leaving.set()
+                        await asyncio.sleep(0.3)  # where the second cancellation lands
+                    return await real_call(script, keys, args)
+
+                server._call = call
+
+            for server in getattr(backend, "_masters", [backend]):
+                slow_to_leave(server)
+            # Cancelled first while it waits for a release, not in an attempt.
+            parked = asyncio.Event()
+            listener = getattr(backend, "_masters", [backend])[0]
+            real_subscribe = listener.subscribe
+
+            async def subscribe(channel: bytes) -> Any:
+                pubsub = await real_subscribe(channel)
+                real_get_message = pubsub.get_message
+
+                async def get_message(**kwargs: Any) -> Any:
+                    parked.set()
+                    return await real_get_message(**kwargs)
+
+                pubsub.get_message = get_message
+                return pubsub
+
+            listener.subscribe = subscribe
+            name = unique()
+            holder = other.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            lock = client.lock(name, ttl=30)
+
+            async def waiters() -> tuple[dlock.Holder, ...]:
+                info = await other.inspect(name)
+                return () if info is None else info.waiters
+
+            async def cancel_twice() -> None:
+                leaving.clear()
+                parked.clear()
+                task = asyncio.ensure_future(lock.acquire(timeout=60))
+                await asyncio.wait_for(parked.wait(), 5)
+                assert await waiters()
+                task.cancel()
+                await leaving.wait()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+            await cancel_twice()
+            deadline = time.monotonic() + 3
+            while await waiters():
+                assert time.monotonic() < deadline, "the waiter kept its place"
+                await asyncio.sleep(0.05)
+
+            await cancel_twice()
+            # The release hands the lease to the head of the queue, still this waiter.
+            await holder.release()
+            assert await lock.acquire(timeout=0)
+            await asyncio.sleep(0.5)  # any leave still on its way has landed
+            assert lock.owned()
+            info = await other.inspect(name)
+            assert info is not None and info.fencing_token == lock.fencing_token
+            assert info.waiters == ()
+            await lock.release()
 
     asyncio.run(main())
 

@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import shielded
 from ..backend import AsyncBackend, AsyncWaiter
 from .redis import AsyncRedisBackend
 
@@ -313,8 +314,16 @@ class AsyncRedlockBackend(AsyncBackend):
             async with self._masters[0].subscription(name, token) as waiter:
                 yield waiter
         finally:
-            for master in self._masters:
-                await master.dequeue(name, token)
+            # Every master's leave, to its end even if the waiter is cancelled again
+            # meanwhile (see AsyncRedisBackend.dequeue): cut off after the first, the
+            # others' places would keep the line waiting until they lapsed.
+            await shielded(self._dequeue_everywhere(name, token))
+
+    async def _dequeue_everywhere(self, name: str, token: str) -> int:
+        """Leave the queue on every master; the number of masters."""
+        for master in self._masters:
+            await master.dequeue(name, token)
+        return len(self._masters)
 
     def _agreed(self, infos: list[LockInfo]) -> LockInfo | None:
         """The holder a majority of masters agree on (same fencing token), if any."""

@@ -59,7 +59,16 @@ from ..._options import flag, query_options, seconds
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
-from .._primitives import IS_ASYNC, cancel_requests, current_task, lost_cancel, sleep
+from .._primitives import (
+    IS_ASYNC,
+    WakeupEvent,
+    call_with_timeout,
+    cancel_requests,
+    current_task,
+    lost_cancel,
+    shielded,
+    sleep,
+)
 from ..backend import Backend, Waiter
 
 #: Options this backend takes besides what redis-py reads from the URL's query string.
@@ -547,6 +556,9 @@ class RedisBackend(Backend):
         self._follow_fork = ForkFollower(self._forget_parent)
         #: The tokens waiting through this backend (the sync face: from several threads).
         self._waiting: dict[str, _Waiting] = {}
+        #: Tokens whose leave of the queue is still on its way (asyncio: a waiter
+        #: cancelled again while leaving has gone on, its leave runs to its end).
+        self._leaving: dict[str, WakeupEvent] = {}
         self._attempt_numbers = itertools.count(1)
         #: Releases grant the lease to the next waiter (False for Redlock's masters, where
         #: one master cannot grant alone: the waiter is only woken).
@@ -641,7 +653,8 @@ class RedisBackend(Backend):
             return
         with self._creating:
             if self._loop is not None:
-                self._idle, self._subscribers = [], {}
+                # A leave of the earlier loop will not end in this one: not waited for.
+                self._idle, self._subscribers, self._leaving = [], {}, {}
                 if self._owns_client:
                     self._client = self._connections = None
                 else:
@@ -653,7 +666,7 @@ class RedisBackend(Backend):
         sockets are the parent's, to neither use nor close (a child subscribing one to
         its own channel would take the parent's wake-ups away). Command connections
         check for a fork themselves (_Connections, redis-py's pools)."""
-        self._idle, self._subscribers = [], {}
+        self._idle, self._subscribers, self._leaving = [], {}, {}
 
     def _get_client(self) -> Any:
         self._check_open()
@@ -795,6 +808,16 @@ class RedisBackend(Backend):
         *,
         keep_place: bool = False,
     ) -> Acquired | Busy:
+        if self._leaving:
+            # Not a leave of an earlier event loop, or of the parent process: it will
+            # not end here.
+            self._follow_loop()
+            self._follow_fork()
+            if (leaving := self._leaving.get(token)) is not None:
+                # This token's earlier wait is still leaving the queue: sent after this
+                # attempt, its leave would take the place this attempt takes and give
+                # back the lease it gets.
+                leaving.wait(None)
         k = self._keys(name)
         ttl_ms = _ms(ttl)
         waiting = self._waiting.get(token)
@@ -945,14 +968,35 @@ class RedisBackend(Backend):
         self._waiting[token] = _Waiting(arrival)
 
     def dequeue(self, name: str, token: str) -> None:
-        """Leave the queue. If this fails, the place lapses by itself after queue_ttl."""
+        """Leave the queue. If this fails, the place lapses by itself after queue_ttl.
+
+        Run to its end even if the waiter is cancelled again meanwhile (asyncio: an
+        ``asyncio.timeout``, then its TaskGroup or its caller): cut off, the leave would
+        leave the place, and a lease a release handed to it, to keep the others out
+        until they lapse. The caller still sees the cancellation at once; the leave is
+        bounded by queue_ttl, after which the place has lapsed anyway, and the token's
+        next attempt waits for it (see acquire)."""
         waiting = self._waiting.pop(token, None)
         if waiting is None or waiting.left:
             return
+        left = self._leaving[token] = WakeupEvent()
+        shielded(self._leave(name, token, left))
+
+    def _leave(self, name: str, token: str, left: WakeupEvent) -> bool:
+        """DEQUEUE; True if the server answered."""
         k = self._keys(name)
-        with suppress(BackendError):
+        try:
             args = (token, k.wake, self._hand_over_flag())
-            self._call(scripts.DEQUEUE, k.queued(), args)
+            call_with_timeout(
+                self._call(scripts.DEQUEUE, k.queued(), args), self._queue_ttl_ms / 1000
+            )
+        except (BackendError, TimeoutError):
+            return False
+        finally:
+            if self._leaving.get(token) is left:
+                del self._leaving[token]
+            left.set()
+        return True
 
     @contextmanager
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:

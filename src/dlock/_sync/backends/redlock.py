@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import shielded
 from ..backend import Backend, Waiter
 from .redis import RedisBackend
 
@@ -314,8 +315,16 @@ class RedlockBackend(Backend):
             with self._masters[0].subscription(name, token) as waiter:
                 yield waiter
         finally:
-            for master in self._masters:
-                master.dequeue(name, token)
+            # Every master's leave, to its end even if the waiter is cancelled again
+            # meanwhile (see RedisBackend.dequeue): cut off after the first, the
+            # others' places would keep the line waiting until they lapsed.
+            shielded(self._dequeue_everywhere(name, token))
+
+    def _dequeue_everywhere(self, name: str, token: str) -> int:
+        """Leave the queue on every master; the number of masters."""
+        for master in self._masters:
+            master.dequeue(name, token)
+        return len(self._masters)
 
     def _agreed(self, infos: list[LockInfo]) -> LockInfo | None:
         """The holder a majority of masters agree on (same fencing token), if any."""
