@@ -1610,6 +1610,67 @@ def test_a_waiter_cancelled_twice_still_leaves_the_queue(
     asyncio.run(main())
 
 
+def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
+    redis_server: RedisServer,
+) -> None:
+    """A wait first unsubscribes the idle pub/sub connections that lingered too long.
+    A cancellation landing in that UNSUBSCRIBE left the connection, and the others not
+    reached yet, out of the idle list and open: subscribed on the server, where nothing
+    would close them before the client closed. Every subscribed connection must stay
+    one the client keeps (idle) or be closed."""
+    tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
+    url = f"{url_of(redis_server)}?client_name={tag}"
+    admin = redis.Redis(port=redis_server.port, decode_responses=True)
+
+    def subscribed() -> int:
+        return sum(
+            1 for c in admin.client_list() if c.get("name") == tag and int(c.get("sub", 0)) > 0
+        )
+
+    async def main() -> None:
+        async with (
+            dlock.aio.connect(url) as client,
+            dlock.aio.connect(url_of(redis_server)) as other,
+        ):
+            backend: Any = client._backend
+            names = [unique() for _ in range(3)]
+            for name in names:
+                assert await other.lock(name, ttl=30).acquire(timeout=0)
+            # Two waits at once: two subscriptions, idle (lingering) once they time out.
+            results = await asyncio.gather(
+                *(client.lock(name).acquire(timeout=0.3) for name in names[:2])
+            )
+            assert results == [False, False]
+            assert len(backend._idle) == 2 and subscribed() == 2
+            unsubscribing = asyncio.Event()
+            for pubsub, _, _ in backend._idle:
+
+                async def unsubscribe(*channels: Any) -> None:
+                    unsubscribing.set()
+                    await asyncio.sleep(30)  # where the cancellation lands
+
+                pubsub.unsubscribe = unsubscribe
+            backend._idle = [(p, c, since - 60) for p, c, since in backend._idle]
+            task = asyncio.ensure_future(client.lock(names[2]).acquire(timeout=10))
+            await asyncio.wait_for(unsubscribing.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            kept = sum(1 for _, channel, _ in backend._idle if channel is not None)
+            deadline = time.monotonic() + 3
+            while subscribed() != kept:
+                assert time.monotonic() < deadline, (
+                    f"{subscribed()} connections subscribed, {kept} of them kept"
+                )
+                await asyncio.sleep(0.05)
+            assert kept == 1, "the idle connection not reached was dropped"
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.close()
+
+
 @contextlib.contextmanager
 def out_of_memory(*servers: RedisServer) -> Iterator[None]:
     """Servers that refuse every script that may write (maxmemory reached, noeviction):

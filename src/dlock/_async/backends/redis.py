@@ -1076,17 +1076,39 @@ class AsyncRedisBackend(AsyncBackend):
             stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
             for entry in stale:
                 self._idle.remove(entry)
-        for pubsub, channel, since in stale:
+        for i, (pubsub, channel, since) in enumerate(stale):
             try:
                 await pubsub.unsubscribe(channel)
             except (*ERRORS, OSError):
                 await self._aclose_quietly(pubsub)
                 continue
+            except BaseException:
+                # Cut off (a cancellation): out of the idle list, the connection would
+                # stay open and subscribed, closed by nobody until the client closes,
+                # and so would the ones not reached yet. Its reply may still come, so
+                # it is closed, even if cancelled again; those go back as they were.
+                await shielded(self._drop_cut_off(pubsub, stale[i + 1 :]))
+                raise
             with self._creating:
                 if not self._closed:
                     self._idle.append((pubsub, None, since))
                     continue
             await self._aclose_quietly(pubsub)
+
+    async def _drop_cut_off(self, pubsub: Any, rest: list[tuple[Any, bytes | None, float]]) -> int:
+        """Close ``pubsub``, whose UNSUBSCRIBE was cut off, and keep ``rest`` idle as
+        they were (those there is no room for, or all once closed, are closed too).
+        Returns how many were closed."""
+        closing = [pubsub]
+        with self._creating:
+            for entry in rest:
+                if not self._closed and len(self._idle) < IDLE_SUBSCRIBERS:
+                    self._idle.append(entry)
+                else:
+                    closing.append(entry[0])
+        for connection in closing:
+            await self._aclose_quietly(connection)
+        return len(closing)
 
     async def raise_fence(self, name: str, token: str, floor: int) -> bool:
         """Redlock: lift this server's counter to ``floor``; True if ``token`` still holds."""
