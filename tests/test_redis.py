@@ -1228,6 +1228,50 @@ def test_a_blocking_acquire_rides_out_a_move_of_the_names_slot(own_cluster: Redi
             admin.close()
 
 
+def test_a_release_cut_short_by_a_slot_move_is_unavailable(own_cluster: RedisCluster) -> None:
+    """A script whose keys all exist when a slot starts moving runs on the node it is
+    leaving; a key it deletes and then writes again is then served elsewhere, and the
+    script stops there with an error, half run (the release below freed the lease, then
+    could not hand it to the waiter). That is no refusal before running, so it is not
+    among those a waiter rides out; it fails as unavailable, a state a retry may find
+    over, not as a refusal. The waiter gets the lock once the slot has moved."""
+    from redis.crc import key_slot
+
+    cluster = own_cluster
+    name = unique()
+    keys = Keys(b"dlock", name)
+    slot = key_slot(keys.lease)
+    admins = [redis.Redis(port=node.port, decode_responses=True) for node in cluster.nodes]
+    ids = [admin.cluster("MYID") for admin in admins]
+    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
+        port = mapped.get_node_from_key(keys.lease).port
+    source = next(i for i, node in enumerate(cluster.nodes) if node.port == port)
+    target = (source + 1) % len(cluster.nodes)
+    try:
+        with dlock.connect(cluster.url) as first, dlock.connect(cluster.url) as second:
+            holder = first.lock(name, ttl=30)
+            assert holder.acquire(timeout=0)
+            acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
+            deadline = time.monotonic() + 5
+            while admins[source].exists(*keys.queued()) < len(keys.queued()):
+                assert time.monotonic() < deadline, "the waiter never queued"
+                time.sleep(0.01)
+            admins[target].cluster("SETSLOT", slot, "IMPORTING", ids[source])
+            admins[source].cluster("SETSLOT", slot, "MIGRATING", ids[target])
+            with pytest.raises(dlock.BackendUnavailable, match="non local key"):
+                holder.release()
+            # The lease is gone, the other four keys stay: the release ran, in part.
+            assert admins[source].cluster("COUNTKEYSINSLOT", slot) == len(keys.queued()) - 1
+            for key in admins[source].cluster("GETKEYSINSLOT", slot, 100):
+                admins[source].migrate("127.0.0.1", cluster.nodes[target].port, key, 0, 5000)
+            for admin in admins:
+                admin.cluster("SETSLOT", slot, "NODE", ids[target])
+            assert acquired() is True
+    finally:
+        for admin in admins:
+            admin.close()
+
+
 def test_nodes_that_disagree_on_the_slots_are_unavailable_and_ridden_out(
     own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

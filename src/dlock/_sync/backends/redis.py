@@ -127,6 +127,14 @@ TRANSIENT = (ClusterError, TryAgainError, SlotNotCoveredError)
 #: Error replies redis-py has no class for, of a server busy for now: BUSY, another
 #: client's script running past busy-reply-threshold.
 TRANSIENT_REPLIES = ("BUSY ",)
+#: How a script that ran in part says that its cluster changed under it: a key it
+#: deleted and then wrote again, while its slot moves, is served by the node importing
+#: it; or the cluster went down. Unavailable (a retry may find the move over), but
+#: never sent again by dlock: unlike TRYAGAIN, the script has run up to there.
+CUT_SHORT_BY_THE_CLUSTER = (
+    "Script attempted to access a non local key",
+    "Script attempted to execute a command while the cluster is down",
+)
 #: Seconds before a waiter tries again after a cluster refused its attempt for moving
 #: the name's slot (see ``moving``); doubled per refusal in a row up to MOVING_RETRY_MAX,
 #: less up to half of it at random, so that waiters do not retry in lockstep.
@@ -320,6 +328,7 @@ def wrap(exc: Exception, where: str) -> BackendError:
     if (
         isinstance(exc, TRANSIENT)
         or (isinstance(exc, ResponseError) and str(exc).startswith(TRANSIENT_REPLIES))
+        or (isinstance(exc, ResponseError) and str(exc).startswith(CUT_SHORT_BY_THE_CLUSTER))
         # redis-py's reading of a cluster that does not serve every slot (down).
         or (isinstance(exc, RedisClusterException) and "not covered" in str(exc))
     ):
