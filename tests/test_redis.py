@@ -1715,6 +1715,69 @@ def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
         admin.close()
 
 
+def test_a_second_cancellation_while_closing_a_subscription_leaks_no_connection(
+    redis_server: RedisServer,
+) -> None:
+    """A wait cancelled while it subscribes closes that pub/sub connection (its reply
+    may still come); cancelled again during that close, the connection stayed open,
+    subscribed, checked out of its pool, and closed by nobody until the client closed."""
+    tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
+    url = f"{url_of(redis_server)}?client_name={tag}"
+    admin = redis.Redis(port=redis_server.port, decode_responses=True)
+
+    def subscribed() -> int:
+        return sum(
+            1 for c in admin.client_list() if c.get("name") == tag and int(c.get("sub", 0)) > 0
+        )
+
+    async def main() -> None:
+        async with (
+            dlock.aio.connect(url) as client,
+            dlock.aio.connect(url_of(redis_server)) as other,
+        ):
+            backend: Any = client._backend
+            subscribing, closing = asyncio.Event(), asyncio.Event()
+            real_new_pubsub = backend._new_pubsub
+
+            def new_pubsub(server: Any) -> Any:
+                pubsub = real_new_pubsub(server)
+                real_subscribe, real_aclose = pubsub.subscribe, pubsub.aclose
+
+                async def subscribe(*channels: Any) -> None:
+                    await real_subscribe(*channels)
+                    subscribing.set()
+                    await asyncio.sleep(30)  # the first cancellation lands here
+
+                async def aclose() -> None:
+                    closing.set()
+                    await asyncio.sleep(0.3)  # the second one here
+                    await real_aclose()
+
+                pubsub.subscribe, pubsub.aclose = subscribe, aclose
+                return pubsub
+
+            backend._new_pubsub = new_pubsub
+            name = unique()
+            assert await other.lock(name, ttl=30).acquire(timeout=0)
+            task = asyncio.ensure_future(client.lock(name).acquire(timeout=10))
+            await asyncio.wait_for(subscribing.wait(), 5)
+            assert subscribed() == 1
+            task.cancel()
+            await asyncio.wait_for(closing.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 3
+            while subscribed():
+                assert time.monotonic() < deadline, "the connection stayed open"
+                await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(main())
+    finally:
+        admin.close()
+
+
 @contextlib.contextmanager
 def out_of_memory(*servers: RedisServer) -> Iterator[None]:
     """Servers that refuse every script that may write (maxmemory reached, noeviction):

@@ -335,6 +335,15 @@ def wrap(exc: Exception, where: str) -> BackendError:
     return BackendError(f"Redis {where}: {type(exc).__name__}: {exc}")
 
 
+async def _close_quietly(closable: Any) -> bool:
+    """``closable.aclose()``; False if it failed (a broken connection is closed enough)."""
+    try:
+        await closable.aclose()
+    except (*ERRORS, OSError):
+        return False
+    return True
+
+
 class Keys:
     """The keys and the wake-up channel of one lock name, all in one hash slot."""
 
@@ -1126,11 +1135,13 @@ class AsyncRedisBackend(AsyncBackend):
 
     @staticmethod
     async def _aclose_quietly(closable: Any) -> None:
-        """Close a client or pub/sub connection; a broken one is closed enough."""
-        try:
-            await closable.aclose()
-        except (*ERRORS, OSError):
-            pass
+        """Close a client or pub/sub connection; a broken one is closed enough.
+
+        To its end even if the caller is cancelled meanwhile (which it still sees): a
+        close is often the clean-up of a cancelled wait, and cut off by a second
+        cancellation it left the connection open (a pub/sub one still subscribed),
+        checked out of its pool, closed by nobody until the client closed."""
+        await shielded(_close_quietly(closable))
 
     def _info(self, name: str, reply: Any) -> LockInfo | None:
         if not reply:
