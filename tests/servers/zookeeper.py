@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -156,6 +157,31 @@ class ZooKeeperEnsemble:
                     ready=_readiness(port, standalone=size == 1, secure_port=self.secure_port),
                     workdir=conf,
                 )
+            )
+
+    def seed(self, counters: dict[str, int]) -> None:
+        """Before :meth:`start`: persistent nodes (list parents first) whose children's
+        sequence counter starts at the value given, written into a snapshot of each
+        node's data directory by ZooKeeper's own classes (``java/SeedSnapshot.java``,
+        compiled here). A counter cannot otherwise reach 2**31 - 1 in a test: the
+        server counts every child created, one create at a time."""
+        if any(node.process is not None for node in self.nodes):
+            raise RuntimeError("seed the snapshot before the servers start")
+        source = Path(__file__).parent / "java" / "SeedSnapshot.java"
+        build = self.root / "seed-classes"
+        build.mkdir(exist_ok=True)
+        subprocess.run(
+            ["javac", "-cp", str(JAR), "-d", str(build), str(source)],
+            check=True,
+            capture_output=True,
+        )
+        arguments = [str(value) for item in counters.items() for value in item]
+        for index in range(self.size):
+            data = self.root / f"node{index + 1}" / "data"
+            subprocess.run(
+                ["java", "-cp", f"{JAR}:{build}", "SeedSnapshot", str(data), *arguments],
+                check=True,
+                capture_output=True,
             )
 
     @property

@@ -78,8 +78,13 @@ logger = logging.getLogger("dlock")
 
 #: Suffix ZooKeeper appends to a sequential node: ten digits.
 SEQUENCE_DIGITS = 10
-#: A queued node's name ends with the sequence suffix.
-QUEUED = re.compile(rf"-\d{{{SEQUENCE_DIGITS}}}$")
+#: A queued node's name ends with the sequence suffix: the parent's count of child
+#: creates, a signed 32-bit int, formatted ``%010d``. Past 2**31 - 1 it is negative,
+#: as ``-`` and nine or ten digits (see :func:`queue_of`).
+QUEUED = re.compile(rf"-(\d{{{SEQUENCE_DIGITS}}}|-\d{{{SEQUENCE_DIGITS - 1},{SEQUENCE_DIGITS}}})$")
+#: The count of child creates at which ZooKeeper's sequence numbers stop following the
+#: order of creation (see :func:`queue_of`).
+LAST_SEQUENCE = 2**31 - 1
 #: Characters kept as they are in a node name; everything else is %-escaped UTF-8.
 SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 #: A name made only of those characters is its own node name.
@@ -221,16 +226,45 @@ def decode_name(node: str) -> str:
 
 
 def sequence_of(child: str) -> int:
-    return int(child[-SEQUENCE_DIGITS:])
+    match = QUEUED.search(child)
+    assert match is not None
+    return int(match[1])
 
 
-def queue_of(children: list[str]) -> list[str]:
-    """The queued nodes among a lock node's children, in order.
+def queued(children: list[str]) -> list[str]:
+    """The queued nodes among a lock node's children, in no order.
 
     Other children are not dlock's: at root '/', ZooKeeper's own /zookeeper node has
     children ('config', 'quota') and a name 'zookeeper' would meet them.
     """
-    return sorted((child for child in children if QUEUED.search(child)), key=sequence_of)
+    return [child for child in children if QUEUED.search(child)]
+
+
+def creates_of(stat: ZnodeStat) -> int:
+    """How many children were ever created under a node: the counter that numbers its
+    sequential children. ZooKeeper shows clients ``cversion`` as twice that, less the
+    children left (each create but theirs was followed by a delete), in 32 bits."""
+    changes: int = stat.cversion + stat.numChildren
+    return (changes % 2**32) // 2
+
+
+def queue_of(children: list[str], stat: ZnodeStat) -> list[str] | None:
+    """The queued nodes among a lock node's children, in order, from a listing that
+    read the lock node's ``stat`` with them; None if their sequence numbers may not
+    follow the order of creation (the caller then orders them by ``czxid``).
+
+    ZooKeeper numbers a sequential child with its parent's count of child creates, a
+    signed 32-bit int that it never lets fall: once the count reaches 2**31 - 1, every
+    later child gets 2147483647 again, or, while creates are in flight together,
+    -2147483648, -2147483647 and on. Until then (the count read with the children
+    is below it) every child listed was numbered before that, each with its own
+    number, in the order of creation. A lock node deleted when empty starts again from
+    0, but a lock that is never free when the server looks keeps its node, and so does
+    a plain persistent one (made by an older dlock): 2**31 attempts get there.
+    """
+    if creates_of(stat) >= LAST_SEQUENCE:
+        return None
+    return sorted(queued(children), key=sequence_of)
 
 
 @dataclass
@@ -905,7 +939,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             created = zk.create_async(
                 prefix, data, ephemeral=True, sequence=True, include_data=True
             )
-            listing = zk.get_children_async(parent)
+            listing = zk.get_children_async(parent, include_data=True)
             no_root = False
             refused: BaseException | None = None
             if made is not None:
@@ -995,15 +1029,15 @@ class AsyncZooKeeperBackend(AsyncBackend):
             and self._session_alive(node)
         ):
             # The hand-off without a round trip: the node just ahead of ours was the
-            # lowest once and is gone, and sequence numbers only grow, so nothing can
-            # ever be ahead of ours again.
+            # lowest once and is gone, and the queue is in the order of creation, so
+            # nothing can ever be ahead of ours again.
             return self._granted(node, ttl)
         parent, child = node.path.rsplit("/", 1)
         listing, node.listing = node.listing, None
+        if listing is None:
+            listing = zk.get_children_async(parent, include_data=True)
         try:
-            children = queue_of(
-                await self._call(listing if listing is not None else zk.get_children_async(parent))
-            )
+            children = await self._queue(zk, parent, await self._call(listing))
         except NoNodeError:
             # The lock node holds ours until it is deleted: ours was (force release,
             # session end), then the empty lock node was deleted.
@@ -1038,6 +1072,26 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 return self._granted(node, ttl)
             self._wake(key)  # gone already, but what was ahead of it? List again.
         return Busy()
+
+    async def _queue(
+        self, zk: KazooClient, parent: str, listed: tuple[list[str], ZnodeStat]
+    ) -> list[str]:
+        """The queue in order, from a listing of ``parent`` with its stat: by sequence
+        number, or, once the lock node's count of creates reached the limit where
+        sequence numbers no longer follow the order of creation (see
+        :func:`queue_of`), by creation zxid, which never wraps (one pipelined read
+        more per listing, on such a node only). A node gone meanwhile has left it."""
+        children, stat = listed
+        ordered = queue_of(children, stat)
+        if ordered is not None:
+            return ordered
+        reads = [(child, zk.exists_async(f"{parent}/{child}")) for child in queued(children)]
+        created = []
+        for child, result in reads:
+            found = await self._call(result)
+            if found is not None:
+                created.append((found.czxid, child))
+        return [child for _, child in sorted(created)]
 
     async def _watch(self, zk: KazooClient, ahead: _Ahead) -> None:
         """Watch the node ahead for its deletion, and, until we know it held the lock,
@@ -1482,7 +1536,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         queues: list[tuple[str, list[Any]]] = []
         for name, result in listed:
             try:
-                children = queue_of(await self._call(result))
+                # Ordered by creation below, from each node's stat (see queue_of).
+                children = queued(await self._call(result))
             except NoNodeError:
                 continue
             parent = self._parent(name)
@@ -1493,6 +1548,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             for result in reads:
                 with suppress(NoNodeError):  # left the queue meanwhile
                     entries.append(await self._call(result))
+            entries.sort(key=lambda entry: entry[1].czxid)
             if entries:
                 infos.append(_info(name, entries))
         return infos
@@ -1542,11 +1598,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
         parent = self._parent(name)
         while True:
             try:
-                found = await self._call(zk.get_children_async(parent))
+                found, stat = await self._call(zk.get_children_async(parent, include_data=True))
+                children = await self._queue(zk, parent, (found, stat))
             except NoNodeError:
                 await self._check_chroot(zk)
                 return False
-            children = queue_of(found)
             if not children:
                 if not found:  # not a node of someone else's (such as /zookeeper)
                     await self._prune(zk, parent)
