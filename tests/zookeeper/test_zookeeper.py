@@ -809,6 +809,58 @@ def test_a_given_up_node_is_deleted_without_waiting_for_a_reconnect(
         wait_until(lambda: other.inspect(name) is None, 3)
 
 
+def test_a_given_up_node_is_never_deleted_once_its_path_names_another(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A node given up waits for the reaper (the connection is down, or its delete
+    failed and waits for the next try). Meanwhile it went another way (a force
+    release here; an expired session does the same), the empty lock node was deleted
+    by the server, and the same lock object (same owner token) took the lock in the
+    lock node made again: its node is numbered as the first was, so it has the same
+    path. The reaper must not delete that node: its holder would go on believing it
+    holds the lock while anyone takes it."""
+    name = f"orphan-path-reused-{time.monotonic_ns()}"
+    token = "d" * 32
+    holder = Holder.current()
+    with (
+        dlock.connect(zookeeper_server.url()) as client,
+        dlock.connect(zookeeper_server.url()) as other,
+    ):
+        backend: Any = client._backend
+        delete_orphans = backend._delete_orphans
+        gate = threading.Event()
+        reaped = threading.Event()
+
+        def later() -> None:  # the reaper's next try, once the test lets it
+            gate.wait(30)
+            delete_orphans()
+            reaped.set()
+
+        backend._delete_orphans = later
+        try:
+            first = backend.acquire(name, token, 60.0, holder, False)
+            assert isinstance(first, Acquired)
+            key = (name, token)
+            path = backend._nodes[key].path
+            with backend._stripe(key):
+                backend._give_up(key, backend._nodes[key])
+            assert other.force_release(name)
+            zk: Any = backend._zk
+            parent = backend._parent(name)
+            wait_until(lambda: zk.exists(parent) is None)  # the server deleted it, empty
+            again = backend.acquire(name, token, 60.0, holder, False)
+            assert isinstance(again, Acquired) and again.fencing_token > first.fencing_token
+            assert backend._nodes[key].path == path, "numbered as the first"
+            gate.set()
+            assert reaped.wait(10)
+        finally:
+            gate.set()
+            backend._delete_orphans = delete_orphans
+        assert zk.exists(path) is not None, "the reaper deleted the live node"
+        assert not other.lock(name, ttl=5).acquire(timeout=0), "two holders"
+        assert backend.release(name, token) == 0
+
+
 @pytest.mark.parametrize("shorten", ["extend", "reenter"])
 def test_a_lease_made_shorter_ends_at_its_new_deadline(
     zookeeper_server: ZooKeeperEnsemble, shorten: str
@@ -866,7 +918,8 @@ def test_a_lost_reply_never_adopts_a_node_given_up(zookeeper_server: ZooKeeperEn
         given_up = zk.create(
             f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True
         )
-        backend._orphans.add(given_up)  # as a given-up lease leaves it, before the reaper runs
+        # As a given-up lease leaves it, before the reaper runs.
+        backend._orphans[given_up] = ((name, token), zk.exists(given_up).czxid)
         backend._pending.add((name, token))  # a later create's reply was lost
         assert isinstance(backend.acquire(name, token, 5.0, Holder.current(), False), Busy)
         backend._start_reaper(orphans=True)

@@ -428,8 +428,9 @@ class ZooKeeperBackend(Backend):
         #: Those of them that their give-back could not look for (the server did not
         #: answer): the reaper looks for them, and deletes them, once it answers again.
         self._lost_creates: set[tuple[str, str]] = set()
-        #: Paths we gave up but did not delete yet: the reaper deletes them.
-        self._orphans: set[str] = set()
+        #: Nodes we gave up but did not delete yet, by path, with their lock's key and
+        #: their czxid: the reaper deletes them (only them: see _delete_orphan).
+        self._orphans: dict[str, tuple[tuple[str, str], int]] = {}
         #: The reaper should try deleting orphans (one was added, or a connection is back).
         self._orphans_due = False
         #: Waits in progress per (name, token): more than one when threads or tasks
@@ -1176,7 +1177,7 @@ class ZooKeeperBackend(Backend):
             except (BackendError, *CLIENT_ERRORS):
                 logger.debug("dlock: could not leave the queue of %r", name, exc_info=True)
                 self._forget(key, node)
-                self._orphan(node.path)
+                self._orphan(key, node)
             return True
 
     def _delete(
@@ -1410,12 +1411,12 @@ class ZooKeeperBackend(Backend):
         """A lease declared lost while its node may still exist (a suspended session
         that comes back): delete the node as soon as the connection allows."""
         if not node.gone and node.session == self._session_id:
-            self._orphan(node.path)
+            self._orphan(key, node)
         self._forget(key, node)
 
-    def _orphan(self, path: str) -> None:
+    def _orphan(self, key: tuple[str, str], node: _Node) -> None:
         """A node of ours that nobody holds: until deleted, it blocks the lock."""
-        self._orphans.add(path)
+        self._orphans[node.path] = (key, node.czxid)
         self._start_reaper(orphans=True)
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
@@ -1450,20 +1451,40 @@ class ZooKeeperBackend(Backend):
                     self._drop_lost_create(zk, key)
 
     def _delete_orphans(self) -> None:
-        """Delete given-up nodes (pipelined); those that fail stay for the next try."""
+        """Delete given-up nodes; those that fail stay for the next try."""
         zk = self._zk
         if zk is None or not self._connected.is_set():
             return  # the next CONNECTED wakes the reaper
         self._delete_lost_creates(zk)
-        paths = list(self._orphans)
-        for path, result in [(path, zk.delete_async(path)) for path in paths]:
-            try:
-                self._call(result)
-            except NoNodeError:
-                pass
-            except CLIENT_ERRORS:
-                continue
-            self._orphans.discard(path)
+        for path, (key, czxid) in list(self._orphans.items()):
+            with self._stripe(key):
+                if self._orphans.get(path) != (key, czxid):
+                    continue  # given up anew at this path meanwhile: for the next round
+                try:
+                    self._delete_orphan(zk, path, czxid)
+                except CLIENT_ERRORS:
+                    continue
+                del self._orphans[path]
+
+    def _delete_orphan(self, zk: KazooClient, path: str, czxid: int) -> None:
+        """Delete the given-up node at ``path`` if it is still the one created at
+        ``czxid``; the caller holds its lock's stripe.
+
+        The path may name another node of ours by now: the given-up one went another
+        way (its session ended, a force release) while this waited for the connection
+        or a next try, its lock node was deleted once empty and made again (or, past
+        2**31 creates, numbers repeat: see queue_of), and the same lock object, whose
+        owner token starts the name, queued again and got the same number. Deleting
+        that one would leave its holder believing it holds a lock anyone may take.
+        Only this process makes nodes under its tokens, and it creates one for this
+        key only under the stripe held here, so the node read now is still there when
+        deleted: the version read (for which the server checks) is belt and braces.
+        """
+        stat = self._call(zk.exists_async(path))
+        if stat is None or stat.czxid != czxid:
+            return  # gone, and the path is free or names another node
+        with suppress(NoNodeError):
+            self._call(zk.delete_async(path, version=stat.version))
 
     # -- leases that run out without renewal -------------------------------------------
 
@@ -1650,7 +1671,8 @@ class ZooKeeperBackend(Backend):
         for node in self._nodes.values():
             self._unwatch(node)
         paths = [n.path for n in self._nodes.values() if n.session == self._session_id]
-        paths.extend(self._orphans)
+        # An orphan's path that names a node of ours made since is deleted already.
+        paths.extend(path for path in self._orphans if path not in paths)
         self._nodes.clear()
         self._orphans.clear()
         for result in [zk.delete_async(path) for path in paths]:
