@@ -12,8 +12,10 @@ can also serve TLS on a second port (``tls=True``), requiring client certificate
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -262,6 +264,9 @@ class Partition:
         self.port = free_port()
         self.cut = threading.Event()
         self._closed = threading.Event()
+        #: One event per relayed connection: set, its pipes reset it (see drop).
+        self._links: list[tuple[threading.Event, list[threading.Thread]]] = []
+        self._links_lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._listener.settimeout(0.1)
         threading.Thread(target=self._accept, daemon=True).start()
@@ -277,13 +282,28 @@ class Partition:
             except OSError:
                 client.close()
                 continue
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            dropped = threading.Event()
+            threads = [
+                threading.Thread(target=self._pipe, args=(source, sink, dropped), daemon=True)
+                for source, sink in ((client, server), (server, client))
+            ]
+            with self._links_lock:
+                self._links.append((dropped, threads))
+            for thread in threads:
+                thread.start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, dropped: threading.Event) -> None:
         source.settimeout(0.05)
         with source, sink:
             while not self._closed.is_set():
+                if dropped.is_set():
+                    for sock in (source, sink):
+                        # Closed with unread data and no linger: a reset, the data lost.
+                        with contextlib.suppress(OSError):
+                            sock.setsockopt(
+                                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                            )
+                    return
                 if self.cut.is_set():
                     time.sleep(0.01)
                     continue
@@ -299,6 +319,18 @@ class Partition:
                     sink.sendall(chunk)
                 except OSError:
                     return
+
+    def drop(self) -> None:
+        """Reset every relayed connection, losing the bytes a cut held back (sent, never
+        passed on): a connection that dies with requests in flight that the server
+        never sees. Connections made afterwards are relayed as before."""
+        with self._links_lock:
+            links, self._links = self._links, []
+        for dropped, _ in links:
+            dropped.set()
+        for _, threads in links:
+            for thread in threads:
+                thread.join(5)
 
     def close(self) -> None:
         self._closed.set()

@@ -1506,6 +1506,63 @@ def test_a_create_whose_give_back_failed_too_does_not_block_the_lock(
         other.release()
 
 
+def test_a_queued_node_whose_delete_and_give_back_failed_does_not_block_the_lock(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A try (timeout 0) queues behind the holder, and its connection goes silent just
+    as it leaves the line: the delete gets no answer, nor does the give-back that
+    follows. The connection then dies with both unsent, and a new one carries the
+    session on. That node, in the line, must still be deleted: once the holder
+    releases, it would hold the lock for as long as the session lives."""
+    name = f"queued-never-given-back-{time.monotonic_ns()}"
+    partition = Partition(zookeeper_server.client_ports[0])
+    url = f"zookeeper://127.0.0.1:{partition.port}/dlock?operation_timeout=1&session_timeout=20"
+    try:
+        with (
+            dlock.connect(url) as cut_off,
+            dlock.connect(zookeeper_server.url()) as holders,
+            dlock.connect(zookeeper_server.url()) as others,
+        ):
+            held = holders.lock(name, ttl=60)
+            assert held.acquire(timeout=0)
+            backend: Any = cut_off._backend
+            lock = cut_off.lock(name, ttl=60)
+            call = backend._call
+
+            def cut_after_the_listing(result: Any, timeout: float | None = None) -> Any:
+                value = call(result, timeout)
+                children = value[0] if isinstance(value, tuple) else value
+                if isinstance(children, list) and any(
+                    child.startswith(f"{lock._token}-") for child in children
+                ):
+                    partition.cut.set()  # queued behind the holder: the delete is next
+                    time.sleep(0.2)  # the relay's reads in progress have ended
+                return value
+
+            backend._call = cut_after_the_listing
+            try:
+                with pytest.raises(dlock.BackendUnavailable):
+                    lock.acquire(timeout=0)
+            finally:
+                backend._call = call
+            give_back: Any = lock._give_back
+            assert give_back is not None
+            give_back.join(10)  # it failed as well: the server heard nothing
+            assert not give_back.is_alive()
+            session = backend._session_id
+            partition.drop()  # both deletes lost with the connection
+            partition.cut.clear()
+            wait_until(lambda: backend._connected.is_set())
+            assert backend._session_id == session, "the same session"
+            held.release()
+            other = others.lock(name, ttl=60)
+            assert other.acquire(timeout=10), "the node left in the line holds the lock"
+            other.release()
+    finally:
+        partition.cut.clear()
+        partition.close()
+
+
 def test_a_force_release_whose_reply_was_lost_leaves_the_next_holder(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

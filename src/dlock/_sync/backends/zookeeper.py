@@ -1289,7 +1289,19 @@ class ZooKeeperBackend(Backend):
             return 0 if self._delete(zk, key, node, held=True) or retrying else None
 
         with self._stripe(key):
-            remaining: int | None = self._guarded(release)
+            try:
+                remaining: int | None = self._guarded(release)
+            except BaseException:
+                node = self._nodes.get(key)
+                if node is not None and not node.held:
+                    # A node in the line that this could not delete (no answer, a
+                    # connection that stayed down, cancelled): the caller gives up
+                    # (a give-back is not retried), and no one else would delete it,
+                    # while it stays in the line for as long as the session lives,
+                    # heading it once those ahead go. The reaper deletes it once the
+                    # server answers (a held node's ends at its deadline anyway).
+                    self._give_up(key, node)
+                raise
             return remaining
 
     def release(self, name: str, token: str) -> int | None:
