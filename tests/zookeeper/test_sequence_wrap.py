@@ -12,6 +12,8 @@ server's doing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import pytest
 from kazoo.client import KazooClient
 
 import dlock
+import dlock.aio
 from dlock._types import Acquired, Holder
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
@@ -28,7 +31,13 @@ LAST = 2**31 - 1
 ROOT = "/dlock-wrapped"
 #: Lock node -> its counter in the snapshot. Plain persistent nodes, as an older dlock
 #: made them: the server never deletes them, so the counter stays.
-COUNTERS = {ROOT: 0, f"{ROOT}/tie": LAST, f"{ROOT}/fifo": LAST - 3, f"{ROOT}/negative": LAST - 1}
+COUNTERS = {
+    ROOT: 0,
+    f"{ROOT}/tie": LAST,
+    f"{ROOT}/fifo": LAST - 3,
+    f"{ROOT}/negative": LAST - 1,
+    f"{ROOT}/fifo-async": LAST - 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +194,44 @@ def test_negative_sequence_numbers_keep_their_place(
         lock = client.lock("negative", ttl=60)
         assert lock.acquire(timeout=0)
         lock.release()
+
+
+async def test_the_asyncio_face_serves_waiters_past_the_limit_in_order(
+    wrapped_server: ZooKeeperEnsemble,
+) -> None:
+    """The same in the asyncio face: waiters queued past the limit (all numbered
+    2147483647), each behind the one before, get the lock one at a time in that order,
+    with growing fencing tokens."""
+    url = wrapped_server.url(ROOT)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(dlock.aio.connect(url)) for _ in range(6)]
+        holder = clients[0].lock("fifo-async", ttl=60)
+        assert await holder.acquire(timeout=0)
+        order: list[tuple[int, int]] = []
+        inside: list[int] = []
+
+        async def wait(index: int) -> None:
+            lock = clients[index].lock("fifo-async", ttl=60)
+            assert await lock.acquire(timeout=15)
+            assert lock.fencing_token is not None
+            inside.append(index)
+            order.append((len(inside), lock.fencing_token))
+            await asyncio.sleep(0.05)
+            inside.remove(index)
+            await lock.release()
+
+        tasks = []
+        for index in range(1, 6):
+            tasks.append(asyncio.create_task(wait(index)))
+            for _ in range(500):  # queued before the next one starts
+                info = await clients[0].inspect("fifo-async")
+                if info is not None and len(info.waiters) == index:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the waiter never queued")
+        await holder.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        assert [holders for holders, _ in order] == [1] * 5, "two holders at once"
+        tokens = [token for _, token in order]
+        assert tokens == sorted(set(tokens)) and tokens[0] > (holder.fencing_token or 0)
