@@ -37,6 +37,7 @@ COUNTERS = {
     f"{ROOT}/fifo": LAST - 3,
     f"{ROOT}/negative": LAST - 1,
     f"{ROOT}/fifo-async": LAST - 1,
+    f"{ROOT}/same-name": LAST,
 }
 
 
@@ -194,6 +195,42 @@ def test_negative_sequence_numbers_keep_their_place(
         lock = client.lock("negative", ttl=60)
         assert lock.acquire(timeout=0)
         lock.release()
+
+
+def test_a_node_given_up_does_not_stop_its_lock_object_past_the_limit(
+    wrapped_server: ZooKeeperEnsemble, raw: KazooClient
+) -> None:
+    """Past the limit the server names every node of one owner token alike. A lock
+    object's node given up and not deleted yet (the reaper waits for its next try)
+    has the very name its next create would get: that create must not fail on it
+    (NodeExists), nor queue behind it. The object's own given-up node goes first."""
+    with dlock.connect(wrapped_server.url(ROOT, operation_timeout=1)) as client:
+        backend: Any = client._backend
+        delete_orphans = backend._delete_orphans
+        gate = threading.Event()
+
+        def later() -> None:  # the reaper's next try, once the test lets it
+            gate.wait(30)
+            delete_orphans()
+
+        backend._delete_orphans = later
+        token = "c" * 32
+        key = ("same-name", token)
+        try:
+            first = backend.acquire(*key, 60.0, Holder.current(), False)
+            assert isinstance(first, Acquired)
+            path = backend._nodes[key].path
+            assert path.endswith(f"-{LAST}")
+            with backend._stripe(key):
+                backend._give_up(key, backend._nodes[key])
+            again = backend.acquire(*key, 60.0, Holder.current(), False)
+            assert isinstance(again, Acquired) and again.fencing_token > first.fencing_token
+            assert raw.exists(path).czxid == again.fencing_token, "made again, at that name"
+        finally:
+            gate.set()
+            backend._delete_orphans = delete_orphans
+        assert backend.release(*key) == 0
+        assert raw.get_children(f"{ROOT}/same-name") == []
 
 
 async def test_the_asyncio_face_serves_waiters_past_the_limit_in_order(

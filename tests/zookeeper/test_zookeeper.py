@@ -24,7 +24,7 @@ from kazoo.security import make_acl
 
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
-from dlock._types import Acquired, Busy, Holder
+from dlock._types import Acquired, Holder
 from tests.conformance.helpers import WORKER_ENV, read_line
 from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
 
@@ -907,7 +907,8 @@ def test_a_lost_reply_never_adopts_a_node_given_up(zookeeper_server: ZooKeeperEn
     """A lock object keeps its owner token, so a node of ours given up earlier (waiting
     for the reaper) carries the same token as a later create whose reply was lost. It
     is not that create's node: holding it would mean holding a lease the reaper is
-    about to delete."""
+    about to delete. (The attempt deletes it itself, before it queues a node of its
+    own: it would be ahead of that one.)"""
     name = f"lost-reply-given-up-{time.monotonic_ns()}"
     with dlock.connect(zookeeper_server.url()) as client:
         backend: Any = client._backend
@@ -918,13 +919,15 @@ def test_a_lost_reply_never_adopts_a_node_given_up(zookeeper_server: ZooKeeperEn
         given_up = zk.create(
             f"{parent}/{token}-", b"{}", ephemeral=True, sequence=True, makepath=True
         )
+        given_up_czxid = zk.exists(given_up).czxid
         # As a given-up lease leaves it, before the reaper runs.
-        backend._orphans[given_up] = ((name, token), zk.exists(given_up).czxid)
+        backend._orphans[given_up] = ((name, token), given_up_czxid)
         backend._pending.add((name, token))  # a later create's reply was lost
-        assert isinstance(backend.acquire(name, token, 5.0, Holder.current(), False), Busy)
-        backend._start_reaper(orphans=True)
-        wait_until(lambda: zk.exists(given_up) is None, 3)
-        assert isinstance(backend.acquire(name, token, 5.0, Holder.current(), False), Acquired)
+        acquired = backend.acquire(name, token, 5.0, Holder.current(), False)
+        assert isinstance(acquired, Acquired)
+        assert acquired.fencing_token != given_up_czxid, "the given-up node was adopted"
+        assert zk.exists(given_up) is None
+        assert zk.get_children(parent) == [backend._nodes[(name, token)].path.rsplit("/")[-1]]
         assert backend.release(name, token) == 0
 
 

@@ -903,12 +903,26 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 if node.session == session:
                     self._nodes[key] = node
                     return node
+        if self._orphans:
+            await self._drop_orphans_of(zk, key)
         self._pending.add(key)
         path, stat, listing = await self._create(zk, parent, f"{parent}/{token}-", payload)
         self._pending.discard(key)
         node = _Node(path, stat.ephemeralOwner, stat.czxid, data, listing=listing)
         self._nodes[key] = node
         return node
+
+    async def _drop_orphans_of(self, zk: KazooClient, key: tuple[str, str]) -> None:
+        """Delete the nodes of ``key`` given up and not deleted yet, before it queues a
+        new one (the caller holds its stripe). Left to the reaper, such a node would be
+        ahead of the new one in the line; and past 2**31 creates under the lock node
+        (see queue_of) it has the very name the new one gets, which the server would
+        refuse (NodeExists) until the reaper's next try."""
+        for path, (owner, czxid) in list(self._orphans.items()):
+            if owner == key:
+                await self._delete_orphan(zk, path, czxid)
+                if self._orphans.get(path) == (owner, czxid):
+                    del self._orphans[path]
 
     def _payload(self, holder: Holder, ttl: float) -> tuple[dict[str, Any], bytes]:
         """A new node's data, and its encoding: the same for every acquisition of a
