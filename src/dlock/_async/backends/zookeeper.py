@@ -261,10 +261,17 @@ def queue_of(children: list[str], stat: ZnodeStat) -> list[str] | None:
     number, in the order of creation. A lock node deleted when empty starts again from
     0, but a lock that is never free when the server looks keeps its node, and so does
     a plain persistent one (made by an older dlock): 2**31 attempts get there.
+
+    A negative number in the line means the same whatever the count reads: a server
+    that let the count run on past 2**31 - 1 would show it low again (the count is
+    shown doubled, in 32 bits), while it numbers children below zero.
     """
     if creates_of(stat) >= LAST_SEQUENCE:
         return None
-    return sorted(queued(children), key=sequence_of)
+    line = sorted(queued(children), key=sequence_of)
+    if line and sequence_of(line[0]) < 0:
+        return None
+    return line
 
 
 @dataclass
