@@ -169,6 +169,8 @@ class ZooKeeperEnsemble:
         server counts every child created, one create at a time."""
         if any(node.process is not None for node in self.nodes):
             raise RuntimeError("seed the snapshot before the servers start")
+        if shutil.which("javac") is None:
+            raise RuntimeError("javac not found: run ./scripts/test, which installs a JDK")
         source = Path(__file__).parent / "java" / "SeedSnapshot.java"
         build = self.root / "seed-classes"
         build.mkdir(exist_ok=True)
