@@ -2877,3 +2877,41 @@ def test_a_renewal_never_shortens_a_lease_the_holder_extended(tmp_path: Path) ->
         assert info.expires_in > 590, f"the renewal cut the lease to {info.expires_in:.0f} s"
         assert lock._deadline - client._clock() > 590
         lock.release()
+
+
+def test_a_fresh_hold_taken_as_a_lost_one_is_given_up_still_has_its_loss_told(
+    tmp_path: Path,
+) -> None:
+    """The end of a block that finds its hold ran out gives the hold up: it forgot the
+    hold, then declared the loss, about the hold it had looked at. Another user of the
+    object that took a fresh hold in between (the hold forgotten, the object free) made
+    that declaration about an ended hold: on_lost was never called for the lost one.
+    The loss is now flagged before the hold is forgotten, and told all the same. Threads
+    only: on the asyncio face nothing else runs between the two steps."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        told: list[object] = []
+        lock = client.lock("job", ttl=0.5, auto_renew=False, on_lost=told.append)
+        real_forget = lock._forget
+        taken: list[bool] = []
+
+        def fresh_hold_meanwhile() -> None:
+            real_forget()
+            if not taken and threading.current_thread() is threading.main_thread():
+                lock.ttl = 30  # the fresh hold outlasts the checks below
+                sharer = threading.Thread(target=lambda: taken.append(lock.acquire(timeout=0)))
+                sharer.start()
+                sharer.join(10)
+
+        lock._forget = fresh_hold_meanwhile  # type: ignore[method-assign]
+        with pytest.raises(dlock.LockLost), lock:
+            give_up = time.monotonic() + 5
+            while other.inspect("job") is not None:
+                assert time.monotonic() < give_up, "the lease did not end"
+                time.sleep(0.05)
+        assert taken == [True]
+        assert told == [lock], "the loss of the hold given up was not told"
+        assert lock.owned() and not lock.lost
+        info = other.inspect("job")
+        assert info is not None and info.fencing_token == lock.fencing_token
+        lock.release()

@@ -872,6 +872,7 @@ class AsyncLock:
         told: bool = False,
         watchdog: bool = False,
         generation: int | None = None,
+        forget: bool = False,
     ) -> bool:
         """Record the loss once and tell the holder: flag, callback, and task cancel.
         True if this call declared it, False if it was declared already.
@@ -880,6 +881,12 @@ class AsyncLock:
         ended it and taken a fresh hold since the caller looked: that one is not lost.
         Checked under _sharing, under which _granted starts a hold, so no fresh hold can
         slip in between the check and the flag.
+
+        ``forget``: the caller gives the hold up (see _give_up_lost): it is forgotten
+        once the flag is up, declared or not, and before the holder is told. Flagged
+        first: a fresh hold that another user of this object takes as soon as the hold
+        is forgotten must not turn this declaration into one about an ended hold, which
+        would tell nobody of the loss.
 
         ``told``: the caller raises :class:`LockLost` into the running task, which is
         then not cancelled as well (a body re-entering, releasing or extending its own
@@ -894,10 +901,14 @@ class AsyncLock:
         """
         with self._loss_lock:
             with self._sharing:
-                if self._lost or generation not in (None, self._generation):
-                    return False
-                self._lost = True
-                self._lost_reason = reason
+                declared = not self._lost and generation in (None, self._generation)
+                if declared:
+                    self._lost = True
+                    self._lost_reason = reason
+            if forget:
+                self._forget()
+            if not declared:
+                return False
             self._client._renewer.discard(self)
             logger.warning("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
@@ -922,10 +933,12 @@ class AsyncLock:
                         cancel_task(task, f"dlock: lost lock {self.name!r}")
             return True
 
-    def _lost_error(self, reason: str, generation: int, told: bool = True) -> LockLost:
+    def _lost_error(
+        self, reason: str, generation: int, told: bool = True, forget: bool = False
+    ) -> LockLost:
         """Declare hold ``generation`` lost (see _declare_lost) and return the error that
         tells its holder why: for the reason it was declared lost first, if it was."""
-        declared = self._declare_lost(reason, told, generation=generation)
+        declared = self._declare_lost(reason, told, generation=generation, forget=forget)
         if not declared and generation == self._generation and self._lost_reason:
             reason = self._lost_reason
         return LockLost(f"lock {self.name!r} was lost: {reason}")
@@ -959,12 +972,12 @@ class AsyncLock:
         mine = client._give_up(self, self._count, token)
         if mine:
             self._token_given_up = token
-        self._forget()
         try:
             # Its on_lost may close the client: close() then gives the lease back while
             # the backend is still open, and nothing is left for this give-up to send.
+            # Forgotten there, once the loss is flagged and before it is told.
             reason = "the lease ran out before it could be renewed"
-            error = self._lost_error(reason, generation, told)
+            error = self._lost_error(reason, generation, told, forget=True)
             if _WATCHDOG_TELLING.get():
                 # An on_lost run by the watchdog releases: the watchdog must not wait for
                 # the backend (it may be stuck behind the very renewal the watchdog gave
