@@ -2915,3 +2915,147 @@ def test_a_fresh_hold_taken_as_a_lost_one_is_given_up_still_has_its_loss_told(
         info = other.inspect("job")
         assert info is not None and info.fencing_token == lock.fencing_token
         lock.release()
+
+
+@pytest.mark.parametrize("order", ["released", "releasing"])
+@pytest.mark.parametrize("then", ["free", "taken"])
+def test_a_reentry_racing_another_users_clean_last_release_acquires_afresh(
+    tmp_path: Path, then: str, order: str
+) -> None:
+    """Two users of one reentrant lock object: one re-enters the hold while the other
+    releases its last entry, cleanly, just before the re-entry reaches the backend
+    (answered before the re-entry is sent, or still on its way back as the re-entry's
+    answer comes). The re-entry found the hold gone (the name free and granted afresh,
+    or taken by another client) and declared a loss: on_lost was called and LockLost
+    raised, though nothing was lost. The hold ended, it was not lost: the call now goes
+    on as a fresh acquire made at that moment would (here with timeout=0: the lock, or
+    False), telling no loss. A re-entry that finds the hold gone while a release of it
+    is in flight waits for that release's answer to tell which."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        told: list[object] = []
+        lock = client.lock("job", ttl=30, reentrant=True, on_lost=told.append)
+        rival = other.lock("job", ttl=30)
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight, go_on = threading.Event(), threading.Event()
+        results: list[object] = []
+
+        def held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                in_flight.set()
+                assert go_on.wait(10)
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        def answered_late(name: str, token: str) -> int | None:
+            remaining = real_release(name, token)
+            if then == "taken":
+                assert rival.acquire(timeout=0)
+            go_on.set()
+            # Until the re-entry, answered, waits for this answer (or, before the fix,
+            # has told a loss and returned).
+            give_up = time.monotonic() + 5
+            while (
+                not results
+                and getattr(lock, "_releasing", {}).get(generation, [0, None])[1] is None
+            ):
+                assert time.monotonic() < give_up, "the re-entry neither waited nor ended"
+                time.sleep(0.005)
+            return remaining
+
+        client._backend.acquire = held_up  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        generation = lock._generation
+
+        def reenter() -> None:
+            try:
+                results.append(lock.acquire(timeout=0))
+            except BaseException as exc:
+                results.append(exc)
+
+        sharer = threading.Thread(target=reenter, daemon=True)
+        sharer.start()
+        try:
+            assert in_flight.wait(5)
+            if order == "releasing":
+                client._backend.release = answered_late  # type: ignore[method-assign]
+            lock.release()  # the last entry, cleanly
+            client._backend.release = real_release  # type: ignore[method-assign]
+            if then == "taken" and order == "released":
+                assert rival.acquire(timeout=0)
+        finally:
+            go_on.set()
+            sharer.join(10)
+        assert not told, "a loss was told for a hold released cleanly"
+        if then == "free":
+            assert results == [True]
+            assert lock.owned() and not lock.lost
+            info = other.inspect("job")
+            assert info is not None and info.fencing_token == lock.fencing_token
+            assert info.count == 1
+            lock.release()
+        else:
+            assert results == [False]
+            assert not lock.owned() and not lock.lost
+            rival.release()
+        assert other.inspect("job") is None
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            told: list[object] = []
+            lock = client.lock("async-job", ttl=30, reentrant=True, on_lost=told.append)
+            rival = other.lock("async-job", ttl=30)
+            real_acquire, real_release = client._backend.acquire, client._backend.release
+            in_flight, go_on = asyncio.Event(), asyncio.Event()
+
+            async def held_up(
+                name: str, token: str, ttl: float, holder: Any, reentrant: bool
+            ) -> Any:
+                if reentrant:
+                    in_flight.set()
+                    await asyncio.wait_for(go_on.wait(), 10)
+                return await real_acquire(name, token, ttl, holder, reentrant)
+
+            async def answered_late(name: str, token: str) -> int | None:
+                remaining = await real_release(name, token)
+                if then == "taken":
+                    assert await rival.acquire(timeout=0)
+                go_on.set()
+                give_up = time.monotonic() + 5
+                while (
+                    not sharer.done()
+                    and getattr(lock, "_releasing", {}).get(generation, [0, None])[1] is None
+                ):
+                    assert time.monotonic() < give_up, "the re-entry neither waited nor ended"
+                    await asyncio.sleep(0.005)
+                return remaining
+
+            client._backend.acquire = held_up  # type: ignore[method-assign]
+            assert await lock.acquire(timeout=0)
+            generation = lock._generation
+            sharer = asyncio.ensure_future(lock.acquire(timeout=0))
+            try:
+                await asyncio.wait_for(in_flight.wait(), 5)
+                if order == "releasing":
+                    client._backend.release = answered_late  # type: ignore[method-assign]
+                await lock.release()
+                client._backend.release = real_release  # type: ignore[method-assign]
+                if then == "taken" and order == "released":
+                    assert await rival.acquire(timeout=0)
+            finally:
+                go_on.set()
+                await asyncio.wait([sharer], timeout=10)
+            assert not told, "a loss was told for a hold released cleanly"
+            if then == "free":
+                assert sharer.result() is True
+                assert lock.owned() and not lock.lost
+                info = await other.inspect("async-job")
+                assert info is not None and info.fencing_token == lock.fencing_token
+                assert info.count == 1
+                await lock.release()
+            else:
+                assert sharer.result() is False
+                assert not lock.owned() and not lock.lost
+                await rival.release()
+            assert await other.inspect("async-job") is None
+
+    asyncio.run(async_face())

@@ -88,6 +88,13 @@ class Lock:
         self._count = 0
         self._lost = False
         self._lost_reason = ""
+        #: The holds (see _generation) that a release ended cleanly (the backend said it
+        #: left none), under _sharing, for the re-entries in flight (see _hold_ended):
+        #: older ones go once no attempt is in flight.
+        self._clean_ends: set[int] = set()
+        #: Releases in flight, per hold: [how many, the event a re-entry that waits for
+        #: their end made, if any] (see _hold_ended). Under _sharing.
+        self._releasing: dict[int, list[Any]] = {}
         #: Held while a loss is declared (see _declare_lost). Reentrant, so that on_lost
         #: may itself release the lock or leave its block.
         self._loss_lock = threading.RLock()
@@ -211,7 +218,17 @@ class Lock:
             # Again, now that close() waits for this call: either it sees the call and
             # lets it end first, or the call sees the client closed.
             self._check_open()
-            acquired = self._acquire(call, wait, deadline, entries > 0)
+            while True:
+                try:
+                    acquired = self._acquire(call, wait, deadline, entries > 0)
+                    break
+                except _HoldEnded:
+                    # A re-entry whose hold another user of this object ended cleanly
+                    # meanwhile (its last release): nothing was lost. It goes on as a
+                    # call made now would, a fresh acquire (or a re-entry of a fresh
+                    # hold taken since), within what is left of its timeout.
+                    self._still_wanted(call)
+                    entries = self._count
             self._still_wanted(call)
         except BaseException:
             # Granted, then cut off before returning (cancelled or failed while leaving
@@ -518,7 +535,7 @@ class Lock:
         while (give_back := self._attempt_starts()) is not None:
             wait_done(give_back)
         result: Acquired | Busy | None = None
-        generation, gone = self._generation, False
+        generation, gone, ended = self._generation, False, False
         write: int | None = None
         cap = math.inf
         try:
@@ -544,6 +561,10 @@ class Lock:
             gone = reentry and self._reentry_gone(result)
             if not gone:
                 return self._answered(result, started, cap)
+            # While this attempt counts: what it is about is kept until it ends. A
+            # release in flight may be what emptied the lease: its answer tells.
+            while (ended := self._hold_ended(generation)) not in (True, False):
+                ended.wait(None)
         except BaseException as exc:
             if write is not None:
                 cap = self._write_done(write)
@@ -583,6 +604,8 @@ class Lock:
             raise
         finally:
             self._attempt_ends(gone and generation == self._generation)
+        if ended:
+            raise _HoldEnded
         # Told only once the attempt has ended: an on_lost that acquires afresh may wait
         # for a fresh hold's turn, and that hold for this object's attempts to end (see
         # _take_new_token), each for the other. Only if the hold is still the one that
@@ -628,6 +651,7 @@ class Lock:
                     self._sharing, self._loss_lock = threading.Lock(), threading.RLock()
                     self._attempts = self._to_give_back = 0
                     self._give_back = self._seeker = self._changed = None
+                    self._clean_ends, self._releasing = set(), {}
                     self._parents_entries, self._count = self._count, 0
                     self._token = secrets.token_hex(16)
                     self._unanswered_ttl = None
@@ -639,6 +663,10 @@ class Lock:
         """``hold_gone``: a re-entry found the hold it re-entered gone (_settle_give_back)."""
         with self._sharing:
             self._attempts -= 1
+            if not self._attempts and self._clean_ends:
+                # A later attempt is about the current hold or a later one (_hold_ended).
+                current = self._generation
+                self._clean_ends = {g for g in self._clean_ends if g >= current}
             if self._to_give_back:
                 self._settle_give_back(hold_gone)
             changed = None
@@ -685,6 +713,45 @@ class Lock:
             return False
         self._give_back_later(1)
         return True
+
+    def _hold_ended(self, generation: int) -> Any:
+        """For a re-entry that found hold ``generation`` gone on the backend: True if a
+        release of another user of this object ended it cleanly (the backend said it
+        left no entry), so nothing was lost: the re-entry's attempt came after that
+        release (one applied before it would have been a re-entry, and the release
+        would have left an entry). False if it was lost, or ended in a way that cannot
+        tell (a release that got no answer: the lease may have been lost before it
+        arrived). While a release of it is in flight, the event set when it ends."""
+        with self._sharing:
+            if generation in self._clean_ends:
+                return True
+            releasing = self._releasing.get(generation)
+            if releasing is None:
+                return False
+            if releasing[1] is None:
+                releasing[1] = WakeupEvent()
+            return releasing[1]
+
+    def _release_starts(self, generation: int) -> None:
+        with self._sharing:
+            releasing = self._releasing.setdefault(generation, [0, None])
+            releasing[0] += 1
+
+    def _release_ends(self, generation: int, clean: bool) -> None:
+        """``clean``: the backend said the release left no entry of the hold, which has
+        ended (see _hold_ended)."""
+        with self._sharing:
+            if clean:
+                self._clean_ends.add(generation)
+            releasing = self._releasing.get(generation)
+            if releasing is None:
+                return  # started in the parent of a fork, ending in the child
+            releasing[0] -= 1
+            if releasing[0]:
+                return
+            del self._releasing[generation]
+        if releasing[1] is not None:
+            releasing[1].set()
 
     def _answered(self, result: Acquired | Busy, started: float, cap: float) -> Busy | None:
         if isinstance(result, Busy):
@@ -789,35 +856,44 @@ class Lock:
             # would find the lease gone and tell a loss of a lock released cleanly.
             self._client._renewer.discard(self)
         cancels = cancel_requests()
+        # A re-entry of this hold in flight that finds it gone waits for this answer to
+        # tell a clean end from a loss (see _hold_ended). Not for a loss told: its
+        # on_lost may wait for that re-entry's attempt to end (see _take_new_token).
+        self._release_starts(generation)
+        clean = False
         try:
-            remaining = self._client._backend.release(self.name, self._token)
-        except BaseException:
-            self._unanswered(math.inf)
-            self._abandon()
-            raise
+            try:
+                remaining = self._client._backend.release(self.name, self._token)
+            except BaseException:
+                self._unanswered(math.inf)
+                self._abandon()
+                raise
+            if remaining is not None and generation == self._generation and self._count:
+                # Else another user of this object ended the hold while this release was
+                # in flight (its last release answered first, or a loss given up): this
+                # answer is older than that end, and must not revive the hold, nor count
+                # a fresh one taken since.
+                self._count = remaining
+                if remaining == 0:
+                    clean = True
+                    if not last:
+                        self._client._renewer.discard(self)
+                    self._client._let_go(self)
+                    if self._changed is not None:
+                        self._wake_sharers()
+                elif self.auto_renew and not self._lost:
+                    # Entries left where this object counted none (a re-entry the backend
+                    # applied but whose answer was cut off, or one another user of this
+                    # object has in flight): the hold goes on, so renewal must too.
+                    self._client._renewer.add(self)
+        finally:
+            self._release_ends(generation, clean)
         if remaining is None:
             reason = "the lease had expired or been taken over before release"
             error = self._lost_error(reason, generation)
             if generation == self._generation:
                 self._forget()  # else forgotten already, by another user's release
             raise error
-        if generation == self._generation and self._count:
-            # Else another user of this object ended the hold while this release was in
-            # flight (its last release answered first, or a loss given up): this answer
-            # is older than that end, and must not revive the hold, nor count a fresh
-            # one taken since.
-            self._count = remaining
-            if remaining == 0:
-                if not last:
-                    self._client._renewer.discard(self)
-                self._client._let_go(self)
-                if self._changed is not None:
-                    self._wake_sharers()
-            elif self.auto_renew and not self._lost:
-                # Entries left where this object counted none (a re-entry the backend
-                # applied but whose answer was cut off, or one another user of this
-                # object has in flight): the hold goes on, so renewal must too.
-                self._client._renewer.add(self)
         if cancel_requests() > cancels:
             # Released, and the caller's cancellation lost by a client library meanwhile.
             lost_cancel()
@@ -1079,6 +1155,10 @@ class Lock:
                 uncancel(task)
             raise lost from exc
         self.release()
+
+
+class _HoldEnded(Exception):
+    """A re-entry found its hold gone, ended cleanly by another user (see _hold_ended)."""
 
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
