@@ -3059,3 +3059,169 @@ def test_a_reentry_racing_another_users_clean_last_release_acquires_afresh(
             assert await other.inspect("async-job") is None
 
     asyncio.run(async_face())
+
+
+def test_a_close_from_an_on_lost_that_close_told_gives_everything_back(tmp_path: Path) -> None:
+    """close() tells each holder its lock is lost before it gives the leases back. An
+    on_lost told so may close the client again and release its lock (LockLost at once,
+    no round trip): every holder is still told once, every lease given back while the
+    backend is open, and the backend left closed. A hold told lost by the close raises
+    LockLost saying so from release()."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as admin:
+        client = dlock.connect(url)
+        told: list[object] = []
+        released: list[BaseException] = []
+
+        def close_and_release(lock: dlock.Lock) -> None:
+            told.append(lock)
+            client.close()
+            try:
+                lock.release()
+            except BaseException as exc:
+                released.append(exc)
+
+        first = client.lock("first", ttl=30, on_lost=close_and_release)
+        second = client.lock("second", ttl=30, reentrant=True, on_lost=told.append)
+        assert first.acquire(timeout=0)
+        assert second.acquire(timeout=0) and second.acquire(timeout=0)
+        client.close()
+        assert sorted(told, key=id) == sorted([first, second], key=id)
+        assert [type(exc) for exc in released] == [dlock.LockLost]
+        assert not first.owned() and not second.owned() and second.lost
+        with pytest.raises(dlock.LockLost, match="client was closed"):
+            second.release()
+        assert admin.inspect("first") is None and admin.inspect("second") is None
+        assert client._backend._connection is None  # type: ignore[attr-defined]
+        assert len(told) == 2
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as admin:
+            client = dlock.aio.connect(url)
+            told: list[object] = []
+            closes: list[asyncio.Task[None]] = []
+
+            def close_again(lock: dlock.aio.AsyncLock) -> None:
+                told.append(lock)
+                closes.append(asyncio.ensure_future(client.aclose()))
+
+            first = client.lock("first", ttl=30, on_lost=close_again)
+            second = client.lock("second", ttl=30, reentrant=True, on_lost=told.append)
+            assert await first.acquire(timeout=0)
+            assert await second.acquire(timeout=0) and await second.acquire(timeout=0)
+            await client.aclose()
+            await asyncio.wait(closes)
+            assert sorted(told, key=id) == sorted([first, second], key=id)
+            for lock in (first, second):
+                assert not lock.owned() and lock.lost
+                with pytest.raises(dlock.LockLost, match="client was closed"):
+                    await lock.release()
+            assert await admin.inspect("first") is None
+            assert await admin.inspect("second") is None
+            assert client._backend._connection is None  # type: ignore[attr-defined]
+            assert len(told) == 2
+
+    asyncio.run(async_face())
+
+
+def test_a_close_from_the_holders_own_thread(tmp_path: Path) -> None:
+    """close() from the thread (task) that holds a lock: after its block ended, nothing
+    is told (the hold was released); inside its block, the hold is lost as from any
+    other thread: on_lost once, LockLost from the block's end. Under asyncio the task
+    closing is not cancelled (it would stop its own close halfway): it is told by the
+    block's LockLost, as a body that finds a loss itself is."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as admin:
+        told: list[object] = []
+        client = dlock.connect(url)
+        lock = client.lock("job", ttl=30, on_lost=told.append)
+        with lock:
+            pass
+        client.close()
+        assert not told
+        client = dlock.connect(url)
+        lock = client.lock("job", ttl=30, on_lost=told.append)
+        with pytest.raises(dlock.LockLost, match="client was closed"), lock:
+            client.close()
+            assert told == [lock] and lock.lost
+            assert admin.inspect("job") is None
+        assert told == [lock]
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as admin:
+            told: list[object] = []
+            client = dlock.aio.connect(url)
+            lock = client.lock("job", ttl=30, on_lost=told.append)
+            async with lock:
+                pass
+            await client.aclose()
+            assert not told
+            client = dlock.aio.connect(url)
+            lock = client.lock("job", ttl=30, on_lost=told.append)
+            after: list[bool] = []
+            with pytest.raises(dlock.LockLost, match="client was closed"):
+                async with lock:
+                    await client.aclose()
+                    await asyncio.sleep(0)  # not cancelled: goes on
+                    after.append(lock.lost)
+            assert after == [True] and told == [lock]
+            assert await admin.inspect("job") is None
+
+    asyncio.run(async_face())
+
+
+def test_a_release_in_flight_as_the_client_closes_ends_cleanly(tmp_path: Path) -> None:
+    """A block's release on its way to the backend as another thread closes the client:
+    the close released the lease under it, the release found it gone, and the holder
+    was told a loss ("expired or taken over"), though it had left its block first. The
+    close now lets a release in flight end before it gives back the holds: a clean end,
+    no loss told. One begun after that (the close giving the holds back) is the close's
+    hold, told lost by it (see test_closing_the_client_tells_each_holder_its_lock_is_lost)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as admin:
+        told: list[object] = []
+        client = dlock.connect(url)
+        lock = client.lock("job", ttl=30, on_lost=told.append)
+        real_release, real_held = client._backend.release, client._still_held
+        in_flight, giving_back = threading.Event(), threading.Event()
+
+        def held() -> tuple[dlock.Lock, ...]:
+            giving_back.set()
+            return real_held()
+
+        def held_up(name: str, token: str) -> int | None:
+            in_flight.set()
+            # Until the close gives back the holds (before the fix), or waits for the
+            # calls in flight with this one among them (after it).
+            give_up = time.monotonic() + 5
+            while not giving_back.is_set() and not (
+                client._acquires_settling and client._acquiring
+            ):
+                assert time.monotonic() < give_up, "the close neither waited nor went on"
+                time.sleep(0.005)
+            return real_release(name, token)
+
+        client._backend.release = held_up  # type: ignore[method-assign]
+        client._still_held = held  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        closing = threading.Thread(target=client.close)
+        errors: list[BaseException] = []
+
+        def release() -> None:
+            try:
+                lock.release()
+            except BaseException as exc:
+                errors.append(exc)
+
+        try:
+            lock_released = threading.Thread(target=release)
+            lock_released.start()
+            assert in_flight.wait(5)
+            closing.start()
+            lock_released.join(10)
+        finally:
+            closing.join(10)
+        assert not told, "a loss was told for a hold released cleanly"
+        assert not errors
+        assert not lock.owned() and not lock.lost
+        assert admin.inspect("job") is None

@@ -861,6 +861,16 @@ class AsyncLock:
         # tell a clean end from a loss (see _hold_ended). Not for a loss told: its
         # on_lost may wait for that re-entry's attempt to end (see _take_new_token).
         self._release_starts(generation)
+        # Either close() sees this call and lets it end first (a clean end), or this call
+        # sees the close giving back the holds: this one is the close's to give back
+        # and to declare lost (which it may have done already), not sent from here.
+        call = self._client._call_starts()
+        if self._client._closing_holds:
+            self._client._call_ends(call)
+            self._release_ends(generation, False)
+            # Told once out of the close's sight: an on_lost that closes the client too
+            # must not wait for this call.
+            raise self._lost_error("its client was closed", generation)
         clean = False
         try:
             try:
@@ -888,6 +898,7 @@ class AsyncLock:
                     # object has in flight): the hold goes on, so renewal must too.
                     self._client._renewer.add(self)
         finally:
+            self._client._call_ends(call)
             self._release_ends(generation, clean)
         if remaining is None:
             reason = "the lease had expired or been taken over before release"
@@ -949,6 +960,7 @@ class AsyncLock:
         watchdog: bool = False,
         generation: int | None = None,
         forget: bool = False,
+        closing: bool = False,
     ) -> bool:
         """Record the loss once and tell the holder: flag, callback, and task cancel.
         True if this call declared it, False if it was declared already.
@@ -963,6 +975,9 @@ class AsyncLock:
         first: a fresh hold that another user of this object takes as soon as the hold
         is forgotten must not turn this declaration into one about an ended hold, which
         would tell nobody of the loss.
+
+        ``closing``: the client's close() declares it (see AsyncClient.aclose), the
+        program's own doing: logged as information, not as a warning.
 
         ``told``: the caller raises :class:`LockLost` into the running task, which is
         then not cancelled as well (a body re-entering, releasing or extending its own
@@ -986,7 +1001,8 @@ class AsyncLock:
             if not declared:
                 return False
             self._client._renewer.discard(self)
-            logger.warning("dlock: lost lock %r: %s", self.name, reason)
+            log = logger.info if closing else logger.warning
+            log("dlock: lost lock %r: %s", self.name, reason)
             if self.on_lost is not None:
                 telling = _WATCHDOG_TELLING.set(watchdog)
                 try:

@@ -76,12 +76,15 @@ class Client:
         self._label = check_label(label)
         self._holder_now = Holder.current(self._label)
         self._closed = False
+        #: Set by close() once it no longer lets releases in flight end first: a release
+        #: begun since leaves its hold to the close (see Lock.release).
+        self._closing_holds = False
         self._backoff = backoff or Backoff()
         self._clock = clock
         self._renewer = Renewer(backend, clock, self._still_held)
         self._renewer.told_of_losses = backend.watch_leases(self._renewer.renew_now)
-        #: Acquire calls in flight, each with its pid (after a fork, the parent's are not
-        #: the child's to wait for), or 0 while it waits for a release.
+        #: Acquire and release calls in flight, each with its pid (after a fork, the
+        #: parent's are not the child's to wait for), or 0 while it waits for a release.
         self._acquiring: dict[object, int] = {}
         #: What close() calls (more than one, from threads or tasks) wait on: each is set
         #: when one of those acquires ends or parks.
@@ -248,6 +251,16 @@ class Client:
             if self._giving_up is not None:
                 self._giving_up.pop(lock, None)
 
+    def _call_starts(self) -> object:
+        """A release call begins: close() lets it end first (see close)."""
+        call = object()
+        self._acquiring[call] = _fork.pid
+        return call
+
+    def _call_ends(self, call: object) -> None:
+        del self._acquiring[call]
+        self._acquire_settled()
+
     def _acquire_settled(self) -> None:
         """An acquire call ended or parked: wake close(), if it waits for them."""
         if self._acquires_settling:
@@ -266,11 +279,17 @@ class Client:
     @notices_fork
     def close(self) -> None:
         """Stop renewing, give back every lock still held, and close the backend.
-        Its locks cannot be acquired afterwards: nothing would renew them."""
+        Its locks cannot be acquired afterwards: nothing would renew them.
+
+        A lock still held is lost to its holder, told as the renewal watchdog tells a
+        loss (``on_lost``, ``lost``, the ``with`` body cancelled, ``LockLost`` from
+        its block's end, ``release`` and ``extend``) before its lease is given back. A
+        release in flight as the close begins ends first: that hold ended cleanly."""
         self._closed = True
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;
-        # bounded, as a server that stopped answering would hold it up.
+        # bounded, as a server that stopped answering would hold it up. A release in
+        # flight too: its hold is not lost, and the backend must not close under it.
         # Not for the calls that this close runs inside (an on_lost told by an acquire):
         # they go on only once it returns.
         until = self._clock() + CLOSE_WAIT
@@ -283,31 +302,64 @@ class Client:
         settling = WakeupEvent()
         self._acquires_settling.add(settling)
         try:
-            while True:
-                settling.clear()
-                left = until - self._clock()
-                if left <= 0 or not any(
-                    owner == pid and call not in mine
-                    for call, owner in list(self._acquiring.items())
-                ):
-                    break
-                settling.wait(left)
+            for closing_holds in (False, True):
+                # Twice: a release that began before the flag went up ends first too.
+                # (Never put down: a close made by an on_lost that this one tells.)
+                self._closing_holds = self._closing_holds or closing_holds
+                while True:
+                    settling.clear()
+                    left = until - self._clock()
+                    if left <= 0 or not any(
+                        owner == pid and call not in mine
+                        for call, owner in list(self._acquiring.items())
+                    ):
+                        break
+                    settling.wait(left)
         finally:
             self._acquires_settling.discard(settling)
         for give_back in self._give_backs:
             wait_done(give_back)
         self._renewer.close()
+        holds = []
+        # What another close (another thread's) took the holds being given up before
+        # this one saw: given back here, as before.
+        own: list[tuple[Lock, int, str]] = []
         for lock in self._still_held():
             # A reentrant lock is freed by its last release. A lock declared lost is
             # given back too: the backend may still keep state for it (SQL sessions).
             # With its pending give-back (a fresh grant found by a re-entry that this
             # close runs inside): once the backend is closed it could only reopen it.
+            # Given back below with the holds being given up, this close's from now on:
+            # the holder's own give-up, as it learns of the loss, leaves the backend
+            # alone (see _give_up). The hold stays counted, lost, as a hold the watchdog
+            # found lost does until its holder leaves it.
             lock._check_forked()
             with lock._sharing:
                 entries = max(lock._count, lock._to_give_back)
                 lock._to_give_back = 0
-            lock._forget()
-            lock._release_quietly(entries)
+                generation, held = lock._generation, lock._count > 0
+            with self._held_guard:
+                if self._giving_up is None:
+                    own.append((lock, entries, lock._token))
+                elif entries and lock not in self._giving_up:
+                    self._giving_up[lock] = (entries, lock._token)
+                self._held.discard(lock)
+            self._renewer.discard(lock)
+            lock._wake_sharers()  # its other users' waits stop, seeing the client closed
+            if held:
+                holds.append((lock, generation))
+        # Each holder is told before any lease is given back, so that it may stop
+        # before another client can take the lock. Its on_lost runs here, and may close
+        # the client too (that close gives the leases back), or release its lock
+        # (LockLost at once).
+        error: BaseException | None = None
+        for lock, generation in holds:
+            try:
+                lock._declare_lost(
+                    "its client was closed", told=True, generation=generation, closing=True
+                )
+            except BaseException as exc:  # an on_lost's sys.exit(): the close ends first
+                error = error or exc
         # Lost holds whose give-up has not finished: the on_lost it tells may be this
         # close (the give-back would come after it), or a round trip of the give-back
         # may be in flight (the next one would come after it). Given back here, while
@@ -316,7 +368,11 @@ class Client:
             giving_up, self._giving_up = self._giving_up or {}, None
         for lock, (entries, token) in giving_up.items():
             lock._release_quietly(entries, token)
+        for lock, entries, token in own:
+            lock._release_quietly(entries, token)
         self._backend.close()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> Client:
         return self

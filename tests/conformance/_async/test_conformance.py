@@ -24,6 +24,7 @@ import pytest
 import dlock.aio
 from dlock._async._primitives import (
     IS_ASYNC,
+    WakeupEvent,
     cancel_requests,
     cancel_task,
     current_task,
@@ -765,6 +766,49 @@ async def test_closing_the_client_gives_back_locks_it_does_not_renew(url: str, n
     async with dlock.aio.connect(url) as other:
         assert await other.inspect(name) is None
         assert await other.inspect(f"{name}/reentered") is None
+
+
+async def test_closing_the_client_tells_each_holder_its_lock_is_lost(url: str, name: str) -> None:
+    """close() gives back every lock still held, while a ``with`` body of one runs in
+    another thread (asyncio: task). That holder was not told: no on_lost, and its block's
+    end raised NotOwner ("not held by this object"). A close now declares each hold it
+    gives back lost, as the renewal watchdog does, before it gives the lease back:
+    on_lost once, ``lost`` and ``owned()`` say so, the task running the body is cancelled
+    (asyncio), and the block's end raises LockLost saying the client was closed. A lock
+    released before the close is not told anything."""
+    told: list[object] = []
+    client = dlock.aio.connect(url)
+    held = client.lock(name, ttl=30, on_lost=told.append)
+    released = client.lock(f"{name}/released", ttl=30, on_lost=told.append)
+    async with released:
+        pass
+    entered, go_on = WakeupEvent(), WakeupEvent()
+    seen: list[object] = []
+
+    async def hold() -> None:
+        try:
+            async with held:
+                entered.set()
+                await go_on.wait(10)
+                seen.append(held.owned())  # threads go on; a task was cancelled
+        except BaseException as exc:
+            seen.append(exc)
+
+    holder = spawn(hold, name="the-holder")
+    try:
+        assert await entered.wait(10)
+        await client.aclose()
+        assert told == [held]
+        assert held.lost and not held.owned()
+        async with dlock.aio.connect(url) as other:
+            assert await other.inspect(name) is None
+    finally:
+        go_on.set()
+        await wait_done(holder)
+        await client.aclose()
+    assert told == [held]
+    assert seen[:-1] == ([] if IS_ASYNC else [False])
+    assert type(seen[-1]) is dlock.LockLost and "client was closed" in str(seen[-1])
 
 
 async def test_a_closed_client_refuses_every_operation(url: str, name: str) -> None:

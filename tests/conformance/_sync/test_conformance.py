@@ -25,6 +25,7 @@ import pytest
 import dlock
 from dlock._sync._primitives import (
     IS_ASYNC,
+    WakeupEvent,
     cancel_requests,
     cancel_task,
     current_task,
@@ -758,6 +759,49 @@ def test_closing_the_client_gives_back_locks_it_does_not_renew(url: str, name: s
     with dlock.connect(url) as other:
         assert other.inspect(name) is None
         assert other.inspect(f"{name}/reentered") is None
+
+
+def test_closing_the_client_tells_each_holder_its_lock_is_lost(url: str, name: str) -> None:
+    """close() gives back every lock still held, while a ``with`` body of one runs in
+    another thread (asyncio: task). That holder was not told: no on_lost, and its block's
+    end raised NotOwner ("not held by this object"). A close now declares each hold it
+    gives back lost, as the renewal watchdog does, before it gives the lease back:
+    on_lost once, ``lost`` and ``owned()`` say so, the task running the body is cancelled
+    (asyncio), and the block's end raises LockLost saying the client was closed. A lock
+    released before the close is not told anything."""
+    told: list[object] = []
+    client = dlock.connect(url)
+    held = client.lock(name, ttl=30, on_lost=told.append)
+    released = client.lock(f"{name}/released", ttl=30, on_lost=told.append)
+    with released:
+        pass
+    entered, go_on = WakeupEvent(), WakeupEvent()
+    seen: list[object] = []
+
+    def hold() -> None:
+        try:
+            with held:
+                entered.set()
+                go_on.wait(10)
+                seen.append(held.owned())  # threads go on; a task was cancelled
+        except BaseException as exc:
+            seen.append(exc)
+
+    holder = spawn(hold, name="the-holder")
+    try:
+        assert entered.wait(10)
+        client.close()
+        assert told == [held]
+        assert held.lost and not held.owned()
+        with dlock.connect(url) as other:
+            assert other.inspect(name) is None
+    finally:
+        go_on.set()
+        wait_done(holder)
+        client.close()
+    assert told == [held]
+    assert seen[:-1] == ([] if IS_ASYNC else [False])
+    assert type(seen[-1]) is dlock.LockLost and "client was closed" in str(seen[-1])
 
 
 def test_a_closed_client_refuses_every_operation(url: str, name: str) -> None:
