@@ -804,6 +804,78 @@ def test_closing_the_client_tells_each_holder_its_lock_is_lost(url: str, name: s
     assert type(seen[-1]) is dlock.LockLost and "client was closed" in str(seen[-1])
 
 
+@pytest.mark.parametrize("order", ["released", "releasing"])
+@pytest.mark.parametrize("then", ["free", "taken"])
+def test_a_reentry_racing_another_users_clean_last_release_tells_no_loss(
+    url: str, name: str, then: str, order: str
+) -> None:
+    """Two users of one reentrant lock object: one re-enters the hold while the other
+    releases its last entry cleanly, just before the re-entry reaches the backend (its
+    answer handled first, or still on its way back). The re-entry found the hold gone
+    and declared a loss (on_lost, LockLost), though nothing was lost. It now goes on as
+    a fresh acquire made then would (timeout=0: the lock if free, else False)."""
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        told: list[object] = []
+        lock = client.lock(name, ttl=30, reentrant=True, on_lost=told.append)
+        rival = other.lock(name, ttl=30)
+        real_acquire, real_release = client._backend.acquire, client._backend.release
+        in_flight, go_on = WakeupEvent(), WakeupEvent()
+        results: list[object] = []
+
+        def held_up(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            if reentrant:
+                in_flight.set()
+                assert go_on.wait(10)
+            return real_acquire(name, token, ttl, holder, reentrant)
+
+        def answered_late(name: str, token: str) -> int | None:
+            remaining = real_release(name, token)
+            if then == "taken":
+                assert rival.acquire(timeout=0)
+            go_on.set()
+            # Until the re-entry, answered, waits for this answer (or has ended).
+            start = time.monotonic()
+            releasing = getattr(lock, "_releasing", {})  # none before the fix
+            while not results and releasing.get(generation, [0, None])[1] is None:
+                assert elapsed_since(start) < 10, "the re-entry neither waited nor ended"
+                sleep(0.005)
+            return remaining
+
+        client._backend.acquire = held_up  # type: ignore[method-assign]
+        assert lock.acquire(timeout=0)
+        generation = lock._generation
+
+        def reenter() -> None:
+            try:
+                results.append(lock.acquire(timeout=0))
+            except BaseException as exc:
+                results.append(exc)
+
+        sharer = spawn(reenter, name="the-re-entering-user")
+        try:
+            assert in_flight.wait(10)
+            if order == "releasing":
+                client._backend.release = answered_late  # type: ignore[method-assign]
+            lock.release()
+            client._backend.release = real_release  # type: ignore[method-assign]
+            if then == "taken" and order == "released":
+                assert rival.acquire(timeout=0)
+        finally:
+            go_on.set()
+            wait_done(sharer)
+        assert not told, "a loss was told for a hold released cleanly"
+        if then == "free":
+            assert results == [True]
+            assert lock.owned() and not lock.lost
+            assert_held_by(other, name, lock)
+            lock.release()
+        else:
+            assert results == [False]
+            assert not lock.owned() and not lock.lost
+            rival.release()
+        assert other.inspect(name) is None
+
+
 def test_a_closed_client_refuses_every_operation(url: str, name: str) -> None:
     """Nothing renews a lease taken after close(): refuse rather than hand out a lock
     that runs out under its holder. Nor does it answer anything else: the backend is
