@@ -321,6 +321,7 @@ def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path, spawn:
     _, stderr = process.communicate(timeout=15)
     assert process.returncode == 75
     assert "lost the lock" in stderr
+    assert len([line for line in stderr.splitlines() if "lost" in line]) == 1, stderr
     assert time.monotonic() - start < 3, "noticed at the next renewal, killed after the grace"
     with pytest.raises(ProcessLookupError):
         os.kill(child_pid, 0)

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import io
 import json
+import logging
 import math
 import os
 import signal
@@ -28,7 +29,7 @@ from ._errors import BackendError, BackendUnavailable, LockError, LockLost
 from ._job import Interrupted, Job, forwarding_signals
 from ._registry import default_sqlite_url
 from ._sync.client import DEFAULT_TTL, Client, connect
-from ._sync.lock import Lock
+from ._sync.lock import LOST_MESSAGE, Lock
 from ._types import LockInfo
 from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE, check_timeout
 
@@ -317,6 +318,8 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         lost.set()
         done.set()
 
+    # The loss is told once, by stop_after_loss, with what dlock does about it.
+    logging.getLogger("dlock").addFilter(lambda record: record.msg != LOST_MESSAGE)
     lock = client.lock(args.name, ttl=args.ttl, on_lost=on_lost)
     timeout = 0 if args.nonblock else args.wait
     # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from .client import Client
 
 logger = logging.getLogger("dlock")
+#: The warning logged when a hold is lost (a program that tells its user itself, as
+#: ``dlock run`` does, filters it out).
+LOST_MESSAGE = "dlock: lost lock %r: %s"
 
 #: Share of the TTL after which a held lease is renewed.
 RENEW_AFTER = 1 / 3
@@ -1001,7 +1004,7 @@ class Lock:
                 return False
             self._client._renewer.discard(self)
             log = logger.info if closing else logger.warning
-            log("dlock: lost lock %r: %s", self.name, reason)
+            log(LOST_MESSAGE, self.name, reason)
             if self.on_lost is not None:
                 telling = _WATCHDOG_TELLING.set(watchdog)
                 try:
