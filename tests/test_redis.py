@@ -1654,6 +1654,87 @@ def test_a_waiter_cancelled_twice_still_leaves_the_queue(
     asyncio.run(main())
 
 
+def test_a_redlock_wait_right_after_a_cut_off_leave_keeps_its_place_everywhere(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """A Redlock waiter cancelled twice goes on while its leave still runs, master after
+    master. The same lock object's next wait joins every master's queue at once: the
+    leave of a master it has not reached yet must not take that new wait's place (nor
+    its record of it), or the new waiter is queued on one master alone, and a later
+    waiter, first everywhere else, takes the lock before it."""
+    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=30"
+
+    async def main() -> None:
+        async with (
+            dlock.aio.connect(url) as client,
+            dlock.aio.connect(url) as other,
+            dlock.aio.connect(url) as third,
+        ):
+            masters = client._backend._masters  # type: ignore[attr-defined]
+            leaving = asyncio.Event()
+
+            def slow_to_leave(server: Any) -> None:
+                real_call = server._call
+
+                async def call(script: Any, keys: Any, args: Any) -> Any:
+                    if script is DEQUEUE:
+                        leaving.set()
+                        await asyncio.sleep(0.3)  # where the second cancellation lands
+                    return await real_call(script, keys, args)
+
+                server._call = call
+
+            for server in masters:
+                slow_to_leave(server)
+            parked = asyncio.Event()
+            real_subscribe = masters[0].subscribe
+
+            async def subscribe(channel: bytes) -> Any:
+                pubsub = await real_subscribe(channel)
+                real_get_message = pubsub.get_message
+
+                async def get_message(**kwargs: Any) -> Any:
+                    parked.set()
+                    return await real_get_message(**kwargs)
+
+                pubsub.get_message = get_message
+                return pubsub
+
+            masters[0].subscribe = subscribe
+            name = unique()
+            holder = other.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            lock = client.lock(name, ttl=30)
+            task = asyncio.ensure_future(lock.acquire(timeout=60))
+            await asyncio.wait_for(parked.wait(), 5)
+            task.cancel()
+            await leaving.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # At once, while the leave is still on its way.
+            again = asyncio.ensure_future(lock.acquire(timeout=30))
+            await asyncio.sleep(0.3 * len(masters) + 1)  # every leave has landed
+            assert not again.done()
+            queue = Keys(b"dlock", name).queue
+            for server in redlock_servers:
+                async with redis.asyncio.Redis(port=server.port) as admin:
+                    place = await admin.zscore(queue, lock._token)
+                assert place is not None, f"the new wait has no place on {server.address}"
+            later = asyncio.ensure_future(third.lock(name, ttl=30).acquire(timeout=30))
+            await asyncio.sleep(0.5)  # queued behind us
+            await holder.release()
+            done, _ = await asyncio.wait({again, later}, timeout=10, return_when="FIRST_COMPLETED")
+            assert again in done, "a later waiter took the lock first"
+            assert again.result() and lock.owned()
+            later.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await later
+            await lock.release()
+
+    asyncio.run(main())
+
+
 def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
     redis_server: RedisServer,
 ) -> None:

@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import shielded
+from .._primitives import WakeupEvent, shielded
 from ..backend import AsyncBackend, AsyncWaiter
 from .redis import AsyncRedisBackend
 
@@ -316,14 +316,29 @@ class AsyncRedlockBackend(AsyncBackend):
         finally:
             # Every master's leave, to its end even if the waiter is cancelled again
             # meanwhile (see AsyncRedisBackend.dequeue): cut off after the first, the
-            # others' places would keep the line waiting until they lapsed.
-            await shielded(self._dequeue_everywhere(name, token))
+            # others' places would keep the line waiting until they lapsed. All of them
+            # start here, at once: a leave that a master's record of this wait showed
+            # only once the caller had gone on would take the place (and the record) of
+            # the token's next wait, begun meanwhile, instead of waiting for it.
+            leaves = [(master, master._start_leaving(token)) for master in self._masters]
+            await shielded(self._dequeue_everywhere(name, token, leaves))
 
-    async def _dequeue_everywhere(self, name: str, token: str) -> int:
-        """Leave the queue on every master; the number of masters."""
-        for master in self._masters:
-            await master.dequeue(name, token)
-        return len(self._masters)
+    @staticmethod
+    async def _dequeue_everywhere(
+        name: str, token: str, leaves: list[tuple[AsyncRedisBackend, WakeupEvent | None]]
+    ) -> int:
+        """Leave the queue on every master (each leave started, see waiter); the number
+        of masters. A leave never sent (this run itself cut off, its event loop ending)
+        still ends, or the token's next attempt on that master would wait for it."""
+        try:
+            for master, left in leaves:
+                if left is not None:
+                    await master._leave(name, token, left)
+        finally:
+            for master, left in leaves:
+                if left is not None:
+                    master._end_leaving(token, left)
+        return len(leaves)
 
     def _agreed(self, infos: list[LockInfo]) -> LockInfo | None:
         """The holder a majority of masters agree on (same fencing token), if any."""

@@ -994,11 +994,28 @@ class RedisBackend(Backend):
         until they lapse. The caller still sees the cancellation at once; the leave is
         bounded by queue_ttl, after which the place has lapsed anyway, and the token's
         next attempt waits for it (see acquire)."""
+        left = self._start_leaving(token)
+        if left is not None:
+            shielded(self._leave(name, token, left))
+
+    def _start_leaving(self, token: str) -> WakeupEvent | None:
+        """Take ``token``'s wait off the books, its leave now on its way (the token's
+        next attempt waits for it, see acquire); None if it has no place to leave.
+        Not a coroutine: Redlock starts every master's leave at once, before its waiter
+        is cancelled again, so that a next wait of the token is ordered after all of
+        them (see RedlockBackend.waiter). ``_leave`` or ``_end_leaving`` follows."""
         waiting = self._waiting.pop(token, None)
         if waiting is None or waiting.left:
-            return
+            return None
         left = self._leaving[token] = WakeupEvent()
-        shielded(self._leave(name, token, left))
+        return left
+
+    def _end_leaving(self, token: str, left: WakeupEvent) -> None:
+        """The leave ``left`` has ended (or will never be sent): the token's next attempt
+        goes on."""
+        if self._leaving.get(token) is left:
+            del self._leaving[token]
+        left.set()
 
     def _leave(self, name: str, token: str, left: WakeupEvent) -> bool:
         """DEQUEUE; True if the server answered."""
@@ -1011,9 +1028,7 @@ class RedisBackend(Backend):
         except (BackendError, TimeoutError):
             return False
         finally:
-            if self._leaving.get(token) is left:
-                del self._leaving[token]
-            left.set()
+            self._end_leaving(token, left)
         return True
 
     @contextmanager
