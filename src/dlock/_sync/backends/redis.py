@@ -1106,26 +1106,32 @@ class RedisBackend(Backend):
             try:
                 pubsub.unsubscribe(channel)
             except (*ERRORS, OSError):
-                self._aclose_quietly(pubsub)
-                continue
+                pass  # closed below
             except BaseException:
                 # Cut off (a cancellation): out of the idle list, the connection would
                 # stay open and subscribed, closed by nobody until the client closes,
                 # and so would the ones not reached yet. Its reply may still come, so
                 # it is closed, even if cancelled again; those go back as they were.
-                shielded(self._drop_cut_off(pubsub, stale[i + 1 :]))
+                shielded(self._drop_cut_off([pubsub], stale[i + 1 :]))
                 raise
-            with self._creating:
-                if not self._closed:
-                    self._idle.append((pubsub, None, since))
-                    continue
-            self._aclose_quietly(pubsub)
+            else:
+                with self._creating:
+                    if not self._closed:
+                        self._idle.append((pubsub, None, since))
+                        continue
+            try:
+                self._aclose_quietly(pubsub)
+            except BaseException:
+                # Cancelled while it closes (the close goes on, shielded): the ones not
+                # reached yet go back as they were, as above.
+                shielded(self._drop_cut_off([], stale[i + 1 :]))
+                raise
 
-    def _drop_cut_off(self, pubsub: Any, rest: list[tuple[Any, bytes | None, float]]) -> int:
-        """Close ``pubsub``, whose UNSUBSCRIBE was cut off, and keep ``rest`` idle as
-        they were (those there is no room for, or all once closed, are closed too).
-        Returns how many were closed."""
-        closing = [pubsub]
+    def _drop_cut_off(self, closing: list[Any], rest: list[tuple[Any, bytes | None, float]]) -> int:
+        """Close ``closing`` (a connection whose UNSUBSCRIBE was cut off), and keep
+        ``rest`` idle as they were (those there is no room for, or all once closed, are
+        closed too). Returns how many were closed."""
+        closing = list(closing)
         with self._creating:
             for entry in rest:
                 if not self._closed and len(self._idle) < IDLE_SUBSCRIBERS:
