@@ -1272,6 +1272,33 @@ def test_a_release_cut_short_by_a_slot_move_is_unavailable(own_cluster: RedisClu
             admin.close()
 
 
+def test_a_remap_failing_after_a_lost_reply_is_not_taken_for_a_refusal() -> None:
+    """redis-py's sync cluster client maps the slots again while handling a lost
+    connection or a timeout, which may come after the script ran: a "could not agree"
+    (or a ClusterError) raised there must not count as refused before running, which
+    a waiter would send again."""
+    from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from dlock._async.backends.redis import moving
+
+    def raised_while_handling(first: BaseException | None, then: BaseException) -> BaseException:
+        try:
+            try:
+                if first is not None:
+                    raise first
+            finally:
+                raise then
+        except BaseException as exc:
+            return exc
+
+    disagree = RedisClusterException("startup_nodes could not agree on a valid slots cache")
+    for refusal in (disagree, ClusterError("TTL exhausted."), TryAgainError("TRYAGAIN")):
+        assert moving(raised_while_handling(None, refusal)), refusal
+        for lost in (RedisConnectionError("lost"), TimeoutError("timed out")):
+            assert not moving(raised_while_handling(lost, refusal)), (refusal, lost)
+
+
 def test_nodes_that_disagree_on_the_slots_are_unavailable_and_ridden_out(
     own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -155,12 +155,24 @@ def moving(exc: BaseException | None) -> bool:
     redis-py's "startup_nodes could not agree", mapping the slots before it sends
     anything: nodes that disagree about who serves some, while a resharding's news
     spreads. So a script refused so may be sent again, and a retry may find it over.
-    CLUSTERDOWN (a ClusterError as well) is not a move: a cluster that is down."""
+    CLUSTERDOWN (a ClusterError as well) is not a move: a cluster that is down. Nor is
+    any of them raised while handling a lost connection or a timeout (redis-py's sync
+    cluster client maps the slots again there): the script may have run."""
     return (
         isinstance(exc, TryAgainError)
         or (isinstance(exc, ClusterError) and not isinstance(exc, ClusterDownError))
         or (isinstance(exc, RedisClusterException) and "could not agree" in str(exc))
-    )
+    ) and not _after_a_lost_reply(exc)
+
+
+def _after_a_lost_reply(exc: BaseException | None) -> bool:
+    """``exc`` was raised while handling a lost connection or a timeout."""
+    seen = 0
+    while exc is not None and seen < 10:
+        exc, seen = exc.__context__, seen + 1
+        if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+            return True
+    return False
 
 
 def _ms(seconds: float) -> int:
