@@ -796,6 +796,32 @@ def test_a_lock_file_deleted_or_replaced_while_held_is_a_loss(tmp_path: Path, ho
         other.release()
 
 
+def test_a_token_is_read_from_the_clock_once_the_write_lock_is_had(tmp_path: Path) -> None:
+    """A grant's token starts from the clock as the grant is made, not as the call
+    began: read before a wait of up to busy_timeout for the file's write lock, it lagged
+    by that wait, and a grant made in a lock file swapped in meanwhile could get a
+    smaller token than one made in the old file during the wait."""
+    path = tmp_path / "locks.db"
+    with dlock.connect(f"sqlite://{path}") as client:
+        _token(client, "warm-up")  # the file and its table exist
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        blocker.execute("BEGIN IMMEDIATE")  # the write lock, for a second
+        freed_at: list[int] = []
+
+        def free_later() -> None:
+            time.sleep(1.0)
+            freed_at.append(time.time_ns() // 1000)
+            blocker.execute("COMMIT")
+
+        thread = threading.Thread(target=free_later)
+        thread.start()
+        token = _token(client, "x")
+        thread.join()
+        blocker.close()
+    # SQLite's clock counts whole milliseconds.
+    assert token >= freed_at[0] - 2000, (token, freed_at)
+
+
 def test_tokens_keep_increasing_in_a_lock_file_restored_from_a_copy(tmp_path: Path) -> None:
     """A lock file put back from a backup holds older counters than the tokens handed
     out since; a holder cut off by the restore still writes with its token, so the next

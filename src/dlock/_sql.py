@@ -265,8 +265,7 @@ class Dialect:
     #: The clock, evaluated once per statement.
     now: str
     #: The server's clock in whole microseconds since the epoch: the floor of the
-    #: fencing counters (see :func:`next_fence`). SQLite's is the host's wall clock,
-    #: passed in by the client.
+    #: fencing counters (see :func:`next_fence`). SQLite's is the host's wall clock.
     clock_us: str
     name_type: str
     owner_type: str
@@ -399,7 +398,9 @@ SQLITE = Dialect(
     now="%(now)s",
     # Fencing counters start from the host's wall clock, as the servers' start from
     # theirs: a lock file replaced or restored from a copy still hands out larger tokens.
-    clock_us="%(clock_us)s",
+    # Read by SQLite as the statement runs, once it has the file's write lock (not before
+    # a wait of up to busy_timeout for it), in whole milliseconds.
+    clock_us="CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)",
     # Names are bound as UTF-8 BLOBs, as on the servers: SQLite's length() and substr()
     # of TEXT stop at a NUL, of a BLOB they count bytes.
     name_type="BLOB",

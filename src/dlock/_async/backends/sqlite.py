@@ -347,7 +347,6 @@ class AsyncSQLiteBackend(AsyncBackend):
             "owner": token,
             "boot": boot,
             "now": now,
-            "clock_us": time.time_ns() // 1000,
             "ttl": ttl,
             "holder": holder.to_json(),
             "reentrant": reentrant,

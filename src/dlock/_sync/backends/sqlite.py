@@ -348,7 +348,6 @@ class SQLiteBackend(Backend):
             "owner": token,
             "boot": boot,
             "now": now,
-            "clock_us": time.time_ns() // 1000,
             "ttl": ttl,
             "holder": holder.to_json(),
             "reentrant": reentrant,
