@@ -1762,75 +1762,16 @@ def test_a_redlock_wait_right_after_a_cut_off_leave_keeps_its_place_everywhere(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("cut_off_in", ["unsubscribe", "close"])
 def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
-    redis_server: RedisServer,
-) -> None:
-    """A wait first unsubscribes the idle pub/sub connections that lingered too long.
-    A cancellation landing in that UNSUBSCRIBE left the connection, and the others not
-    reached yet, out of the idle list and open: subscribed on the server, where nothing
-    would close them before the client closed. Every subscribed connection must stay
-    one the client keeps (idle) or be closed."""
-    tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
-    url = f"{url_of(redis_server)}?client_name={tag}"
-    admin = redis.Redis(port=redis_server.port, decode_responses=True)
-
-    def subscribed() -> int:
-        return sum(
-            1 for c in admin.client_list() if c.get("name") == tag and int(c.get("sub", 0)) > 0
-        )
-
-    async def main() -> None:
-        async with (
-            dlock.aio.connect(url) as client,
-            dlock.aio.connect(url_of(redis_server)) as other,
-        ):
-            backend: Any = client._backend
-            names = [unique() for _ in range(3)]
-            for name in names:
-                assert await other.lock(name, ttl=30).acquire(timeout=0)
-            # Two waits at once: two subscriptions, idle (lingering) once they time out.
-            results = await asyncio.gather(
-                *(client.lock(name).acquire(timeout=0.3) for name in names[:2])
-            )
-            assert results == [False, False]
-            assert len(backend._idle) == 2 and subscribed() == 2
-            unsubscribing = asyncio.Event()
-            for pubsub, _, _ in backend._idle:
-
-                async def unsubscribe(*channels: Any) -> None:
-                    unsubscribing.set()
-                    await asyncio.sleep(30)  # where the cancellation lands
-
-                pubsub.unsubscribe = unsubscribe
-            backend._idle = [(p, c, since - 60) for p, c, since in backend._idle]
-            task = asyncio.ensure_future(client.lock(names[2]).acquire(timeout=10))
-            await asyncio.wait_for(unsubscribing.wait(), 5)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            kept = sum(1 for _, channel, _ in backend._idle if channel is not None)
-            deadline = time.monotonic() + 3
-            while subscribed() != kept:
-                assert time.monotonic() < deadline, (
-                    f"{subscribed()} connections subscribed, {kept} of them kept"
-                )
-                await asyncio.sleep(0.05)
-            assert kept == 1, "the idle connection not reached was dropped"
-
-    try:
-        asyncio.run(main())
-    finally:
-        admin.close()
-
-
-def test_a_cancellation_while_closing_a_lingering_connection_keeps_the_others(
-    redis_server: RedisServer,
+    redis_server: RedisServer, cut_off_in: str
 ) -> None:
     """A wait first unsubscribes the idle pub/sub connections that lingered too long;
     one whose UNSUBSCRIBE fails (a broken connection) is closed there. A cancellation
-    landing in that close (which goes on, shielded) left the stale ones not reached
-    yet out of the idle list and open: subscribed on the server, where nothing would
-    close them before the client closed. They go back to the idle list as they were."""
+    landing in that UNSUBSCRIBE, or in that close (which goes on, shielded), left the
+    connection and the others not reached yet out of the idle list and open:
+    subscribed on the server, where nothing would close them before the client closed.
+    Every subscribed connection must stay one the client keeps (idle) or be closed."""
     tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
     url = f"{url_of(redis_server)}?client_name={tag}"
     admin = redis.Redis(port=redis_server.port, decode_responses=True)
@@ -1855,24 +1796,33 @@ def test_a_cancellation_while_closing_a_lingering_connection_keeps_the_others(
             )
             assert results == [False, False]
             assert len(backend._idle) == 2 and subscribed() == 2
-            closing = asyncio.Event()
+            reached = asyncio.Event()
             first = backend._idle[0][0]
+            if cut_off_in == "unsubscribe":
+                for pubsub, _, _ in backend._idle:
 
-            async def broken(*channels: Any) -> None:
-                raise redis.asyncio.ConnectionError("the connection broke")
+                    async def unsubscribe(*channels: Any) -> None:
+                        reached.set()
+                        await asyncio.sleep(30)  # where the cancellation lands
 
-            real_aclose = first.aclose
+                    pubsub.unsubscribe = unsubscribe
+            else:
 
-            async def slow_aclose() -> None:
-                closing.set()
-                await asyncio.sleep(0.5)  # where the cancellation lands
-                await real_aclose()
+                async def broken(*channels: Any) -> None:
+                    raise redis.asyncio.ConnectionError("the connection broke")
 
-            first.unsubscribe = broken
-            first.aclose = slow_aclose
+                real_aclose = first.aclose
+
+                async def slow_aclose() -> None:
+                    reached.set()
+                    await asyncio.sleep(0.5)  # where the cancellation lands
+                    await real_aclose()
+
+                first.unsubscribe = broken
+                first.aclose = slow_aclose
             backend._idle = [(p, c, since - 60) for p, c, since in backend._idle]
             task = asyncio.ensure_future(client.lock(names[2]).acquire(timeout=10))
-            await asyncio.wait_for(closing.wait(), 5)
+            await asyncio.wait_for(reached.wait(), 5)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
