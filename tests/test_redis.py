@@ -398,6 +398,50 @@ def test_waiter_leaving_gives_back_a_lease_handed_to_it(redis_server: RedisServe
         assert second.inspect(holder.name) is None
 
 
+@pytest.mark.parametrize("held_again", ["granted afresh", "handed over in its next wait"])
+def test_a_leave_arriving_late_gives_back_no_later_hold_of_its_token(
+    redis_server: RedisServer, held_again: str
+) -> None:
+    """A waiter's leave (DEQUEUE) that got no answer may still reach the server later,
+    after the token holds the lock again (a partition healing while the kernel still
+    sends it). It gave back any lease under the token, the new hold too: freed, or
+    handed to the next waiter, while its holder went on. It may only give back the
+    lease handed for the wait it leaves."""
+    token = "e" * 32
+    with queued_behind_a_holder(redis_server, token) as (first, second, holder, backend, _):
+        name = holder.name
+        real_call = backend._call
+        lost: list[tuple[Any, ...]] = []
+
+        def lost_in_the_network(script: Any, keys: Any, args: Any) -> Any:
+            if script is DEQUEUE:
+                lost.append((script, keys, args))
+                raise dlock.BackendUnavailable("no answer (the test's network)")
+            return real_call(script, keys, args)
+
+        backend._call = lost_in_the_network  # type: ignore[method-assign]
+        backend.dequeue(name, token)  # the wait gives up; its leave is on its way
+        backend._call = real_call  # type: ignore[method-assign]
+        assert len(lost) == 1
+        if held_again == "handed over in its next wait":
+            backend.enqueue(name, token, "now")
+            busy = backend.acquire(name, token, 30.0, Holder.current(), False)
+            assert not isinstance(busy, Acquired)
+        holder.release()  # hands the lease to the token, still at the head of the line
+        if held_again == "granted afresh":
+            granted = backend.acquire(name, token, 30.0, Holder.current(), False)
+            assert isinstance(granted, Acquired)
+        held = second.inspect(name)
+        assert held is not None
+        real_call(*lost[0])  # the leave arrives now
+        after = second.inspect(name)
+        assert after is not None and after.fencing_token == held.fencing_token, (
+            "a late leave gave back the token's later hold"
+        )
+        assert not first.lock(name, ttl=5).acquire(timeout=0)
+        assert backend.release(name, token) == 0
+
+
 def test_a_lease_handed_to_a_dead_waiter_ends_when_its_place_would_have(
     redis_server: RedisServer,
 ) -> None:

@@ -14,7 +14,9 @@ Redlock master. Keys of a name (``P`` is the configured prefix)::
     P:{n:NAME}:queue   zset of waiting owner tokens, scored by arrival
     P:{n:NAME}:qexp    zset of the same tokens, scored by when their place lapses
     P:{n:NAME}:info    hash token -> "lease_ms attempt holder": what a grant on the
-                       waiter's behalf needs
+                       waiter's behalf needs; once it was granted so (handed the lease
+                       by a release), "h attempt fence": the only lease its leave
+                       may give back
                        (the queue's three keys expire twice a place's length after
                        the latest join, so a name's dead waiters leave nothing behind)
     P:{n:NAME}:wake:T  the pub/sub channel of waiter T (a channel, not a key)
@@ -124,7 +126,9 @@ local function hand_on(lease, fence, queue, qexp, info, wake, hand_over, release
     local place_ends = redis.call('ZSCORE', qexp, head)
     if place_ends then px = math.max(1, math.min(px, tonumber(place_ends) - now_ms())) end
     local f = grant(lease, fence, head, px, holder)
-    leave(queue, qexp, info, {head})
+    redis.call('ZREM', queue, head)
+    redis.call('ZREM', qexp, head)
+    redis.call('HSET', info, head, 'h ' .. attempt .. ' ' .. f)
     redis.pcall('PUBLISH', wake .. head, attempt .. ' ' .. f .. ' ' .. ttl_ms)
 end
 """
@@ -227,6 +231,7 @@ if redis.call('EXISTS', queue) == 1 then
     + _MINT
     + _QUEUE
     + """
+    redis.call('HDEL', KEYS[5], token)  -- a hand-over's record, if it was handed the lease
     hand_on(lease, KEYS[2], queue, KEYS[4], KEYS[5], ARGV[2], ARGV[3], token)
 end
 return 0
@@ -245,10 +250,12 @@ return 0
 """
 )
 
-#: KEYS lease fence queue qexp info; ARGV token wake hand_over. A waiter leaving (timed
-#: out, cancelled) gives back a lease handed to it meanwhile, and leaving the head of
-#: the queue while the lock is free hands the turn on, or the next waiter would sit
-#: until its timer fires.
+#: KEYS lease fence queue qexp info; ARGV token wake hand_over attempt. A waiter leaving
+#: (timed out, cancelled) gives back a lease handed to it meanwhile, and leaving the head
+#: of the queue while the lock is free hands the turn on, or the next waiter would sit
+#: until its timer fires. Only the lease handed for this wait (its latest ``attempt``,
+#: the fence of that grant): a leave that got no answer may still arrive after the
+#: token's next hold was granted, which is not its to give back.
 DEQUEUE = Script(
     _MINT
     + _PARSE
@@ -256,11 +263,13 @@ DEQUEUE = Script(
     + """
 local lease, fence, queue, qexp, info = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local token = ARGV[1]
+local handed = redis.call('HGET', info, token)
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 leave(queue, qexp, info, {token})
 local value = redis.call('GET', lease)
-local owner = value and parse(value)
-if ARGV[3] == '1' and owner == token then
+local owner, count, f
+if value then owner, count, f = parse(value) end
+if ARGV[3] == '1' and owner == token and handed == 'h ' .. ARGV[4] .. ' ' .. f then
     redis.call('DEL', lease)
     owner = nil
 end

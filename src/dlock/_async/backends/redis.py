@@ -1013,21 +1013,22 @@ class AsyncRedisBackend(AsyncBackend):
         until they lapse. The caller still sees the cancellation at once; the leave is
         bounded by queue_ttl, after which the place has lapsed anyway, and the token's
         next attempt waits for it (see acquire)."""
-        left = self._start_leaving(token)
-        if left is not None:
-            await shielded(self._leave(name, token, left))
+        leaving = self._start_leaving(token)
+        if leaving is not None:
+            await shielded(self._leave(name, token, *leaving))
 
-    def _start_leaving(self, token: str) -> WakeupEvent | None:
+    def _start_leaving(self, token: str) -> tuple[WakeupEvent, int] | None:
         """Take ``token``'s wait off the books, its leave now on its way (the token's
         next attempt waits for it, see acquire); None if it has no place to leave.
         Not a coroutine: Redlock starts every master's leave at once, before its waiter
         is cancelled again, so that a next wait of the token is ordered after all of
-        them (see AsyncRedlockBackend.waiter). ``_leave`` or ``_end_leaving`` follows."""
+        them (see AsyncRedlockBackend.waiter). ``_leave`` or ``_end_leaving`` follows,
+        with the event and the number of the wait's latest attempt returned here."""
         waiting = self._waiting.pop(token, None)
         if waiting is None or waiting.left:
             return None
         left = self._leaving[token] = WakeupEvent()
-        return left
+        return left, waiting.attempt
 
     def _end_leaving(self, token: str, left: WakeupEvent) -> None:
         """The leave ``left`` has ended (or will never be sent): the token's next attempt
@@ -1036,11 +1037,13 @@ class AsyncRedisBackend(AsyncBackend):
             del self._leaving[token]
         left.set()
 
-    async def _leave(self, name: str, token: str, left: WakeupEvent) -> bool:
-        """DEQUEUE; True if the server answered."""
+    async def _leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> bool:
+        """DEQUEUE; True if the server answered. ``attempt``, the wait's latest, names
+        the only hand-over it may give back: one that arrives late (after it got no
+        answer, and the token held the lock again) must leave that hold alone."""
         k = self._keys(name)
         try:
-            args = (token, k.wake, self._hand_over_flag())
+            args = (token, k.wake, self._hand_over_flag(), attempt)
             await call_with_timeout(
                 self._call(scripts.DEQUEUE, k.queued(), args), self._queue_ttl_ms / 1000
             )

@@ -325,19 +325,21 @@ class AsyncRedlockBackend(AsyncBackend):
 
     @staticmethod
     async def _dequeue_everywhere(
-        name: str, token: str, leaves: list[tuple[AsyncRedisBackend, WakeupEvent | None]]
+        name: str,
+        token: str,
+        leaves: list[tuple[AsyncRedisBackend, tuple[WakeupEvent, int] | None]],
     ) -> int:
         """Leave the queue on every master (each leave started, see waiter); the number
         of masters. A leave never sent (this run itself cut off, its event loop ending)
         still ends, or the token's next attempt on that master would wait for it."""
         try:
-            for master, left in leaves:
-                if left is not None:
-                    await master._leave(name, token, left)
+            for master, leaving in leaves:
+                if leaving is not None:
+                    await master._leave(name, token, *leaving)
         finally:
-            for master, left in leaves:
-                if left is not None:
-                    master._end_leaving(token, left)
+            for master, leaving in leaves:
+                if leaving is not None:
+                    master._end_leaving(token, leaving[0])
         return len(leaves)
 
     def _agreed(self, infos: list[LockInfo]) -> LockInfo | None:
