@@ -1316,6 +1316,190 @@ def test_a_release_cut_short_by_a_slot_move_is_unavailable(own_cluster: RedisClu
             admin.close()
 
 
+class _SlotMove:
+    """A move of ``name``'s slot from the node serving it to the next one, begun
+    (SETSLOT IMPORTING / MIGRATING) and finished on demand (MIGRATE of its keys, then
+    SETSLOT NODE on every node)."""
+
+    def __init__(self, cluster: RedisCluster, name: str) -> None:
+        from redis.crc import key_slot
+
+        self.cluster = cluster
+        self.keys = Keys(b"dlock", name)
+        self.slot = key_slot(self.keys.lease)
+        self.admins = [redis.Redis(port=node.port, decode_responses=True) for node in cluster.nodes]
+        self.ids = [admin.cluster("MYID") for admin in self.admins]
+        with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
+            port = mapped.get_node_from_key(self.keys.lease).port
+        self.source = next(i for i, node in enumerate(cluster.nodes) if node.port == port)
+        self.target = (self.source + 1) % len(cluster.nodes)
+
+    def begin(self) -> None:
+        self.admins[self.target].cluster("SETSLOT", self.slot, "IMPORTING", self.ids[self.source])
+        self.admins[self.source].cluster("SETSLOT", self.slot, "MIGRATING", self.ids[self.target])
+
+    def finish(self) -> None:
+        source, port = self.admins[self.source], self.cluster.nodes[self.target].port
+        for key in source.cluster("GETKEYSINSLOT", self.slot, 100):
+            source.migrate("127.0.0.1", port, key, 0, 5000)
+        for admin in self.admins:
+            admin.cluster("SETSLOT", self.slot, "NODE", self.ids[self.target])
+
+    def finish_later(self, delay: float) -> threading.Thread:
+        def finish() -> None:
+            time.sleep(delay)
+            self.finish()
+
+        thread = threading.Thread(target=finish)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        for admin in self.admins:
+            admin.close()
+
+
+def test_a_release_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster) -> None:
+    """A release sent while the name's slot is moving is refused before it runs
+    (TRYAGAIN: the node leaving the slot holds only some of the script's keys): it is
+    sent again after a short wait, and frees the lease once the move is over, on the
+    name's new node, rather than fail and leave the lease held until its TTL."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    try:
+        with dlock.connect(own_cluster.url) as client:
+            lock = client.lock(name, ttl=30, auto_renew=False)
+            assert lock.acquire(timeout=0)
+            move.begin()
+            mover = move.finish_later(0.4)
+            try:
+                started = time.monotonic()
+                lock.release()
+                elapsed = time.monotonic() - started
+            finally:
+                mover.join(10)
+            assert elapsed >= 0.3, "released before the move was over"
+            assert elapsed < 3
+            assert move.admins[move.target].exists(move.keys.lease) == 0
+            assert client.inspect(name) is None
+            assert client.lock(name).acquire(timeout=0)
+    finally:
+        move.close()
+
+
+def test_a_reentry_and_inspect_ride_out_a_move_of_the_names_slot(
+    own_cluster: RedisCluster,
+) -> None:
+    """A re-entry (an attempt under the owner token, which never waits) sent while the
+    name's slot moves is refused before running as a release is, and rides the move out
+    within the call, in the asyncio face as well: the hold goes on, count and fencing
+    token intact, on the slot's new node. So does an inspect, while it moves back."""
+
+    async def main() -> None:
+        name = unique()
+        move = _SlotMove(own_cluster, name)
+        back: _SlotMove | None = None
+        try:
+            async with dlock.aio.connect(own_cluster.url) as client:
+                lock = client.lock(name, ttl=30, auto_renew=False, reentrant=True)
+                assert await lock.acquire(timeout=0)
+                fence = lock.fencing_token
+                move.begin()
+                mover = move.finish_later(0.4)
+                try:
+                    started = time.monotonic()
+                    assert await lock.acquire(timeout=0)  # a re-entry
+                    elapsed = time.monotonic() - started
+                finally:
+                    mover.join(10)
+                assert 0.3 <= elapsed < 3, elapsed
+                assert lock.fencing_token == fence
+                back = _SlotMove(own_cluster, name)
+                back.begin()
+                mover = back.finish_later(0.4)
+                try:
+                    started = time.monotonic()
+                    info = await client.inspect(name)
+                    elapsed = time.monotonic() - started
+                finally:
+                    mover.join(10)
+                assert 0.3 <= elapsed < 3, elapsed
+                assert info is not None and info.count == 2 and info.fencing_token == fence
+                await lock.release()
+                await lock.release()
+                assert await client.inspect(name) is None
+        finally:
+            move.close()
+            if back is not None:
+                back.close()
+
+    asyncio.run(main())
+
+
+def test_an_extend_rides_out_nodes_that_disagree_on_the_slots(
+    own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An extend's script has one key, which a moving slot serves from one node or the
+    other (ASK): no TRYAGAIN. But redis-py's "startup_nodes could not agree", mapping
+    the slots while a resharding's news spreads, refuses it before it is sent: it is
+    sent again once the nodes agree, rather than fail."""
+    from redis.asyncio.cluster import NodesManager
+    from redis.exceptions import RedisClusterException
+
+    async def main() -> None:
+        async with dlock.aio.connect(own_cluster.url) as client:
+            backend: Any = client._backend
+            lock = client.lock(unique(), ttl=30, auto_renew=False)
+            assert await lock.acquire(timeout=0)  # the client has mapped the slots
+            cluster_client = backend._get_client()
+            manager = cluster_client.nodes_manager
+            disagreements = 3
+            real_initialize = NodesManager.initialize
+
+            async def initialize(self: NodesManager, *args: Any, **kwargs: Any) -> None:
+                nonlocal disagreements
+                if self is manager and disagreements > 0:
+                    disagreements -= 1
+                    raise RedisClusterException(
+                        "startup_nodes could not agree on a valid slots cache: "
+                        "127.0.0.1:1 vs 127.0.0.1:2 on slot: 1, ..."
+                    )
+                await real_initialize(self, *args, **kwargs)
+
+            monkeypatch.setattr(NodesManager, "initialize", initialize)
+            cluster_client._initialize = True
+            await lock.extend(60)
+            assert disagreements == 0
+            info = await client.inspect(lock.name)
+            assert info is not None and info.expires_in is not None and info.expires_in > 30
+            await lock.release()
+
+    asyncio.run(main())
+
+
+def test_a_release_refused_past_its_bound_is_unavailable(own_cluster: RedisCluster) -> None:
+    """A move that is not over within the call's bound (socket_timeout, here 2 s) fails
+    the release as unavailable, naming the move: in bounded time (a wait that would end
+    past the bound is not begun), and only after trying again for most of it."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    try:
+        with dlock.connect(own_cluster.url + "?socket_timeout=2") as client:
+            lock = client.lock(name, ttl=30, auto_renew=False)
+            assert lock.acquire(timeout=0)
+            move.begin()
+            started = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable, match="moving"):
+                lock.release()
+            elapsed = time.monotonic() - started
+            assert 1.5 <= elapsed < 4, elapsed
+            move.finish()
+            # The lease stays, unreleased: held by nobody now, it lasts its TTL.
+            assert move.admins[move.target].exists(move.keys.lease) == 1
+    finally:
+        move.close()
+
+
 def test_a_remap_failing_after_a_lost_reply_is_not_taken_for_a_refusal() -> None:
     """redis-py's sync cluster client maps the slots again while handling a lost
     connection or a timeout, which may come after the script ran: a "could not agree"

@@ -135,12 +135,24 @@ CUT_SHORT_BY_THE_CLUSTER = (
     "Script attempted to access a non local key",
     "Script attempted to execute a command while the cluster is down",
 )
-#: Seconds before a waiter tries again after a cluster refused its attempt for moving
+#: Seconds before a waiter or a call tries again after a cluster refused it for moving
 #: the name's slot (see ``moving``); doubled per refusal in a row up to MOVING_RETRY_MAX,
 #: less up to half of it at random, so that waiters do not retry in lockstep.
 MOVING_RETRY = 0.05
 MOVING_RETRY_MAX = 0.5
 _JITTER = random.SystemRandom()
+#: Seconds a call rides out a cluster moving the name's slot, when the backend has no
+#: read timeout of its own (a client given with ``client=``): redis-py's default-less
+#: reads would otherwise leave it unbounded (see ``RedisBackend._ride_out_bound``).
+SOCKET_TIMEOUT = 5.0
+
+
+def moving_delay(refusals: int) -> float:
+    """Seconds to wait after ``refusals`` (1 or more) refusals in a row for moving the
+    name's slot: MOVING_RETRY doubled per refusal up to MOVING_RETRY_MAX, less up to half
+    of it at random (25 to 50 ms first), so that callers do not retry in lockstep."""
+    delay = min(MOVING_RETRY * 2 ** min(refusals - 1, 16), MOVING_RETRY_MAX)
+    return _JITTER.uniform(delay / 2, delay)
 
 
 def moving(exc: BaseException | None) -> bool:
@@ -661,7 +673,7 @@ class RedisBackend(Backend):
         # busy to its own owner. Connect and read timeouts keep failures quick.
         return {
             "socket_connect_timeout": 2.0,
-            "socket_timeout": 5.0,
+            "socket_timeout": SOCKET_TIMEOUT,
             "retry": Retry(NoBackoff(), 0),
             **self._client_options,
         }
@@ -729,17 +741,52 @@ class RedisBackend(Backend):
 
     def _call(self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]) -> Any:
         """EVALSHA, falling back to EVAL when the server forgot the script (restart,
-        failover, SCRIPT FLUSH); EVAL caches it again for the next call."""
-        if self._closed and script in GIVE_BACKS:
-            return self._give_back_when_closed(script, keys, args)
-        client = self._get_client()
-        try:
+        failover, SCRIPT FLUSH); EVAL caches it again for the next call.
+
+        A cluster that refused it before running it, moving the name's slot, is asked
+        again a while (see ``_rode_out``); not for an ACQUIRE that is no re-entry (its
+        fourth argument): a waiter's attempt is answered busy, and its wait tries again
+        within its own timeout; a try answers at once (see ``acquire``)."""
+        ride_out = script is not scripts.ACQUIRE or args[3] == "1"
+        deadline = time.monotonic() + self._ride_out_bound()
+        refusals = 0
+        while True:
+            if self._closed and script in GIVE_BACKS:
+                return self._give_back_when_closed(script, keys, args)
+            client = self._get_client()
             try:
-                return self._run(client, "EVALSHA", script.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                return self._run(client, "EVAL", script.source, len(keys), *keys, *args)
-        except ERRORS as exc:
-            raise wrap(exc, self._where) from exc
+                try:
+                    return self._run(client, "EVALSHA", script.sha, len(keys), *keys, *args)
+                except NoScriptError:
+                    return self._run(client, "EVAL", script.source, len(keys), *keys, *args)
+            except ERRORS as exc:
+                refusals += 1
+                if not (ride_out and self._rode_out(exc, refusals, deadline)):
+                    raise wrap(exc, self._where) from exc
+
+    def _ride_out_bound(self) -> float:
+        """Seconds a call may spend riding out a slot move: the read timeout that already
+        bounds each of its round trips (``socket_timeout``, 5 s unless set), so that a
+        move costs a caller no more time than a server slow to answer may. A client given
+        with ``client=`` has its own, which is not read here: SOCKET_TIMEOUT then."""
+        bound = self._connection_options().get("socket_timeout")
+        return SOCKET_TIMEOUT if bound is None else float(bound)
+
+    def _rode_out(self, error: BaseException, refusals: int, deadline: float) -> bool:
+        """After ``error``, the ``refusals``-th in a row of one call: True once this has
+        waited to send the same script again, as the cluster refused it before running
+        it, moving the name's slot (``moving``), and a wait (``moving_delay``) still
+        ends before ``deadline`` (``time.monotonic()``). False for any other error: a
+        script cut short by the move (CUT_SHORT_BY_THE_CLUSTER) ran in part, and one
+        whose reply was lost may have run; neither is sent again. A single server
+        (Redlock's masters among them) never moves a slot."""
+        if not self._cluster or not moving(error):
+            return False
+        delay = moving_delay(refusals)
+        if time.monotonic() + delay > deadline:
+            return False
+        sleep(delay)
+        return True
 
     def _give_back_when_closed(
         self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
@@ -800,15 +847,32 @@ class RedisBackend(Backend):
         if not calls:
             return []
         client = self._get_client()
-        try:
-            results = self._pipeline(client, "EVALSHA", script.sha, calls)
-            missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
-            if missing:
-                again = self._pipeline(client, "EVAL", script.source, [calls[i] for i in missing])
-                for i, result in zip(missing, again, strict=True):
-                    results[i] = result
-        except ERRORS as exc:
-            raise wrap(exc, self._where) from exc
+        deadline = time.monotonic() + self._ride_out_bound()
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        refusals = 0
+        while todo:
+            try:
+                sent = [calls[i] for i in todo]
+                answers = self._pipeline(client, "EVALSHA", script.sha, sent)
+                missing = [j for j, got in enumerate(answers) if isinstance(got, NoScriptError)]
+                if missing:
+                    again = self._pipeline(
+                        client, "EVAL", script.source, [sent[j] for j in missing]
+                    )
+                    for j, answer in zip(missing, again, strict=True):
+                        answers[j] = answer
+            except ERRORS as exc:
+                raise wrap(exc, self._where) from exc
+            for i, answer in zip(todo, answers, strict=True):
+                results[i] = answer
+            # Those a cluster refused before running them (moving their slot) are sent
+            # again, as by _call; the others have their answers.
+            refused = [i for i in todo if moving(results[i])]
+            refusals += 1
+            if not refused or not self._rode_out(results[refused[0]], refusals, deadline):
+                break
+            todo = refused
         for result in results:
             if isinstance(result, ERRORS):
                 raise wrap(result, self._where) from result
@@ -868,6 +932,10 @@ class RedisBackend(Backend):
         )
         # A call cut off mid-flight may have been granted: the core gives the lease back.
         try:
+            # A re-entry (``reentrant``: a fresh acquire never re-enters) rides out a slot
+            # move within _call, as a release does; a waiter's attempt is answered busy
+            # below, and waits within its own timeout; a try (timeout=0) says so now: it
+            # asked not to wait, and a caller who would wait gives a timeout.
             result = self._call(scripts.ACQUIRE, k.queued(), args)
         except BackendUnavailable as exc:
             if waiting is None or not moving(exc.__cause__):
@@ -878,8 +946,7 @@ class RedisBackend(Backend):
             # attempt took stays the latest: a grant made for the one before may have
             # been made before this one was sent, the moment the core counts it from.
             waiting.refused += 1
-            delay = min(MOVING_RETRY * 2 ** min(waiting.refused - 1, 16), MOVING_RETRY_MAX)
-            return Busy(retry_after=_JITTER.uniform(delay / 2, delay))
+            return Busy(retry_after=moving_delay(waiting.refused))
         granted = int(result[0]) == 1
         if waiting is not None:
             waiting.refused = 0
