@@ -1436,13 +1436,13 @@ def test_a_reentry_and_inspect_ride_out_a_move_of_the_names_slot(
     asyncio.run(main())
 
 
-def test_an_extend_rides_out_nodes_that_disagree_on_the_slots(
+def test_an_extend_and_a_renewal_ride_out_nodes_that_disagree_on_the_slots(
     own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An extend's script has one key, which a moving slot serves from one node or the
     other (ASK): no TRYAGAIN. But redis-py's "startup_nodes could not agree", mapping
     the slots while a resharding's news spreads, refuses it before it is sent: it is
-    sent again once the nodes agree, rather than fail."""
+    sent again once the nodes agree, rather than fail. So is a renewer's batch."""
     from redis.asyncio.cluster import NodesManager
     from redis.exceptions import RedisClusterException
 
@@ -1472,6 +1472,13 @@ def test_an_extend_rides_out_nodes_that_disagree_on_the_slots(
             assert disagreements == 0
             info = await client.inspect(lock.name)
             assert info is not None and info.expires_in is not None and info.expires_in > 30
+            # So does the renewer's batch, which maps the slots before sending any.
+            disagreements = 3
+            cluster_client._initialize = True
+            assert await backend.extend_many([Lease(lock.name, lock._token, 90)]) == [True]
+            assert disagreements == 0
+            info = await client.inspect(lock.name)
+            assert info is not None and info.expires_in is not None and info.expires_in > 60
             await lock.release()
 
     asyncio.run(main())

@@ -995,9 +995,18 @@ class RedisBackend(Backend):
         rather than failing those of the nodes that answer. Raises if none answers."""
         client = self._get_client()
         groups: dict[str | None, list[int]] = {}
+        deadline = time.monotonic() + self._ride_out_bound()
+        refusals = 0
         try:
-            if IS_ASYNC:
-                client.initialize()  # the sync face's client maps slots as it is made
+            while IS_ASYNC:
+                try:
+                    client.initialize()  # the sync face's client maps slots as it is made
+                    break
+                except ERRORS as exc:
+                    # Nodes that disagree about the slots, before anything is sent.
+                    refusals += 1
+                    if not self._rode_out(exc, refusals, deadline):
+                        raise
             for i, (keys, _) in enumerate(calls):
                 try:
                     node = client.get_node_from_key(keys[0]).name
