@@ -1387,6 +1387,30 @@ def test_a_release_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster)
         move.close()
 
 
+def test_a_force_release_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster) -> None:
+    """An operator's force_release, sent while the name's slot moves, is refused before
+    running as a release is, and frees the lease once the move is over."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    try:
+        with dlock.connect(own_cluster.url) as client:
+            lock = client.lock(name, ttl=30, auto_renew=False)
+            assert lock.acquire(timeout=0)
+            move.begin()
+            mover = move.finish_later(0.4)
+            try:
+                started = time.monotonic()
+                assert client.force_release(name) is True
+                elapsed = time.monotonic() - started
+            finally:
+                mover.join(10)
+            assert 0.3 <= elapsed < 3, elapsed
+            assert move.admins[move.target].exists(move.keys.lease) == 0
+            assert client.inspect(name) is None
+    finally:
+        move.close()
+
+
 def test_a_reentry_and_inspect_ride_out_a_move_of_the_names_slot(
     own_cluster: RedisCluster,
 ) -> None:
