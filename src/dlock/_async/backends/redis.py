@@ -751,7 +751,7 @@ class AsyncRedisBackend(AsyncBackend):
         fourth argument): a waiter's attempt is answered busy, and its wait tries again
         within its own timeout; a try answers at once (see ``acquire``)."""
         ride_out = script is not scripts.ACQUIRE or args[3] == "1"
-        deadline = time.monotonic() + self._ride_out_bound()
+        deadline = math.inf  # set at the first refusal: nothing to do on the usual path
         refusals = 0
         while True:
             if self._closed and script in GIVE_BACKS:
@@ -764,6 +764,8 @@ class AsyncRedisBackend(AsyncBackend):
                     return await self._run(client, "EVAL", script.source, len(keys), *keys, *args)
             except ERRORS as exc:
                 refusals += 1
+                if refusals == 1:
+                    deadline = time.monotonic() + self._ride_out_bound()
                 if not (ride_out and await self._rode_out(exc, refusals, deadline)):
                     raise wrap(exc, self._where) from exc
 
