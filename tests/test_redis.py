@@ -413,11 +413,11 @@ def test_a_leave_arriving_late_gives_back_no_later_hold_of_its_token(
         real_call = backend._call
         lost: list[tuple[Any, ...]] = []
 
-        def lost_in_the_network(script: Any, keys: Any, args: Any) -> Any:
+        def lost_in_the_network(script: Any, keys: Any, args: Any, **options: Any) -> Any:
             if script is DEQUEUE:
                 lost.append((script, keys, args))
                 raise dlock.BackendUnavailable("no answer (the test's network)")
-            return real_call(script, keys, args)
+            return real_call(script, keys, args, **options)
 
         backend._call = lost_in_the_network  # type: ignore[method-assign]
         backend.dequeue(name, token)  # the wait gives up; its leave is on its way
@@ -1872,11 +1872,11 @@ def test_a_waiter_cancelled_twice_still_leaves_the_queue(
             def slow_to_leave(server: Any) -> None:
                 real_call = server._call
 
-                async def call(script: Any, keys: Any, args: Any) -> Any:
+                async def call(script: Any, keys: Any, args: Any, **options: Any) -> Any:
                     if script is DEQUEUE:
                         leaving.set()
                         await asyncio.sleep(0.3)  # where the second cancellation lands
-                    return await real_call(script, keys, args)
+                    return await real_call(script, keys, args, **options)
 
                 server._call = call
 
@@ -1962,11 +1962,11 @@ def test_a_redlock_wait_right_after_a_cut_off_leave_keeps_its_place_everywhere(
             def slow_to_leave(server: Any) -> None:
                 real_call = server._call
 
-                async def call(script: Any, keys: Any, args: Any) -> Any:
+                async def call(script: Any, keys: Any, args: Any, **options: Any) -> Any:
                     if script is DEQUEUE:
                         leaving.set()
                         await asyncio.sleep(0.3)  # where the second cancellation lands
-                    return await real_call(script, keys, args)
+                    return await real_call(script, keys, args, **options)
 
                 server._call = call
 

@@ -741,16 +741,20 @@ class AsyncRedisBackend(AsyncBackend):
         return _keys(self._prefix, name)
 
     async def _call(
-        self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
+        self,
+        script: scripts.Script,
+        keys: Sequence[bytes],
+        args: Sequence[Any],
+        *,
+        ride_out: bool = True,
     ) -> Any:
         """EVALSHA, falling back to EVAL when the server forgot the script (restart,
         failover, SCRIPT FLUSH); EVAL caches it again for the next call.
 
         A cluster that refused it before running it, moving the name's slot, is asked
-        again a while (see ``_rode_out``); not for an ACQUIRE that is no re-entry (its
-        fourth argument): a waiter's attempt is answered busy, and its wait tries again
-        within its own timeout; a try answers at once (see ``acquire``)."""
-        ride_out = script is not scripts.ACQUIRE or args[3] == "1"
+        again a while (see ``_rode_out``), unless ``ride_out`` is False: an acquire that
+        is no re-entry, whose waiter's attempt is answered busy and tries again within
+        its wait's own timeout, and whose try answers at once (see ``acquire``)."""
         deadline = math.inf  # set at the first refusal: nothing to do on the usual path
         refusals = 0
         while True:
@@ -941,7 +945,7 @@ class AsyncRedisBackend(AsyncBackend):
             # move within _call, as a release does; a waiter's attempt is answered busy
             # below, and waits within its own timeout; a try (timeout=0) says so now: it
             # asked not to wait, and a caller who would wait gives a timeout.
-            result = await self._call(scripts.ACQUIRE, k.queued(), args)
+            result = await self._call(scripts.ACQUIRE, k.queued(), args, ride_out=reentrant)
         except BackendUnavailable as exc:
             if waiting is None or not moving(exc.__cause__):
                 raise
