@@ -1460,6 +1460,34 @@ def test_a_reentry_and_inspect_ride_out_a_move_of_the_names_slot(
     asyncio.run(main())
 
 
+class _Disagreements:
+    """redis-py's "startup_nodes could not agree", raised by ``client``'s slot mapping
+    (asyncio) the next ``times`` times it maps the slots, as nodes that disagree while
+    a resharding's news spreads make it; ``left`` counts down to 0."""
+
+    def __init__(self, client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        from redis.asyncio.cluster import NodesManager
+        from redis.exceptions import RedisClusterException
+
+        self.client, self.left = client, 0
+        manager, real_initialize = client.nodes_manager, NodesManager.initialize
+
+        async def initialize(nodes: NodesManager, *args: Any, **kwargs: Any) -> None:
+            if nodes is manager and self.left > 0:
+                self.left -= 1
+                raise RedisClusterException(
+                    "startup_nodes could not agree on a valid slots cache: "
+                    "127.0.0.1:1 vs 127.0.0.1:2 on slot: 1, ..."
+                )
+            await real_initialize(nodes, *args, **kwargs)
+
+        monkeypatch.setattr(NodesManager, "initialize", initialize)
+
+    def next(self, times: int) -> None:
+        self.left = times
+        self.client._initialize = True  # maps the slots again before its next call
+
+
 def test_an_extend_and_a_renewal_ride_out_nodes_that_disagree_on_the_slots(
     own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1467,40 +1495,22 @@ def test_an_extend_and_a_renewal_ride_out_nodes_that_disagree_on_the_slots(
     other (ASK): no TRYAGAIN. But redis-py's "startup_nodes could not agree", mapping
     the slots while a resharding's news spreads, refuses it before it is sent: it is
     sent again once the nodes agree, rather than fail. So is a renewer's batch."""
-    from redis.asyncio.cluster import NodesManager
-    from redis.exceptions import RedisClusterException
 
     async def main() -> None:
         async with dlock.aio.connect(own_cluster.url) as client:
             backend: Any = client._backend
             lock = client.lock(unique(), ttl=30, auto_renew=False)
             assert await lock.acquire(timeout=0)  # the client has mapped the slots
-            cluster_client = backend._get_client()
-            manager = cluster_client.nodes_manager
-            disagreements = 3
-            real_initialize = NodesManager.initialize
-
-            async def initialize(self: NodesManager, *args: Any, **kwargs: Any) -> None:
-                nonlocal disagreements
-                if self is manager and disagreements > 0:
-                    disagreements -= 1
-                    raise RedisClusterException(
-                        "startup_nodes could not agree on a valid slots cache: "
-                        "127.0.0.1:1 vs 127.0.0.1:2 on slot: 1, ..."
-                    )
-                await real_initialize(self, *args, **kwargs)
-
-            monkeypatch.setattr(NodesManager, "initialize", initialize)
-            cluster_client._initialize = True
+            disagreements = _Disagreements(backend._get_client(), monkeypatch)
+            disagreements.next(3)
             await lock.extend(60)
-            assert disagreements == 0
+            assert disagreements.left == 0
             info = await client.inspect(lock.name)
             assert info is not None and info.expires_in is not None and info.expires_in > 30
             # So does the renewer's batch, which maps the slots before sending any.
-            disagreements = 3
-            cluster_client._initialize = True
+            disagreements.next(3)
             assert await backend.extend_many([Lease(lock.name, lock._token, 90)]) == [True]
-            assert disagreements == 0
+            assert disagreements.left == 0
             info = await client.inspect(lock.name)
             assert info is not None and info.expires_in is not None and info.expires_in > 60
             await lock.release()
@@ -1564,8 +1574,6 @@ def test_nodes_that_disagree_on_the_slots_are_unavailable_and_ridden_out(
     """redis-py's "startup_nodes could not agree" comes from mapping the slots while
     nodes disagree about who serves some (a resharding's news spreading), before any
     script is sent: BackendUnavailable for a try, and a blocking acquire rides it out."""
-    from redis.asyncio.cluster import NodesManager
-    from redis.exceptions import RedisClusterException
 
     async def main() -> None:
         async with dlock.aio.connect(own_cluster.url) as client:
@@ -1573,28 +1581,12 @@ def test_nodes_that_disagree_on_the_slots_are_unavailable_and_ridden_out(
             lock = client.lock(unique())
             assert await lock.acquire(timeout=0)  # the client has mapped the slots
             await lock.release()
-            cluster_client = backend._get_client()
-            manager = cluster_client.nodes_manager
-            disagreements = 3
-
-            real_initialize = NodesManager.initialize
-
-            async def initialize(self: NodesManager, *args: Any, **kwargs: Any) -> None:
-                nonlocal disagreements
-                if self is manager and disagreements > 0:
-                    disagreements -= 1
-                    raise RedisClusterException(
-                        "startup_nodes could not agree on a valid slots cache: "
-                        "127.0.0.1:1 vs 127.0.0.1:2 on slot: 1, ..."
-                    )
-                await real_initialize(self, *args, **kwargs)
-
-            monkeypatch.setattr(NodesManager, "initialize", initialize)
-            cluster_client._initialize = True
+            disagreements = _Disagreements(backend._get_client(), monkeypatch)
+            disagreements.next(3)
             with pytest.raises(dlock.BackendUnavailable, match="could not agree"):
                 await lock.acquire(timeout=0)
             assert await lock.acquire(timeout=10)
-            assert disagreements == 0
+            assert disagreements.left == 0
             await lock.release()
 
     asyncio.run(main())
