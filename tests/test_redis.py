@@ -1840,6 +1840,38 @@ def test_a_cancellation_lost_while_waiting_for_a_release_stops_the_wait(
     asyncio.run(main())
 
 
+def slow_to_leave(server: Any, leaving: asyncio.Event) -> None:
+    """``server``'s leaves (DEQUEUE) set ``leaving``, then take 0.3 s before they are
+    sent: where a second cancellation of the waiter lands."""
+    real_call = server._call
+
+    async def call(script: Any, keys: Any, args: Any, **options: Any) -> Any:
+        if script is DEQUEUE:
+            leaving.set()
+            await asyncio.sleep(0.3)
+        return await real_call(script, keys, args, **options)
+
+    server._call = call
+
+
+@contextlib.contextmanager
+def subscriptions_counted(server: RedisServer) -> Iterator[tuple[str, Callable[[], int]]]:
+    """A URL whose connections carry a name of their own, and how many of them are
+    subscribed on ``server`` now (CLIENT LIST): a leaked pub/sub connection shows."""
+    tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis(port=server.port, decode_responses=True)
+
+    def subscribed() -> int:
+        return sum(
+            1 for c in admin.client_list() if c.get("name") == tag and int(c.get("sub", 0)) > 0
+        )
+
+    try:
+        yield f"{url_of(server)}?client_name={tag}", subscribed
+    finally:
+        admin.close()
+
+
 @pytest.mark.parametrize("flavour", ["redis_server", "redlock_servers"])
 def test_a_waiter_cancelled_twice_still_leaves_the_queue(
     request: pytest.FixtureRequest, flavour: str
@@ -1861,19 +1893,8 @@ def test_a_waiter_cancelled_twice_still_leaves_the_queue(
             backend: Any = client._backend
             leaving = asyncio.Event()
 
-            def slow_to_leave(server: Any) -> None:
-                real_call = server._call
-
-                async def call(script: Any, keys: Any, args: Any, **options: Any) -> Any:
-                    if script is DEQUEUE:
-                        leaving.set()
-                        await asyncio.sleep(0.3)  # where the second cancellation lands
-                    return await real_call(script, keys, args, **options)
-
-                server._call = call
-
             for server in getattr(backend, "_masters", [backend]):
-                slow_to_leave(server)
+                slow_to_leave(server, leaving)
             # Cancelled first while it waits for a release, not in an attempt.
             parked = asyncio.Event()
             listener = getattr(backend, "_masters", [backend])[0]
@@ -1951,19 +1972,8 @@ def test_a_redlock_wait_right_after_a_cut_off_leave_keeps_its_place_everywhere(
             masters = client._backend._masters  # type: ignore[attr-defined]
             leaving = asyncio.Event()
 
-            def slow_to_leave(server: Any) -> None:
-                real_call = server._call
-
-                async def call(script: Any, keys: Any, args: Any, **options: Any) -> Any:
-                    if script is DEQUEUE:
-                        leaving.set()
-                        await asyncio.sleep(0.3)  # where the second cancellation lands
-                    return await real_call(script, keys, args, **options)
-
-                server._call = call
-
             for server in masters:
-                slow_to_leave(server)
+                slow_to_leave(server, leaving)
             parked = asyncio.Event()
             real_subscribe = masters[0].subscribe
 
@@ -2023,14 +2033,6 @@ def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
     connection and the others not reached yet out of the idle list and open:
     subscribed on the server, where nothing would close them before the client closed.
     Every subscribed connection must stay one the client keeps (idle) or be closed."""
-    tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
-    url = f"{url_of(redis_server)}?client_name={tag}"
-    admin = redis.Redis(port=redis_server.port, decode_responses=True)
-
-    def subscribed() -> int:
-        return sum(
-            1 for c in admin.client_list() if c.get("name") == tag and int(c.get("sub", 0)) > 0
-        )
 
     async def main() -> None:
         async with (
@@ -2086,10 +2088,8 @@ def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
                 await asyncio.sleep(0.05)
             assert kept == 1, "the idle connection not reached was dropped"
 
-    try:
+    with subscriptions_counted(redis_server) as (url, subscribed):
         asyncio.run(main())
-    finally:
-        admin.close()
 
 
 def test_a_second_cancellation_while_closing_a_subscription_leaks_no_connection(
@@ -2098,14 +2098,6 @@ def test_a_second_cancellation_while_closing_a_subscription_leaks_no_connection(
     """A wait cancelled while it subscribes closes that pub/sub connection (its reply
     may still come); cancelled again during that close, the connection stayed open,
     subscribed, checked out of its pool, and closed by nobody until the client closed."""
-    tag = f"dlock-leak-{uuid.uuid4().hex[:8]}"
-    url = f"{url_of(redis_server)}?client_name={tag}"
-    admin = redis.Redis(port=redis_server.port, decode_responses=True)
-
-    def subscribed() -> int:
-        return sum(
-            1 for c in admin.client_list() if c.get("name") == tag and int(c.get("sub", 0)) > 0
-        )
 
     async def main() -> None:
         async with (
@@ -2149,10 +2141,8 @@ def test_a_second_cancellation_while_closing_a_subscription_leaks_no_connection(
                 assert time.monotonic() < deadline, "the connection stayed open"
                 await asyncio.sleep(0.05)
 
-    try:
+    with subscriptions_counted(redis_server) as (url, subscribed):
         asyncio.run(main())
-    finally:
-        admin.close()
 
 
 @contextlib.contextmanager
