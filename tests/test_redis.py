@@ -1218,104 +1218,6 @@ def test_a_cluster_between_states_is_unavailable_not_refused(own_cluster: RedisC
         assert isinstance(wrap(exc, "here"), dlock.BackendUnavailable), exc
 
 
-def test_a_blocking_acquire_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster) -> None:
-    """While a resharding moves a name's slot (CLUSTER SETSLOT MIGRATING / IMPORTING,
-    then MIGRATE of its keys), the nodes answer the lock's scripts TRYAGAIN, before
-    running them. A try says so (BackendUnavailable); a blocking acquire tries again
-    within its timeout and gets the lock once the slot has moved, on its new node."""
-    from redis.crc import key_slot
-
-    cluster = own_cluster
-    name = unique()
-    keys = Keys(b"dlock", name)
-    slot = key_slot(keys.lease)
-    admins = [redis.Redis(port=node.port, decode_responses=True) for node in cluster.nodes]
-    ids = [admin.cluster("MYID") for admin in admins]
-    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
-        port = mapped.get_node_from_key(keys.lease).port
-    source = next(i for i, node in enumerate(cluster.nodes) if node.port == port)
-    target = (source + 1) % len(cluster.nodes)
-    try:
-        with dlock.connect(cluster.url) as client:
-            lock = client.lock(name, ttl=30)
-            assert lock.acquire(timeout=0)  # the name's fencing counter stays behind
-            lock.release()
-            admins[target].cluster("SETSLOT", slot, "IMPORTING", ids[source])
-            admins[source].cluster("SETSLOT", slot, "MIGRATING", ids[target])
-            with pytest.raises(dlock.BackendUnavailable, match="moving"):
-                client.lock(name).acquire(timeout=0)
-            moved = threading.Event()
-
-            def move() -> None:
-                time.sleep(1.0)  # the source holds some of the keys only: TRYAGAIN
-                for key in admins[source].cluster("GETKEYSINSLOT", slot, 100):
-                    admins[source].migrate("127.0.0.1", cluster.nodes[target].port, key, 0, 5000)
-                time.sleep(1.0)  # ASK to the target, which holds some only: TRYAGAIN
-                for admin in admins:
-                    admin.cluster("SETSLOT", slot, "NODE", ids[target])
-                moved.set()
-
-            mover = threading.Thread(target=move)
-            mover.start()
-            try:
-                assert lock.acquire(timeout=20)
-                assert moved.is_set()
-            finally:
-                mover.join(10)
-            assert admins[target].exists(keys.lease)
-            assert admins[source].cluster("COUNTKEYSINSLOT", slot) == 0
-            info = client.inspect(name)
-            assert info is not None and info.fencing_token == lock.fencing_token
-            lock.release()
-    finally:
-        for admin in admins:
-            admin.close()
-
-
-def test_a_release_cut_short_by_a_slot_move_is_unavailable(own_cluster: RedisCluster) -> None:
-    """A script whose keys all exist when a slot starts moving runs on the node it is
-    leaving; a key it deletes and then writes again is then served elsewhere, and the
-    script stops there with an error, half run (the release below freed the lease, then
-    could not hand it to the waiter). That is no refusal before running, so it is not
-    among those a waiter rides out; it fails as unavailable, a state a retry may find
-    over, not as a refusal. The waiter gets the lock once the slot has moved."""
-    from redis.crc import key_slot
-
-    cluster = own_cluster
-    name = unique()
-    keys = Keys(b"dlock", name)
-    slot = key_slot(keys.lease)
-    admins = [redis.Redis(port=node.port, decode_responses=True) for node in cluster.nodes]
-    ids = [admin.cluster("MYID") for admin in admins]
-    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
-        port = mapped.get_node_from_key(keys.lease).port
-    source = next(i for i, node in enumerate(cluster.nodes) if node.port == port)
-    target = (source + 1) % len(cluster.nodes)
-    try:
-        with dlock.connect(cluster.url) as first, dlock.connect(cluster.url) as second:
-            holder = first.lock(name, ttl=30)
-            assert holder.acquire(timeout=0)
-            acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
-            deadline = time.monotonic() + 5
-            while admins[source].exists(*keys.queued()) < len(keys.queued()):
-                assert time.monotonic() < deadline, "the waiter never queued"
-                time.sleep(0.01)
-            admins[target].cluster("SETSLOT", slot, "IMPORTING", ids[source])
-            admins[source].cluster("SETSLOT", slot, "MIGRATING", ids[target])
-            with pytest.raises(dlock.BackendUnavailable, match="non local key"):
-                holder.release()
-            # The lease is gone, the other four keys stay: the release ran, in part.
-            assert admins[source].cluster("COUNTKEYSINSLOT", slot) == len(keys.queued()) - 1
-            for key in admins[source].cluster("GETKEYSINSLOT", slot, 100):
-                admins[source].migrate("127.0.0.1", cluster.nodes[target].port, key, 0, 5000)
-            for admin in admins:
-                admin.cluster("SETSLOT", slot, "NODE", ids[target])
-            assert acquired() is True
-    finally:
-        for admin in admins:
-            admin.close()
-
-
 class _SlotMove:
     """A move of ``name``'s slot from the node serving it to the next one, begun
     (SETSLOT IMPORTING / MIGRATING) and finished on demand (MIGRATE of its keys, then
@@ -1338,12 +1240,18 @@ class _SlotMove:
         self.admins[self.target].cluster("SETSLOT", self.slot, "IMPORTING", self.ids[self.source])
         self.admins[self.source].cluster("SETSLOT", self.slot, "MIGRATING", self.ids[self.target])
 
-    def finish(self) -> None:
+    def migrate_keys(self) -> None:
         source, port = self.admins[self.source], self.cluster.nodes[self.target].port
         for key in source.cluster("GETKEYSINSLOT", self.slot, 100):
             source.migrate("127.0.0.1", port, key, 0, 5000)
+
+    def settle(self) -> None:
         for admin in self.admins:
             admin.cluster("SETSLOT", self.slot, "NODE", self.ids[self.target])
+
+    def finish(self) -> None:
+        self.migrate_keys()
+        self.settle()
 
     def finish_later(self, delay: float) -> threading.Thread:
         def finish() -> None:
@@ -1357,6 +1265,79 @@ class _SlotMove:
     def close(self) -> None:
         for admin in self.admins:
             admin.close()
+
+
+def test_a_blocking_acquire_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster) -> None:
+    """While a resharding moves a name's slot (CLUSTER SETSLOT MIGRATING / IMPORTING,
+    then MIGRATE of its keys), the nodes answer the lock's scripts TRYAGAIN, before
+    running them. A try says so (BackendUnavailable); a blocking acquire tries again
+    within its timeout and gets the lock once the slot has moved, on its new node."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    try:
+        with dlock.connect(own_cluster.url) as client:
+            lock = client.lock(name, ttl=30)
+            assert lock.acquire(timeout=0)  # the name's fencing counter stays behind
+            lock.release()
+            move.begin()
+            with pytest.raises(dlock.BackendUnavailable, match="moving"):
+                client.lock(name).acquire(timeout=0)
+            moved = threading.Event()
+
+            def in_two_steps() -> None:
+                time.sleep(1.0)  # the source holds some of the keys only: TRYAGAIN
+                move.migrate_keys()
+                time.sleep(1.0)  # ASK to the target, which holds some only: TRYAGAIN
+                move.settle()
+                moved.set()
+
+            mover = threading.Thread(target=in_two_steps)
+            mover.start()
+            try:
+                assert lock.acquire(timeout=20)
+                assert moved.is_set()
+            finally:
+                mover.join(10)
+            assert move.admins[move.target].exists(move.keys.lease)
+            assert move.admins[move.source].cluster("COUNTKEYSINSLOT", move.slot) == 0
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == lock.fencing_token
+            lock.release()
+    finally:
+        move.close()
+
+
+def test_a_release_cut_short_by_a_slot_move_is_unavailable(own_cluster: RedisCluster) -> None:
+    """A script whose keys all exist when a slot starts moving runs on the node it is
+    leaving; a key it deletes and then writes again is then served elsewhere, and the
+    script stops there with an error, half run (the release below freed the lease, then
+    could not hand it to the waiter). That is no refusal before running, so it is not
+    among those a waiter rides out; it fails as unavailable, a state a retry may find
+    over, not as a refusal. The waiter gets the lock once the slot has moved."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    keys, source = move.keys, move.admins[move.source]
+    try:
+        with (
+            dlock.connect(own_cluster.url) as first,
+            dlock.connect(own_cluster.url) as second,
+        ):
+            holder = first.lock(name, ttl=30)
+            assert holder.acquire(timeout=0)
+            acquired = acquire_in_thread(second.lock(name, ttl=30), timeout=20)
+            deadline = time.monotonic() + 5
+            while source.exists(*keys.queued()) < len(keys.queued()):
+                assert time.monotonic() < deadline, "the waiter never queued"
+                time.sleep(0.01)
+            move.begin()
+            with pytest.raises(dlock.BackendUnavailable, match="non local key"):
+                holder.release()
+            # The lease is gone, the other four keys stay: the release ran, in part.
+            assert source.cluster("COUNTKEYSINSLOT", move.slot) == len(keys.queued()) - 1
+            move.finish()
+            assert acquired() is True
+    finally:
+        move.close()
 
 
 def test_a_release_rides_out_a_move_of_the_names_slot(own_cluster: RedisCluster) -> None:
