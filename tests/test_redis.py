@@ -1815,6 +1815,25 @@ def slow_to_leave(server: Any, leaving: asyncio.Event) -> None:
     server._call = call
 
 
+def tells_when_parked(server: Any, parked: asyncio.Event) -> None:
+    """``parked`` is set once a waiter on ``server`` waits for a wake-up message (not
+    in an attempt): where a first cancellation of the waiter lands."""
+    real_subscribe = server.subscribe
+
+    async def subscribe(channel: bytes) -> Any:
+        pubsub = await real_subscribe(channel)
+        real_get_message = pubsub.get_message
+
+        async def get_message(**kwargs: Any) -> Any:
+            parked.set()
+            return await real_get_message(**kwargs)
+
+        pubsub.get_message = get_message
+        return pubsub
+
+    server.subscribe = subscribe
+
+
 @contextlib.contextmanager
 def subscriptions_counted(server: RedisServer) -> Iterator[tuple[str, Callable[[], int]]]:
     """A URL whose connections carry a name of their own, and how many of them are
@@ -1858,21 +1877,7 @@ def test_a_waiter_cancelled_twice_still_leaves_the_queue(
                 slow_to_leave(server, leaving)
             # Cancelled first while it waits for a release, not in an attempt.
             parked = asyncio.Event()
-            listener = getattr(backend, "_masters", [backend])[0]
-            real_subscribe = listener.subscribe
-
-            async def subscribe(channel: bytes) -> Any:
-                pubsub = await real_subscribe(channel)
-                real_get_message = pubsub.get_message
-
-                async def get_message(**kwargs: Any) -> Any:
-                    parked.set()
-                    return await real_get_message(**kwargs)
-
-                pubsub.get_message = get_message
-                return pubsub
-
-            listener.subscribe = subscribe
+            tells_when_parked(getattr(backend, "_masters", [backend])[0], parked)
             name = unique()
             holder = other.lock(name, ttl=30)
             assert await holder.acquire(timeout=0)
@@ -1936,20 +1941,7 @@ def test_a_redlock_wait_right_after_a_cut_off_leave_keeps_its_place_everywhere(
             for server in masters:
                 slow_to_leave(server, leaving)
             parked = asyncio.Event()
-            real_subscribe = masters[0].subscribe
-
-            async def subscribe(channel: bytes) -> Any:
-                pubsub = await real_subscribe(channel)
-                real_get_message = pubsub.get_message
-
-                async def get_message(**kwargs: Any) -> Any:
-                    parked.set()
-                    return await real_get_message(**kwargs)
-
-                pubsub.get_message = get_message
-                return pubsub
-
-            masters[0].subscribe = subscribe
+            tells_when_parked(masters[0], parked)
             name = unique()
             holder = other.lock(name, ttl=30)
             assert await holder.acquire(timeout=0)
