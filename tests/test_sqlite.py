@@ -844,6 +844,42 @@ def test_tokens_keep_increasing_in_a_lock_file_restored_from_a_copy(tmp_path: Pa
 
 
 @FORKS
+@contextlib.contextmanager
+def _immutable(directory: Path) -> Iterator[None]:
+    """``directory`` that nobody may create files in, root included (tests run as root,
+    whom permission bits do not stop)."""
+    made = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"chattr +i is not allowed here: {made.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_a_directory_that_is_not_writable_is_named_in_the_refusal(tmp_path: Path) -> None:
+    """A writable lock file in a directory nobody may write to: SQLite says only "unable
+    to open database file", and a user checks the file's permissions in vain. The -wal
+    and -shm files are made beside it, so the refusal names the directory."""
+    directory = tmp_path / "locks"
+    directory.mkdir()
+    # Four slashes, as SQLAlchemy spells an absolute path: the same file, said plainly.
+    url = f"sqlite:///{directory}/locks.db"
+    with dlock.connect(url) as client, client.lock("x", ttl=5):
+        pass
+    assert sorted(os.listdir(directory)) == ["locks.db"]
+    with (
+        _immutable(directory),
+        dlock.connect(url) as client,
+        pytest.raises(dlock.BackendError) as refused,
+    ):
+        client.lock("x", ttl=5).acquire(timeout=0)
+    assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value
+    message = str(refused.value)
+    assert f"'{directory}/locks.db'" in message
+    assert f"the directory '{directory}' is not writable" in message
+
+
 def test_a_relative_path_names_the_file_of_the_directory_the_client_was_made_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -154,6 +154,9 @@ class SQLiteBackend(Backend):
         busy_timeout: float = 10.0,
         synchronous: str = "full",
     ) -> None:
+        if path.startswith("//") and not path.startswith("///"):
+            # sqlite:////abs/path.db, as SQLAlchemy spells an absolute path: the same file.
+            path = path[1:]
         # Resolved now: every open (after a fork, or of a replaced file) must find the
         # file the first one did, whatever directory the process has moved to since.
         try:
@@ -246,8 +249,20 @@ class SQLiteBackend(Backend):
             message = f"cannot open SQLite database {self._path!r}: {exc}"
             if isinstance(exc, sqlite3.Error) and _busy(exc):
                 raise BackendUnavailable(message) from exc
-            raise BackendError(message) from exc
+            raise BackendError(message + self._unwritable_directory()) from exc
         return conn
+
+    def _unwritable_directory(self) -> str:
+        """Why a writable file may still not open: SQLite's own message ("unable to open
+        database file", "attempt to write a readonly database") names the file, but in
+        WAL mode every opener creates the -wal and -shm files beside it."""
+        directory = os.path.dirname(self._path)
+        if not os.path.isdir(directory) or os.access(directory, os.W_OK):
+            return ""
+        return (
+            f" (the directory {directory!r} is not writable: SQLite creates the database's"
+            " -wal and -shm files beside it, so every process that locks needs to write there)"
+        )
 
     def _identity(self) -> tuple[int, int] | None:
         """The (device, inode) of the file now at the path, or None if there is none."""
