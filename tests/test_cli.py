@@ -207,7 +207,18 @@ def resp_command(buffer: bytes) -> tuple[list[bytes], int] | None:
 def refusing_script(server: RedisServer, script: Script) -> Iterator[str]:
     """A Redis URL through a proxy that answers ``script`` (EVALSHA or EVAL) with an
     error reply and passes everything else on: a server that fails that query alone."""
-    refused = {script.sha.encode(), script.source.encode()}
+    with script_proxy(server, script, lambda: b"-ERR refused by the test's proxy\r\n") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def script_proxy(
+    server: RedisServer, script: Script, on_script: Callable[[], bytes | None]
+) -> Iterator[str]:
+    """A Redis URL through a proxy that calls ``on_script`` when a client sends
+    ``script`` (EVALSHA or EVAL): its reply goes back instead of the server's, or, if
+    None, the call goes on to the server once ``on_script`` has returned."""
+    scripted = {script.sha.encode(), script.source.encode()}
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.1)
     done = threading.Event()
@@ -236,9 +247,12 @@ def refusing_script(server: RedisServer, script: Script) -> Iterator[str]:
                 buffer += data
                 while (command := resp_command(buffer)) is not None:
                     arguments, size = command
-                    if arguments[0].upper() in (b"EVAL", b"EVALSHA") and arguments[1] in refused:
+                    reply = None
+                    if arguments[0].upper() in (b"EVAL", b"EVALSHA") and arguments[1] in scripted:
+                        reply = on_script()
+                    if reply is not None:
                         with sending:
-                            client.sendall(b"-ERR refused by the test's proxy\r\n")
+                            client.sendall(reply)
                     else:
                         upstream.sendall(buffer[:size])
                     buffer = buffer[size:]
@@ -295,6 +309,39 @@ def test_a_backend_that_cannot_name_the_holder_changes_no_run(
         result = dlock_cmd(proxied, "run", "-n", "-E", "3", name, "--", "true")
         assert result.returncode == 3, result.stderr
         assert result.stderr == f"dlock: {name!r} is held by someone else\n", result.stderr
+
+
+def test_a_holder_gone_between_the_try_and_its_naming_changes_no_run(
+    redis_server: RedisServer, name: str, spawn: Spawn
+) -> None:
+    """The lock is released after ``-v``'s try found it held and before the inspect
+    that names the holder: dlock says that it waits, naming nobody, and its wait takes
+    the free lock at once (here a proxy releases it just before passing inspect on)."""
+    with dlock.connect(f"redis://{redis_server.address}/0") as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        inspected = threading.Event()
+
+        def release_first() -> None:
+            if not inspected.is_set():
+                inspected.set()
+                lock.release()
+
+        with script_proxy(redis_server, INSPECT, release_first) as proxied:
+            started = time.monotonic()
+            process = spawn(
+                [DLOCK, "run", "-v", "-w", "10", name, "--", "sh", "-c", "echo ran"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "DLOCK_URL": proxied},
+            )
+            stdout, stderr = process.communicate(timeout=10)
+        assert inspected.is_set() and not lock.owned()
+        assert process.returncode == 0 and stdout.strip() == "ran", stderr
+        waiting = f"dlock: {name!r} is held by someone else; waiting (at most 10 s)\n"
+        acquired = rf"dlock: acquired {re.escape(repr(name))} after 0\.\d{{3}} s of waiting\n"
+        assert re.fullmatch(re.escape(waiting) + acquired, stderr), stderr
+        assert time.monotonic() - started < 5, "the wait took the free lock at once"
 
 
 def test_lost_lease_stops_the_command(db: str, name: str, tmp_path: Path, spawn: Spawn) -> None:
