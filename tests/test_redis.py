@@ -1008,6 +1008,25 @@ def test_the_database_number_is_checked(redis_server: RedisServer) -> None:
     raw.close()
 
 
+def test_a_cluster_url_with_a_database_other_than_0_is_refused_at_connect() -> None:
+    """Redis Cluster has only database 0: a cluster URL that names another is wrong for
+    good, and refused by ``connect()`` saying so, not by the first call as a Redis
+    error. Database 0, named or not, is what a cluster has."""
+    for url in (
+        "redis+cluster://h:1/1",
+        "redis+cluster://h:1?db=1",
+        "redis://h:1/2?cluster=true",
+        "rediss+cluster://h:1/15",
+    ):
+        with pytest.raises(dlock.ConfigurationError, match="Redis Cluster has only database 0"):
+            dlock.connect(url)
+        with pytest.raises(dlock.ConfigurationError, match="Redis Cluster has only database 0"):
+            dlock.aio.connect(url)
+    for url in ("redis+cluster://h:1/0", "redis+cluster://h:1?db=0", "redis://h:1/?cluster=1"):
+        assert RedisBackend.from_url(url, {})._cluster
+    assert not RedisBackend.from_url("redis://h:1/1", {})._cluster
+
+
 def test_client_options_wrong_for_good_are_configuration_errors(
     tls_server: TLSRedis, tmp_path: Any
 ) -> None:

@@ -215,10 +215,12 @@ def _with_server(url: str, host: str, port: int) -> str:
     return urlunsplit(parts._replace(netloc=f"{auth}{at}{host}:{port}"))
 
 
-def _check_database(path: str, db: str | None) -> None:
+def _check_database(path: str, db: str | None, cluster: bool) -> None:
     """The database number, given once and as digits: redis-py reads a path it cannot
     parse as database 0, and lets ``?db=`` override the path, so a typo would put the
-    locks in another database without a word."""
+    locks in another database without a word. A cluster has database 0 only, which
+    redis-py would say only at the first call, as an error dlock could not tell apart
+    from a server's."""
     number = path[1:] if path.startswith("/") else path
     if number and not re.fullmatch("[0-9]+", number):
         raise ConfigurationError(f"the Redis URL's path must be a database number, not {path!r}")
@@ -227,6 +229,11 @@ def _check_database(path: str, db: str | None) -> None:
             raise ConfigurationError("the Redis URL gives the database twice: path and ?db=")
         if not re.fullmatch("[0-9]+", db):
             raise ConfigurationError(f"db must be a database number, not {db!r}")
+    if cluster and int(number or db or 0) != 0:
+        raise ConfigurationError(
+            f"Redis Cluster has only database 0, not {int(number or db or 0)}: "
+            "give a cluster URL no database number, or /0"
+        )
 
 
 #: What still applies to a client given with ``client=``: dlock's own key layout.
@@ -644,7 +651,7 @@ class RedisBackend(Backend):
             raise ConfigurationError(f"unknown redis option(s): {', '.join(sorted(unknown))}")
         if settings.get("client") is not None:
             _check_given_client_url(parts, set(settings) | set(query))
-        _check_database(parts.path, query.get("db"))
+        _check_database(parts.path, query.get("db"), cluster)
         _check_client_options(query, cluster)
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
