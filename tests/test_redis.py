@@ -2334,6 +2334,48 @@ def test_a_cluster_url_for_a_plain_server_is_refused_not_unavailable(
         gc.collect()
 
 
+def test_a_plain_url_for_a_cluster_node_says_to_use_a_cluster_url(
+    redis_cluster: RedisCluster,
+) -> None:
+    """A plain ``redis://`` URL naming a node of a cluster reaches that node only, which
+    answers MOVED for a name whose slot another node serves. That is a wrong URL, not a
+    server error nor one a retry may mend: the error says the server is a cluster node
+    and which URL to use, in both faces, from an acquire (a try or a wait), an inspect
+    or a release. (The names the node serves work: told at the MOVED reply, no call
+    pays a round trip to find out.)"""
+    seed = redis_cluster.nodes[0]
+    with redis.RedisCluster(host="127.0.0.1", port=seed.port) as mapped:
+        elsewhere = next(
+            name
+            for name in (unique() for _ in itertools.count())
+            if mapped.get_node_from_key(Keys(b"dlock", name).lease).port != seed.port
+        )
+    url = f"redis://{seed.address}"
+
+    def check(error: BaseException) -> None:
+        assert isinstance(error, dlock.BackendError), error
+        assert not isinstance(error, dlock.BackendUnavailable), error
+        assert "Redis Cluster node" in str(error) and "redis+cluster://" in str(error), error
+
+    async def asynchronously() -> None:
+        async with dlock.aio.connect(url) as client:
+            with pytest.raises(dlock.BackendError) as caught:
+                await client.lock(elsewhere).acquire(timeout=0)
+            check(caught.value)
+
+    with dlock.connect(url) as client:
+        for call in (
+            lambda: client.lock(elsewhere).acquire(timeout=0),
+            lambda: client.lock(elsewhere).acquire(timeout=1),
+            lambda: client.inspect(elsewhere),
+            lambda: client.force_release(elsewhere),
+        ):
+            with pytest.raises(dlock.BackendError) as caught:
+                call()
+            check(caught.value)
+    asyncio.run(asynchronously())
+
+
 def test_a_redlock_reentry_missed_on_two_masters_keeps_every_entry(
     own_masters: list[RedisServer],
 ) -> None:

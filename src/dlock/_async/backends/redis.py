@@ -33,6 +33,7 @@ from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
@@ -346,6 +347,15 @@ def wrap(exc: Exception, where: str) -> BackendError:
         or (isinstance(exc, RedisClusterException) and CLUSTER_MODE_OFF in str(exc))
     ):
         return BackendError(f"Redis {where}: refused: {type(exc).__name__}: {exc}")
+    if isinstance(exc, AskError):
+        # MOVED or ASK (MovedError is an AskError), which a cluster client follows
+        # itself: a plain client's server is a cluster node, serving the name's slot
+        # elsewhere. Told at that reply, not looked for by a round trip of every call.
+        return BackendError(
+            f"Redis {where}: the server is a Redis Cluster node, and another node serves "
+            f"this name ({type(exc).__name__}: {exc}): use a redis+cluster:// URL "
+            f"(or ?cluster=true)"
+        )
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or (
         isinstance(exc, RedisClusterException) and "connect" in str(exc)
     ):
