@@ -1498,6 +1498,44 @@ def test_an_extend_and_a_renewal_ride_out_nodes_that_disagree_on_the_slots(
     asyncio.run(main())
 
 
+def test_a_list_rides_out_a_slot_move_and_nodes_that_disagree_on_the_slots(
+    own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list while a name's slot moves: its SCAN of every master is refused before it
+    reads anything while redis-py maps the slots and the nodes disagree about some (the
+    move's news spreading), its INSPECTs while the name's slot moves (TRYAGAIN). It
+    rides out both within the call, as every other call does, and names the lock once
+    the move is over, rather than fail."""
+
+    async def main() -> None:
+        name = unique()
+        move = _SlotMove(own_cluster, name)
+        try:
+            async with dlock.aio.connect(own_cluster.url) as client:
+                backend: Any = client._backend
+                lock = client.lock(name, ttl=30, auto_renew=False)
+                assert await lock.acquire(timeout=0)  # the client has mapped the slots
+                disagreements = _Disagreements(backend._get_client(), monkeypatch)
+                move.begin()
+                disagreements.next(3)
+                mover = move.finish_later(0.4)
+                try:
+                    started = time.monotonic()
+                    infos = await client.list()
+                    elapsed = time.monotonic() - started
+                finally:
+                    mover.join(10)
+                assert disagreements.left == 0
+                assert 0.3 <= elapsed < 3, f"listed {elapsed:.2f} s in, the move took 0.4"
+                assert [info.name for info in infos if info.name == name] == [name]
+                assert move.admins[move.target].exists(move.keys.lease)
+                await lock.release()
+        finally:
+            move.close()
+
+    asyncio.run(main())
+
+
 def test_a_release_refused_past_its_bound_is_unavailable(own_cluster: RedisCluster) -> None:
     """A move that is not over within the call's bound (socket_timeout, here 2 s) fails
     the release as unavailable, naming the move: in bounded time (a wait that would end

@@ -866,13 +866,19 @@ class RedisBackend(Backend):
         return client.execute_command(*command, target_nodes=node)
 
     def _call_many(
-        self, script: scripts.Script, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
+        self,
+        script: scripts.Script,
+        calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]],
+        deadline: float | None = None,
     ) -> list[Any]:
-        """Many calls of one script in one pipeline: one round trip per server."""
+        """Many calls of one script in one pipeline: one round trip per server. Those a
+        cluster refused, moving their slot, are sent again until ``deadline`` (default:
+        the ride-out bound from now; ``list`` gives the one its SCAN began)."""
         if not calls:
             return []
         client = self._get_client()
-        deadline = time.monotonic() + self._ride_out_bound()
+        if deadline is None:
+            deadline = time.monotonic() + self._ride_out_bound()
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         refusals = 0
@@ -1294,27 +1300,41 @@ class RedisBackend(Backend):
     def inspect(self, name: str) -> LockInfo | None:
         return self._info(name, self._call(scripts.INSPECT, self._inspected(name), ()))
 
-    def _scan_names(self, prefix: str) -> list[str]:
-        """Names of leases under ``prefix``: SCAN (never KEYS), on every cluster master."""
+    def _scan_names(self, prefix: str, deadline: float) -> list[str]:
+        """Names of leases under ``prefix``: SCAN (never KEYS), on every cluster master.
+
+        A SCAN the cluster refused, moving slots (redis-py mapping them while the nodes
+        disagree about some, a resharding's news spreading), starts over after the
+        waits of ``_rode_out``, until ``deadline``, as ``_call`` sends a script again:
+        a SCAN only reads, so what a refused one had read is just dropped."""
         head = self._prefix + b":{n:"
         tail = b"}:lease"
         escaped = b"".join(
             b"\\" + bytes([c]) if c in _GLOB_SPECIAL else bytes([c])
             for c in head + prefix.encode("utf-8")
         )
-        names: set[str] = set()
-        try:
-            for key in self._get_client().scan_iter(match=escaped + b"*" + tail, count=1000):
-                raw = _bytes(key)
-                if raw.startswith(head) and raw.endswith(tail):
-                    names.add(name_from_bytes(raw[len(head) : -len(tail)]))
-        except ERRORS as exc:
-            raise wrap(exc, self._where) from exc
-        return sorted(names)
+        refusals = 0
+        while True:
+            names: set[str] = set()
+            try:
+                client = self._get_client()
+                for key in client.scan_iter(match=escaped + b"*" + tail, count=1000):
+                    raw = _bytes(key)
+                    if raw.startswith(head) and raw.endswith(tail):
+                        names.add(name_from_bytes(raw[len(head) : -len(tail)]))
+                return sorted(names)
+            except ERRORS as exc:
+                refusals += 1
+                if not self._rode_out(exc, refusals, deadline):
+                    raise wrap(exc, self._where) from exc
 
     def list(self, prefix: str) -> list[LockInfo]:
-        names = self._scan_names(prefix)
-        replies = self._call_many(scripts.INSPECT, [(self._inspected(name), ()) for name in names])
+        # One bound for the whole call, as for any other: its SCAN and its INSPECTs.
+        deadline = time.monotonic() + self._ride_out_bound()
+        names = self._scan_names(prefix, deadline)
+        replies = self._call_many(
+            scripts.INSPECT, [(self._inspected(name), ()) for name in names], deadline
+        )
         infos = (self._info(name, reply) for name, reply in zip(names, replies, strict=True))
         return [info for info in infos if info is not None]
 
