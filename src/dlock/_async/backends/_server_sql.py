@@ -499,10 +499,15 @@ class AsyncServerSQLBackend(AsyncBackend):
         """A pooled connection that is not known dead, else a new one.
 
         Dead ones are weeded out here, before a statement is sent, because a statement
-        that fails in flight is never sent again: it may have committed.
+        that fails in flight is never sent again: it may have committed. The pop is the
+        check (the sync face's caller and renewer threads share the pool: another may
+        take the last one between a look and a pop).
         """
-        while self._idle:
-            conn = self._idle.pop()
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                break
             if not self._driver_idle_dead(conn.raw):
                 return conn
             self._connection_died()
