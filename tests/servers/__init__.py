@@ -60,14 +60,17 @@ def stop_every(
     failure: BaseException | None = None,
 ) -> None:
     """``stop`` every server, even those after one whose stop fails (a kill whose wait
-    times out), then raise ``failure`` if given, else the first error: a loop that
-    stopped at the first left the others running, and hid the error that it was in."""
+    times out), then raise ``failure`` if given, else the first error, with every later
+    error noted on it: a loop that stopped at the first left the others running, and
+    hid the error that it was in."""
     for server in servers:
         try:
             stop(server)
         except BaseException as error:
             if failure is None:
                 failure = error
+            else:
+                failure.add_note(f"stopping {server!r} failed too: {error!r}")
     if failure is not None:
         raise failure
 
