@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,9 +61,9 @@ def stop_every(
     failure: BaseException | None = None,
 ) -> None:
     """``stop`` every server, even those after one whose stop fails (a kill whose wait
-    times out), then raise ``failure`` if given, else the first error, with every later
-    error noted on it: a loop that stopped at the first left the others running, and
-    hid the error that it was in."""
+    times out), then raise ``failure`` if given, else the first error, and say every
+    later error on stderr: a loop that stopped at the first left the others running,
+    and hid the error that it was in."""
     for server in servers:
         try:
             stop(server)
@@ -70,7 +71,7 @@ def stop_every(
             if failure is None:
                 failure = error
             else:
-                failure.add_note(f"stopping {server!r} failed too: {error!r}")
+                print(f"stopping {server!r} failed too: {error!r}", file=sys.stderr)
     if failure is not None:
         raise failure
 
