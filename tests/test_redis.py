@@ -1215,6 +1215,101 @@ def test_a_cluster_node_down_no_longer_loses_the_leases_held_on_other_nodes(
                 lock.release()
 
 
+def _a_name_per_node(cluster: RedisCluster) -> dict[int, str]:
+    """A name served by each master of ``cluster``, by the master's port."""
+    names: dict[int, str] = {}
+    with redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port) as mapped:
+        while len(names) < len(cluster.nodes):
+            name = unique()
+            names.setdefault(mapped.get_node_from_key(Keys(b"dlock", name).lease).port, name)
+    return names
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_paused_cluster_node_costs_only_the_leases_it_serves(
+    own_cluster: RedisCluster, face: str
+) -> None:
+    """A paused (or partitioned) node answers nothing, and its pipeline waits out the read
+    timeout. Sent one node after the other, a renewal then held up the answers of the
+    nodes that serve until then: with a TTL below 1.5 x socket_timeout, the leases held
+    on them ran out on the holder's clock meanwhile (the threads' alarm told them lost),
+    or the asyncio renewer's bound (the earliest lease's time left) cut the whole call
+    and threw their answers away. Only the paused node's lease may be lost, and it is
+    told at its deadline as ever."""
+    cluster = own_cluster
+    _serving_without_full_coverage(cluster)  # the others serve on when it is failed
+    victim = cluster.nodes[2]
+    names = _a_name_per_node(cluster)
+    ttl, url = 1.5, f"{cluster.url}?socket_timeout=2"
+    told: list[tuple[Any, float]] = []
+
+    def on_lost(lock: Any) -> None:
+        told.append((lock, time.monotonic()))
+
+    def leases() -> dict[int, bytes | None]:
+        """The lease of each healthy node's name, as its own node has it."""
+        found = {}
+        for port, name in names.items():
+            if port != victim.port:
+                with redis.Redis(port=port) as node:
+                    found[port] = node.get(Keys(b"dlock", name).lease)
+        return found
+
+    def check(locks: dict[int, Any], paused: float, found: dict[int, bytes | None]) -> None:
+        told_of = [lock for lock, _ in told]
+        assert told_of == [locks[victim.port]], "only the paused node's lease may be lost"
+        assert told[0][1] - paused < ttl + 0.5, "the paused node's lease is told late"
+        for port, lock in locks.items():
+            if port == victim.port:
+                assert lock.lost and not lock.owned()
+                continue
+            assert lock.owned() and not lock.lost, "a lease on a healthy node was lost"
+            lease = found[port]
+            assert lease is not None, "a lease on a healthy node was not renewed"
+            assert int(lease.split()[2]) == lock.fencing_token
+
+    if face == "sync":
+        with dlock.connect(url) as client:
+            locks = {
+                port: client.lock(name, ttl=ttl, on_lost=on_lost) for port, name in names.items()
+            }
+            for lock in locks.values():
+                assert lock.acquire(timeout=0)
+            victim.pause()
+            paused = time.monotonic()
+            try:
+                time.sleep(3 * ttl)  # only renewals keep the healthy nodes' leases
+                found = leases()
+            finally:
+                victim.resume()
+            check(locks, paused, found)
+            for port, lock in locks.items():
+                if port != victim.port:
+                    lock.release()
+        return
+
+    async def asynchronously() -> None:
+        async with dlock.aio.connect(url) as client:
+            locks = {
+                port: client.lock(name, ttl=ttl, on_lost=on_lost) for port, name in names.items()
+            }
+            for lock in locks.values():
+                assert await lock.acquire(timeout=0)
+            victim.pause()
+            paused = time.monotonic()
+            try:
+                await asyncio.sleep(3 * ttl)
+                found = leases()
+            finally:
+                victim.resume()
+            check(locks, paused, found)
+            for port, lock in locks.items():
+                if port != victim.port:
+                    await lock.release()
+
+    asyncio.run(asynchronously())
+
+
 def test_a_cluster_between_states_is_unavailable_not_refused(own_cluster: RedisCluster) -> None:
     from redis.crc import key_slot
 

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from .. import _fork
@@ -156,6 +156,24 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark the outcome of an abandoned operation as seen (no warning at exit)."""
     if not task.cancelled():
         task.exception()
+
+
+async def concurrently(
+    calls: Sequence[Callable[[], Awaitable[T]]], timeout: float
+) -> list[T | Exception | None]:
+    """Run ``calls`` at once, each in a task, and wait for them at most ``timeout``: in
+    order, the result of each, the Exception it raised, or None if it had not ended by
+    then (it is cancelled). Cancelling the caller cancels them all."""
+
+    async def one(call: Callable[[], Awaitable[T]]) -> T | Exception | None:
+        try:
+            return await _bounded(call(), timeout)
+        except asyncio.TimeoutError:  # a distinct class before Python 3.11
+            return None
+        except Exception as exc:
+            return exc
+
+    return list(await asyncio.gather(*(one(call) for call in calls)))
 
 
 async def call_with_timeout(awaitable: Awaitable[T], timeout: float) -> T:

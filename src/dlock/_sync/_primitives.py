@@ -6,7 +6,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from .. import _fork
@@ -80,6 +80,27 @@ def wait_result(result: Any, timeout: float) -> Any:
 def shielded(value: T) -> T:
     # The call has already run to its end: a thread cannot be cancelled.
     return value
+
+
+def concurrently(calls: Sequence[Callable[[], T]], timeout: float) -> list[T | Exception | None]:
+    """Twin of the asyncio ``concurrently``: each call in a thread of its own, waited for
+    at most ``timeout``. A call not over by then gives None, and goes on in its thread
+    (a thread cannot be cancelled) until its library's own timeouts end it; its result
+    is not read."""
+    results: list[T | Exception | None] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [spawn(functools.partial(run, i), name="dlock-call") for i in range(len(calls))]
+    deadline = time.monotonic() + min(timeout, threading.TIMEOUT_MAX)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    # A thread that has ended set its result before; one still running gives None.
+    return [None if thread.is_alive() else results[i] for i, thread in enumerate(threads)]
 
 
 def call_with_timeout(value: T, timeout: float) -> T:

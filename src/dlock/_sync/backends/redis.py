@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
@@ -65,6 +65,7 @@ from .._primitives import (
     WakeupEvent,
     call_with_timeout,
     cancel_requests,
+    concurrently,
     current_task,
     lost_cancel,
     shielded,
@@ -146,6 +147,15 @@ _JITTER = random.SystemRandom()
 #: read timeout of its own (a client given with ``client=``): redis-py's default-less
 #: reads would otherwise leave it unbounded (see ``RedisBackend._ride_out_bound``).
 SOCKET_TIMEOUT = 5.0
+#: A cluster's renewal waits for each node's answers at most this share of the shortest
+#: TTL in the batch (and no longer than the ride-out bound, ``socket_timeout``), and then
+#: counts those of a node still silent as unknown (None). The renewer sends a lease with
+#: about two thirds of its TTL left, and bounds the whole call by the earliest lease's
+#: time left (asyncio: a timeout, which would throw every answer away) or tells each
+#: lease's loss at its deadline (threads): the answers of the nodes that serve reach it
+#: in time, whatever a paused node does. Only a batch whose earliest lease has less than
+#: this left (a silent node's, retried until its deadline) can still be cut off whole.
+NODE_WAIT = 1 / 6
 
 
 def moving_delay(refusals: int) -> float:
@@ -1014,19 +1024,22 @@ class RedisBackend(Backend):
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool | None]:
         calls = [((self._keys(x.name).lease,), (x.token, _ms(x.ttl))) for x in leases]
-        if self._cluster:
-            return self._extend_by_node(calls)
+        if self._cluster and calls:
+            wait = min(NODE_WAIT * min(x.ttl for x in leases), self._ride_out_bound())
+            return self._extend_by_node(calls, wait)
         return [bool(int(r)) for r in self._call_many(scripts.EXTEND, calls)]
 
     def _extend_by_node(
-        self, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]]
+        self, calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]], wait: float
     ) -> list[bool | None]:
-        """A cluster's renewal, one pipeline per node (as redis-py's would send): a node
-        that cannot be reached, or a slot nobody serves, leaves its leases unknown (None)
-        rather than failing those of the nodes that answer. Raises if none answers."""
+        """A cluster's renewal, one pipeline per node (as redis-py's would send), sent to
+        every node at once and waited for at most ``wait`` seconds. A node that cannot be
+        reached or does not answer by then (paused, partitioned), or a slot nobody serves,
+        leaves its leases unknown (None) rather than failing or holding up those of the
+        nodes that answer. Raises if none answers."""
         client = self._get_client()
         groups: dict[str | None, list[int]] = {}
-        deadline = time.monotonic() + self._ride_out_bound()
+        deadline = time.monotonic() + wait
         refusals = 0
         try:
             while IS_ASYNC:
@@ -1046,18 +1059,28 @@ class RedisBackend(Backend):
                 groups.setdefault(node, []).append(i)
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
+        sent = [indices for node, indices in groups.items() if node is not None]
+        answers = concurrently(
+            [
+                partial(self._call_many, scripts.EXTEND, [calls[i] for i in indices], deadline)
+                for indices in sent
+            ],
+            max(0.0, deadline - time.monotonic()),
+        )
         results: list[bool | None] = [None] * len(calls)
         failure: BackendError | None = None
-        for node, indices in groups.items():
-            if node is None:
-                continue
-            try:
-                answers = self._call_many(scripts.EXTEND, [calls[i] for i in indices])
-            except BackendUnavailable as exc:
-                failure = exc
-                continue
-            for i, answer in zip(indices, answers, strict=True):
-                results[i] = bool(int(answer))
+        for indices, answer in zip(sent, answers, strict=True):
+            if answer is None:  # no answer in time
+                failure = failure or BackendUnavailable(
+                    f"Redis {self._where}: no answer to the renewal within {wait:.3f} s"
+                )
+            elif isinstance(answer, BackendUnavailable):
+                failure = answer
+            elif isinstance(answer, Exception):
+                raise answer
+            else:
+                for i, extended in zip(indices, answer, strict=True):
+                    results[i] = bool(int(extended))
         if failure is not None and all(result is None for result in results):
             raise failure
         return results
