@@ -417,6 +417,47 @@ def test_the_longest_lease_does_not_stop_renewal(tmp_path: Path) -> None:
         forever.release()
 
 
+def _suspend_host(client: dlock.Client | dlock.aio.AsyncClient, seconds: float) -> None:
+    """What a suspended host does to the clocks: the boot clock, which leases are counted
+    on, moves on by ``seconds``; CLOCK_MONOTONIC, which sleeps and timers run on, does
+    not."""
+    real = client._clock
+    client._clock = client._renewer._clock = lambda: real() + seconds
+
+
+def test_a_lease_that_ran_out_while_the_host_was_suspended_is_told_soon(
+    tmp_path: Path,
+) -> None:
+    """The renewer sleeps until a lease is due (a third of a 30 s TTL), on timers that
+    stop while the host is suspended. A resume past the lease's end was told when that
+    sleep ended, 10 s on; the renewer now looks again every second while it holds any."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        told = threading.Event()
+        lock = client.lock("job", ttl=30, on_lost=lambda _: told.set())
+        assert lock.acquire(timeout=0)
+        time.sleep(0.3)  # the renewer goes to sleep until the lease is due
+        _suspend_host(client, 60)
+        resumed = time.monotonic()
+        assert told.wait(5), "not told within 5 s of the resume"
+        assert time.monotonic() - resumed < 2
+        assert not lock.owned()
+
+    async def async_face() -> None:
+        async with dlock.aio.connect(url) as client:
+            told = asyncio.Event()
+            lock = client.lock("job", ttl=30, on_lost=lambda _: told.set())
+            assert await lock.acquire(timeout=0)
+            await asyncio.sleep(0.3)
+            _suspend_host(client, 60)
+            resumed = time.monotonic()
+            await asyncio.wait_for(told.wait(), 5)
+            assert time.monotonic() - resumed < 2
+            assert not lock.owned()
+
+    asyncio.run(async_face())
+
+
 # Python 3.12+ warns about fork() in a process with threads; this test forks on purpose.
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_forked_child_renews_its_own_locks(tmp_path: Path) -> None:

@@ -29,6 +29,12 @@ IDLE_TICK = 1.0
 #: The longest sleep, however far off the next renewal: a thread's wait overflows
 #: past about 2.8e10 s (a TTL of a thousand years), and the renewer would die of it.
 LONGEST_SLEEP = 3600.0
+#: The longest sleep while leases are held. Sleeps (asyncio's timers, a thread's wait)
+#: run on CLOCK_MONOTONIC, which stops while the host is suspended, but leases are
+#: counted on the boot clock, which does not: after a resume, a lease that ran out
+#: meanwhile is told lost within this, not when the sleep for its next renewal ends
+#: (up to a third of its TTL later). One wake-up a second per client that holds locks.
+RESUME_CHECK = 1.0
 
 
 class Renewer:
@@ -161,7 +167,7 @@ class Renewer:
             return IDLE_TICK
         now = self._clock()
         due = min(min(lock._renew_at, lock._deadline) for lock in locks)
-        return min(LONGEST_SLEEP, max(0.0, due - now))
+        return min(RESUME_CHECK, max(0.0, due - now))
 
     def _renew_due(self) -> None:
         now = self._clock()
