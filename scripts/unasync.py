@@ -38,6 +38,9 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\bredis\.asyncio\b", "redis"),
     (r"\basync for\b", "for"),
     (r"\baiomysql\b", "pymysql"),
+    # httpx's AsyncClient and Client share one API; only the streaming names differ.
+    (r"\baiter_lines\b", "iter_lines"),
+    (r"\baread\b", "read"),
 ]
 
 

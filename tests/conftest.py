@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import free_port
+from tests.servers.etcd import etcd_server  # noqa: F401
 from tests.servers.redis import (  # noqa: F401
     redis_cluster,
     redis_server,
@@ -128,6 +129,16 @@ BACKENDS: dict[str, BackendUnderTest] = {
         unreachable_url=lambda request, tmp: (
             f"zookeeper://127.0.0.1:{free_port()}/dlock?connect_timeout=0.5"
         ),
+    ),
+    # A prefix per test: keys of one test never meet another's. Leases are granted in
+    # whole seconds (at least this server's 1 s minimum), and a live holder gives its
+    # lease up at its own ttl.
+    "etcd": BackendUnderTest(
+        url=lambda request, tmp: request.getfixturevalue("etcd_server").url(
+            f"/dlock-{uuid.uuid4().hex[:8]}"
+        ),
+        # Nobody listens there: every request is refused at once.
+        unreachable_url=lambda request, tmp: f"etcd://127.0.0.1:{free_port()}/dlock",
     ),
 }
 

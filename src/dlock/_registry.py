@@ -32,6 +32,7 @@ ENTRIES = [
     Entry("mysql", ("mysql", "mariadb"), "mysql", ("pymysql", "aiomysql")),
     Entry("postgresql", ("postgresql", "postgres"), "postgresql", ("psycopg",)),
     Entry("zookeeper", ("zookeeper",), "zookeeper", ("kazoo",)),
+    Entry("etcd", ("etcd", "etcds"), "etcd", ("httpx",)),
 ]
 
 #: URL scheme -> the entry that serves it.

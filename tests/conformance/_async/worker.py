@@ -132,7 +132,8 @@ def listens(waiter: AsyncWaiter, timeout: float, backoff_cap: float) -> bool:
         return state["pubsub"] is not None or bool(state["broken"])
     if kind == "TurnstileWaiter":
         return bool(state["in_front"])
-    if kind in ("ZooKeeperWaiter", "_SessionWaiter"):
+    # etcd's watch starts at the revision the busy attempt saw: it listens from the start.
+    if kind in ("ZooKeeperWaiter", "_SessionWaiter", "EtcdWaiter"):
         return True
     raise AssertionError(f"worker.listens has no rule for {type(waiter).__name__}")
 

@@ -1,0 +1,844 @@
+# DO NOT EDIT: generated from src/dlock/_async/backends/etcd.py by scripts/unasync.py.
+"""etcd: a key per held lock, bound to a lease of its own, through etcd's v3 JSON gateway.
+
+Acquiring is one transaction: if the key was never created (``create_revision == 0``),
+put it with a lease granted for this acquisition; else read it. The fencing token is
+the key's create revision, the cluster-wide revision of that put, which only grows.
+Every later write of the key (re-entry, release, extend) compares its ``mod_revision``
+with the one it last saw, so nothing is read and then written blindly. The lease, on the
+server's clock, frees the key of a holder that stopped renewing (crashed, paused); a live
+holder whose own ttl runs out unrenewed revokes its lease itself (the reaper), since
+etcd counts leases in whole seconds and may keep it a little longer. Waiters watch the
+key from the revision their attempt saw, so no release between the attempt and the
+watch is missed.
+
+The HTTP calls go through httpx, whose ``Client`` and ``Client`` have the same API,
+so this one module generates the sync face.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import contextlib
+import json
+import math
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+
+from ..._errors import BackendError, BackendUnavailable, ConfigurationError
+from ..._fork import ForkFollower
+from ..._options import flag, query_options, seconds
+from ..._registry import split_url
+from ..._tls import certificate_refused
+from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from .._primitives import WakeupEvent, current_task, serving, spawn
+from ..backend import Backend, Waiter
+
+DEFAULT_PORT = 2379
+DEFAULT_PREFIX = "/dlock"
+#: Seconds one request may take (connecting, then waiting for the answer).
+TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0
+OPTIONS = frozenset({"timeout", "connect_timeout", "ca", "certfile", "keyfile", "verify_certs"})
+TLS_OPTIONS = ("ca", "certfile", "keyfile", "verify_certs")
+#: etcd's longest lease (its ``MaxLeaseTTL``).
+MAX_LEASE = 9_000_000_000
+#: gRPC status codes that mean the request may or may not have been applied: the leader
+#: was lost or the proposal timed out (UNAVAILABLE), a deadline passed, it was cut off.
+UNSURE_CODES = frozenset({1, 4, 14})
+#: etcd's default limit of operations in one transaction (``--max-txn-ops``).
+MAX_TXN_OPS = 128
+#: Keepalives sent in one request (see _keepalive).
+KEEPALIVE_BATCH = 64
+#: Rounds of a compare-and-write that lost to a write of the same owner token (another
+#: user of the lock object) before giving up.
+ROUNDS = 20
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+def lease_seconds(ttl: float) -> int:
+    """The lease granted for ``ttl``: whole seconds, never shorter (etcd may lengthen it
+    to its minimum; the holder gives it up at its ttl itself)."""
+    return min(MAX_LEASE, max(1, math.ceil(ttl)))
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key starting with ``prefix`` (etcd's range end)."""
+    end = bytearray(prefix)
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if not end:
+        return b"\x00"  # every key
+    end[-1] += 1
+    return bytes(end)
+
+
+@dataclass
+class _Held:
+    """What this process knows of a lease it holds: the lease and the TTL asked for it,
+    the key as we last wrote it (its value, and its revision then), and when the
+    holder's own ttl runs out (on this host's monotonic clock)."""
+
+    lease: int
+    asked: int
+    value: _Value
+    mod_revision: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class _Value:
+    token: str
+    count: int
+    ttl: float
+    holder: dict[str, Any]
+
+    def dump(self) -> str:
+        return b64(
+            json.dumps(
+                {"token": self.token, "count": self.count, "ttl": self.ttl, "holder": self.holder},
+                separators=(",", ":"),
+            ).encode("utf-8")
+        )
+
+    @classmethod
+    def load(cls, kv: dict[str, Any]) -> _Value:
+        try:
+            data = json.loads(unb64(kv.get("value")))
+            return cls(str(data["token"]), int(data["count"]), float(data["ttl"]), data["holder"])
+        except (ValueError, KeyError, TypeError):
+            # Not written by dlock: nobody's token, held as long as it exists.
+            return cls("", 1, math.inf, {})
+
+
+def _parse_hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
+    hosts = []
+    for item in netloc.split(","):
+        host, port_text = item, ""
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            if rest and not rest.startswith(":"):
+                raise ConfigurationError(f"bad etcd host {item!r}")
+            port_text = rest[1:]
+        elif ":" in item:
+            host, _, port_text = item.rpartition(":")
+        if not host:
+            raise ConfigurationError(f"empty host in etcd URL host list {netloc!r}")
+        port = default_port
+        if port_text:
+            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise ConfigurationError(f"bad port {port_text!r} in etcd host {item!r}")
+            port = int(port_text)
+        hosts.append((host, port))
+    return hosts
+
+
+def _ssl_context(settings: dict[str, Any]) -> ssl.SSLContext:
+    verify = flag(settings.get("verify_certs", True), "verify_certs")
+    try:
+        context = ssl.create_default_context(cafile=settings.get("ca"))
+        if not verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if settings.get("certfile"):
+            context.load_cert_chain(settings["certfile"], settings.get("keyfile"))
+        elif settings.get("keyfile"):
+            raise ConfigurationError("keyfile needs certfile")
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(f"etcd TLS settings cannot be used: {exc}") from None
+    return context
+
+
+class EtcdWaiter(Waiter):
+    """Watches the lock's key, from the revision the last busy attempt saw, for its
+    deletion (a release, a force release, the lease's expiry)."""
+
+    notifies = True
+
+    def __init__(self, backend: EtcdBackend, name: str, token: str) -> None:
+        self.backend = backend
+        self.name = name
+        self.token = token
+
+    def wait(self, timeout: float) -> None:
+        self.backend._watch_release(self.name, self.token, timeout)
+
+
+class EtcdBackend(Backend):
+    def __init__(
+        self,
+        hosts: list[tuple[str, int]],
+        prefix: bytes,
+        *,
+        tls: ssl.SSLContext | None,
+        timeout: float,
+        connect_timeout: float,
+    ) -> None:
+        scheme = "https" if tls is not None else "http"
+        self._endpoints = [
+            f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+            for host, port in hosts
+        ]
+        self._where = ",".join(f"{host}:{port}" for host, port in hosts)
+        self._current = 0
+        self._prefix = prefix
+        self._tls = tls
+        self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self._client: httpx.Client | None = None
+        self._loop: Any = None
+        self._closed = False
+        self._creating = threading.Lock()
+        #: Guards _held and _busy, shared with the reaper (a thread in the sync face).
+        self._lock = threading.Lock()
+        #: (name, token) -> our calls on its key in flight.
+        self._busy: dict[tuple[str, str], int] = {}
+        #: (name, token) -> what we hold.
+        self._held: dict[tuple[str, str], _Held] = {}
+        #: (name, token) of waiters -> the revision their last busy attempt saw.
+        self._seen: dict[tuple[str, str], int] = {}
+        self._waiting: set[tuple[str, str]] = set()
+        self._reaper: Any = None
+        self._reaper_wakeup = WakeupEvent()
+        self._reaper_next = math.inf
+        self._reaper_lock = threading.Lock()
+        self._follow_fork = ForkFollower(self._forget_parent)
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> EtcdBackend:
+        parts = split_url(url)
+        scheme = parts.scheme.lower()
+        netloc = parts.netloc
+        if "@" in netloc:
+            raise ConfigurationError(
+                "etcd authentication (user:password@) is not supported: use TLS client"
+                " certificates (etcds://...?certfile=...&keyfile=...)"
+            )
+        query = query_options(parts.query)
+        settings: dict[str, Any] = {**query, **options}
+        unknown = set(settings) - OPTIONS
+        if unknown:
+            raise ConfigurationError(f"unknown etcd option(s): {', '.join(sorted(unknown))}")
+        tls = scheme == "etcds"
+        if not tls and any(key in settings for key in TLS_OPTIONS):
+            raise ConfigurationError("the TLS options (ca, certfile, ...) need an etcds:// URL")
+        hosts = _parse_hosts(netloc or "127.0.0.1", DEFAULT_PORT)
+        path = unquote(parts.path) or DEFAULT_PREFIX
+        if path == "/":
+            path = DEFAULT_PREFIX
+        prefix = path.rstrip("/").encode("utf-8", "surrogateescape") + b"/"
+        return cls(
+            hosts,
+            prefix,
+            tls=_ssl_context(settings) if tls else None,
+            timeout=seconds(settings.get("timeout", TIMEOUT), "timeout"),
+            connect_timeout=seconds(
+                settings.get("connect_timeout", CONNECT_TIMEOUT), "connect_timeout"
+            ),
+        )
+
+    # -- the HTTP client ----------------------------------------------------------
+
+    def _forget_parent(self) -> None:
+        """A forked child neither uses the parent's connections nor renews or revokes
+        its leases: they are the parent's."""
+        self._client = None
+        self._held, self._busy, self._seen, self._waiting = {}, {}, {}, set()
+        self._reaper = None
+        self._lock = threading.Lock()
+        self._reaper_lock = threading.Lock()
+        self._creating = threading.Lock()
+
+    def _follow_loop(self) -> None:
+        """Connections of an earlier event loop (a client used by two ``asyncio.run``
+        calls) cannot be used in another: they are left to the garbage collector."""
+        task = current_task()
+        loop = None if task is None else task.get_loop()
+        if loop is not self._loop:
+            with self._creating:
+                self._client = None
+                self._loop = loop
+
+    def _http(self) -> httpx.Client:
+        if self._closed:
+            raise BackendError(f"etcd {self._where}: the client is closed")
+        self._follow_fork()
+        self._follow_loop()
+        client = self._client
+        if client is None:
+            with self._creating:
+                if self._client is None:
+                    # trust_env off: no proxy from the environment between us and etcd.
+                    self._client = httpx.Client(
+                        timeout=self._timeout,
+                        verify=self._tls if self._tls is not None else True,
+                        trust_env=False,
+                    )
+                client = self._client
+        return client
+
+    def _fail(self, exc: BaseException) -> BackendError:
+        if certificate_refused(exc):
+            return BackendError(f"etcd {self._where}: TLS certificate refused: {exc}")
+        return BackendUnavailable(f"etcd {self._where}: {type(exc).__name__}: {exc}")
+
+    def _post(
+        self, path: str, body: dict[str, Any] | bytes, *, lines: bool = False
+    ) -> dict[str, Any]:
+        """One gateway call; ``lines``: the answer is a stream of messages, returned as
+        ``{"lines": [...]}``. A connection that could not be made (nothing was sent)
+        moves on to the next endpoint; anything after sending is not retried: its
+        request may have been applied."""
+        client = self._http()
+        last: BaseException | None = None
+        for _ in self._endpoints:
+            base = self._endpoints[self._current]
+            try:
+                if isinstance(body, bytes):
+                    response = client.post(base + path, content=body)
+                else:
+                    response = client.post(base + path, json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if certificate_refused(exc):
+                    raise self._fail(exc) from exc
+                last = exc
+                self._current = (self._current + 1) % len(self._endpoints)
+                continue
+            except httpx.HTTPError as exc:
+                raise self._fail(exc) from exc
+            if lines and response.status_code == 200:
+                try:
+                    messages = [json.loads(line) for line in response.content.splitlines() if line]
+                except ValueError:
+                    raise BackendError(f"etcd {self._where}: unreadable answer") from None
+                return {"lines": messages}
+            return self._answer(response.status_code, response.content)
+        assert last is not None
+        raise self._fail(last) from last
+
+    def _answer(self, status: int, content: bytes) -> dict[str, Any]:
+        try:
+            data = json.loads(content)
+        except ValueError:
+            data = None
+        if status == 200 and isinstance(data, dict):
+            return data
+        if isinstance(data, dict) and "error" in data:
+            raise self._refusal(data)
+        text = content[:200].decode("utf-8", "replace")
+        if status >= 500:
+            raise BackendUnavailable(f"etcd {self._where}: HTTP {status}: {text}")
+        raise BackendError(f"etcd {self._where}: HTTP {status}: {text}")
+
+    def _refusal(self, data: dict[str, Any]) -> BackendError:
+        error = data.get("error")
+        message = data.get("message") or (
+            error.get("message") if isinstance(error, dict) else error
+        )
+        code = data.get("code") or (error.get("grpc_code") if isinstance(error, dict) else None)
+        if code in UNSURE_CODES:
+            return BackendUnavailable(f"etcd {self._where}: {message}")
+        return BackendError(f"etcd {self._where}: {message}")
+
+    # -- keys and leases ------------------------------------------------------------
+
+    def _key(self, name: str) -> bytes:
+        return self._prefix + name.encode("utf-8")
+
+    def _grant(self, ttl: int) -> tuple[int, int]:
+        answer = self._post("/v3/lease/grant", {"TTL": str(ttl)})
+        if answer.get("error"):
+            raise BackendError(f"etcd {self._where}: lease not granted: {answer['error']}")
+        return int(answer["ID"]), int(answer["TTL"])
+
+    def _revoke(self, lease: int) -> bool:
+        """Revoke ``lease`` (deleting the keys bound to it); False if it was gone."""
+        try:
+            self._post("/v3/lease/revoke", {"ID": str(lease)})
+        except BackendError as exc:
+            if "lease not found" in str(exc):
+                return False
+            raise
+        return True
+
+    def _revoke_quietly(self, lease: int) -> None:
+        """Revoke a lease of ours that no key of ours needs; one that cannot be reached
+        now ends by its TTL."""
+        with contextlib.suppress(BackendError):
+            self._revoke(lease)
+
+    def _keepalive(self, leases: builtins.list[int]) -> set[int]:
+        """Renew each lease to its granted TTL; return those that were still alive.
+
+        The gateway streams one keepalive per line of the request, and answers each in a
+        line, but under load it may end its answer before it has given them all (seen
+        from 32 lines on, etcd 3.4). A renewal can be sent twice harmlessly, so the
+        unanswered ones go again, until every lease has its answer."""
+        alive: set[int] = set()
+        left = builtins.list(dict.fromkeys(leases))
+        for _ in range(ROUNDS):
+            if not left:
+                return alive
+            batch = left[:KEEPALIVE_BATCH]
+            body = "".join(json.dumps({"ID": str(lease)}) + "\n" for lease in batch)
+            answer = self._post("/v3/lease/keepalive", body.encode("ascii"), lines=True)
+            answered = set()
+            for message in answer["lines"]:
+                result = message.get("result")
+                if not isinstance(result, dict):
+                    raise self._refusal(message.get("error") or message)
+                lease = int(result.get("ID", 0))
+                answered.add(lease)
+                if int(result.get("TTL", 0)) > 0:  # a zero is left out of the JSON
+                    alive.add(lease)
+            left = [lease for lease in left if lease not in answered]
+        if left:
+            raise BackendUnavailable(f"etcd {self._where}: keepalives left unanswered")
+        return alive
+
+    def _txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"compare": compare, "success": success}
+        if failure:
+            body["failure"] = failure
+        return self._post("/v3/kv/txn", body)
+
+    @staticmethod
+    def _ranged(answer: dict[str, Any], index: int = 0) -> dict[str, Any] | None:
+        """The key read by the ``index``-th range of a transaction's answer, if any."""
+        responses = answer.get("responses") or []
+        kvs = responses[index].get("response_range", {}).get("kvs") or []
+        return kvs[0] if kvs else None
+
+    @staticmethod
+    def _revision(answer: dict[str, Any]) -> int:
+        return int(answer["header"]["revision"])
+
+    def _begin(self, ident: tuple[str, str]) -> _Held | None:
+        """Count one of our calls on ``ident``'s key as in flight (the reaper leaves its
+        lease alone meanwhile); return what we hold there, if anything. A lease the
+        reaper has taken is no longer held: a call that begins after is told so."""
+        with self._lock:
+            self._busy[ident] = self._busy.get(ident, 0) + 1
+            return self._held.get(ident)
+
+    def _end(self, ident: tuple[str, str]) -> None:
+        with self._lock:
+            left = self._busy.pop(ident, 1) - 1
+            if left:
+                self._busy[ident] = left
+            held = self._held.get(ident)
+        if not left and held is not None and held.deadline <= time.monotonic():
+            self._reaper_wakeup.set()
+
+    @contextlib.contextmanager
+    def _using(self, ident: tuple[str, str]) -> Iterator[_Held | None]:
+        held = self._begin(ident)
+        try:
+            yield held
+        finally:
+            self._end(ident)
+
+    def _hold(self, ident: tuple[str, str], held: _Held) -> None:
+        with self._lock:
+            self._held[ident] = held
+        self._start_reaper(held.deadline)
+
+    def _drop(self, ident: tuple[str, str], lease: int | None = None) -> None:
+        with self._lock:
+            held = self._held.get(ident)
+            if held is not None and (lease is None or held.lease == lease):
+                del self._held[ident]
+
+    # -- the seam --------------------------------------------------------------------
+
+    def acquire(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy:
+        ident = (name, token)
+        with self._using(ident):
+            sent = time.monotonic()
+            asked = lease_seconds(ttl)
+            lease, _ = self._grant(asked)
+            try:
+                return self._acquire(
+                    ident,
+                    token,
+                    _Value(token, 1, ttl, json.loads(holder.to_json())),
+                    reentrant,
+                    lease,
+                    asked,
+                    sent + ttl,
+                )
+            except BackendError:
+                if not reentrant:
+                    # Ours alone: if the put went through, this revokes it (a give-back).
+                    self._revoke_quietly(lease)
+                raise
+
+    def _acquire(
+        self,
+        ident: tuple[str, str],
+        token: str,
+        value: _Value,
+        reentrant: bool,
+        lease: int,
+        asked: int,
+        deadline: float,
+    ) -> Acquired | Busy:
+        key = b64(self._key(ident[0]))
+        for _ in range(ROUNDS):
+            answer = self._txn(
+                [{"target": "CREATE", "key": key, "create_revision": "0"}],
+                [{"request_put": {"key": key, "value": value.dump(), "lease": str(lease)}}],
+                [{"request_range": {"key": key}}],
+            )
+            revision = self._revision(answer)
+            if answer.get("succeeded"):
+                self._hold(ident, _Held(lease, asked, value, revision, deadline))
+                return Acquired(revision)
+            kv = self._ranged(answer)
+            if kv is None:
+                continue  # cannot be: the compare found the key
+            found = _Value.load(kv)
+            if not (reentrant and found.token == token):
+                # (Our own token on a fresh attempt: an attempt cut off in flight, which
+                # the core gives back; not ours to count.)
+                if ident in self._waiting:
+                    self._seen[ident] = revision
+                self._revoke_quietly(lease)
+                return Busy()
+            again = _Value(token, found.count + 1, value.ttl, found.holder)
+            answer = self._txn(
+                [{"target": "MOD", "key": key, "mod_revision": kv["mod_revision"]}],
+                [{"request_put": {"key": key, "value": again.dump(), "lease": str(lease)}}],
+            )
+            if answer.get("succeeded"):
+                self._hold(ident, _Held(lease, asked, again, self._revision(answer), deadline))
+                old = int(kv.get("lease", 0))
+                if old and old != lease:
+                    self._revoke_quietly(old)
+                return Acquired(int(kv["create_revision"]), again.count)
+        raise BackendError(f"etcd {self._where}: {ident[0]!r} kept changing under us")
+
+    def release(self, name: str, token: str) -> int | None:
+        ident = (name, token)
+        key = b64(self._key(name))
+        with self._using(ident) as held:
+            # What we last wrote, if we know it: then one compare-and-write does it.
+            # Else (a give-back of an attempt whose answer was lost) read the key first.
+            kv: dict[str, Any] | None = None
+            if held is None:
+                kv = self._read(key)
+            for _ in range(ROUNDS):
+                if held is not None:
+                    current, expected = held.value, held.mod_revision
+                else:
+                    if kv is None or _Value.load(kv).token != token:
+                        self._drop(ident)
+                        return None
+                    current, expected = _Value.load(kv), int(kv["mod_revision"])
+                compare = [{"target": "MOD", "key": key, "mod_revision": str(expected)}]
+                read = [{"request_range": {"key": key}}]
+                if current.count > 1:
+                    less = _Value(token, current.count - 1, current.ttl, current.holder)
+                    put = {"key": key, "value": less.dump(), "ignore_lease": True}
+                    answer = self._txn(compare, [{"request_put": put}], read)
+                    if answer.get("succeeded"):
+                        with self._lock:
+                            now = self._held.get(ident)
+                            if now is not None:
+                                now.value, now.mod_revision = less, self._revision(answer)
+                        return less.count
+                else:
+                    answer = self._txn(
+                        compare, [{"request_delete_range": {"key": key, "prev_kv": True}}], read
+                    )
+                    if answer.get("succeeded"):
+                        deleted = answer["responses"][0].get("response_delete_range", {})
+                        previous = (deleted.get("prev_kvs") or [{}])[0]
+                        lease = int(previous.get("lease", 0))
+                        self._drop(ident)
+                        if lease:
+                            self._revoke_quietly(lease)
+                        return 0
+                kv, held = self._ranged(answer), None
+        raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
+
+    def _read(self, key: str) -> dict[str, Any] | None:
+        answer = self._post("/v3/kv/range", {"key": key})
+        kvs = answer.get("kvs") or []
+        return kvs[0] if kvs else None
+
+    def extend(self, name: str, token: str, ttl: float) -> bool:
+        return (self.extend_many([Lease(name, token, ttl)]))[0]
+
+    def extend_many(self, leases: Sequence[Lease]) -> builtins.list[bool]:
+        """Renew the lease of each lock whose TTL is unchanged (keepalive), then read
+        every such key in one transaction to check that it is still ours as we last
+        wrote it. A new TTL moves the key to a new lease, one lock at a time."""
+        idents = [(lease.name, lease.token) for lease in leases]
+        answers = [False] * len(leases)
+        sent = time.monotonic()
+        records = [self._begin(ident) for ident in idents]
+        try:
+            renewed: list[int] = []
+            moved: list[int] = []
+            for index, (lease, held) in enumerate(zip(leases, records, strict=True)):
+                if held is None:
+                    continue  # released, or given up by the reaper: not held
+                if held.asked != lease_seconds(lease.ttl):
+                    moved.append(index)
+                else:
+                    renewed.append(index)
+            kept: list[int] = []
+            if renewed:
+                ids = [records[index].lease for index in renewed]  # type: ignore[union-attr]
+                alive = self._keepalive(ids)
+                kept = [index for index, lease in zip(renewed, ids, strict=True) if lease in alive]
+            found: builtins.list[dict[str, Any] | None] = []
+            for start in range(0, len(kept), MAX_TXN_OPS):
+                answer = self._txn(
+                    [],
+                    [
+                        {"request_range": {"key": b64(self._key(leases[i].name))}}
+                        for i in kept[start : start + MAX_TXN_OPS]
+                    ],
+                )
+                found += [self._ranged(answer, i) for i in range(len(answer["responses"]))]
+            if kept:
+                for index, kv in zip(kept, found, strict=True):
+                    held = self._held.get(idents[index])
+                    if held is None or kv is None or _Value.load(kv).token != leases[index].token:
+                        self._drop(idents[index])
+                    elif (
+                        int(kv["mod_revision"]) == held.mod_revision
+                        and int(kv.get("lease", 0)) == held.lease
+                    ):
+                        held.deadline = max(held.deadline, sent + leases[index].ttl)
+                        answers[index] = True
+                    else:
+                        # Ours, but not as we last wrote it (a write of another user of
+                        # the lock object whose answer was lost): move it, re-read.
+                        moved.append(index)
+            for index in moved:
+                lease = leases[index]
+                answers[index] = self._move(lease.name, lease.token, lease.ttl, sent)
+        finally:
+            for ident in idents:
+                self._end(ident)
+        return answers
+
+    def _move(self, name: str, token: str, ttl: float, sent: float) -> bool:
+        """Put the key, if still ours, on a new lease of ``ttl`` (compare and put), then
+        revoke the old lease: a lease's TTL cannot be changed."""
+        ident = (name, token)
+        key = b64(self._key(name))
+        asked = lease_seconds(ttl)
+        fresh: int | None = None
+        try:
+            for _ in range(ROUNDS):
+                kv = self._read(key)
+                if kv is None or _Value.load(kv).token != token:
+                    self._drop(ident)
+                    return False
+                if fresh is None:
+                    fresh, _ = self._grant(asked)
+                stored = _Value.load(kv)
+                value = _Value(token, stored.count, ttl, stored.holder)
+                answer = self._txn(
+                    [{"target": "MOD", "key": key, "mod_revision": kv["mod_revision"]}],
+                    [{"request_put": {"key": key, "value": value.dump(), "lease": str(fresh)}}],
+                )
+                if answer.get("succeeded"):
+                    lease, fresh = fresh, None
+                    self._hold(
+                        ident, _Held(lease, asked, value, self._revision(answer), sent + ttl)
+                    )
+                    old = int(kv.get("lease", 0))
+                    if old:
+                        self._revoke_quietly(old)
+                    return True
+            raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
+        finally:
+            if fresh is not None:
+                self._revoke_quietly(fresh)
+
+    # -- waiting -----------------------------------------------------------------------
+
+    @contextmanager
+    def waiter(self, name: str, token: str) -> Iterator[EtcdWaiter]:
+        ident = (name, token)
+        self._waiting.add(ident)
+        try:
+            yield EtcdWaiter(self, name, token)
+        finally:
+            self._waiting.discard(ident)
+            self._seen.pop(ident, None)
+
+    def _watch_release(self, name: str, token: str, timeout: float) -> None:
+        """Return when the key is deleted after the revision the last busy attempt saw,
+        or after ``timeout``."""
+        seen = self._seen.get((name, token))
+        request: dict[str, Any] = {"key": b64(self._key(name))}
+        if seen is not None:
+            request["start_revision"] = str(seen + 1)
+        client = self._http()
+        deadline = time.monotonic() + timeout
+        base = self._endpoints[self._current]
+        limit = httpx.Timeout(self._timeout.read, connect=self._timeout.connect, read=timeout)
+        try:
+            with client.stream(
+                "POST", base + "/v3/watch", json={"create_request": request}, timeout=limit
+            ) as response:
+                if response.status_code != 200:
+                    content = response.read()
+                    self._answer(response.status_code, content)
+                    return
+                for line in response.iter_lines():
+                    if self._released(line) or time.monotonic() >= deadline:
+                        return
+        except httpx.ReadTimeout:
+            return
+        except httpx.HTTPError as exc:
+            if self._closed:
+                raise BackendError(f"etcd {self._where}: the client is closed") from exc
+            raise self._fail(exc) from exc
+
+    def _released(self, line: str) -> bool:
+        """Whether one message of the watch stream tells a deletion (or ends the watch:
+        its start was compacted away, and the next attempt looks again)."""
+        if not line.strip():
+            return False
+        message = json.loads(line)
+        result = message.get("result")
+        if not isinstance(result, dict):
+            raise self._refusal(message.get("error") or message)
+        if result.get("canceled") or result.get("compact_revision"):
+            return True
+        return any(event.get("type") == "DELETE" for event in result.get("events") or ())
+
+    # -- leases that run out unrenewed -------------------------------------------------
+
+    def _start_reaper(self, deadline: float) -> None:
+        with self._reaper_lock:
+            if self._closed:
+                return
+            if not serving(self._reaper):
+                self._reaper_wakeup = WakeupEvent()
+                self._reaper_next = math.inf
+                self._reaper = spawn(self._reap, name="dlock-etcd-reaper")
+            if deadline < self._reaper_next:
+                self._reaper_wakeup.set()
+
+    def _reap(self) -> None:
+        """Revoke the leases whose holder's ttl ran out unrenewed: etcd would keep them
+        until the lease's whole seconds end."""
+        while not self._closed:
+            self._reaper_wakeup.clear()
+            self._reaper_next = -math.inf
+            now = time.monotonic()
+            with self._lock:
+                due = [
+                    (ident, held)
+                    for ident, held in self._held.items()
+                    if held.deadline <= now and not self._busy.get(ident)
+                ]
+                for ident, _ in due:
+                    del self._held[ident]
+            for _, held in due:
+                with contextlib.suppress(BackendError):
+                    self._revoke(held.lease)
+            if self._closed:
+                return
+            with self._lock:
+                deadline = min(
+                    (h.deadline for i, h in self._held.items() if not self._busy.get(i)),
+                    default=math.inf,
+                )
+            self._reaper_next = deadline
+            wait = deadline - time.monotonic()
+            self._reaper_wakeup.wait(max(0.001, wait) if wait != math.inf else None)
+
+    # -- inspection --------------------------------------------------------------------
+
+    def _info(self, kv: dict[str, Any]) -> LockInfo | None:
+        lease = int(kv.get("lease", 0))
+        value = _Value.load(kv)
+        expires_in: float | None = None
+        if lease:
+            answer = self._post("/v3/lease/timetolive", {"ID": str(lease)})
+            left = int(answer.get("TTL", 0))  # a zero is left out of the JSON
+            if left < 0:
+                return None  # expired; the server deletes the key in a moment
+            expires_in = float(min(left, value.ttl))
+        name = unb64(kv["key"])[len(self._prefix) :].decode("utf-8", "surrogateescape")
+        return LockInfo(
+            name=name,
+            fencing_token=int(kv["create_revision"]),
+            holder=Holder.from_json(json.dumps(value.holder)),
+            expires_in=expires_in,
+            count=value.count,
+        )
+
+    def inspect(self, name: str) -> LockInfo | None:
+        kv = self._read(b64(self._key(name)))
+        return None if kv is None else self._info(kv)
+
+    def list(self, prefix: str) -> builtins.list[LockInfo]:
+        start = self._key(prefix)
+        answer = self._post(
+            "/v3/kv/range", {"key": b64(start), "range_end": b64(prefix_end(start))}
+        )
+        infos = []
+        for kv in answer.get("kvs") or ():
+            info = self._info(kv)
+            if info is not None:
+                infos.append(info)
+        return infos
+
+    def force_release(self, name: str) -> bool:
+        answer = self._post("/v3/kv/deleterange", {"key": b64(self._key(name)), "prev_kv": True})
+        if not int(answer.get("deleted", 0)):
+            return False
+        for kv in answer.get("prev_kvs") or ():
+            lease = int(kv.get("lease", 0))
+            if lease:
+                self._revoke_quietly(lease)
+        return True
+
+    def prune(self, older_than: float, limit: int) -> int:
+        """Nothing to delete: a released lock leaves no key."""
+        return 0
+
+    def close(self) -> None:
+        self._follow_fork()
+        self._follow_loop()
+        self._closed = True
+        self._reaper_wakeup.set()
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(httpx.HTTPError, OSError):
+                client.close()
+
+
+BACKEND = EtcdBackend
