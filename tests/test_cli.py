@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -21,8 +22,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
+import httpx
 import pytest
 import redis
 
@@ -1203,7 +1205,25 @@ def _rename_redis(url: str, old: bytes, new: bytes) -> None:
     server.close()
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def _rename_etcd(url: str, old: bytes, new: bytes) -> None:
+    """Move the lock's key to another name, on the same lease (etcd's JSON gateway)."""
+    parts = urlsplit(url)
+    base, prefix = f"http://{parts.netloc}", parts.path.rstrip("/").encode() + b"/"
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    [kv] = httpx.post(f"{base}/v3/kv/range", json={"key": b64(prefix + old)}).json()["kvs"]
+    put = {"key": b64(prefix + new), "value": kv["value"], "lease": kv.get("lease", "0")}
+    deleted = {"key": b64(prefix + old)}
+    answer = httpx.post(
+        f"{base}/v3/kv/txn",
+        json={"success": [{"request_put": put}, {"request_delete_range": deleted}]},
+    )
+    assert answer.json().get("succeeded"), answer.text
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis", "etcd"])
 def test_a_name_not_in_utf8_is_listed_escaped(
     backend: str, db: str, name: str, request: pytest.FixtureRequest
 ) -> None:
@@ -1212,7 +1232,9 @@ def test_a_name_not_in_utf8_is_listed_escaped(
     listed with its bytes kept, shown escaped."""
     if backend == "redis":
         db = f"redis://{request.getfixturevalue('redis_server').address}/0"
-    rename = _rename_sqlite if backend == "sqlite" else _rename_redis
+    if backend == "etcd":
+        db = request.getfixturevalue("etcd_server").url(f"/dlock-{uuid.uuid4().hex[:8]}")
+    rename = {"sqlite": _rename_sqlite, "redis": _rename_redis, "etcd": _rename_etcd}[backend]
     foreign = name.encode() + b"\xff"
     with dlock.connect(db) as client, client.lock(name, ttl=30):
         rename(db, name.encode(), foreign)

@@ -39,6 +39,7 @@ from ..._options import flag, query_options, seconds
 from ..._registry import split_url
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from ..._validation import name_bytes, name_from_bytes
 from .._primitives import WakeupEvent, current_task, serving, spawn
 from ..backend import AsyncBackend, AsyncWaiter
 
@@ -357,7 +358,7 @@ class AsyncEtcdBackend(AsyncBackend):
     # -- keys and leases ------------------------------------------------------------
 
     def _key(self, name: str) -> bytes:
-        return self._prefix + name.encode("utf-8")
+        return self._prefix + name_bytes(name)
 
     async def _grant(self, ttl: int) -> tuple[int, int]:
         answer = await self._post("/v3/lease/grant", {"TTL": str(ttl)})
@@ -790,7 +791,7 @@ class AsyncEtcdBackend(AsyncBackend):
             if left < 0:
                 return None  # expired; the server deletes the key in a moment
             expires_in = float(min(left, value.ttl))
-        name = unb64(kv["key"])[len(self._prefix) :].decode("utf-8", "surrogateescape")
+        name = name_from_bytes(unb64(kv["key"])[len(self._prefix) :])
         return LockInfo(
             name=name,
             fencing_token=int(kv["create_revision"]),

@@ -40,6 +40,7 @@ from ..._options import flag, query_options, seconds
 from ..._registry import split_url
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
+from ..._validation import name_bytes, name_from_bytes
 from .._primitives import WakeupEvent, current_task, serving, spawn
 from ..backend import Backend, Waiter
 
@@ -358,7 +359,7 @@ class EtcdBackend(Backend):
     # -- keys and leases ------------------------------------------------------------
 
     def _key(self, name: str) -> bytes:
-        return self._prefix + name.encode("utf-8")
+        return self._prefix + name_bytes(name)
 
     def _grant(self, ttl: int) -> tuple[int, int]:
         answer = self._post("/v3/lease/grant", {"TTL": str(ttl)})
@@ -791,7 +792,7 @@ class EtcdBackend(Backend):
             if left < 0:
                 return None  # expired; the server deletes the key in a moment
             expires_in = float(min(left, value.ttl))
-        name = unb64(kv["key"])[len(self._prefix) :].decode("utf-8", "surrogateescape")
+        name = name_from_bytes(unb64(kv["key"])[len(self._prefix) :])
         return LockInfo(
             name=name,
             fencing_token=int(kv["create_revision"]),
