@@ -402,13 +402,14 @@ def test_cancelled_release_gives_the_lease_back(tmp_path: Path) -> None:
 
 
 def test_the_longest_lease_does_not_stop_renewal(tmp_path: Path) -> None:
-    """The renewer sleeps until the long lease is due, but no longer than a thread's
-    wait can (it overflows past about 9.2e9 s); it must not die of it, leaving every
-    other lock of its client unrenewed."""
+    """A lease as long as any backend keeps beside a short one: the renewer, which once
+    slept until the long lease was due and died of a thread's wait overflowing (past
+    about 9.2e9 s), leaving every other lock of its client unrenewed, renews both (it
+    now sleeps at most RESUME_CHECK while it holds leases)."""
     with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
         forever = client.lock("forever", ttl=dlock.MAX_TTL)
         assert forever.acquire(timeout=0)
-        time.sleep(0.5)  # the renewer goes to sleep until the long lease is due
+        time.sleep(0.5)  # the renewer goes to sleep
         short = client.lock("short", ttl=1)
         assert short.acquire(timeout=0)
         time.sleep(2.5)

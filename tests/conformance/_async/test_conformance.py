@@ -504,20 +504,21 @@ async def test_extend(url: str, name: str) -> None:
 async def test_extend_shorter_than_the_renewal_interval_keeps_the_lease(
     url: str, name: str
 ) -> None:
-    """The renewer sleeps until the 30 s lease is due (10 s); a lease made to end in
-    2 s is due long before that.
+    """The renewer sleeps until the 30 s lease is due, at most RESUME_CHECK (1 s) at a
+    time; a lease made to end in 0.6 s is due before that wake-up.
 
-    Waiting 2.5 s after the extend is enough: the 2 s lease ends at least 0.5 s before
+    Waiting 0.9 s after the extend is enough: the 0.6 s lease ends at least 0.3 s before
     the check, by this client's clock (``lock.lost``, checked first) and by the
-    backend's (the other client's acquire); a renewer that slept on to its 10 s wake-up
-    renewed nothing by then. A renewal in time made the lease 30 s long again, so the
-    wait's length has no bearing on a correct client."""
+    backend's (the other client's acquire); a renewer that slept on to its wake-up
+    (1 s after it went to sleep, before the extend) renewed nothing by then. A renewal
+    in time made the lease 30 s long again, so the wait's length has no bearing on a
+    correct client."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=30)
         await lock.acquire()
         await sleep(0.2)
-        await lock.extend(2)
-        await sleep(2.5)
+        await lock.extend(0.6)
+        await sleep(0.9)
         assert lock.owned() and not lock.lost
         assert await second.lock(name, ttl=5).acquire(timeout=0) is False
         await lock.release()
