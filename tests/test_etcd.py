@@ -1,0 +1,452 @@
+"""etcd-specific behaviour: server faults (paused, killed and restarted), holder processes
+paused or killed, TLS, and a host list with a dead host in it.
+
+Real etcd processes only (tests/servers/etcd.py): the session's shared server for what
+leaves it as it was, and a private one for a test that pauses or kills its server. Sync
+face; the asyncio face is generated from the same backend module and covered by the
+conformance suite. Leases are short (1 to 3 s: the test server's shortest lease is 1 s),
+so the whole file runs in about half a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import dlock
+import dlock.aio
+from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
+from tests.servers import free_port
+from tests.servers.etcd import EtcdServer
+from tests.servers.tls import Certificates, make_certificates
+
+
+@pytest.fixture
+def name() -> str:
+    return f"etcd-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def own_etcd() -> Iterator[EtcdServer]:
+    """A private server for a test that pauses or kills it."""
+    server = EtcdServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def prefix() -> str:
+    return f"/dlock-{uuid.uuid4().hex[:8]}"
+
+
+def stored(server: EtcdServer, path: str, name: str) -> tuple[int, int] | None:
+    """The key of lock ``name`` under ``path`` as etcd has it, read past dlock: its
+    ``mod_revision`` (which any write of it moves) and its lease, or None."""
+    key = base64.b64encode(f"{path}/{name}".encode()).decode()
+    answer = httpx.post(
+        f"http://{server.address}/v3/kv/range", json={"key": key}, timeout=5, trust_env=False
+    )
+    kvs = answer.json().get("kvs") or []
+    return (int(kvs[0]["mod_revision"]), int(kvs[0]["lease"])) if kvs else None
+
+
+def token_of(lock: dlock.Lock) -> int:
+    assert lock.fencing_token is not None
+    return lock.fencing_token
+
+
+# -- the server paused, killed, restarted --------------------------------------------------
+
+
+def test_a_paused_server_grants_nothing_and_its_holder_is_told_by_its_ttl(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A paused etcd still has its port accepting connections (the kernel does that), so
+    a request is sent and never answered: an acquire must end within the request timeout
+    as BackendUnavailable, never as a grant. The holder's renewals cannot get through
+    either, and it must be told of the loss by its own ttl, not when the server comes
+    back. After the resume, its lease ends on the server (a keepalive sent during the
+    pause may still be applied when the server resumes, which renews the lease once
+    more: the successor gets the lock within ceil(ttl) + about 1 s of the resume), and
+    the first holder, resumed or not, can neither release nor extend its successor's
+    lock."""
+    ttl, timeout = 2.0, 1.0
+    path = prefix()
+    url = own_etcd.url(path, timeout=timeout)
+    told = threading.Event()
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=ttl, on_lost=lambda lock: told.set())
+        assert holder.acquire(timeout=0)
+        owner_token = holder._token
+        old = token_of(holder)
+        own_etcd.process.pause()
+        paused = time.monotonic()
+        try:
+            started = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable):
+                second.lock(name, ttl=ttl).acquire(timeout=0)
+            took = time.monotonic() - started
+            assert took < timeout + 0.5, f"the try took {took:.2f} s, past its request timeout"
+            assert told.wait(ttl + 0.5), "the holder was not told of the loss by its ttl"
+            told_after = time.monotonic() - paused
+            assert told_after <= ttl + 0.3, f"told {told_after:.2f} s into the pause"
+            assert holder.lost and not holder.owned()
+        finally:
+            own_etcd.process.resume()
+        resumed = time.monotonic()
+        successor = second.lock(name, ttl=5)
+        assert successor.acquire(timeout=math.ceil(ttl) + 3)
+        waited = time.monotonic() - resumed
+        assert waited <= math.ceil(ttl) + 1.0, f"the lock stayed taken {waited:.2f} s after"
+        new = token_of(successor)
+        assert new > old
+        before = stored(own_etcd, path, name)
+        assert before is not None
+        # The first holder's calls find the loss, and its owner token, sent to the
+        # backend as a holder that missed the loss would, touches nothing.
+        with pytest.raises(dlock.LockLost):
+            holder.extend()
+        with pytest.raises(dlock.LockLost):
+            holder.release()
+        assert first._backend.extend(name, owner_token, ttl) is False
+        assert first._backend.release(name, owner_token) is None
+        assert stored(own_etcd, path, name) == before, "the successor's key was written"
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == new
+        assert successor.owned()
+        successor.extend()
+        successor.release()
+        assert second.inspect(name) is None
+
+
+def test_a_restart_keeps_the_held_lease_and_restarts_its_ttl(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """etcd writes leases to disk: a server killed (SIGKILL) and started again on the
+    same data directory still has them, and starts each one's TTL afresh when it becomes
+    leader again (the remaining TTL is not kept). So during the outage an acquire is
+    BackendUnavailable, never a grant; after it, a renewing holder whose outage was
+    shorter than its ttl still holds (its renewals get through again), and nobody else
+    gets the lock meanwhile. A holder that does not renew, whose ttl ran out during the
+    outage, is told so by its own clock, but its reaper could not revoke the lease: the
+    restarted server keeps its key for up to one more ceil(ttl) (a late free, never two
+    holders). Revisions are on disk too: fencing tokens keep increasing."""
+    url = own_etcd.url(prefix(), timeout=1)
+    other = f"{name}-unrenewed"
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=3)
+        assert holder.acquire(timeout=0)
+        held_at = time.monotonic()
+        unrenewed = first.lock(other, ttl=1, auto_renew=False)
+        assert unrenewed.acquire(timeout=0)
+        unrenewed_at = time.monotonic()
+        tokens = {name: token_of(holder), other: token_of(unrenewed)}
+        own_etcd.process.kill()
+        for taken in (name, other, f"{name}-free"):
+            with pytest.raises(dlock.BackendUnavailable):
+                second.lock(taken, ttl=1).acquire(timeout=0)
+        # Past the unrenewed lease's ttl, and its whole seconds: up, etcd would have
+        # freed it by now.
+        time.sleep(max(0.0, unrenewed_at + 1.6 - time.monotonic()))
+        assert not unrenewed.owned()
+        own_etcd.process.start()
+        restarted = time.monotonic()
+        # The unrenewed holder's key is still there, its TTL started again.
+        info = second.inspect(other)
+        assert info is not None and info.fencing_token == tokens[other]
+        late = second.lock(other, ttl=5)
+        assert late.acquire(timeout=0) is False, "the restarted lease ended at once"
+        assert late.acquire(timeout=3)
+        freed_after = time.monotonic() - restarted
+        assert freed_after <= 1 + 1.0, f"freed {freed_after:.2f} s after the restart"
+        assert token_of(late) > tokens[other]
+        # The renewing holder kept its lock, past the end of the lease it had when the
+        # server went down: renewals reached the restarted server.
+        time.sleep(max(0.0, held_at + 3.5 - time.monotonic()))
+        assert not holder.lost and holder.owned()
+        info = second.inspect(name)
+        assert info is not None and info.fencing_token == tokens[name]
+        assert second.lock(name, ttl=1).acquire(timeout=0) is False
+        holder.release()
+        successor = second.lock(name, ttl=1)
+        assert successor.acquire(timeout=0)
+        assert token_of(successor) > max(tokens.values())
+        successor.release()
+        with pytest.raises(dlock.LockLost):
+            unrenewed.release()
+        info = second.inspect(other)
+        assert info is not None and info.fencing_token == token_of(late)
+        late.release()
+
+
+# -- holder processes paused or killed ------------------------------------------------------
+
+
+def start_holder(url: str, name: str, ttl: float) -> tuple[subprocess.Popen[str], int]:
+    """A process holding ``name`` with its lease renewed (tests/etcd_holder.py), and its
+    fencing token."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.etcd_holder", url, name, str(ttl)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=WORKER_ENV,
+    )
+    line = read_line(process)
+    assert line.startswith("held "), line
+    return process, int(line.split()[1])
+
+
+def end_holder(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGCONT)
+    try:
+        process.wait(20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def test_a_paused_holder_process_loses_to_a_larger_token(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A holder process stopped (SIGSTOP) stops renewing: etcd frees its key when the
+    lease's whole seconds run out, ceil(ttl) after the last renewal plus up to 0.5 s (the
+    leader's expiry check), and a waiter gets the lock then, with a larger fencing
+    token: not before the holder's lease could have ended, nor long after. The holder,
+    resumed, finds the loss at once (owned() false, extend and release raise LockLost,
+    on_lost was called), and its owner token, sent to the backend as a holder that
+    missed the loss would send it, neither releases nor extends the new holder's lock."""
+    ttl = 1.5
+    path = prefix()
+    url = etcd_server.url(path)
+    process, old = start_holder(url, name, ttl)
+    try:
+        time.sleep(ttl)  # a few renewals in
+        os.kill(process.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        with dlock.connect(url) as client:
+            successor = client.lock(name, ttl=30)
+            assert successor.acquire(timeout=math.ceil(ttl) + 3)
+            waited = time.monotonic() - stopped
+            assert ttl / 2 <= waited <= math.ceil(ttl) + 1.0, f"got it after {waited:.2f} s"
+            new = token_of(successor)
+            assert new > old
+            before = stored(etcd_server, path, name)
+            assert before is not None
+            os.kill(process.pid, signal.SIGCONT)
+            report = json.loads(read_line(process))
+            assert report == {
+                "owned": False,
+                "lost": True,
+                "extend": "LockLost",
+                "on_lost": 1,
+                "release": "LockLost",
+                "backend_release": None,
+                "backend_extend": False,
+            }
+            assert stored(etcd_server, path, name) == before, "the successor's key was written"
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == new
+            assert successor.owned()
+            successor.release()
+    finally:
+        end_holder(process)
+
+
+def test_a_killed_holder_process_frees_the_lock_within_its_lease(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A holder process killed (SIGKILL) gives nothing back: its lease, on the server's
+    clock, frees the key at most ceil(ttl) after its last renewal plus the leader's
+    0.5 s expiry check, and the deletion wakes the waiter at once."""
+    ttl = 1.5
+    url = etcd_server.url(prefix())
+    process, old = start_holder(url, name, ttl)
+    try:
+        time.sleep(ttl)
+        os.kill(process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with dlock.connect(url) as client:
+            successor = client.lock(name, ttl=5)
+            assert successor.acquire(timeout=math.ceil(ttl) + 3)
+            waited = time.monotonic() - killed
+            assert ttl / 2 <= waited <= math.ceil(ttl) + 1.0, f"got it after {waited:.2f} s"
+            assert token_of(successor) > old
+            successor.release()
+    finally:
+        end_holder(process)
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("etcd-certificates"))
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(certificates: Certificates) -> Iterator[EtcdServer]:
+    """An etcd serving its clients over TLS only, with no client certificate asked."""
+    server = EtcdServer(certificates)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mtls_etcd(certificates: Certificates) -> Iterator[EtcdServer]:
+    """An etcd that asks every client for a certificate of its CA (--client-cert-auth)."""
+    server = EtcdServer(certificates, client_cert_auth=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def use_lock(url: str, name: str) -> int:
+    """Take ``name`` and give it back, through ``url``; its fencing token."""
+    with dlock.connect(url) as client, client.lock(name, ttl=2, timeout=2) as lock:
+        token = token_of(lock)
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == token
+    with dlock.connect(url) as client:
+        assert client.inspect(name) is None
+    return token
+
+
+def refusal(url: str, name: str) -> BaseException:
+    """What an acquire through ``url`` raised; fails the test if it was granted."""
+    with dlock.connect(url) as client:
+        try:
+            granted = client.lock(name, ttl=2).acquire(timeout=0)
+        except dlock.LockError as exc:
+            return exc
+    raise AssertionError(f"acquire through {url} answered {granted}, not an error")
+
+
+def test_verified_tls_takes_and_gives_back_a_lock(
+    tls_etcd: EtcdServer, certificates: Certificates, name: str
+) -> None:
+    """etcds:// with the CA that signed the server's certificate works, in both faces."""
+    url = tls_etcd.url(prefix(), ca=certificates.ca)
+    first = use_lock(url, name)
+
+    async def in_asyncio() -> int:
+        async with (
+            dlock.aio.connect(url) as client,
+            client.lock(name, ttl=2, timeout=2) as lock,
+        ):
+            assert lock.fencing_token is not None
+            return lock.fencing_token
+
+    assert asyncio.run(in_asyncio()) > first
+
+
+def test_a_client_certificate_is_sent_when_asked(
+    mtls_etcd: EtcdServer, certificates: Certificates, name: str
+) -> None:
+    """With --client-cert-auth, certfile and keyfile get the client in."""
+    use_lock(
+        mtls_etcd.url(
+            prefix(),
+            ca=certificates.ca,
+            certfile=certificates.client_cert,
+            keyfile=certificates.client_key,
+        ),
+        name,
+    )
+
+
+@pytest.mark.parametrize("ca", ["other", "system"])
+def test_a_server_certificate_of_another_ca_is_refused_not_unavailable(
+    tls_etcd: EtcdServer, certificates: Certificates, name: str, ca: str
+) -> None:
+    """A certificate the client does not trust will not become trusted by waiting: a
+    plain BackendError, which callers do not retry, never BackendUnavailable."""
+    options = {"ca": certificates.other_ca} if ca == "other" else {}
+    error = refusal(tls_etcd.url(prefix(), **options), name)
+    assert isinstance(error, dlock.BackendError), error
+    assert not isinstance(error, dlock.BackendUnavailable), error
+    assert "certificate" in str(error).lower()
+
+
+def test_a_missing_client_certificate_is_refused_not_unavailable(
+    mtls_etcd: EtcdServer, certificates: Certificates, name: str
+) -> None:
+    """A server that requires a client certificate refuses the handshake without one:
+    that is a configuration to mend, a plain BackendError, not BackendUnavailable."""
+    error = refusal(mtls_etcd.url(prefix(), ca=certificates.ca), name)
+    assert isinstance(error, dlock.BackendError), error
+    assert not isinstance(error, dlock.BackendUnavailable), error
+    assert "certificate" in str(error).lower()
+
+
+@pytest.mark.parametrize("server", ["tls_etcd", "mtls_etcd"])
+def test_plain_http_to_a_tls_port_is_unavailable_never_a_lock(
+    request: pytest.FixtureRequest, server: str, name: str
+) -> None:
+    """etcd:// to a port that speaks TLS only: etcd drops the connection on the failed
+    handshake without an answer, which the client cannot tell from a server that died
+    while answering (the request may have been applied), so it is BackendUnavailable.
+    Never a grant."""
+    tls: EtcdServer = request.getfixturevalue(server)
+    error = refusal(f"etcd://{tls.address}{prefix()}", name)
+    assert isinstance(error, dlock.BackendUnavailable), error
+
+
+# -- several hosts --------------------------------------------------------------------------
+
+
+def test_a_dead_host_in_the_list_is_skipped(etcd_server: EtcdServer, name: str) -> None:
+    """A URL listing a host nobody listens on before the live one still works: a
+    connection that cannot be made sent nothing, so the backend goes on to the next
+    host. A waiter of that URL is woken by the release (its watch goes to the host that
+    answered), and a list of dead hosts only is BackendUnavailable."""
+    path = prefix()
+    dead = f"127.0.0.1:{free_port()}"
+    url = f"etcd://{dead},{etcd_server.address}{path}"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=0)
+        first = token_of(lock)
+        waiter = other.lock(name, ttl=5)
+        assert waiter.acquire(timeout=0) is False
+        got: list[Any] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10)))
+        thread.start()
+        time.sleep(0.3)
+        released = time.monotonic()
+        lock.release()
+        thread.join(10)
+        assert got == [True]
+        assert time.monotonic() - released < 1.0, "the waiter was not woken by the release"
+        assert token_of(waiter) > first
+        info = client.inspect(name)
+        assert info is not None and info.fencing_token == token_of(waiter)
+        waiter.release()
+    both_dead = f"etcd://{dead},127.0.0.1:{free_port()}{path}"
+    assert isinstance(refusal(both_dead, name), dlock.BackendUnavailable)
