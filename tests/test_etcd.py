@@ -450,3 +450,29 @@ def test_a_dead_host_in_the_list_is_skipped(etcd_server: EtcdServer, name: str) 
         waiter.release()
     both_dead = f"etcd://{dead},127.0.0.1:{free_port()}{path}"
     assert isinstance(refusal(both_dead, name), dlock.BackendUnavailable)
+
+
+def test_a_host_that_stops_answering_is_left_for_the_next(
+    own_etcd: EtcdServer, etcd_server: EtcdServer, name: str
+) -> None:
+    """A host that accepts connections and then answers nothing (a member paused, hung
+    or cut off from its quorum): the request sent to it is not sent again elsewhere (it
+    may yet be applied) and is BackendUnavailable, but the client's next request goes to
+    the next host, rather than every later one waiting out its timeout on the same host
+    while the others would answer. (Two one-member clusters stand in for the members of
+    one: only where the requests go is checked.)"""
+    path = prefix()
+    url = f"etcd://{own_etcd.address},{etcd_server.address}{path}?timeout=0.5"
+    with dlock.connect(url) as client:
+        assert client.inspect(name) is None  # answered by the first host
+        own_etcd.process.pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable):
+                client.inspect(name)
+            lock = client.lock(name, ttl=2)
+            assert lock.acquire(timeout=0)
+            assert stored(etcd_server, path, name) is not None, "not held on the second host"
+            lock.release()
+            assert stored(etcd_server, path, name) is None
+        finally:
+            own_etcd.process.resume()

@@ -308,7 +308,8 @@ class EtcdBackend(Backend):
         client = self._http()
         last: BaseException | None = None
         for _ in self._endpoints:
-            base = self._endpoints[self._current]
+            used = self._current
+            base = self._endpoints[used]
             try:
                 if isinstance(body, bytes):
                     response = client.post(base + path, content=body)
@@ -318,19 +319,37 @@ class EtcdBackend(Backend):
                 if certificate_refused(exc):
                     raise self._fail(exc) from exc
                 last = exc
-                self._current = (self._current + 1) % len(self._endpoints)
+                self._move_on(used)
                 continue
             except httpx.HTTPError as exc:
-                raise self._fail(exc) from exc
+                raise self._left(used, self._fail(exc)) from exc
             if lines and response.status_code == 200:
                 try:
                     messages = [json.loads(line) for line in response.content.splitlines() if line]
                 except ValueError:
                     raise BackendError(f"etcd {self._where}: unreadable answer") from None
                 return {"lines": messages}
-            return self._answer(response.status_code, response.content)
+            try:
+                return self._answer(response.status_code, response.content)
+            except BackendUnavailable as exc:
+                raise self._left(used, exc) from None
         assert last is not None
         raise self._fail(last) from last
+
+    def _move_on(self, used: int) -> None:
+        """Send the next requests to the host after endpoint ``used``, unless another
+        call has moved on from it already."""
+        if self._current == used:
+            self._current = (used + 1) % len(self._endpoints)
+
+    def _left(self, used: int, error: BackendError) -> BackendError:
+        """A request sent to endpoint ``used`` got no usable answer: it is not sent
+        again (it may yet be applied), but when that host is unavailable (paused, hung,
+        cut off from its quorum) the next request goes to the next host, rather than
+        every one waiting out its timeout there."""
+        if isinstance(error, BackendUnavailable):
+            self._move_on(used)
+        return error
 
     def _answer(self, status: int, content: bytes) -> dict[str, Any]:
         try:
@@ -705,7 +724,8 @@ class EtcdBackend(Backend):
             request["start_revision"] = str(seen + 1)
         client = self._http()
         deadline = time.monotonic() + timeout
-        base = self._endpoints[self._current]
+        used = self._current
+        base = self._endpoints[used]
         limit = httpx.Timeout(self._timeout.read, connect=self._timeout.connect, read=timeout)
         try:
             with client.stream(
@@ -723,7 +743,7 @@ class EtcdBackend(Backend):
         except httpx.HTTPError as exc:
             if self._closed:
                 raise BackendError(f"etcd {self._where}: the client is closed") from exc
-            raise self._fail(exc) from exc
+            raise self._left(used, self._fail(exc)) from exc
 
     def _released(self, line: str) -> bool:
         """Whether one message of the watch stream tells a deletion (or ends the watch:
