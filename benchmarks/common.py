@@ -10,7 +10,7 @@ import asyncio
 import multiprocessing
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import pairwise
@@ -242,6 +242,25 @@ def combine_rounds(results: list[Contention]) -> Contention:
         counter=sum(c.counter for c in results),
         expected=sum(c.expected for c in results),
     )
+
+
+def print_round_rates(runs: dict[str, list[Contention]], peers: Sequence[str]) -> None:
+    """Each setup's rate in every round, then dlock's against each peer's: the ratio of
+    their median rates, and the median of the per-round ratios (each round runs every
+    setup back to back, so its ratio is less exposed to the machine's drifting load)."""
+    for label, results in runs.items():
+        rates = ", ".join(f"{c.sections_per_s:.0f}" for c in results)
+        print(f"{label} sections/s per round: {rates}")
+    ours = runs["dlock"]
+    for peer in peers:
+        ratio = combine_rounds(ours).sections_per_s / combine_rounds(runs[peer]).sections_per_s
+        paired = sorted(
+            d.sections_per_s / k.sections_per_s for d, k in zip(ours, runs[peer], strict=True)
+        )
+        print(
+            f"dlock vs {peer} under contention: median rounds {ratio:.2f}x, "
+            f"median of per-round ratios {paired[len(paired) // 2]:.2f}x"
+        )
 
 
 def _ratio(value: float | None, base: float | None) -> str:

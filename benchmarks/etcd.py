@@ -44,6 +44,7 @@ from benchmarks.common import (
     measure_contention_rounds,
     measure_latencies,
     open_dlock,
+    print_round_rates,
     print_table,
 )
 from tests.servers.etcd import EtcdServer
@@ -277,18 +278,7 @@ def main() -> int:
             rows,
             RAW,
         )
-        for label, results in runs.items():
-            rates = ", ".join(f"{c.sections_per_s:.0f}" for c in results)
-            print(f"{label} sections/s per round: {rates}")
-        ratio = medians["dlock"].sections_per_s / medians[TOOZ].sections_per_s
-        paired = sorted(
-            d.sections_per_s / t.sections_per_s
-            for d, t in zip(runs["dlock"], runs[TOOZ], strict=True)
-        )
-        print(
-            f"dlock vs {TOOZ} under contention: median rounds {ratio:.2f}x, "
-            f"median of per-round ratios {paired[len(paired) // 2]:.2f}x"
-        )
+        print_round_rates(runs, [TOOZ])
         print(f"load average at the end: {load()}")
         return 0 if all(con is None or con.counter == con.expected for _, _, con in rows) else 1
     finally:

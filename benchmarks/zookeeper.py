@@ -30,6 +30,7 @@ from benchmarks.common import (
     measure_contention_rounds,
     measure_latencies,
     open_dlock,
+    print_round_rates,
     print_table,
 )
 from dlock._sync.backends.zookeeper import KazooHandler
@@ -155,20 +156,7 @@ def main() -> None:
             rows,
             RAW,
         )
-        for label, results in runs.items():
-            rates = ", ".join(f"{c.sections_per_s:.0f}" for c in results)
-            print(f"{label} sections/s per round: {rates}")
-        for peer in (KAZOO, KAZOO_FAST):
-            ratio = medians["dlock"].sections_per_s / medians[peer].sections_per_s
-            # Each round runs all back to back, so its ratio is less exposed to the drift.
-            paired = sorted(
-                d.sections_per_s / k.sections_per_s
-                for d, k in zip(runs["dlock"], runs[peer], strict=True)
-            )
-            print(
-                f"dlock vs {peer} under contention: median rounds {ratio:.2f}x, "
-                f"median of per-round ratios {paired[len(paired) // 2]:.2f}x"
-            )
+        print_round_rates(runs, [KAZOO, KAZOO_FAST])
     finally:
         servers.stop()
 
