@@ -244,6 +244,16 @@ def combine_rounds(results: list[Contention]) -> Contention:
     )
 
 
+def contention_rows(
+    runs: dict[str, list[Contention]], processes: int
+) -> list[tuple[str, Latency | None, Contention | None]]:
+    """One table row per setup of :func:`measure_contention_rounds`: its rounds combined."""
+    return [
+        (f"{label}, {processes} processes", None, combine_rounds(results))
+        for label, results in runs.items()
+    ]
+
+
 def print_round_rates(runs: dict[str, list[Contention]], peers: Sequence[str]) -> None:
     """Each setup's rate in every round, then dlock's against each peer's: the ratio of
     their median rates, and the median of the per-round ratios (each round runs every

@@ -39,7 +39,7 @@ from benchmarks.common import (
     Contention,
     Latency,
     LockHandle,
-    combine_rounds,
+    contention_rows,
     dlock_ops,
     measure_contention_rounds,
     measure_latencies,
@@ -256,19 +256,12 @@ def main() -> int:
         rows: list[tuple[str, Latency | None, Contention | None]] = [
             (label, latency, None) for label, latency in latencies.items()
         ]
-        openers: list[tuple[str, Callable[[Any], LockHandle], Any]] = [
-            ("dlock", open_dlock, url),
-            (TOOZ, open_tooz, server.port),
-        ]
-        runs = measure_contention_rounds(
-            {label: (opener, config) for label, opener, config in openers},
-            args.rounds,
-            args.processes,
-            args.sections,
-        )
-        medians = {label: combine_rounds(results) for label, results in runs.items()}
-        for label, contention in medians.items():
-            rows.append((f"{label}, {args.processes} processes", None, contention))
+        setups: dict[str, tuple[Callable[[Any], LockHandle], Any]] = {
+            "dlock": (open_dlock, url),
+            TOOZ: (open_tooz, server.port),
+        }
+        runs = measure_contention_rounds(setups, args.rounds, args.processes, args.sections)
+        rows += contention_rows(runs, args.processes)
         print_table(
             f"etcd {server_version(server)} (one member, data {where}): uncontended "
             f"acquire+release, {latency_rounds} interleaved rounds of "

@@ -25,7 +25,7 @@ from kazoo.client import KazooClient
 from benchmarks.common import (
     Latency,
     LockHandle,
-    combine_rounds,
+    contention_rows,
     dlock_ops,
     measure_contention_rounds,
     measure_latencies,
@@ -134,22 +134,15 @@ def main() -> None:
         rows: list[tuple[str, Latency | None, Any]] = [
             (label, latency, None) for label, latency in latencies.items()
         ]
-        openers: list[tuple[str, Callable[[str], LockHandle], str]] = [
-            ("dlock", open_dlock, url),
-            (KAZOO, open_kazoo, servers.hosts),
-            (KAZOO_FAST, open_kazoo_fast, servers.hosts),
-        ]
+        setups: dict[str, tuple[Callable[[str], LockHandle], str]] = {
+            "dlock": (open_dlock, url),
+            KAZOO: (open_kazoo, servers.hosts),
+            KAZOO_FAST: (open_kazoo_fast, servers.hosts),
+        }
         # Contention is noisy on a shared 2-core machine: alternate the contenders over
         # several rounds and report each one's median.
-        runs = measure_contention_rounds(
-            {label: (opener, config) for label, opener, config in openers},
-            args.rounds,
-            args.processes,
-            args.sections,
-        )
-        medians = {label: combine_rounds(results) for label, results in runs.items()}
-        for label, contention in medians.items():
-            rows.append((f"{label}, {args.processes} processes", None, contention))
+        runs = measure_contention_rounds(setups, args.rounds, args.processes, args.sections)
+        rows += contention_rows(runs, args.processes)
         kind = "3-node ensemble" if args.ensemble else "standalone server"
         print_table(
             f"ZooKeeper ({kind}): uncontended acquire+release; contention on one name",
