@@ -1563,6 +1563,46 @@ class _Disagreements:
         self.client._initialize = True  # maps the slots again before its next call
 
 
+def test_a_sync_cluster_client_made_while_nodes_disagree_rides_it_out(
+    redis_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync face's cluster client maps the slots as it is made, in the first call
+    that needs it: nodes that disagree about some (a resharding's news spreading) refuse
+    that mapping before anything is sent. The call rides it out, as it does a
+    disagreement met later, rather than fail; one that outlasts the call's bound
+    (socket_timeout) is BackendUnavailable."""
+    from redis.cluster import NodesManager
+    from redis.exceptions import RedisClusterException
+
+    real_initialize = NodesManager.initialize
+    left = 0
+
+    def initialize(nodes: NodesManager, *args: Any, **kwargs: Any) -> None:
+        nonlocal left
+        if left > 0:
+            left -= 1
+            raise RedisClusterException(
+                "startup_nodes could not agree on a valid slots cache: "
+                "127.0.0.1:1 vs 127.0.0.1:2 on slot: 1, ..."
+            )
+        real_initialize(nodes, *args, **kwargs)
+
+    monkeypatch.setattr(NodesManager, "initialize", initialize)
+    left = 3
+    with dlock.connect(redis_cluster.url) as client:
+        lock = client.lock(unique(), ttl=30)
+        assert lock.acquire(timeout=0)
+        assert left == 0
+        lock.release()
+    left = 1_000_000
+    with dlock.connect(redis_cluster.url, socket_timeout=0.5) as client:
+        started = time.monotonic()
+        with pytest.raises(dlock.BackendUnavailable, match="could not agree"):
+            client.lock(unique(), ttl=30).acquire(timeout=0)
+        assert time.monotonic() - started < 2.0
+    assert left < 1_000_000
+
+
 def test_an_extend_and_a_renewal_ride_out_nodes_that_disagree_on_the_slots(
     own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

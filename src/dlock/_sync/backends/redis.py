@@ -753,15 +753,30 @@ class RedisBackend(Backend):
         return self._client
 
     def _open_client(self) -> Any:
+        """A client for the URL. The sync face's cluster client maps the slots as it is
+        made, in the first call that needs it: nodes that disagree about some (a
+        resharding's news spreading) refuse that before anything is sent, and it is
+        made again for as long as a call rides out a move (``_ride_out_bound``). The
+        asyncio client maps them in its first call, which rides it out there; it never
+        waits here."""
         assert self._url is not None
-        try:
-            if self._cluster:
-                return redis_client.RedisCluster.from_url(self._url, **self._connection_options())
-            return redis_client.Redis.from_url(self._url, **self._connection_options())
-        except ERRORS as exc:
-            raise wrap(exc, self._where) from exc
-        except (ValueError, TypeError) as exc:
-            raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
+        deadline = time.monotonic() + self._ride_out_bound()
+        refusals = 0
+        while True:
+            try:
+                if self._cluster:
+                    return redis_client.RedisCluster.from_url(
+                        self._url, **self._connection_options()
+                    )
+                return redis_client.Redis.from_url(self._url, **self._connection_options())
+            except ERRORS as exc:
+                refusals += 1
+                delay = moving_delay(refusals)
+                if not (self._cluster and moving(exc) and time.monotonic() + delay <= deadline):
+                    raise wrap(exc, self._where) from exc
+                time.sleep(delay)
+            except (ValueError, TypeError) as exc:
+                raise ConfigurationError(f"bad Redis URL or option: {exc}") from exc
 
     def _keys(self, name: str) -> Keys:
         return _keys(self._prefix, name)
