@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,16 @@ def default_sqlite_url() -> str:
     return "sqlite://" + quote(path, errors="surrogateescape")
 
 
+#: ``scheme://user:password@``: the password, up to the host's "@" (a "#" or "?" in it,
+#: which ought to be escaped, included).
+_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:)[^@/]*@")
+
+
+def shown_url(url: str) -> str:
+    """``url`` as an error message may show it: its password, if any, hidden."""
+    return _PASSWORD.sub(r"\1***@", url)
+
+
 def split_url(url: str) -> SplitResult:
     """``urlsplit``, whose ValueError (an unclosed IPv6 bracket) becomes ours."""
     if not isinstance(url, str) or ":" not in url:
@@ -73,7 +84,7 @@ def split_url(url: str) -> SplitResult:
     try:
         return urlsplit(url)
     except ValueError as exc:
-        raise ConfigurationError(f"{url!r} cannot be parsed as a URL: {exc}") from None
+        raise ConfigurationError(f"{shown_url(url)!r} cannot be parsed as a URL: {exc}") from None
 
 
 def scheme_of(url: str) -> str:
@@ -85,13 +96,15 @@ def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
     scheme = scheme_of(url)
     if split_url(url).fragment:
         raise ConfigurationError(
-            f"{url!r} has a #fragment, which no backend reads: a '#' in a password or"
-            " a file name is written %23"
+            f"{shown_url(url)!r} has a #fragment, which no backend reads: a '#' in a"
+            " password or a file name is written %23"
         )
     entry = BACKENDS.get(scheme)
     if entry is None:
         known = ", ".join(sorted(BACKENDS))
-        raise ConfigurationError(f"unknown URL scheme {scheme!r} in {url!r}; known: {known}")
+        raise ConfigurationError(
+            f"unknown URL scheme {scheme!r} in {shown_url(url)!r}; known: {known}"
+        )
     try:
         module = importlib.import_module(f"{package}.backends.{entry.module}")
     except ModuleNotFoundError as exc:
