@@ -32,8 +32,9 @@ import dlock
 import dlock.aio
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
 from tests.servers import free_port
-from tests.servers.etcd import EtcdServer
+from tests.servers.etcd import EtcdServer, EtcdUser
 from tests.servers.tls import Certificates, make_certificates
+from tests.test_cli import dlock_cmd
 
 
 @pytest.fixture
@@ -521,3 +522,255 @@ def test_a_host_that_stops_answering_is_left_for_the_next(
             assert stored(etcd_server, path, name) is None
         finally:
             own_etcd.process.resume()
+
+
+# -- etcd's own authentication (user:password) ------------------------------------------------
+
+#: Every character a URL needs escaped, so the percent-decoding is exercised.
+DLOCK_USER = EtcdUser("dlock", "Pw:/@#%?& x", prefix="/auth/")
+READER = EtcdUser("reader", "reader-Pw", prefix="/auth/", permission="READ")
+NOBODY = EtcdUser("nobody", "nobody-Pw")
+#: Seconds a token lasts from its last use (the server drops it within one more second).
+TOKEN_TTL = 1
+
+
+@pytest.fixture(scope="module")
+def auth_etcd() -> Iterator[EtcdServer]:
+    """An etcd with authentication enabled and short-lived tokens: ``dlock`` may read
+    and write every key under /auth/, ``reader`` only read them, ``nobody`` nothing."""
+    server = EtcdServer(auth_token_ttl=TOKEN_TTL)
+    server.start()
+    try:
+        server.enable_auth([DLOCK_USER, READER, NOBODY])
+        yield server
+    finally:
+        server.stop()
+
+
+def auth_prefix() -> str:
+    return f"/auth/{uuid.uuid4().hex[:8]}"
+
+
+def auth_token(client: Any) -> str | None:
+    """The token ``client`` sends (None before its first authentication)."""
+    token: str | None = client._backend._auth_token
+    return token
+
+
+def count_authentications(backend: Any) -> list[str]:
+    """Record each authentication ``backend`` sends (a spy on its gateway calls; the
+    calls still go to the real server)."""
+    sent: list[str] = []
+    send = backend._send
+
+    def spy(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == "/v3/auth/authenticate":
+            sent.append(path)
+        return send(path, *args, **kwargs)
+
+    async def async_spy(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == "/v3/auth/authenticate":
+            sent.append(path)
+        return await send(path, *args, **kwargs)
+
+    backend._send = async_spy if asyncio.iscoroutinefunction(send) else spy
+    return sent
+
+
+def test_auth_a_readwrite_user_does_everything_dlock_does(auth_etcd: EtcdServer, name: str) -> None:
+    """With readwrite on the prefix's range only, every operation works: the lease
+    calls (grant, keepalive, timetolive, revoke) need nothing more. A blocked waiter is
+    woken by the release: its watch carries the token (without one the server cancels
+    the watch)."""
+    url = auth_etcd.user_url(DLOCK_USER, auth_prefix())
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=2, reentrant=True)
+        assert lock.acquire(timeout=0)
+        assert lock.acquire(timeout=0)  # re-entered
+        lock.extend(5)
+        info = client.inspect(name)
+        assert info is not None and info.count == 2 and info.fencing_token == token_of(lock)
+        assert info.expires_in is not None and info.expires_in > 3
+        assert [found.name for found in client.list()] == [name]
+        lock.release()
+        lock.release()
+        assert client.inspect(name) is None
+        assert lock.acquire(timeout=0)
+        assert other.force_release(name)
+        assert client.inspect(name) is None
+
+        holder = client.lock(name, ttl=3)
+        assert holder.acquire(timeout=0)
+        waiter = other.lock(name, ttl=3)
+        got: list[bool] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=5)))
+        thread.start()
+        time.sleep(0.5)
+        released = time.monotonic()
+        holder.release()
+        thread.join(6)
+        woken = time.monotonic() - released
+        assert got == [True] and woken < 1.0, f"woken {woken:.2f} s after the release"
+        waiter.release()
+
+
+def test_auth_once_for_concurrent_calls_and_again_once_the_token_expires(
+    auth_etcd: EtcdServer, name: str
+) -> None:
+    """``connect`` sends nothing; the first calls, concurrent (threads, then asyncio
+    tasks), authenticate once between them; once the token has expired unused, the
+    next calls are refused it, authenticate once more and are sent again."""
+    url = auth_etcd.user_url(DLOCK_USER, auth_prefix())
+    with dlock.connect(url) as client:
+        sent = count_authentications(client._backend)
+        assert auth_token(client) is None
+
+        def burst() -> None:
+            threads = [threading.Thread(target=client.inspect, args=(name,)) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(10)
+
+        burst()
+        first = auth_token(client)
+        assert first and len(sent) == 1
+        time.sleep(TOKEN_TTL + 1.5)
+        burst()
+        assert len(sent) == 2 and auth_token(client) not in (None, first)
+
+    async def in_asyncio() -> None:
+        async with dlock.aio.connect(url) as client:
+            sent = count_authentications(client._backend)
+            await asyncio.gather(*(client.inspect(name) for _ in range(8)))
+            first = auth_token(client)
+            assert first and len(sent) == 1
+            await asyncio.sleep(TOKEN_TTL + 1.5)
+            await asyncio.gather(*(client.inspect(name) for _ in range(8)))
+            assert len(sent) == 2 and auth_token(client) not in (None, first)
+
+    asyncio.run(in_asyncio())
+
+
+def test_auth_renewal_keeps_the_lease_past_several_token_expiries(
+    auth_etcd: EtcdServer, name: str
+) -> None:
+    """Renewals come ttl/3 apart, each long enough for the token to expire (it lasts
+    TOKEN_TTL after its last use, dropped within a second more): each renewal is
+    refused its token, authenticates again and goes through. Held past its ttl and
+    well past 3 token lifetimes, the lock is still ours and a rival's try fails."""
+    ttl = 6.5
+    url = auth_etcd.user_url(DLOCK_USER, auth_prefix())
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        lock = client.lock(name, ttl=ttl)
+        assert lock.acquire(timeout=0)
+        tokens = {auth_token(client)}
+        until = time.monotonic() + ttl + 0.5
+        while time.monotonic() < until:
+            tokens.add(auth_token(client))
+            time.sleep(0.05)
+        assert not lock.lost and lock.owned()
+        assert len(tokens) >= 3, f"the token was issued {len(tokens)} times"
+        assert not rival.lock(name, ttl=2).acquire(timeout=0)
+        lock.release()
+
+
+def test_auth_a_wrong_password_is_refused_by_name_and_never_shown(
+    auth_etcd: EtcdServer, name: str
+) -> None:
+    """A wrong password is no outage: a plain BackendError (not retried), naming the
+    user; the password is neither in it nor in the client's repr, in both faces."""
+    wrong = EtcdUser("dlock", "Wrong:/@#%? secret")
+    url = auth_etcd.user_url(wrong, auth_prefix())
+
+    def check(error: BaseException, *shown: object) -> None:
+        assert isinstance(error, dlock.BackendError), error
+        assert not isinstance(error, dlock.BackendUnavailable), error
+        assert "authentication failed for user 'dlock'" in str(error)
+        for text in (str(error), repr(error), *map(repr, shown)):
+            assert wrong.password not in text and "Wrong" not in text, text
+
+    with dlock.connect(url) as client:
+        with pytest.raises(dlock.BackendError) as caught:
+            client.lock(name, ttl=2).acquire(timeout=0)
+        backend: Any = client._backend
+        check(caught.value, client, backend, backend._credentials)
+
+    async def in_asyncio() -> None:
+        async with dlock.aio.connect(url) as client:
+            with pytest.raises(dlock.BackendError) as caught:
+                await client.inspect(name)
+            check(caught.value, client, client._backend)
+
+    asyncio.run(in_asyncio())
+
+
+def test_auth_no_credentials_or_no_permission_is_a_clear_error(
+    auth_etcd: EtcdServer, name: str
+) -> None:
+    """Without credentials, the error says they are needed; a user whose roles do not
+    let it write (or read) the prefix's keys, that permission is denied on the prefix.
+    Never a lock."""
+    path = auth_prefix()
+    with (
+        dlock.connect(auth_etcd.url(path)) as client,
+        pytest.raises(dlock.BackendError, match="credentials are needed"),
+    ):
+        client.lock(name, ttl=2).acquire(timeout=0)
+
+    async def in_asyncio() -> None:
+        async with dlock.aio.connect(auth_etcd.url(path)) as client:
+            with pytest.raises(dlock.BackendError, match="credentials are needed"):
+                await client.lock(name, ttl=2).acquire(timeout=0)
+
+    asyncio.run(in_asyncio())
+    for user, operation in [(READER, "acquire"), (NOBODY, "acquire"), (NOBODY, "inspect")]:
+        with (
+            dlock.connect(auth_etcd.user_url(user, path)) as client,
+            pytest.raises(dlock.BackendError) as caught,
+        ):
+            if operation == "acquire":
+                client.lock(name, ttl=2).acquire(timeout=0)
+            else:
+                client.inspect(name)
+        message = str(caught.value)
+        assert not isinstance(caught.value, dlock.BackendUnavailable), message
+        assert f"permission denied to user {user.name!r}" in message, message
+        assert f"{path}/" in message and user.password not in message, message
+
+
+def test_auth_credentials_for_a_server_without_authentication_are_not_needed(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A server with authentication disabled answers the authentication with "not
+    enabled": the client sends no token and every request is let in."""
+    url = etcd_server.user_url(DLOCK_USER, prefix())
+    with dlock.connect(url) as client, client.lock(name, ttl=2) as lock:
+        assert lock.fencing_token is not None
+        assert auth_token(client) == ""
+
+
+def test_auth_url_credentials_are_checked_without_showing_the_password(
+    auth_etcd: EtcdServer,
+) -> None:
+    """A URL with a password but no user, or with an unescaped '#' in the password
+    (read as a fragment), is refused; the error does not show the password."""
+    for url in [
+        f"etcd://:Hidden-pw@{auth_etcd.address}/p",
+        f"etcd://u:Hid#den@{auth_etcd.address}/p",
+    ]:
+        with pytest.raises(dlock.ConfigurationError) as caught:
+            dlock.connect(url)
+        assert "Hid" not in str(caught.value), caught.value
+
+
+def test_auth_the_cli_shows_the_refusal_not_the_password(auth_etcd: EtcdServer, name: str) -> None:
+    """``dlock status`` and ``dlock run`` with a wrong password: a backend error that
+    names the user, and the password nowhere in what the command prints."""
+    wrong = EtcdUser("dlock", "Wrong-Cli-Pw")
+    url = auth_etcd.user_url(wrong, auth_prefix())
+    for args in (["status", name], ["run", "-n", name, "--", "true"]):
+        result = dlock_cmd(url, *args)
+        assert result.returncode == 76, (args, result.stdout, result.stderr)
+        assert "authentication failed for user 'dlock'" in result.stderr, result.stderr
+        assert wrong.password not in result.stdout + result.stderr

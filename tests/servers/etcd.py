@@ -5,16 +5,22 @@ Started with a 10 ms heartbeat and a 100 ms election timeout: etcd's shortest le
 defaults it is 2 s), and the suite's 1 s crash tests can run against it. The data lives
 in a private temporary directory, removed at the end. Given certificates, it serves its
 clients over TLS only (``etcds://``), and with ``client_cert_auth`` asks each of them for
-a certificate signed by the same CA.
+a certificate signed by the same CA. Given ``auth_token_ttl``, its simple tokens last that
+many seconds from their last use, and :meth:`EtcdServer.enable_auth` adds users (and the
+root) and turns etcd's own authentication on.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import ssl
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -35,9 +41,32 @@ def healthy(port: int, context: ssl.SSLContext | None = None) -> bool:
         return False
 
 
+#: The root user's password on a server with authentication enabled.
+ROOT_PASSWORD = "root-Pa55"
+
+
+@dataclass(frozen=True)
+class EtcdUser:
+    """A user to add: granted ``permission`` (READ, WRITE or READWRITE) on every key that
+    starts with ``prefix``, or nothing if ``prefix`` is None."""
+
+    name: str
+    password: str
+    prefix: str | None = None
+    permission: str = "READWRITE"
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode("utf-8")).decode("ascii")
+
+
 class EtcdServer:
     def __init__(
-        self, certificates: Certificates | None = None, *, client_cert_auth: bool = False
+        self,
+        certificates: Certificates | None = None,
+        *,
+        client_cert_auth: bool = False,
+        auth_token_ttl: int | None = None,
     ) -> None:
         binary = require_binary("etcd", "etcd-server")
         self.root = private_dir("etcd")
@@ -75,6 +104,7 @@ class EtcdServer:
                 "--election-timeout=100",
                 "--log-level=warn",
                 *tls,
+                *([f"--auth-token-ttl={auth_token_ttl}"] if auth_token_ttl else []),
             ],
             ready=lambda: healthy(self.port, context),
             workdir=self.root,
@@ -88,6 +118,47 @@ class EtcdServer:
         query = "&".join(f"{key}={value}" for key, value in options.items())
         scheme = "etcd" if self.certificates is None else "etcds"
         return f"{scheme}://{self.address}{prefix}" + (f"?{query}" if query else "")
+
+    def user_url(self, user: EtcdUser, prefix: str = "/dlock", **options: object) -> str:
+        """A dlock URL for this server with ``user``'s name and password in it."""
+        scheme, _, rest = self.url(prefix, **options).partition("://")
+        return f"{scheme}://{quote(user.name, safe='')}:{quote(user.password, safe='')}@{rest}"
+
+    def gateway(self, path: str, body: dict[str, Any], token: str | None = None) -> Any:
+        """One call to the JSON gateway (plain HTTP), past dlock; its answer."""
+        request = urllib.request.Request(
+            f"http://{self.address}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": token} if token else {},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return json.load(answer)
+
+    def enable_auth(self, users: Sequence[EtcdUser]) -> None:
+        """Add the root (user and role) and ``users``, each with a role of its own
+        granted its permission on its prefix's range, then enable authentication."""
+        if self.certificates is not None:
+            raise ValueError("enable_auth speaks plain HTTP")
+        self.gateway("/v3/auth/user/add", {"name": "root", "password": ROOT_PASSWORD})
+        self.gateway("/v3/auth/role/add", {"name": "root"})
+        self.gateway("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        for user in users:
+            self.gateway("/v3/auth/user/add", {"name": user.name, "password": user.password})
+            if user.prefix is None:
+                continue
+            role = f"role-{user.name}"
+            end = user.prefix[:-1] + chr(ord(user.prefix[-1]) + 1)
+            self.gateway("/v3/auth/role/add", {"name": role})
+            perm = {"key": b64(user.prefix), "range_end": b64(end), "permType": user.permission}
+            self.gateway("/v3/auth/role/grant", {"name": role, "perm": perm})
+            self.gateway("/v3/auth/user/grant", {"user": user.name, "role": role})
+        self.gateway("/v3/auth/enable", {})
+
+    def root_token(self) -> str:
+        """A token of the root user (authentication enabled)."""
+        answer = self.gateway("/v3/auth/authenticate", {"name": "root", "password": ROOT_PASSWORD})
+        return str(answer["token"])
 
     def start(self) -> None:
         self.process.start()

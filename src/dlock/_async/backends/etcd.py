@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
@@ -40,7 +40,7 @@ from ..._registry import split_url
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
-from .._primitives import WakeupEvent, current_task, serving, spawn
+from .._primitives import Mutex, WakeupEvent, current_task, serving, spawn
 from ..backend import AsyncBackend, AsyncWaiter
 
 DEFAULT_PORT = 2379
@@ -59,6 +59,17 @@ UNSURE_CODES = frozenset({1, 4, 14})
 MAX_TXN_OPS = 128
 #: Keepalives sent in one request (see _keepalive).
 KEEPALIVE_BATCH = 64
+#: What the server answers a request whose token ran out (``--auth-token-ttl``, 300 s by
+#: default, counted from the token's last use) or was never issued by it: refused
+#: before anything was applied, so the request is sent again with a new token.
+INVALID_TOKEN = "invalid auth token"
+#: What it answers a request without a token when authentication is enabled.
+NO_USER = "user name is empty"
+#: What it answers an authentication with a wrong user name or password.
+AUTH_FAILED = "authentication failed"
+#: What it answers an authentication when authentication is not enabled.
+AUTH_DISABLED = "authentication is not enabled"
+PERMISSION_DENIED = "permission denied"
 #: Rounds of a compare-and-write that lost to a write of the same owner token (another
 #: user of the lock object) before giving up.
 ROUNDS = 20
@@ -87,6 +98,19 @@ def prefix_end(prefix: bytes) -> bytes:
         return b"\x00"  # every key
     end[-1] += 1
     return bytes(end)
+
+
+@dataclass(frozen=True)
+class _Credentials:
+    """A user of etcd's own authentication; the password is never shown (repr)."""
+
+    user: str
+    password: str = field(repr=False)
+
+
+class _TokenRefused(BackendError):
+    """The server refused the request's token (expired, or none sent): nothing was
+    applied, and the request may be sent again once a new token is at hand."""
 
 
 @dataclass
@@ -189,6 +213,7 @@ class AsyncEtcdBackend(AsyncBackend):
         tls: ssl.SSLContext | None,
         timeout: float,
         connect_timeout: float,
+        credentials: _Credentials | None = None,
     ) -> None:
         scheme = "https" if tls is not None else "http"
         self._endpoints = [
@@ -217,6 +242,12 @@ class AsyncEtcdBackend(AsyncBackend):
         self._reaper_wakeup = WakeupEvent()
         self._reaper_next = math.inf
         self._reaper_lock = threading.Lock()
+        self._credentials = credentials
+        #: The token of the last authentication; "" when the server said it has
+        #: authentication disabled (nothing to send), None before the first one.
+        self._auth_token: str | None = None
+        #: One authentication at a time; the others wait for its token.
+        self._authenticating = Mutex()
         self._follow_fork = ForkFollower(self._forget_parent)
 
     @classmethod
@@ -224,11 +255,13 @@ class AsyncEtcdBackend(AsyncBackend):
         parts = split_url(url)
         scheme = parts.scheme.lower()
         netloc = parts.netloc
+        credentials: _Credentials | None = None
         if "@" in netloc:
-            raise ConfigurationError(
-                "etcd authentication (user:password@) is not supported: use TLS client"
-                " certificates (etcds://...?certfile=...&keyfile=...)"
-            )
+            userinfo, netloc = netloc.rsplit("@", 1)
+            user, _, password = userinfo.partition(":")
+            if not user:
+                raise ConfigurationError("etcd credentials need a user name (user:password@)")
+            credentials = _Credentials(unquote(user), unquote(password))
         query = query_options(parts.query)
         settings: dict[str, Any] = {**query, **options}
         unknown = set(settings) - OPTIONS
@@ -250,6 +283,7 @@ class AsyncEtcdBackend(AsyncBackend):
             connect_timeout=seconds(
                 settings.get("connect_timeout", CONNECT_TIMEOUT), "connect_timeout"
             ),
+            credentials=credentials,
         )
 
     # -- the HTTP client ----------------------------------------------------------
@@ -263,6 +297,7 @@ class AsyncEtcdBackend(AsyncBackend):
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
         self._creating = threading.Lock()
+        self._authenticating = Mutex()
 
     def _follow_loop(self) -> None:
         """Connections of an earlier event loop (a client used by two ``asyncio.run``
@@ -273,6 +308,7 @@ class AsyncEtcdBackend(AsyncBackend):
             with self._creating:
                 self._client = None
                 self._loop = loop
+                self._authenticating = Mutex()
 
     def _http(self) -> httpx.AsyncClient:
         if self._closed:
@@ -300,20 +336,40 @@ class AsyncEtcdBackend(AsyncBackend):
     async def _post(
         self, path: str, body: dict[str, Any] | bytes, *, lines: bool = False
     ) -> dict[str, Any]:
+        """One gateway call, with the token of our user if we have one. A request whose
+        token the server refused (it expired) goes once more with a new token: that
+        refusal comes before anything is applied."""
+        self._http()  # a closed client, or a new event loop (with its own mutex), first
+        token = await self._token()
+        try:
+            return await self._send(path, body, lines=lines, token=token)
+        except _TokenRefused as exc:
+            if self._credentials is None:
+                raise BackendError(self._unauthenticated(str(exc))) from None
+            token = await self._authenticate(token)
+        try:
+            return await self._send(path, body, lines=lines, token=token)
+        except _TokenRefused as exc:
+            raise BackendError(self._unauthenticated(str(exc))) from None
+
+    async def _send(
+        self, path: str, body: dict[str, Any] | bytes, *, lines: bool, token: str | None
+    ) -> dict[str, Any]:
         """One gateway call; ``lines``: the answer is a stream of messages, returned as
         ``{"lines": [...]}``. A connection that could not be made (nothing was sent)
         moves on to the next endpoint; anything after sending is not retried: its
         request may have been applied."""
         client = self._http()
+        headers = {"Authorization": token} if token else {}
         last: BaseException | None = None
         for _ in self._endpoints:
             used = self._current
             base = self._endpoints[used]
             try:
                 if isinstance(body, bytes):
-                    response = await client.post(base + path, content=body)
+                    response = await client.post(base + path, content=body, headers=headers)
                 else:
-                    response = await client.post(base + path, json=body)
+                    response = await client.post(base + path, json=body, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if certificate_refused(exc):
                     raise self._fail(exc) from exc
@@ -327,6 +383,10 @@ class AsyncEtcdBackend(AsyncBackend):
                     messages = [json.loads(line) for line in response.content.splitlines() if line]
                 except ValueError:
                     raise BackendError(f"etcd {self._where}: unreadable answer") from None
+                for message in messages:
+                    refused = message.get("error")
+                    if refused is not None and self._token_refused(refused):
+                        raise self._refusal(refused)
                 return {"lines": messages}
             try:
                 return self._answer(response.status_code, response.content)
@@ -372,7 +432,79 @@ class AsyncEtcdBackend(AsyncBackend):
         code = data.get("code") or (error.get("grpc_code") if isinstance(error, dict) else None)
         if code in UNSURE_CODES:
             return BackendUnavailable(f"etcd {self._where}: {message}")
+        if self._token_refused(data):
+            return _TokenRefused(f"etcd {self._where}: {message}")
+        if PERMISSION_DENIED in str(message):
+            return BackendError(self._denied())
         return BackendError(f"etcd {self._where}: {message}")
+
+    @staticmethod
+    def _token_refused(data: Any) -> bool:
+        """Whether an error (``{"message": ...}``, or a watch's cancel reason) says the
+        request's token was missing or refused."""
+        text = str(data.get("message") or data.get("error")) if isinstance(data, dict) else data
+        return INVALID_TOKEN in str(text) or NO_USER in str(text)
+
+    def _unauthenticated(self, message: str) -> str:
+        if self._credentials is None:
+            return (
+                f"etcd {self._where}: the server has authentication enabled: credentials"
+                " are needed (etcd://user:password@host/prefix)"
+            )
+        return f"etcd {self._where}: user {self._credentials.user!r} was not let in: {message}"
+
+    def _denied(self) -> str:
+        end = prefix_end(self._prefix)
+        who = f"user {self._credentials.user!r}" if self._credentials else "this client"
+        return (
+            f"etcd {self._where}: permission denied to {who} on the lock keys under"
+            f" {self._prefix.decode('utf-8', 'replace')!r}: dlock needs readwrite on the"
+            f" range [{self._prefix.decode('utf-8', 'replace')!r},"
+            f" {end.decode('utf-8', 'replace')!r})"
+        )
+
+    # -- authentication ----------------------------------------------------------------
+
+    async def _token(self) -> str | None:
+        """The token to send: none without credentials; else the current one, after
+        authenticating if this client has not yet (lazily: ``connect`` sends nothing)."""
+        if self._credentials is None:
+            return None
+        token = self._auth_token
+        if token is None:
+            token = await self._authenticate(None)
+        return token
+
+    async def _authenticate(self, stale: str | None) -> str:
+        """A new token in place of ``stale`` (the one refused, or None at first). Calls
+        that find it stale together authenticate once: the others take its token."""
+        credentials = self._credentials
+        assert credentials is not None
+        async with self._authenticating:
+            if self._auth_token is not None and self._auth_token != stale:
+                return self._auth_token
+            body = {"name": credentials.user, "password": credentials.password}
+            try:
+                answer = await self._send("/v3/auth/authenticate", body, lines=False, token=None)
+            except BackendUnavailable:
+                raise
+            except BackendError as exc:
+                if AUTH_DISABLED in str(exc):
+                    # Nothing to send: every request is let in. Should the server enable
+                    # authentication later, its refusals bring us back here.
+                    self._auth_token = ""
+                    return ""
+                if AUTH_FAILED in str(exc):
+                    raise BackendError(
+                        f"etcd {self._where}: authentication failed for user"
+                        f" {credentials.user!r}: wrong user name or password"
+                    ) from None
+                raise
+            token = answer.get("token")
+            if not isinstance(token, str) or not token:
+                raise BackendError(f"etcd {self._where}: authentication answered no token")
+            self._auth_token = token
+            return token
 
     # -- keys and leases ------------------------------------------------------------
 
@@ -722,13 +854,18 @@ class AsyncEtcdBackend(AsyncBackend):
         if seen is not None:
             request["start_revision"] = str(seen + 1)
         client = self._http()
+        auth = await self._token()
         deadline = time.monotonic() + timeout
         used = self._current
         base = self._endpoints[used]
         limit = httpx.Timeout(self._timeout.read, connect=self._timeout.connect, read=timeout)
         try:
             async with client.stream(
-                "POST", base + "/v3/watch", json={"create_request": request}, timeout=limit
+                "POST",
+                base + "/v3/watch",
+                json={"create_request": request},
+                headers={"Authorization": auth} if auth else {},
+                timeout=limit,
             ) as response:
                 if response.status_code != 200:
                     content = await response.aread()
@@ -753,9 +890,23 @@ class AsyncEtcdBackend(AsyncBackend):
         result = message.get("result")
         if not isinstance(result, dict):
             raise self._refusal(message.get("error") or message)
-        if result.get("canceled") or result.get("compact_revision"):
+        if result.get("canceled"):
+            self._watch_canceled(str(result.get("cancel_reason") or ""))
+            return True
+        if result.get("compact_revision"):
             return True
         return any(event.get("type") == "DELETE" for event in result.get("events") or ())
+
+    def _watch_canceled(self, reason: str) -> None:
+        """A watch the server would not create: refused for want of permission or of
+        credentials, that is an error; refused for an expired token, the next attempt
+        authenticates again (the token is dropped) and watches anew."""
+        if INVALID_TOKEN in reason and self._credentials is not None:
+            self._auth_token = None
+        elif self._token_refused(reason):
+            raise BackendError(self._unauthenticated(reason))
+        elif PERMISSION_DENIED in reason:
+            raise BackendError(self._denied())
 
     # -- leases that run out unrenewed -------------------------------------------------
 
