@@ -13,7 +13,9 @@ key from the revision their attempt saw, so no release between the attempt and t
 watch is missed.
 
 The HTTP calls go through httpx, whose ``Client`` and ``Client`` have the same API,
-so this one module generates the sync face.
+so this one module generates the sync face. With ``user:password@`` in the URL, every call
+carries the token of one authentication, made at first use and again when the server
+says the token expired (a refusal that comes before anything is applied).
 """
 
 from __future__ import annotations
@@ -900,9 +902,11 @@ class EtcdBackend(Backend):
 
     def _watch_canceled(self, reason: str) -> None:
         """A watch the server would not create: refused for want of permission or of
-        credentials, that is an error; refused for an expired token, the next attempt
+        credentials, that is an error; refused for an expired token (or for none, sent
+        because the server had authentication disabled when we asked), the next attempt
         authenticates again (the token is dropped) and watches anew."""
-        if INVALID_TOKEN in reason and self._credentials is not None:
+        stale = INVALID_TOKEN in reason or (NO_USER in reason and self._auth_token == "")
+        if stale and self._credentials is not None:
             self._auth_token = None
         elif self._token_refused(reason):
             raise BackendError(self._unauthenticated(reason))
