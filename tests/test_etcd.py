@@ -750,6 +750,21 @@ def test_auth_credentials_for_a_server_without_authentication_are_not_needed(
         assert auth_token(client) == ""
 
 
+def test_auth_enabled_while_a_client_runs_without_a_token(own_etcd: EtcdServer, name: str) -> None:
+    """A client that found authentication disabled sends no token; once the server
+    enables it, the first refusal ("user name is empty", before anything is applied)
+    makes it authenticate, and the refused request goes again: the lock is taken once."""
+    url = own_etcd.user_url(DLOCK_USER, auth_prefix())
+    with dlock.connect(url) as client:
+        with client.lock(name, ttl=2):
+            assert auth_token(client) == ""
+        own_etcd.enable_auth([DLOCK_USER])
+        with client.lock(name, ttl=2) as lock:
+            assert auth_token(client)
+            info = client.inspect(name)
+            assert info is not None and info.fencing_token == token_of(lock)
+
+
 def test_auth_url_credentials_are_checked_without_showing_the_password(
     auth_etcd: EtcdServer,
 ) -> None:
