@@ -11,6 +11,14 @@ etcd counts leases in whole seconds and may keep it a little longer. Waiters wat
 key from the revision their attempt saw, so no release between the attempt and the
 watch is missed.
 
+Waiters queue, in arrival order: a waiter's busy attempt puts a key of its own in the
+name's queue, bound to a waiter lease that it keeps alive while it waits (so a waiter
+that crashed loses its place after ``queue_ttl``). A grant needs the lock key never
+created and no queue key older than the attempt's own (none at all for an attempt
+without a place), and deletes the attempt's queue key. Each waiter watches the deletion
+of the queue key just ahead of its own, the head the lock key's: a release wakes only
+the head.
+
 The HTTP calls go through httpx, whose ``AsyncClient`` and ``Client`` have the same API,
 so this one module generates the sync face. With ``user:password@`` in the URL, every call
 carries the token of one authentication, made at first use and again when the server
@@ -22,6 +30,7 @@ from __future__ import annotations
 import base64
 import builtins
 import contextlib
+import hashlib
 import json
 import math
 import ssl
@@ -42,7 +51,7 @@ from ..._registry import split_url
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
-from .._primitives import Mutex, WakeupEvent, current_task, serving, spawn
+from .._primitives import Mutex, WakeupEvent, current_task, serving, shielded, spawn
 from ..backend import AsyncBackend, AsyncWaiter
 
 DEFAULT_PORT = 2379
@@ -50,8 +59,15 @@ DEFAULT_PREFIX = "/dlock"
 #: Seconds one request may take (connecting, then waiting for the answer).
 TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
-OPTIONS = frozenset({"timeout", "connect_timeout", "ca", "certfile", "keyfile", "verify_certs"})
+OPTIONS = frozenset(
+    {"timeout", "connect_timeout", "ca", "certfile", "keyfile", "verify_certs", "queue_ttl"}
+)
 TLS_OPTIONS = ("ca", "certfile", "keyfile", "verify_certs")
+#: Seconds a waiter's place in a queue outlives its last keepalive (as Redis's).
+QUEUE_TTL = 6.0
+#: What follows the prefix in the queues' keys: no lock key has it there, as lock names
+#: and prefixes are UTF-8, in which the byte 0xFF never occurs.
+QUEUE_MARK = b"\xffqueue/"
 #: etcd's longest lease (its ``MaxLeaseTTL``).
 MAX_LEASE = 9_000_000_000
 #: gRPC status codes that mean the request may or may not have been applied: the leader
@@ -128,6 +144,20 @@ class _Held:
     deadline: float
 
 
+@dataclass
+class _Place:
+    """A waiter's place in its name's queue: the waiter lease its queue key is bound to,
+    the key's create revision (its rank), when the lease was last renewed (on this
+    host's monotonic clock), and the key whose deletion the waiter waits for (the one
+    just ahead in the queue, or the lock's), from revision ``watch_from`` on."""
+
+    lease: int
+    rank: int
+    renewed: float
+    watch: str
+    watch_from: int
+
+
 @dataclass(frozen=True)
 class _Value:
     token: str
@@ -151,6 +181,14 @@ class _Value:
         except (ValueError, KeyError, TypeError):
             # Not written by dlock: nobody's token, held as long as it exists.
             return cls("", 1, math.inf, {})
+
+
+def _waiter_holder(kv: dict[str, Any]) -> Holder:
+    """The holder a queue key records (see ``_take_place``)."""
+    try:
+        return Holder.from_json(json.dumps(json.loads(unb64(kv.get("value")))["holder"]))
+    except (ValueError, KeyError, TypeError):
+        return Holder.from_json("{}")
 
 
 def _parse_hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
@@ -192,8 +230,8 @@ def _ssl_context(settings: dict[str, Any]) -> ssl.SSLContext:
 
 
 class AsyncEtcdWaiter(AsyncWaiter):
-    """Watches the lock's key, from the revision the last busy attempt saw, for its
-    deletion (a release, a force release, the lease's expiry)."""
+    """Waits for its turn: watches the key ahead of its place in the queue (or the
+    lock's, at the head) for its deletion, keeping the place alive meanwhile."""
 
     notifies = True
 
@@ -203,10 +241,13 @@ class AsyncEtcdWaiter(AsyncWaiter):
         self.token = token
 
     async def wait(self, timeout: float) -> None:
-        await self.backend._watch_release(self.name, self.token, timeout)
+        await self.backend._wait_turn(self.name, self.token, timeout)
 
 
 class AsyncEtcdBackend(AsyncBackend):
+    #: A waiter holds a place in the name's queue, kept across its attempts.
+    queues_waiters = True
+
     def __init__(
         self,
         hosts: list[tuple[str, int]],
@@ -216,6 +257,7 @@ class AsyncEtcdBackend(AsyncBackend):
         timeout: float,
         connect_timeout: float,
         credentials: _Credentials | None = None,
+        queue_ttl: float = QUEUE_TTL,
     ) -> None:
         scheme = "https" if tls is not None else "http"
         self._endpoints = [
@@ -227,6 +269,7 @@ class AsyncEtcdBackend(AsyncBackend):
         self._prefix = prefix
         self._tls = tls
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self._queue_ttl = queue_ttl
         self._client: httpx.AsyncClient | None = None
         self._loop: Any = None
         self._closed = False
@@ -237,8 +280,8 @@ class AsyncEtcdBackend(AsyncBackend):
         self._busy: dict[tuple[str, str], int] = {}
         #: (name, token) -> what we hold.
         self._held: dict[tuple[str, str], _Held] = {}
-        #: (name, token) of waiters -> the revision their last busy attempt saw.
-        self._seen: dict[tuple[str, str], int] = {}
+        #: (name, token) of waiters -> their place in the name's queue.
+        self._places: dict[tuple[str, str], _Place] = {}
         self._waiting: set[tuple[str, str]] = set()
         self._reaper: Any = None
         self._reaper_wakeup = WakeupEvent()
@@ -286,6 +329,7 @@ class AsyncEtcdBackend(AsyncBackend):
                 settings.get("connect_timeout", CONNECT_TIMEOUT), "connect_timeout"
             ),
             credentials=credentials,
+            queue_ttl=seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl"),
         )
 
     # -- the HTTP client ----------------------------------------------------------
@@ -294,7 +338,7 @@ class AsyncEtcdBackend(AsyncBackend):
         """A forked child neither uses the parent's connections nor renews or revokes
         its leases: they are the parent's."""
         self._client = None
-        self._held, self._busy, self._seen, self._waiting = {}, {}, {}, set()
+        self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
         self._reaper = None
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
@@ -513,6 +557,19 @@ class AsyncEtcdBackend(AsyncBackend):
     def _key(self, name: str) -> bytes:
         return self._prefix + name_bytes(name)
 
+    def _queue(self, name: str) -> bytes:
+        """The prefix of ``name``'s queue keys: a hash of the name, of one length for
+        every name, so that no name's queue range holds another's keys."""
+        digest = hashlib.sha256(name_bytes(name)).hexdigest().encode("ascii")
+        return self._prefix + QUEUE_MARK + digest + b"/"
+
+    def _queue_range(self, name: str) -> dict[str, str]:
+        queue = self._queue(name)
+        return {"key": b64(queue), "range_end": b64(prefix_end(queue))}
+
+    def _place_key(self, name: str, token: str) -> str:
+        return b64(self._queue(name) + token.encode("utf-8", "surrogateescape"))
+
     async def _grant(self, ttl: int) -> tuple[int, int]:
         answer = await self._post("/v3/lease/grant", {"TTL": str(ttl)})
         if answer.get("error"):
@@ -658,40 +715,194 @@ class AsyncEtcdBackend(AsyncBackend):
         asked: int,
         deadline: float,
     ) -> Acquired | Busy:
-        key = b64(self._key(ident[0]))
+        name = ident[0]
+        key = b64(self._key(name))
+        waiting = ident in self._waiting
         for _ in range(ROUNDS):
+            place = self._places.get(ident) if waiting else None
+            success: list[dict[str, Any]] = [
+                {"request_put": {"key": key, "value": value.dump(), "lease": str(lease)}}
+            ]
+            failure: list[dict[str, Any]] = [{"request_range": {"key": key}}]
+            if place is not None:
+                success.append({"request_delete_range": {"key": self._place_key(name, token)}})
+                failure += self._ahead_reads(name, token, place.rank)
             answer = await self._txn(
-                [{"target": "CREATE", "key": key, "create_revision": "0"}],
-                [{"request_put": {"key": key, "value": value.dump(), "lease": str(lease)}}],
-                [{"request_range": {"key": key}}],
+                [
+                    {"target": "CREATE", "key": key, "create_revision": "0"},
+                    self._first_in_line(name, place),
+                ],
+                success,
+                failure,
             )
             revision = self._revision(answer)
             if answer.get("succeeded"):
                 self._hold(ident, _Held(lease, asked, value, revision, deadline))
                 return Acquired(revision)
             kv = self._ranged(answer)
-            if kv is None:
-                continue  # cannot be: the compare found the key
-            found = _Value.load(kv)
-            if not (reentrant and found.token == token):
-                # (Our own token on a fresh attempt: an attempt cut off in flight, which
-                # the core gives back; not ours to count.)
-                if ident in self._waiting:
-                    self._seen[ident] = revision
-                await self._revoke_quietly(lease)
-                return Busy()
-            again = _Value(token, found.count + 1, value.ttl, found.holder)
+            if kv is not None and reentrant and _Value.load(kv).token == token:
+                entered = await self._reenter(ident, token, kv, value.ttl, lease, asked, deadline)
+                if entered is not None:
+                    return entered
+                continue
+            # (Our own token on a fresh attempt: an attempt cut off in flight, which the
+            # core gives back; not ours to count.)
+            if waiting and await self._line_up(ident, value, answer, place):
+                continue  # at the head, and the lock was released meanwhile
+            await self._revoke_quietly(lease)
+            return Busy()
+        raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
+
+    def _first_in_line(self, name: str, place: _Place | None) -> dict[str, Any]:
+        """The compare that lets an attempt pass only the waiters queued after it: with
+        a place of rank r, every queue key of the name was created at r or later (an
+        empty range compares as a key created at 0, and fails: the place has lapsed);
+        without one, the queue is empty."""
+        if place is None:
+            return {"target": "CREATE", **self._queue_range(name), "create_revision": "0"}
+        return {
+            "target": "CREATE",
+            **self._queue_range(name),
+            "result": "GREATER",
+            "create_revision": str(place.rank - 1),
+        }
+
+    def _ahead_reads(self, name: str, token: str, rank: int) -> list[dict[str, Any]]:
+        """Reads of our own queue key, then of the one just ahead of it (the newest
+        created before ``rank``), if any."""
+        return [
+            {"request_range": {"key": self._place_key(name, token)}},
+            {
+                "request_range": {
+                    **self._queue_range(name),
+                    "sort_order": "DESCEND",
+                    "sort_target": "CREATE",
+                    "limit": "1",
+                    "max_create_revision": str(rank - 1),
+                }
+            },
+        ]
+
+    async def _reenter(
+        self,
+        ident: tuple[str, str],
+        token: str,
+        kv: dict[str, Any],
+        ttl: float,
+        lease: int,
+        asked: int,
+        deadline: float,
+    ) -> Acquired | None:
+        """Count one more entry of the hold ``kv`` shows ours, moving its key to
+        ``lease``; None if the key changed meanwhile (the caller looks again)."""
+        key = kv["key"]
+        found = _Value.load(kv)
+        again = _Value(token, found.count + 1, ttl, found.holder)
+        answer = await self._txn(
+            [{"target": "MOD", "key": key, "mod_revision": kv["mod_revision"]}],
+            [{"request_put": {"key": key, "value": again.dump(), "lease": str(lease)}}],
+        )
+        if not answer.get("succeeded"):
+            return None
+        self._hold(ident, _Held(lease, asked, again, self._revision(answer), deadline))
+        old = int(kv.get("lease", 0))
+        if old and old != lease:
+            await self._revoke_quietly(old)
+        return Acquired(int(kv["create_revision"]), again.count)
+
+    async def _line_up(
+        self, ident: tuple[str, str], value: _Value, answer: dict[str, Any], place: _Place | None
+    ) -> bool:
+        """After a waiter's busy attempt: keep its place (or take one, at the back, if it
+        had none or it lapsed), and note whose deletion to wait for, from after the
+        revision that showed it still there. True when the waiter is at the head and the
+        lock is free: attempt again at once."""
+        name = ident[0]
+        revision = self._revision(answer)
+        lock = self._ranged(answer)
+        if place is not None and self._ranged(answer, 1) is not None:
+            ahead = self._ranged(answer, 2)
+        else:
+            if place is not None:
+                self._places.pop(ident, None)
+                await self._revoke_quietly(place.lease)
+            place, revision, lock, ahead = await self._take_place(ident, value)
+        if ahead is not None:
+            place.watch = ahead["key"]
+        elif lock is not None:
+            place.watch = b64(self._key(name))
+        else:
+            return True
+        place.watch_from = revision + 1
+        return False
+
+    async def _take_place(
+        self, ident: tuple[str, str], value: _Value
+    ) -> tuple[_Place, int, dict[str, Any] | None, dict[str, Any] | None]:
+        """Put our key at the back of the name's queue, on a waiter lease of its own;
+        return the place, the revision then, the lock key and the key just ahead."""
+        name, token = ident
+        sent = time.monotonic()
+        lease, _ = await self._grant(lease_seconds(self._queue_ttl))
+        record = json.dumps({"token": token, "holder": value.holder}, separators=(",", ":"))
+        mine = self._place_key(name, token)
+        try:
             answer = await self._txn(
-                [{"target": "MOD", "key": key, "mod_revision": kv["mod_revision"]}],
-                [{"request_put": {"key": key, "value": again.dump(), "lease": str(lease)}}],
+                [],
+                [
+                    {
+                        "request_put": {
+                            "key": mine,
+                            "value": b64(record.encode("utf-8")),
+                            "lease": str(lease),
+                        }
+                    },
+                    {"request_range": {"key": b64(self._key(name))}},
+                    # The newest two of the queue (a transaction reads its own writes).
+                    {
+                        "request_range": {
+                            **self._queue_range(name),
+                            "sort_order": "DESCEND",
+                            "sort_target": "CREATE",
+                            "limit": "2",
+                        }
+                    },
+                ],
             )
-            if answer.get("succeeded"):
-                self._hold(ident, _Held(lease, asked, again, self._revision(answer), deadline))
-                old = int(kv.get("lease", 0))
-                if old and old != lease:
-                    await self._revoke_quietly(old)
-                return Acquired(int(kv["create_revision"]), again.count)
-        raise BackendError(f"etcd {self._where}: {ident[0]!r} kept changing under us")
+        except BackendError:
+            await self._revoke_quietly(lease)
+            raise
+        revision = self._revision(answer)
+        place = _Place(lease, revision, sent, "", 0)
+        self._places[ident] = place
+        responses = answer.get("responses") or []
+        newest = (responses[2].get("response_range", {}).get("kvs") or []) + [None, None]
+        if newest[0] is not None and newest[0]["key"] == mine:
+            return place, revision, self._ranged(answer, 1), newest[1]
+        # Our key was there already (put by an attempt whose answer was lost), and
+        # keeps the rank it had: one more read finds who is ahead of it.
+        own = await self._read(mine)
+        place.rank = int(own["create_revision"]) if own is not None else revision
+        revision, lock, _, ahead = await self._look(name, token, place.rank)
+        return place, revision, lock, ahead
+
+    async def _look(
+        self, name: str, token: str, rank: int
+    ) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
+        """The revision, then the lock key, our queue key and the one just ahead of it."""
+        answer = await self._txn(
+            [],
+            [
+                {"request_range": {"key": b64(self._key(name))}},
+                *self._ahead_reads(name, token, rank),
+            ],
+        )
+        return (
+            self._revision(answer),
+            self._ranged(answer),
+            self._ranged(answer, 1),
+            self._ranged(answer, 2),
+        )
 
     async def release(self, name: str, token: str) -> int | None:
         ident = (name, token)
@@ -846,15 +1057,60 @@ class AsyncEtcdBackend(AsyncBackend):
             yield AsyncEtcdWaiter(self, name, token)
         finally:
             self._waiting.discard(ident)
-            self._seen.pop(ident, None)
+            place = self._places.pop(ident, None)
+            if place is not None:
+                # Leave the queue (a grant deleted our key already, not the lease):
+                # run to its end even if cancelled again, else the place holds up the
+                # waiters behind it until its lease runs out.
+                with contextlib.suppress(BackendError):
+                    await shielded(self._revoke(place.lease))
 
-    async def _watch_release(self, name: str, token: str, timeout: float) -> None:
-        """Return when the key is deleted after the revision the last busy attempt saw,
-        or after ``timeout``."""
-        seen = self._seen.get((name, token))
-        request: dict[str, Any] = {"key": b64(self._key(name))}
-        if seen is not None:
-            request["start_revision"] = str(seen + 1)
+    async def _wait_turn(self, name: str, token: str, timeout: float) -> None:
+        """Return when the waiter may be first in line with the lock free, its place
+        lapsed, or after ``timeout``. Renews the place every third of ``queue_ttl``.
+        When the key ahead goes, looks who is ahead now and waits on, so that a grant
+        to the head wakes nobody else."""
+        ident = (name, token)
+        lock_key = b64(self._key(name))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            place = self._places.get(ident)
+            if place is None:
+                # No place (the attempt found the lock held by our own token, its
+                # give-back in flight): wait for the lock key's deletion.
+                await self._watch_deletion(lock_key, None, left)
+                return
+            renew_in = place.renewed + self._queue_ttl / 3 - time.monotonic()
+            if renew_in <= 0:
+                sent = time.monotonic()
+                if place.lease not in await self._keepalive([place.lease]):
+                    self._places.pop(ident, None)
+                    return  # the place lapsed: the next attempt takes a new one
+                place.renewed = sent
+                continue
+            if not await self._watch_deletion(place.watch, place.watch_from, min(left, renew_in)):
+                continue
+            if place.watch == lock_key:
+                return
+            revision, lock, own, ahead = await self._look(name, token, place.rank)
+            if own is None:
+                self._places.pop(ident, None)
+                await self._revoke_quietly(place.lease)
+                return
+            if ahead is not None:
+                place.watch = ahead["key"]
+            elif lock is not None:
+                place.watch = lock_key
+            else:
+                return
+            place.watch_from = revision + 1
+
+    async def _watch_deletion(self, key: str, start: int | None, timeout: float) -> bool:
+        """Whether ``key`` is deleted at revision ``start`` or later (or the watch ended:
+        its start was compacted away) within ``timeout``."""
+        request: dict[str, Any] = {"key": key}
+        if start is not None:
+            request["start_revision"] = str(start)
         client = self._http()
         auth = await self._token()
         deadline = time.monotonic() + timeout
@@ -872,16 +1128,19 @@ class AsyncEtcdBackend(AsyncBackend):
                 if response.status_code != 200:
                     content = await response.aread()
                     self._answer(response.status_code, content)
-                    return
+                    return True
                 async for line in response.aiter_lines():
-                    if self._released(line) or time.monotonic() >= deadline:
-                        return
+                    if self._released(line):
+                        return True
+                    if time.monotonic() >= deadline:
+                        return False
         except httpx.ReadTimeout:
-            return
+            return False
         except httpx.HTTPError as exc:
             if self._closed:
                 raise BackendError(f"etcd {self._where}: the client is closed") from exc
             raise self._left(used, self._fail(exc)) from exc
+        return True
 
     def _released(self, line: str) -> bool:
         """Whether one message of the watch stream tells a deletion (or ends the watch:
@@ -956,7 +1215,9 @@ class AsyncEtcdBackend(AsyncBackend):
 
     # -- inspection --------------------------------------------------------------------
 
-    async def _info(self, kv: dict[str, Any]) -> LockInfo | None:
+    async def _info(
+        self, kv: dict[str, Any], queued: Sequence[dict[str, Any]] = ()
+    ) -> LockInfo | None:
         lease = int(kv.get("lease", 0))
         value = _Value.load(kv)
         expires_in: float | None = None
@@ -973,20 +1234,43 @@ class AsyncEtcdBackend(AsyncBackend):
             holder=Holder.from_json(json.dumps(value.holder)),
             expires_in=expires_in,
             count=value.count,
+            waiters=tuple(_waiter_holder(entry) for entry in queued),
         )
+
+    async def _queued(self, start: bytes) -> builtins.list[dict[str, Any]]:
+        """The queue keys under ``start``, oldest first (in the order they are served)."""
+        answer = await self._post(
+            "/v3/kv/range",
+            {
+                "key": b64(start),
+                "range_end": b64(prefix_end(start)),
+                "sort_order": "ASCEND",
+                "sort_target": "CREATE",
+            },
+        )
+        return builtins.list(answer.get("kvs") or ())
 
     async def inspect(self, name: str) -> LockInfo | None:
         kv = await self._read(b64(self._key(name)))
-        return None if kv is None else await self._info(kv)
+        if kv is None:
+            return None
+        return await self._info(kv, await self._queued(self._queue(name)))
 
     async def list(self, prefix: str) -> builtins.list[LockInfo]:
         start = self._key(prefix)
-        answer = await self._post(
-            "/v3/kv/range", {"key": b64(start), "range_end": b64(prefix_end(start))}
-        )
+        # Not into the queues, which follow the lock keys (see QUEUE_MARK).
+        end = min(prefix_end(start), self._prefix + QUEUE_MARK)
+        answer = await self._post("/v3/kv/range", {"key": b64(start), "range_end": b64(end)})
+        kvs = answer.get("kvs") or ()
+        queues: dict[bytes, builtins.list[dict[str, Any]]] = {}
+        if kvs:
+            for entry in await self._queued(self._prefix + QUEUE_MARK):
+                queue = unb64(entry["key"]).rpartition(b"/")[0] + b"/"
+                queues.setdefault(queue, []).append(entry)
         infos = []
-        for kv in answer.get("kvs") or ():
-            info = await self._info(kv)
+        for kv in kvs:
+            name = name_from_bytes(unb64(kv["key"])[len(self._prefix) :])
+            info = await self._info(kv, queues.get(self._queue(name), ()))
             if info is not None:
                 infos.append(info)
         return infos
@@ -1010,6 +1294,11 @@ class AsyncEtcdBackend(AsyncBackend):
     async def aclose(self) -> None:
         self._follow_fork()
         self._follow_loop()
+        # The waits of this client end with it: their places must not hold up the
+        # waiters behind them until their leases run out.
+        leaving, self._places = builtins.list(self._places.values()), {}
+        for place in leaving:
+            await self._revoke_quietly(place.lease)
         self._closed = True
         self._reaper_wakeup.set()
         client, self._client = self._client, None
