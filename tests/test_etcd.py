@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -789,3 +791,295 @@ def test_auth_the_cli_shows_the_refusal_not_the_password(auth_etcd: EtcdServer, 
         assert result.returncode == 76, (args, result.stdout, result.stderr)
         assert "authentication failed for user 'dlock'" in result.stderr, result.stderr
         assert wrong.password not in result.stdout + result.stderr
+
+
+# -- the queue of waiters ---------------------------------------------------------------
+
+
+def queue_keys(server: EtcdServer, path: str) -> list[bytes]:
+    """Every queue key under ``path``, read past dlock: the keys after the prefix's
+    0xFF byte, which no lock key has (lock names and prefixes are UTF-8)."""
+    start = f"{path}/".encode() + b"\xff"
+    answer = httpx.post(
+        f"http://{server.address}/v3/kv/range",
+        json={
+            "key": base64.b64encode(start).decode(),
+            "range_end": base64.b64encode(f"{path}0".encode()).decode(),
+            "keys_only": True,
+        },
+        timeout=5,
+        trust_env=False,
+    )
+    return [base64.b64decode(kv["key"]) for kv in answer.json().get("kvs") or []]
+
+
+def requests_started(server: EtcdServer, method: str) -> int:
+    """How many gRPC calls of ``method`` (``LeaseGrant``, ``Txn``) etcd has begun, from
+    its metrics: every request of every client, counted by the server."""
+    text = httpx.get(f"http://{server.address}/metrics", timeout=5, trust_env=False).text
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("grpc_server_started_total{") and f'grpc_method="{method}"' in line
+    )
+
+
+def until(check: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.01)
+
+
+def queued_labels(client: dlock.Client, name: str) -> list[str | None]:
+    info = client.inspect(name)
+    return [] if info is None else [waiter.label for waiter in info.waiters]
+
+
+def start_waiter(
+    url: str, name: str, label: str, timeout: float, hold: float
+) -> subprocess.Popen[str]:
+    """A process waiting for ``name`` (tests/etcd_waiter.py), its client made."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.etcd_waiter", url, name, label, str(timeout), str(hold)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=WORKER_ENV,
+    )
+    assert read_line(process) == "waiting"
+    return process
+
+
+@dataclass
+class Hold:
+    """One waiter's turn: its fencing token, and when it held the lock (monotonic)."""
+
+    label: str
+    fencing: int
+    start: float
+    end: float
+
+
+class ThreadWaiter:
+    """A waiter with a client of its own, in a thread: it holds the lock it gets until
+    ``go`` is set (at once if ``hold`` is 0), then releases it."""
+
+    def __init__(
+        self, url: str, name: str, label: str, timeout: float = 30.0, **connect: Any
+    ) -> None:
+        self.client = dlock.connect(url, label=label, **connect)
+        self.label = label
+        self.held = threading.Event()
+        self.go = threading.Event()
+        self.turns: list[Hold] = []
+        self.granted: bool | None = None
+        self.thread = threading.Thread(target=self._run, args=(name, timeout), daemon=True)
+        self.thread.start()
+
+    def _run(self, name: str, timeout: float) -> None:
+        lock = self.client.lock(name, ttl=30)
+        self.granted = lock.acquire(timeout=timeout)
+        if self.granted:
+            start = time.monotonic()
+            self.held.set()
+            self.go.wait(30)
+            self.turns.append(Hold(self.label, token_of(lock), start, time.monotonic()))
+            lock.release()
+
+    def join(self) -> None:
+        self.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        self.client.close()
+
+
+def assert_one_at_a_time(turns: list[Hold]) -> None:
+    """Fencing tokens strictly increase in the order of the holds, which never overlap."""
+    ordered = sorted(turns, key=lambda turn: turn.start)
+    for before, after in itertools.pairwise(ordered):
+        assert after.fencing > before.fencing, ordered
+        assert after.start >= before.end, f"{before} and {after} overlap"
+
+
+def test_waiters_get_the_lock_in_arrival_order_and_a_try_does_not_pass_them(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """Three waiters (one in another process) queue behind a holder in a known order:
+    inspect shows them in that order, a newcomer's try is refused while they wait, and
+    each release goes to the next in arrival order (fencing tokens in that order, the
+    holds one at a time)."""
+    path = prefix()
+    url = etcd_server.url(path)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        first = start_waiter(url, name, "first", timeout=30, hold=0.2)
+        waiters: list[ThreadWaiter] = []
+        try:
+            until(lambda: queued_labels(client, name) == ["first"], "the first in line")
+            waiters.append(ThreadWaiter(url, name, "second"))
+            until(lambda: queued_labels(client, name) == ["first", "second"], "the second")
+            waiters.append(ThreadWaiter(url, name, "third"))
+            until(lambda: queued_labels(client, name) == ["first", "second", "third"], "the third")
+            assert not client.lock(name, ttl=5).acquire(timeout=0)
+            turns = [Hold("holder", token_of(holder), 0.0, time.monotonic())]
+            holder.release()
+            for waiter in waiters:
+                assert waiter.held.wait(10), f"{waiter.label} never got the lock"
+                waiter.go.set()
+            line = read_line(first)
+            assert line.startswith("held "), line
+            fencing, start, end = line.split()[1:]
+            turns.append(Hold("first", int(fencing), float(start), float(end)))
+            for waiter in waiters:
+                waiter.join()
+                turns += waiter.turns
+            by_token = [turn.label for turn in sorted(turns, key=lambda turn: turn.fencing)]
+            assert by_token == ["holder", "first", "second", "third"]
+            assert_one_at_a_time(turns)
+            assert queue_keys(etcd_server, path) == [], "a place was left behind"
+        finally:
+            for waiter in waiters:
+                waiter.join()
+            first.kill()
+            first.wait()
+            assert first.stdout is not None
+            first.stdout.close()
+
+
+def test_a_release_makes_only_the_head_of_the_queue_attempt(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """Four waiters queued: each release is followed by exactly one acquire attempt
+    (one lease granted, counted by etcd itself), the head's, which gets the lock; the
+    others, woken or not, grant nothing. Their fallback re-attempts are put off (a
+    60 s notify_fallback) so that the count is the wake-ups' alone."""
+    url = own_etcd.url(prefix())
+    patient = dlock.Backoff(notify_fallback=60)
+    labels = ["w1", "w2", "w3", "w4"]
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        turns = [Hold("holder", token_of(holder), 0.0, 0.0)]
+        waiters: list[ThreadWaiter] = []
+        try:
+            for count, label in enumerate(labels, 1):
+                waiters.append(ThreadWaiter(url, name, label, backoff=patient))
+                until(lambda n=count: len(queued_labels(client, name)) == n, f"{label} queued")
+            releasing: ThreadWaiter | None = None
+            for waiter in waiters:
+                time.sleep(0.3)  # every wake-up of the previous hand-off is over
+                grants = requests_started(own_etcd, "LeaseGrant")
+                if releasing is None:
+                    turns[0].end = time.monotonic()
+                    holder.release()
+                else:
+                    releasing.go.set()
+                left = waiters[waiters.index(waiter) :]
+                until(lambda left=left: any(w.held.is_set() for w in left), "a hand-off")
+                time.sleep(0.5)  # time for any other waiter to attempt too
+                attempts = requests_started(own_etcd, "LeaseGrant") - grants
+                assert attempts == 1, f"{attempts} acquire attempts for one release"
+                assert [w.label for w in left if w.held.is_set()] == [waiter.label]
+                releasing = waiter
+            for waiter in waiters:
+                waiter.join()
+                turns += waiter.turns
+            assert [turn.label for turn in sorted(turns, key=lambda t: t.fencing)] == [
+                "holder",
+                *labels,
+            ]
+            assert_one_at_a_time(turns)
+        finally:
+            for waiter in waiters:
+                waiter.join()
+
+
+def test_a_killed_waiter_at_the_head_holds_up_the_next_for_at_most_queue_ttl(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A waiter process killed (SIGKILL) at the head of the queue keeps its place until
+    its waiter lease runs out, at most queue_ttl after its last keepalive (plus the
+    leader's 0.5 s expiry check): meanwhile the free lock is refused to a newcomer's try
+    (the dead waiter is still first in line); then the next waiter gets it, with a
+    larger fencing token."""
+    queue_ttl = 1.0
+    path = prefix()
+    url = etcd_server.url(path, queue_ttl=queue_ttl)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        old = token_of(holder)
+        dead = start_waiter(url, name, "dead", timeout=30, hold=0)
+        try:
+            until(lambda: queued_labels(client, name) == ["dead"], "the waiter queued")
+            time.sleep(queue_ttl)  # a few keepalives of its place in
+            dead.kill()
+            dead.wait()
+            killed = time.monotonic()
+            holder.release()
+            assert not client.lock(name, ttl=5).acquire(timeout=0), "passed the queue"
+            successor = client.lock(name, ttl=5)
+            assert successor.acquire(timeout=math.ceil(queue_ttl) + 5)
+            waited = time.monotonic() - killed
+            assert waited <= math.ceil(queue_ttl) + 1.0, f"held up {waited:.2f} s"
+            assert token_of(successor) > old
+            assert queue_keys(etcd_server, path) == []
+            successor.release()
+        finally:
+            if dead.poll() is None:
+                dead.kill()
+                dead.wait()
+            assert dead.stdout is not None
+            dead.stdout.close()
+
+
+async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """Three asyncio waiters queued: the first times out and the second is cancelled;
+    each one's queue key is gone at once (read past dlock), and the third, behind them,
+    gets the lock as soon as the holder releases it, not after their places lapse."""
+    path = prefix()
+    url = etcd_server.url(path)
+    clients = [dlock.aio.connect(url, label=label) for label in ("times-out", "cancelled", "last")]
+    try:
+        holder = clients[2].lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        old = holder.fencing_token
+        assert old is not None
+        times_out = asyncio.create_task(clients[0].lock(name, ttl=30).acquire(timeout=1.5))
+
+        async def queued(count: int) -> None:
+            deadline = time.monotonic() + 10
+            while len(queue_keys(etcd_server, path)) != count:
+                assert time.monotonic() < deadline, f"never {count} queued"
+                await asyncio.sleep(0.01)
+
+        await queued(1)
+        cancelled = asyncio.create_task(clients[1].lock(name, ttl=30).acquire(timeout=30))
+        await queued(2)
+        last_lock = clients[2].lock(name, ttl=30)
+        last = asyncio.create_task(last_lock.acquire(timeout=30))
+        await queued(3)
+        info = await clients[2].inspect(name)
+        assert info is not None
+        assert [waiter.label for waiter in info.waiters] == ["times-out", "cancelled", "last"]
+        assert await times_out is False
+        await queued(2)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await queued(1)
+        released = time.monotonic()
+        await holder.release()
+        assert await asyncio.wait_for(last, 5)
+        waited = time.monotonic() - released
+        assert waited < 1.0, f"the last waiter was held up {waited:.2f} s"
+        assert last_lock.fencing_token is not None and last_lock.fencing_token > old
+        assert queue_keys(etcd_server, path) == []
+        await last_lock.release()
+    finally:
+        for client in clients:
+            await client.aclose()
