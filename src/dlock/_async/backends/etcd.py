@@ -846,6 +846,9 @@ class AsyncEtcdBackend(AsyncBackend):
         lease, _ = await self._grant(lease_seconds(self._queue_ttl))
         record = json.dumps({"token": token, "holder": value.holder}, separators=(",", ":"))
         mine = self._place_key(name, token)
+        # Noted before the put: a waiter cut off meanwhile (cancelled) revokes it as it
+        # leaves, rather than leave a place holding up the queue until the lease ends.
+        place = self._places[ident] = _Place(lease, 0, sent, "", 0)
         try:
             answer = await self._txn(
                 [],
@@ -870,11 +873,10 @@ class AsyncEtcdBackend(AsyncBackend):
                 ],
             )
         except BackendError:
+            self._places.pop(ident, None)
             await self._revoke_quietly(lease)
             raise
-        revision = self._revision(answer)
-        place = _Place(lease, revision, sent, "", 0)
-        self._places[ident] = place
+        revision = place.rank = self._revision(answer)
         responses = answer.get("responses") or []
         newest = (responses[2].get("response_range", {}).get("kvs") or []) + [None, None]
         if newest[0] is not None and newest[0]["key"] == mine:
