@@ -1083,3 +1083,57 @@ async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
     finally:
         for client in clients:
             await client.aclose()
+
+
+def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A waiter process paused (SIGSTOP) longer than queue_ttl stops renewing its place,
+    which lapses: the waiter behind it moves to the head. Resumed, it finds its place
+    gone and takes a new one, at the back: the lock goes to the other waiter first, then
+    to it, each once, with increasing fencing tokens."""
+    queue_ttl = 1.0
+    path = prefix()
+    url = etcd_server.url(path, queue_ttl=queue_ttl)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        paused = start_waiter(url, name, "paused", timeout=30, hold=0)
+        other: ThreadWaiter | None = None
+        try:
+            until(lambda: queued_labels(client, name) == ["paused"], "the first in line")
+            other = ThreadWaiter(url, name, "other", queue_ttl=queue_ttl)
+            until(lambda: queued_labels(client, name) == ["paused", "other"], "the second")
+            os.kill(paused.pid, signal.SIGSTOP)
+            until(
+                lambda: queued_labels(client, name) == ["other"],
+                "the paused waiter's place lapsing",
+                timeout=math.ceil(queue_ttl) + 2,
+            )
+            os.kill(paused.pid, signal.SIGCONT)
+            until(lambda: queued_labels(client, name) == ["other", "paused"], "a new place")
+            turns = [Hold("holder", token_of(holder), 0.0, time.monotonic())]
+            holder.release()
+            assert other.held.wait(10), "the waiter now first in line never got the lock"
+            other.join()
+            turns += other.turns
+            line = read_line(paused)
+            assert line.startswith("held "), line
+            fencing, start, end = line.split()[1:]
+            turns.append(Hold("paused", int(fencing), float(start), float(end)))
+            assert [turn.label for turn in sorted(turns, key=lambda t: t.fencing)] == [
+                "holder",
+                "other",
+                "paused",
+            ]
+            assert_one_at_a_time(turns)
+            until(lambda: queue_keys(etcd_server, path) == [], "the queue emptied")
+        finally:
+            if other is not None:
+                other.join()
+            if paused.poll() is None:
+                os.kill(paused.pid, signal.SIGCONT)
+                paused.kill()
+            paused.wait()
+            assert paused.stdout is not None
+            paused.stdout.close()
