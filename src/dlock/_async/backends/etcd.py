@@ -1082,7 +1082,8 @@ class AsyncEtcdBackend(AsyncBackend):
                 # give-back in flight): wait for the lock key's deletion.
                 await self._watch_deletion(lock_key, None, left)
                 return
-            renew_in = place.renewed + self._queue_ttl / 3 - time.monotonic()
+            # A third of the lease granted (whole seconds), not of a sub-second queue_ttl.
+            renew_in = place.renewed + lease_seconds(self._queue_ttl) / 3 - time.monotonic()
             if renew_in <= 0:
                 sent = time.monotonic()
                 if place.lease not in await self._keepalive([place.lease]):
@@ -1090,9 +1091,10 @@ class AsyncEtcdBackend(AsyncBackend):
                     return  # the place lapsed: the next attempt takes a new one
                 place.renewed = sent
                 continue
-            if not await self._watch_deletion(place.watch, place.watch_from, min(left, renew_in)):
+            watch = place.watch or lock_key
+            if not await self._watch_deletion(watch, place.watch_from or None, min(left, renew_in)):
                 continue
-            if place.watch == lock_key:
+            if watch == lock_key:
                 return
             revision, lock, own, ahead = await self._look(name, token, place.rank)
             if own is None:

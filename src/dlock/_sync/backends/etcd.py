@@ -1083,7 +1083,8 @@ class EtcdBackend(Backend):
                 # give-back in flight): wait for the lock key's deletion.
                 self._watch_deletion(lock_key, None, left)
                 return
-            renew_in = place.renewed + self._queue_ttl / 3 - time.monotonic()
+            # A third of the lease granted (whole seconds), not of a sub-second queue_ttl.
+            renew_in = place.renewed + lease_seconds(self._queue_ttl) / 3 - time.monotonic()
             if renew_in <= 0:
                 sent = time.monotonic()
                 if place.lease not in self._keepalive([place.lease]):
@@ -1091,9 +1092,10 @@ class EtcdBackend(Backend):
                     return  # the place lapsed: the next attempt takes a new one
                 place.renewed = sent
                 continue
-            if not self._watch_deletion(place.watch, place.watch_from, min(left, renew_in)):
+            watch = place.watch or lock_key
+            if not self._watch_deletion(watch, place.watch_from or None, min(left, renew_in)):
                 continue
-            if place.watch == lock_key:
+            if watch == lock_key:
                 return
             revision, lock, own, ahead = self._look(name, token, place.rank)
             if own is None:
