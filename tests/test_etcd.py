@@ -1137,3 +1137,20 @@ def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
             paused.wait()
             assert paused.stdout is not None
             paused.stdout.close()
+
+
+def test_queue_ttl_is_a_validated_option() -> None:
+    """queue_ttl is taken from the URL or a keyword (no I/O: nothing listens there), and
+    one that is not a positive, finite number of seconds is refused at connect."""
+    url = f"etcd://127.0.0.1:{free_port()}/dlock"
+    clients = [
+        dlock.connect(url + "?queue_ttl=2.5"),
+        dlock.connect(url, queue_ttl=2.5),
+        dlock.connect(url),
+    ]
+    assert [getattr(client._backend, "_queue_ttl", None) for client in clients] == [2.5, 2.5, 6]
+    for client in clients:
+        client.close()
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        with pytest.raises(dlock.ConfigurationError, match="queue_ttl"):
+            dlock.connect(f"{url}?queue_ttl={bad}")
