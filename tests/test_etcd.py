@@ -996,6 +996,35 @@ def test_a_release_makes_only_the_head_of_the_queue_attempt(
                 waiter.join()
 
 
+def test_a_quiet_wait_costs_no_writes_and_still_hears_the_release(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """The core's fallback timer ends a waiter's wait every 0.2 s here. While the key
+    it watches stays, the next attempt would find what the last one found, so none is
+    sent: 2 s of waiting grant no lease and run no transaction (before, every fallback
+    was a grant, a transaction and a revoke). The release still wakes it at once."""
+    url = own_etcd.url(prefix())
+    eager = dlock.Backoff(notify_fallback=0.2)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = ThreadWaiter(url, name, "quiet", backoff=eager)
+        try:
+            until(lambda: queued_labels(client, name) == ["quiet"], "the waiter queued")
+            time.sleep(0.3)  # past its first fallback
+            grants = requests_started(own_etcd, "LeaseGrant")
+            txns = requests_started(own_etcd, "Txn")
+            time.sleep(2.0)
+            assert requests_started(own_etcd, "LeaseGrant") == grants, "fallbacks granted"
+            assert requests_started(own_etcd, "Txn") == txns, "fallbacks attempted"
+            released = time.monotonic()
+            holder.release()
+            assert waiter.held.wait(5), "the waiter never got the lock"
+            assert time.monotonic() - released < 1.0
+        finally:
+            waiter.join()
+
+
 def test_a_killed_waiter_at_the_head_holds_up_the_next_for_at_most_queue_ttl(
     etcd_server: EtcdServer, name: str
 ) -> None:

@@ -150,13 +150,19 @@ class _Place:
     """A waiter's place in its name's queue: the waiter lease its queue key is bound to,
     the key's create revision (its rank), when the lease was last renewed (on this
     host's monotonic clock), and the key whose deletion the waiter waits for (the one
-    just ahead in the queue, or the lock's), from revision ``watch_from`` on."""
+    just ahead in the queue, or the lock's), from revision ``watch_from`` on.
+
+    ``quiet``: the last wait ended at its timeout, having seen that key stay: an attempt
+    now would find the queue and the lock as the last one did, so none is sent (the
+    core's fallback timer costs no writes). The next wait's watch starts at the same
+    revision, so a change meanwhile still ends it at once."""
 
     lease: int
     rank: int
     renewed: float
     watch: str
     watch_from: int
+    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -686,6 +692,9 @@ class EtcdBackend(Backend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         ident = (name, token)
+        place = self._places.get(ident)
+        if place is not None and place.quiet and ident in self._waiting:
+            return Busy()
         with self._using(ident):
             sent = time.monotonic()
             asked = lease_seconds(ttl)
@@ -1078,6 +1087,8 @@ class EtcdBackend(Backend):
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             place = self._places.get(ident)
+            if place is not None:
+                place.quiet = False
             if place is None:
                 # No place (the attempt found the lock held by our own token, its
                 # give-back in flight): wait for the lock key's deletion.
@@ -1094,6 +1105,7 @@ class EtcdBackend(Backend):
                 continue
             watch = place.watch or lock_key
             if not self._watch_deletion(watch, place.watch_from or None, min(left, renew_in)):
+                place.quiet = True  # unless the loop goes on (see _Place)
                 continue
             if watch == lock_key:
                 return
