@@ -1025,6 +1025,35 @@ def test_a_quiet_wait_costs_no_writes_and_still_hears_the_release(
             waiter.join()
 
 
+def live_leases(server: EtcdServer) -> set[int]:
+    answer = httpx.post(f"http://{server.address}/v3/lease/leases", json={}, trust_env=False)
+    return {int(lease["ID"]) for lease in answer.json().get("leases") or ()}
+
+
+def test_a_waiter_that_got_the_lock_leaves_no_lease_of_its_place(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A grant deletes the waiter's queue key; the lease it was on, holding nothing
+    now, is revoked (by the reaper, after the acquire returned), not left to run out
+    its queue_ttl: soon only the new holder's lock lease is left."""
+    url = own_etcd.url(prefix())
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = ThreadWaiter(url, name, "next")
+        try:
+            until(lambda: queued_labels(client, name) == ["next"], "the waiter queued")
+            assert len(live_leases(own_etcd)) == 2  # the holder's and the place's
+            holder.release()
+            assert waiter.held.wait(5), "the waiter never got the lock"
+            until(lambda: len(live_leases(own_etcd)) == 1, "the place's lease revoked", 2.0)
+            info = client.inspect(name)
+            assert info is not None and info.holder.label == "next"
+        finally:
+            waiter.join()
+        assert live_leases(own_etcd) == set()
+
+
 def test_a_killed_waiter_at_the_head_holds_up_the_next_for_at_most_queue_ttl(
     etcd_server: EtcdServer, name: str
 ) -> None:

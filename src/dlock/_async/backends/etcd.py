@@ -162,6 +162,8 @@ class _Place:
     watch: str
     watch_from: int
     quiet: bool = False
+    #: Our grant deleted the queue key: the lease holds nothing any more.
+    used: bool = False
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,8 @@ class AsyncEtcdBackend(AsyncBackend):
         self._reaper_wakeup = WakeupEvent()
         self._reaper_next = math.inf
         self._reaper_lock = threading.Lock()
+        #: Leases of places that a grant emptied, for the reaper to revoke.
+        self._emptied: list[int] = []
         self._credentials = credentials
         #: The token of the last authentication; "" when the server said it has
         #: authentication disabled (nothing to send), None before the first one.
@@ -345,6 +349,7 @@ class AsyncEtcdBackend(AsyncBackend):
         its leases: they are the parent's."""
         self._client = None
         self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
+        self._emptied = []
         self._reaper = None
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
@@ -747,6 +752,8 @@ class AsyncEtcdBackend(AsyncBackend):
             revision = self._revision(answer)
             if answer.get("succeeded"):
                 self._hold(ident, _Held(lease, asked, value, revision, deadline))
+                if place is not None:
+                    place.used = True
                 return Acquired(revision)
             kv = self._ranged(answer)
             if kv is not None and reentrant and _Value.load(kv).token == token:
@@ -1069,10 +1076,15 @@ class AsyncEtcdBackend(AsyncBackend):
         finally:
             self._waiting.discard(ident)
             place = self._places.pop(ident, None)
-            if place is not None:
-                # Leave the queue (a grant deleted our key already, not the lease):
-                # run to its end even if cancelled again, else the place holds up the
-                # waiters behind it until its lease runs out.
+            if place is not None and place.used:
+                # The grant deleted our key; its lease, which holds nothing now, is
+                # revoked by the reaper, not in the new holder's way.
+                with self._lock:
+                    self._emptied.append(place.lease)
+                self._start_reaper(-math.inf)
+            elif place is not None:
+                # Leave the queue: run to its end even if cancelled again, else the
+                # place holds up the waiters behind it until its lease runs out.
                 with contextlib.suppress(BackendError):
                     await shielded(self._revoke(place.lease))
 
@@ -1197,12 +1209,12 @@ class AsyncEtcdBackend(AsyncBackend):
                 self._reaper_wakeup = WakeupEvent()
                 self._reaper_next = math.inf
                 self._reaper = spawn(self._reap, name="dlock-etcd-reaper")
-            if deadline < self._reaper_next:
+            if deadline <= self._reaper_next:
                 self._reaper_wakeup.set()
 
     async def _reap(self) -> None:
-        """Revoke the leases whose holder's ttl ran out unrenewed: etcd would keep them
-        until the lease's whole seconds end."""
+        """Revoke the leases whose holder's ttl ran out unrenewed (etcd would keep them
+        until the lease's whole seconds end), and those of places a grant emptied."""
         while not self._closed:
             self._reaper_wakeup.clear()
             self._reaper_next = -math.inf
@@ -1215,9 +1227,10 @@ class AsyncEtcdBackend(AsyncBackend):
                 ]
                 for ident, _ in due:
                     del self._held[ident]
-            for _, held in due:
+                emptied, self._emptied = self._emptied, []
+            for lease in [held.lease for _, held in due] + emptied:
                 with contextlib.suppress(BackendError):
-                    await self._revoke(held.lease)
+                    await self._revoke(lease)
             if self._closed:
                 return
             with self._lock:
@@ -1313,8 +1326,10 @@ class AsyncEtcdBackend(AsyncBackend):
         # The waits of this client end with it: their places must not hold up the
         # waiters behind them until their leases run out.
         leaving, self._places = builtins.list(self._places.values()), {}
-        for place in leaving:
-            await self._revoke_quietly(place.lease)
+        with self._lock:
+            emptied, self._emptied = self._emptied, []
+        for lease in [place.lease for place in leaving] + emptied:
+            await self._revoke_quietly(lease)
         self._closed = True
         self._reaper_wakeup.set()
         client, self._client = self._client, None
