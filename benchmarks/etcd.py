@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import logging
 import os
 import sys
@@ -47,6 +46,7 @@ from benchmarks.common import (
     print_round_rates,
     print_table,
 )
+from dlock._sync.backends.etcd import b64
 from tests.servers.etcd import EtcdServer
 
 RAW = "raw grant+txn, delete+revoke"
@@ -57,10 +57,6 @@ TOOZ = "tooz etcd3gw Lock"
 #: Seconds: the lease of every lock here (dlock's ttl, tooz's lock_timeout, the raw
 #: grant), long enough that nothing is renewed in a timed call.
 TTL = 30
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
 
 
 class Raw:

@@ -274,6 +274,23 @@ def end_holder(process: subprocess.Popen[str]) -> None:
         process.stdout.close()
 
 
+def take_over_from(
+    client: dlock.Client, name: str, process: subprocess.Popen[str], signum: int, ttl: float
+) -> dlock.Lock:
+    """Send ``signum`` to the holder process a few renewals in, then take the lock as
+    ``client``: not before the holder's lease could have ended, nor long after (etcd
+    frees the key ceil(ttl) after the last renewal, plus up to 0.5 s for the leader's
+    expiry check)."""
+    time.sleep(ttl)
+    os.kill(process.pid, signum)
+    signalled = time.monotonic()
+    successor = client.lock(name, ttl=30)
+    assert successor.acquire(timeout=math.ceil(ttl) + 3)
+    waited = time.monotonic() - signalled
+    assert ttl / 2 <= waited <= math.ceil(ttl) + 1.0, f"got it after {waited:.2f} s"
+    return successor
+
+
 def test_a_paused_holder_process_loses_to_a_larger_token(
     etcd_server: EtcdServer, name: str
 ) -> None:
@@ -289,14 +306,8 @@ def test_a_paused_holder_process_loses_to_a_larger_token(
     url = etcd_server.url(path)
     process, old = start_holder(url, name, ttl)
     try:
-        time.sleep(ttl)  # a few renewals in
-        os.kill(process.pid, signal.SIGSTOP)
-        stopped = time.monotonic()
         with dlock.connect(url) as client:
-            successor = client.lock(name, ttl=30)
-            assert successor.acquire(timeout=math.ceil(ttl) + 3)
-            waited = time.monotonic() - stopped
-            assert ttl / 2 <= waited <= math.ceil(ttl) + 1.0, f"got it after {waited:.2f} s"
+            successor = take_over_from(client, name, process, signal.SIGSTOP, ttl)
             new = token_of(successor)
             assert new > old
             before = stored(etcd_server, path, name)
@@ -331,14 +342,8 @@ def test_a_killed_holder_process_frees_the_lock_within_its_lease(
     url = etcd_server.url(prefix())
     process, old = start_holder(url, name, ttl)
     try:
-        time.sleep(ttl)
-        os.kill(process.pid, signal.SIGKILL)
-        killed = time.monotonic()
         with dlock.connect(url) as client:
-            successor = client.lock(name, ttl=5)
-            assert successor.acquire(timeout=math.ceil(ttl) + 3)
-            waited = time.monotonic() - killed
-            assert ttl / 2 <= waited <= math.ceil(ttl) + 1.0, f"got it after {waited:.2f} s"
+            successor = take_over_from(client, name, process, signal.SIGKILL, ttl)
             assert token_of(successor) > old
             successor.release()
     finally:
