@@ -1030,6 +1030,44 @@ def test_a_quiet_wait_costs_no_writes_and_still_hears_the_release(
             waiter.join()
 
 
+def test_a_deletion_between_the_read_and_the_watch_is_not_missed(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A waiter's watch starts at its creation (etcd serves one that starts at a past
+    revision only from a loop that runs every 100 ms); when writes came between its
+    last read of the key and the watch, it reads the key once more. A key deleted in
+    that gap, or deleted and created anew, ends the wait at once, not at its timeout;
+    a key that stayed, with other writes in the gap, does not end it."""
+    with dlock.connect(etcd_server.url(prefix())) as client:
+        backend: Any = client._backend
+        key = base64.b64encode(backend._key(name)).decode()
+
+        def read() -> tuple[int, int]:
+            answer = backend._post("/v3/kv/range", {"key": key})
+            return int(answer["header"]["revision"]), int(answer["kvs"][0]["create_revision"])
+
+        for created_again in (False, True):
+            lock = client.lock(name, ttl=30)
+            assert lock.acquire(timeout=0)
+            revision, created = read()
+            lock.release()
+            if created_again:
+                assert lock.acquire(timeout=0)
+            started = time.monotonic()
+            assert backend._watch_deletion(key, (revision + 1, created), 3.0) is True
+            assert time.monotonic() - started < 1.0, "the deletion was missed"
+            if created_again:
+                lock.release()
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        revision, created = read()
+        other = client.lock(f"{name}-other", ttl=30)
+        assert other.acquire(timeout=0)  # a write in the gap, not of this key
+        assert backend._watch_deletion(key, (revision + 1, created), 0.5) is False
+        other.release()
+        lock.release()
+
+
 def live_leases(server: EtcdServer) -> set[int]:
     answer = httpx.post(f"http://{server.address}/v3/lease/leases", json={}, trust_env=False)
     return {int(lease["ID"]) for lease in answer.json().get("leases") or ()}

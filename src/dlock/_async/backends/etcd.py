@@ -149,7 +149,8 @@ class _Place:
     """A waiter's place in its name's queue: the waiter lease its queue key is bound to,
     the key's create revision (its rank), when the lease was last renewed (on this
     host's monotonic clock), and the key whose deletion the waiter waits for (the one
-    just ahead in the queue, or the lock's), from revision ``watch_from`` on.
+    just ahead in the queue, or the lock's), as a read at revision ``watch_from`` - 1
+    found it (created at ``watch_created``).
 
     ``quiet``: the last wait ended at its timeout, having seen that key stay: an attempt
     now would find the queue and the lock as the last one did, so none is sent (the
@@ -161,9 +162,16 @@ class _Place:
     renewed: float
     watch: str
     watch_from: int
+    watch_created: int = 0
     quiet: bool = False
     #: Our grant deleted the queue key: the lease holds nothing any more.
     used: bool = False
+
+    def follow(self, key: str, kv: dict[str, Any], revision: int) -> None:
+        """Wait next for the deletion of ``key``, found as ``kv`` by a read at
+        ``revision``."""
+        self.watch, self.watch_created = key, int(kv["create_revision"])
+        self.watch_from = revision + 1
 
 
 @dataclass(frozen=True)
@@ -844,12 +852,11 @@ class AsyncEtcdBackend(AsyncBackend):
                 await self._revoke_quietly(place.lease)
             place, revision, lock, ahead = await self._take_place(ident, value)
         if ahead is not None:
-            place.watch = ahead["key"]
+            place.follow(ahead["key"], ahead, revision)
         elif lock is not None:
-            place.watch = b64(self._key(name))
+            place.follow(b64(self._key(name)), lock, revision)
         else:
             return True
-        place.watch_from = revision + 1
         return False
 
     async def _take_place(
@@ -1115,7 +1122,8 @@ class AsyncEtcdBackend(AsyncBackend):
                 place.renewed = sent
                 continue
             watch = place.watch or lock_key
-            if not await self._watch_deletion(watch, place.watch_from or None, min(left, renew_in)):
+            seen = (place.watch_from, place.watch_created) if place.watch else None
+            if not await self._watch_deletion(watch, seen, min(left, renew_in)):
                 place.quiet = True  # unless the loop goes on (see _Place)
                 continue
             if watch == lock_key:
@@ -1126,19 +1134,22 @@ class AsyncEtcdBackend(AsyncBackend):
                 await self._revoke_quietly(place.lease)
                 return
             if ahead is not None:
-                place.watch = ahead["key"]
+                place.follow(ahead["key"], ahead, revision)
             elif lock is not None:
-                place.watch = lock_key
+                place.follow(lock_key, lock, revision)
             else:
                 return
-            place.watch_from = revision + 1
 
-    async def _watch_deletion(self, key: str, start: int | None, timeout: float) -> bool:
-        """Whether ``key`` is deleted at revision ``start`` or later (or the watch ended:
-        its start was compacted away) within ``timeout``."""
+    async def _watch_deletion(self, key: str, seen: tuple[int, int] | None, timeout: float) -> bool:
+        """Whether ``key`` is deleted within ``timeout``, counting from ``seen``: (the
+        revision after the read that last found it, its create revision then).
+
+        The watch itself starts at its creation: etcd serves a watch that starts at a
+        past revision from a loop that runs every 100 ms, which delayed most hand-offs
+        under contention by up to that (any write since the read makes the start past).
+        When the watch was created after other writes, the key is read once more, with
+        the watch in place: gone, or created anew, it was deleted."""
         request: dict[str, Any] = {"key": key}
-        if start is not None:
-            request["start_revision"] = str(start)
         client = self._http()
         auth = await self._token()
         deadline = time.monotonic() + timeout
@@ -1158,7 +1169,14 @@ class AsyncEtcdBackend(AsyncBackend):
                     self._answer(response.status_code, content)
                     return True
                 async for line in response.aiter_lines():
-                    if self._released(line):
+                    if not line.strip():
+                        continue
+                    message = json.loads(line)
+                    if seen is not None and self._created_after(message, seen[0]):
+                        kv = await self._read(key)
+                        if kv is None or int(kv["create_revision"]) != seen[1]:
+                            return True
+                    elif self._released(message):
                         return True
                     if time.monotonic() >= deadline:
                         return False
@@ -1170,12 +1188,17 @@ class AsyncEtcdBackend(AsyncBackend):
             raise self._left(used, self._fail(exc)) from exc
         return True
 
-    def _released(self, line: str) -> bool:
-        """Whether one message of the watch stream tells a deletion (or ends the watch:
-        its start was compacted away, and the next attempt looks again)."""
-        if not line.strip():
+    @staticmethod
+    def _created_after(message: dict[str, Any], start: int) -> bool:
+        """Whether ``message`` tells the watch's creation at revision ``start`` or later."""
+        result = message.get("result")
+        if not isinstance(result, dict) or not result.get("created"):
             return False
-        message = json.loads(line)
+        return int((result.get("header") or {}).get("revision", 0)) >= start
+
+    def _released(self, message: dict[str, Any]) -> bool:
+        """Whether one message of the watch stream tells a deletion (or ends the watch,
+        and the next attempt looks again)."""
         result = message.get("result")
         if not isinstance(result, dict):
             raise self._refusal(message.get("error") or message)
