@@ -682,6 +682,32 @@ def test_auth_renewal_keeps_the_lease_past_several_token_expiries(
         lock.release()
 
 
+def test_auth_a_watch_refused_for_its_token_ends_the_wait_at_once(
+    auth_etcd: EtcdServer, name: str
+) -> None:
+    """A waiter's watch that the server cancels because its token expired ends the wait
+    at once and drops the token (the next attempt authenticates again), also when writes
+    came between the waiter's read and the watch (which makes it read the key again),
+    rather than wait out its timeout on a watch that will never report."""
+    url = auth_etcd.user_url(DLOCK_USER, auth_prefix())
+    with dlock.connect(url) as client:
+        backend: Any = client._backend
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        key = base64.b64encode(backend._key(name)).decode()
+        answer = backend._post("/v3/kv/range", {"key": key})
+        seen = (int(answer["header"]["revision"]) + 1, int(answer["kvs"][0]["create_revision"]))
+        other = client.lock(f"{name}-other", ttl=30)
+        assert other.acquire(timeout=0)  # a write between the read and the watch
+        backend._auth_token = "expired.token"
+        started = time.monotonic()
+        assert backend._watch_deletion(key, seen, 3.0) is True
+        assert time.monotonic() - started < 1.0, "waited out the refused watch"
+        assert backend._auth_token is None
+        other.release()
+        lock.release()
+
+
 def test_auth_a_wrong_password_is_refused_by_name_and_never_shown(
     auth_etcd: EtcdServer, name: str
 ) -> None:

@@ -1172,12 +1172,12 @@ class AsyncEtcdBackend(AsyncBackend):
                     if not line.strip():
                         continue
                     message = json.loads(line)
+                    if self._released(message):  # a refused (cancelled) watch included
+                        return True
                     if seen is not None and self._created_after(message, seen[0]):
                         kv = await self._read(key)
                         if kv is None or int(kv["create_revision"]) != seen[1]:
                             return True
-                    elif self._released(message):
-                        return True
                     if time.monotonic() >= deadline:
                         return False
         except httpx.ReadTimeout:
