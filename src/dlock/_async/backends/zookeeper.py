@@ -737,6 +737,14 @@ class AsyncZooKeeperBackend(AsyncBackend):
         logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
         self._renew_at_grace_end()
 
+    def _silent(self) -> bool:
+        """A request went unanswered within the last operation timeout: another sent
+        now would most likely sit the timeout out too."""
+        return (
+            self._stalled_since is not None
+            and time.monotonic() < self._timed_out_at + self._op_timeout
+        )
+
     async def _call(self, result: Any, timeout: float | None = None) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout,
         noting that the server replied (a server-side error is a reply)."""
@@ -1285,10 +1293,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 if not self._session_alive(node):
                     self._give_up(key, node)  # its lease was declared lost already
                     return None
-                if (
-                    self._stalled_since is not None
-                    and time.monotonic() < self._timed_out_at + self._op_timeout
-                ):
+                if self._silent():
                     self._give_up(key, node)
                     raise BackendUnavailable(
                         f"lock {name!r}: ZooKeeper does not answer; its node is deleted"
@@ -1491,6 +1496,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
         zk = self._zk
         if zk is None or not self._connected.is_set():
             return  # the next CONNECTED wakes the reaper
+        if self._silent():
+            # Not into the silence: a request here holds its lock's stripe for the
+            # operation timeout, and with it every release that shares the stripe (a
+            # client closing into the silence). The reaper tries again after a while.
+            return
         await self._delete_lost_creates(zk)
         for path, (key, czxid) in list(self._orphans.items()):
             async with self._stripe(key):
@@ -1560,6 +1570,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
             for key, node in due:
                 async with self._stripe(key):
                     if self._nodes.get(key) is not node or node.deadline > time.monotonic():
+                        continue
+                    if self._silent():
+                        self._give_up(key, node)  # deleted once the server answers
                         continue
                     try:
                         await self._delete(await self._client(), key, node)

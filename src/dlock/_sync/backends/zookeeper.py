@@ -738,6 +738,14 @@ class ZooKeeperBackend(Backend):
         logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
         self._renew_at_grace_end()
 
+    def _silent(self) -> bool:
+        """A request went unanswered within the last operation timeout: another sent
+        now would most likely sit the timeout out too."""
+        return (
+            self._stalled_since is not None
+            and time.monotonic() < self._timed_out_at + self._op_timeout
+        )
+
     def _call(self, result: Any, timeout: float | None = None) -> Any:
         """Wait for one of kazoo's async results, bounded by the operation timeout,
         noting that the server replied (a server-side error is a reply)."""
@@ -1282,10 +1290,7 @@ class ZooKeeperBackend(Backend):
                 if not self._session_alive(node):
                     self._give_up(key, node)  # its lease was declared lost already
                     return None
-                if (
-                    self._stalled_since is not None
-                    and time.monotonic() < self._timed_out_at + self._op_timeout
-                ):
+                if self._silent():
                     self._give_up(key, node)
                     raise BackendUnavailable(
                         f"lock {name!r}: ZooKeeper does not answer; its node is deleted"
@@ -1488,6 +1493,11 @@ class ZooKeeperBackend(Backend):
         zk = self._zk
         if zk is None or not self._connected.is_set():
             return  # the next CONNECTED wakes the reaper
+        if self._silent():
+            # Not into the silence: a request here holds its lock's stripe for the
+            # operation timeout, and with it every release that shares the stripe (a
+            # client closing into the silence). The reaper tries again after a while.
+            return
         self._delete_lost_creates(zk)
         for path, (key, czxid) in list(self._orphans.items()):
             with self._stripe(key):
@@ -1557,6 +1567,9 @@ class ZooKeeperBackend(Backend):
             for key, node in due:
                 with self._stripe(key):
                     if self._nodes.get(key) is not node or node.deadline > time.monotonic():
+                        continue
+                    if self._silent():
+                        self._give_up(key, node)  # deleted once the server answers
                         continue
                     try:
                         self._delete(self._client(), key, node)
