@@ -772,8 +772,8 @@ class AsyncRedisBackend(AsyncBackend):
                 return redis_client.Redis.from_url(self._url, **self._connection_options())
             except ERRORS as exc:
                 refusals += 1
-                delay = moving_delay(refusals)
-                if not (self._cluster and moving(exc) and time.monotonic() + delay <= deadline):
+                delay = self._move_delay(exc, refusals, deadline)
+                if delay is None:
                     raise wrap(exc, self._where) from exc
                 time.sleep(delay)
             except (ValueError, TypeError) as exc:
@@ -831,13 +831,20 @@ class AsyncRedisBackend(AsyncBackend):
         script cut short by the move (CUT_SHORT_BY_THE_CLUSTER) ran in part, and one
         whose reply was lost may have run; neither is sent again. A single server
         (Redlock's masters among them) never moves a slot."""
-        if not self._cluster or not moving(error):
-            return False
-        delay = moving_delay(refusals)
-        if time.monotonic() + delay > deadline:
+        delay = self._move_delay(error, refusals, deadline)
+        if delay is None:
             return False
         await sleep(delay)
         return True
+
+    def _move_delay(self, error: BaseException, refusals: int, deadline: float) -> float | None:
+        """How long to wait before asking again after ``error``, the ``refusals``-th in
+        a row: None unless a cluster refused, moving a slot, and the wait still ends
+        before ``deadline``."""
+        if not self._cluster or not moving(error):
+            return None
+        delay = moving_delay(refusals)
+        return delay if time.monotonic() + delay <= deadline else None
 
     async def _give_back_when_closed(
         self, script: scripts.Script, keys: Sequence[bytes], args: Sequence[Any]
