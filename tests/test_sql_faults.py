@@ -1651,8 +1651,8 @@ def test_waits_outlast_the_servers_statement_timeout(
         backend: Any = waiter._backend
         connects = _count_connects(waiter)
         statements = _record_statements(waiter)
+        start = time.monotonic()  # before the timer's: its release may come 1.5 s after
         threading.Timer(1.5, lock.release).start()
-        start = time.monotonic()
         successor = waiter.lock(name, ttl=30)
         assert successor.acquire(timeout=5)
         assert 1.5 <= time.monotonic() - start < 2.5
@@ -2139,9 +2139,9 @@ def test_the_servers_idle_timeout_ends_neither_a_lock_nor_a_wait(
         assert second.lock(name, ttl=30).acquire(timeout=0) is False, "the lock was freed"
         lock.extend()
         release = threading.Timer(2.5, lock.release)
+        start = time.monotonic()  # before the timer's: its release may come 2.5 s after
         release.start()
         try:
-            start = time.monotonic()
             successor = second.lock(name, ttl=30)
             assert successor.acquire(timeout=5)
             assert 2.5 <= time.monotonic() - start < 4
