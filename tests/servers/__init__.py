@@ -19,11 +19,38 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+#: Ports for pytest-xdist's workers (``gw0``, ``gw1``, ...): a band of ``BAND`` each
+#: from ``FIRST_BANDED``, below the kernel's ephemeral range (32768 and up on Linux),
+#: where no client connection takes its local port either.
+FIRST_BANDED, BAND, BANDS = 20000, 1500, 8
+_next_in_band = 0
+
 
 def free_port() -> int:
-    """A loopback port nobody listens on right now."""
+    """A loopback port nobody listens on right now.
+
+    Each pytest-xdist worker takes ports from a band of its own. Two workers asking
+    the kernel could be given one port between one's check and its server's start:
+    the second server would fail to start, or a readiness check would find the other
+    worker's server and a test would run against it.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return _bindable(0)
+    global _next_in_band
+    first = FIRST_BANDED + (int(worker[2:]) % BANDS) * BAND
+    for _ in range(BAND):
+        port = first + _next_in_band % BAND
+        _next_in_band += 1
+        with contextlib.suppress(OSError):
+            return _bindable(port)
+    raise RuntimeError(f"no free port in {first}..{first + BAND - 1}")
+
+
+def _bindable(port: int) -> int:
+    """``port`` (0: one the kernel picks) if it can be bound on loopback now."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", port))
         return int(sock.getsockname()[1])
 
 
