@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import math
@@ -883,6 +884,42 @@ def start_waiter(
 
 
 @dataclass
+class QueuedScene:
+    """A lock held through ``client`` by ``holder``, and a waiter process in line for it."""
+
+    url: str
+    path: str
+    client: dlock.Client
+    holder: dlock.Lock
+    waiter: subprocess.Popen[str]
+
+
+@contextlib.contextmanager
+def a_waiter_process_queued(
+    etcd_server: EtcdServer, name: str, label: str, queue_ttl: float
+) -> Iterator[QueuedScene]:
+    """``name`` held, under a prefix of its own with a short ``queue_ttl``, and a waiter
+    process ``label`` queued for it; the process is ended afterwards (resumed first,
+    should a test have paused it)."""
+    path = prefix()
+    url = etcd_server.url(path, queue_ttl=queue_ttl)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = start_waiter(url, name, label, timeout=30, hold=0)
+        try:
+            until(lambda: queued_labels(client, name) == [label], "the waiter queued")
+            yield QueuedScene(url, path, client, holder, waiter)
+        finally:
+            if waiter.poll() is None:
+                os.kill(waiter.pid, signal.SIGCONT)
+                waiter.kill()
+            waiter.wait()
+            assert waiter.stdout is not None
+            waiter.stdout.close()
+
+
+@dataclass
 class Hold:
     """One waiter's turn: its fencing token, and when it held the lock (monotonic)."""
 
@@ -1132,34 +1169,22 @@ def test_a_killed_waiter_at_the_head_holds_up_the_next_for_at_most_queue_ttl(
     (the dead waiter is still first in line); then the next waiter gets it, with a
     larger fencing token."""
     queue_ttl = 1.0
-    path = prefix()
-    url = etcd_server.url(path, queue_ttl=queue_ttl)
-    with dlock.connect(url) as client:
-        holder = client.lock(name, ttl=30)
-        assert holder.acquire(timeout=0)
+    with a_waiter_process_queued(etcd_server, name, "dead", queue_ttl) as scene:
+        client, holder, dead = scene.client, scene.holder, scene.waiter
         old = token_of(holder)
-        dead = start_waiter(url, name, "dead", timeout=30, hold=0)
-        try:
-            until(lambda: queued_labels(client, name) == ["dead"], "the waiter queued")
-            time.sleep(queue_ttl)  # a few keepalives of its place in
-            dead.kill()
-            dead.wait()
-            killed = time.monotonic()
-            holder.release()
-            assert not client.lock(name, ttl=5).acquire(timeout=0), "passed the queue"
-            successor = client.lock(name, ttl=5)
-            assert successor.acquire(timeout=math.ceil(queue_ttl) + 5)
-            waited = time.monotonic() - killed
-            assert waited <= math.ceil(queue_ttl) + 1.0, f"held up {waited:.2f} s"
-            assert token_of(successor) > old
-            assert queue_keys(etcd_server, path) == []
-            successor.release()
-        finally:
-            if dead.poll() is None:
-                dead.kill()
-                dead.wait()
-            assert dead.stdout is not None
-            dead.stdout.close()
+        time.sleep(queue_ttl)  # a few keepalives of its place in
+        dead.kill()
+        dead.wait()
+        killed = time.monotonic()
+        holder.release()
+        assert not client.lock(name, ttl=5).acquire(timeout=0), "passed the queue"
+        successor = client.lock(name, ttl=5)
+        assert successor.acquire(timeout=math.ceil(queue_ttl) + 5)
+        waited = time.monotonic() - killed
+        assert waited <= math.ceil(queue_ttl) + 1.0, f"held up {waited:.2f} s"
+        assert token_of(successor) > old
+        assert queue_keys(etcd_server, scene.path) == []
+        successor.release()
 
 
 async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
@@ -1220,16 +1245,10 @@ def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
     gone and takes a new one, at the back: the lock goes to the other waiter first, then
     to it, each once, with increasing fencing tokens."""
     queue_ttl = 1.0
-    path = prefix()
-    url = etcd_server.url(path, queue_ttl=queue_ttl)
-    with dlock.connect(url) as client:
-        holder = client.lock(name, ttl=30)
-        assert holder.acquire(timeout=0)
-        paused = start_waiter(url, name, "paused", timeout=30, hold=0)
-        other: ThreadWaiter | None = None
+    with a_waiter_process_queued(etcd_server, name, "paused", queue_ttl) as scene:
+        client, holder, paused = scene.client, scene.holder, scene.waiter
+        other = ThreadWaiter(scene.url, name, "other", queue_ttl=queue_ttl)
         try:
-            until(lambda: queued_labels(client, name) == ["paused"], "the first in line")
-            other = ThreadWaiter(url, name, "other", queue_ttl=queue_ttl)
             until(lambda: queued_labels(client, name) == ["paused", "other"], "the second")
             os.kill(paused.pid, signal.SIGSTOP)
             until(
@@ -1254,16 +1273,9 @@ def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
                 "paused",
             ]
             assert_one_at_a_time(turns)
-            until(lambda: queue_keys(etcd_server, path) == [], "the queue emptied")
+            until(lambda: queue_keys(etcd_server, scene.path) == [], "the queue emptied")
         finally:
-            if other is not None:
-                other.join()
-            if paused.poll() is None:
-                os.kill(paused.pid, signal.SIGCONT)
-                paused.kill()
-            paused.wait()
-            assert paused.stdout is not None
-            paused.stdout.close()
+            other.join()
 
 
 def test_queue_ttl_is_a_validated_option() -> None:
