@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import free_port
-from tests.servers.etcd import etcd_server  # noqa: F401
+from tests.servers.etcd import etcd_cluster, etcd_server  # noqa: F401
 from tests.servers.redis import (  # noqa: F401
     redis_cluster,
     redis_server,

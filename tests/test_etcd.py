@@ -35,7 +35,7 @@ import dlock
 import dlock.aio
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
 from tests.servers import free_port
-from tests.servers.etcd import EtcdServer, EtcdUser
+from tests.servers.etcd import EtcdCluster, EtcdServer, EtcdUser
 from tests.servers.tls import Certificates, make_certificates
 from tests.test_cli import dlock_cmd
 
@@ -1293,3 +1293,86 @@ def test_queue_ttl_is_a_validated_option() -> None:
     for bad in ("0", "-1", "inf", "nan", "soon"):
         with pytest.raises(dlock.ConfigurationError, match="queue_ttl"):
             dlock.connect(f"{url}?queue_ttl={bad}")
+
+
+# -- a cluster of three, one member killed ---------------------------------------------------
+
+
+def a_follower_first(cluster: EtcdCluster) -> tuple[int, int, int]:
+    """The members in an order that puts a follower first: killing the member a client
+    talks to then costs no election."""
+    leader = cluster.leader()
+    follower = (leader + 1) % 3
+    return (follower, leader, 3 - follower - leader)
+
+
+@pytest.mark.parametrize("role", ["follower", "leader"])
+def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_dies(
+    etcd_cluster: EtcdCluster, name: str, role: str
+) -> None:
+    """The holder's URL names all three members and it talks to the first, which is
+    killed (SIGKILL): its renewals go to the next one and the lease lives on. A rival
+    talking to another member is refused meanwhile, and gets the lock after the
+    release, with a larger fencing token.
+
+    A follower killed costs nothing more. The leader killed, a request in flight during
+    the election waits for etcd's request timeout (5 s; dlock's own is 5 s too) and
+    fails: the holder's ttl is longer than that, and a rival's try may fail so (not
+    answered, never granted)."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    if role == "leader":
+        others = [victim, others[1]]
+        victim = etcd_cluster.leader()
+    ttl, watch = (1.5, 3 * 1.5) if role == "follower" else (8.0, 7.0)
+    with (
+        dlock.connect(etcd_cluster.url(path, order=(victim, *others))) as client,
+        dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as rivals,
+    ):
+        lock = client.lock(name, ttl=ttl)
+        assert lock.acquire(timeout=0)
+        old = token_of(lock)
+        etcd_cluster.members[victim].kill()
+        until_then = time.monotonic() + watch
+        while time.monotonic() < until_then:
+            try:
+                assert not rivals.lock(name, ttl=5).acquire(timeout=0), "the lease ran out"
+            except dlock.BackendUnavailable:
+                assert role == "leader"
+            assert not lock.lost
+            time.sleep(0.2)
+        assert lock.owned()
+        lock.release()
+        rival = rivals.lock(name, ttl=5)
+        assert rival.acquire(timeout=0)
+        assert token_of(rival) > old
+        rival.release()
+
+
+def test_a_waiter_is_woken_when_the_member_it_watches_through_dies(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """A waiter talks to a follower, and watches through it; that member killed, the
+    waiter goes on waiting through the next one, keeps its place (no rival passes it)
+    and gets the lock as soon as the holder, talking to another member, releases."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    with dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter_url = etcd_cluster.url(path, order=(victim, *others), queue_ttl=3)
+        waiter = ThreadWaiter(waiter_url, name, "waiter")
+        try:
+            until(lambda: queued_labels(client, name) == ["waiter"], "the waiter queued")
+            etcd_cluster.members[victim].kill()
+            time.sleep(1.5)  # its watch, and a keepalive of its place, met the dead member
+            assert not client.lock(name, ttl=5).acquire(timeout=0), "passed the queue"
+            assert queued_labels(client, name) == ["waiter"]
+            released = time.monotonic()
+            holder.release()
+            assert waiter.held.wait(10), "the waiter never got the lock"
+            waited = time.monotonic() - released
+            assert waited < 1.0, f"the waiter was held up {waited:.2f} s"
+            assert waiter.granted
+        finally:
+            waiter.join()

@@ -16,6 +16,7 @@ import base64
 import json
 import shutil
 import ssl
+import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,14 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.servers import ServerProcess, free_port, private_dir, require_binary
+from tests.servers import (
+    ServerProcess,
+    free_port,
+    private_dir,
+    require_binary,
+    start_all,
+    stop_every,
+)
 from tests.servers.tls import Certificates
 
 
@@ -39,6 +47,13 @@ def healthy(port: int, context: ssl.SSLContext | None = None) -> bool:
             return bool(json.load(answer).get("health") == "true")
     except (OSError, ValueError):
         return False
+
+
+def _post(port: int, path: str) -> Any:
+    """One call with an empty body to the JSON gateway of the member at ``port``."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=2) as answer:
+        return json.load(answer)
 
 
 #: The root user's password on a server with authentication enabled.
@@ -168,6 +183,95 @@ class EtcdServer:
             self.process.kill()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+class EtcdCluster:
+    """Three members on loopback, for what one member cannot show: a member that dies
+    under a client that names all three."""
+
+    def __init__(self, size: int = 3) -> None:
+        binary = require_binary("etcd", "etcd-server")
+        self.root = private_dir("etcd-cluster")
+        self.ports = [free_port() for _ in range(size)]
+        peers = [f"http://127.0.0.1:{free_port()}" for _ in range(size)]
+        cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
+        self.members: list[ServerProcess] = []
+        for i, (port, peer) in enumerate(zip(self.ports, peers, strict=True)):
+            workdir = self.root / f"m{i}"
+            workdir.mkdir()
+            client_url = f"http://127.0.0.1:{port}"
+            self.members.append(
+                ServerProcess(
+                    f"etcd-m{i}",
+                    [
+                        binary,
+                        f"--name=m{i}",
+                        f"--data-dir={workdir / 'data'}",
+                        f"--listen-client-urls={client_url}",
+                        f"--advertise-client-urls={client_url}",
+                        f"--listen-peer-urls={peer}",
+                        f"--initial-advertise-peer-urls={peer}",
+                        f"--initial-cluster={cluster}",
+                        "--initial-cluster-state=new",
+                        f"--listen-metrics-urls=http://127.0.0.1:{free_port()}",
+                        "--heartbeat-interval=10",
+                        "--election-timeout=100",
+                        "--log-level=warn",
+                    ],
+                    # A member alone cannot elect a leader: the others start meanwhile.
+                    ready=lambda: True,
+                    workdir=workdir,
+                )
+            )
+
+    def start(self) -> None:
+        def quorum() -> None:
+            deadline = time.monotonic() + 30
+            while not all(healthy(port) for port in self.ports):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the etcd cluster elected no leader in time")
+                time.sleep(0.05)
+
+        start_all(self.members, then=quorum)
+
+    def leader(self) -> int:
+        """The index of the member that leads now, as every live member sees it."""
+        statuses = {port: _post(port, "/v3/maintenance/status") for port in self.live()}
+        leaders = {status["leader"] for status in statuses.values()}
+        if len(leaders) != 1:
+            raise RuntimeError(f"the members disagree on the leader: {leaders}")
+        for port, status in statuses.items():
+            if status["header"]["member_id"] in leaders:
+                return self.ports.index(port)
+        raise RuntimeError("the leader is not a live member")
+
+    def live(self) -> list[int]:
+        """The client ports of the members running now."""
+        return [
+            port
+            for port, member in zip(self.ports, self.members, strict=True)
+            if member.process is not None
+        ]
+
+    def url(self, prefix: str, order: Sequence[int] = (0, 1, 2), **options: object) -> str:
+        """A dlock URL naming the members in ``order`` (a client talks to the first)."""
+        hosts = ",".join(f"127.0.0.1:{self.ports[i]}" for i in order)
+        query = "&".join(f"{key}={value}" for key, value in options.items())
+        return f"etcd://{hosts}{prefix}" + (f"?{query}" if query else "")
+
+    def stop(self) -> None:
+        try:
+            stop_every(self.members, ServerProcess.kill)
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster()
+    cluster.start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1097,6 +1097,19 @@ class EtcdBackend(Backend):
                     shielded(self._revoke(place.lease))
 
     def _wait_turn(self, name: str, token: str, timeout: float) -> None:
+        """Wait in line (see ``_wait_in_line``). A member that dies or hangs under the
+        watch or a keepalive of the place ends the wait once the next request has been
+        moved to the next member: a wait changes nothing (its keepalives may go twice),
+        and the place outlives the member, so the next attempt looks again through the
+        next member (and fails, as it should, if none answers)."""
+        host = self._current
+        try:
+            self._wait_in_line(name, token, timeout)
+        except BackendUnavailable:
+            if self._current == host:
+                raise
+
+    def _wait_in_line(self, name: str, token: str, timeout: float) -> None:
         """Return when the waiter may be first in line with the lock free, its place
         lapsed, or after ``timeout``. Renews the place every third of ``queue_ttl``.
         When the key ahead goes, looks who is ahead now and waits on, so that a grant
