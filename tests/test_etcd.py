@@ -1316,9 +1316,10 @@ def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_dies(
     release, with a larger fencing token.
 
     A follower killed costs nothing more. The leader killed, a request in flight during
-    the election waits for etcd's request timeout (5 s; dlock's own is 5 s too) and
-    fails: the holder's ttl is longer than that, and a rival's try may fail so (not
-    answered, never granted)."""
+    the election (a fifth of a second here) waits out etcd's request timeout (5 s;
+    dlock's own is 5 s too) and fails: a rival's try may fail so, and is never granted.
+    The holder's first renewal comes after the election; one that met it would wait
+    out that timeout, so the holder's ttl is longer than it."""
     path = prefix()
     victim, *others = a_follower_first(etcd_cluster)
     if role == "leader":

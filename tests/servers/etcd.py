@@ -1,4 +1,5 @@
-"""A private etcd from the Debian ``etcd-server`` package: one member on loopback.
+"""A private etcd from the Debian ``etcd-server`` package: one member on loopback (or a
+cluster of three, :class:`EtcdCluster`, for the tests of a member that dies).
 
 Started with a 10 ms heartbeat and a 100 ms election timeout: etcd's shortest lease is
 1.5 election timeouts, rounded up to whole seconds, so this makes it 1 s (with the
@@ -189,11 +190,11 @@ class EtcdCluster:
     """Three members on loopback, for what one member cannot show: a member that dies
     under a client that names all three."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self) -> None:
         binary = require_binary("etcd", "etcd-server")
         self.root = private_dir("etcd-cluster")
-        self.ports = [free_port() for _ in range(size)]
-        peers = [f"http://127.0.0.1:{free_port()}" for _ in range(size)]
+        self.ports = [free_port() for _ in range(3)]
+        peers = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
         cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
         self.members: list[ServerProcess] = []
         for i, (port, peer) in enumerate(zip(self.ports, peers, strict=True)):
