@@ -487,10 +487,13 @@ async def test_one_client_renews_many_locks_together(url: str, name: str) -> Non
 
 
 async def test_extend(url: str, name: str) -> None:
+    """The extend outlasts the first ttl, by the holder's clock and the backend's. (etcd
+    reports the time left in whole seconds rounded down: 4 s leaves a second of slack
+    over the sleep before more than 1.5 s shows as 1.)"""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
         lock = first.lock(name, ttl=0.5, auto_renew=False)
         await lock.acquire()
-        await lock.extend(3)
+        await lock.extend(4)
         await sleep(0.8)
         assert lock.owned()
         assert await second.lock(name, ttl=5).acquire(timeout=0) is False
