@@ -1350,6 +1350,42 @@ def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_dies(
         rival.release()
 
 
+def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_hangs(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """The member a renewing holder talks to (a follower) paused (SIGSTOP): its next
+    renewal gets no answer. Keepalives and the read that checks the keys change nothing
+    if sent twice, so a renewal gives each member a sixth of the shortest ttl and then
+    asks the next one: the lock is kept (a renewal left to the 5 s request timeout would
+    lose a 2 s lease) against a rival on another member, and goes to the rival after the
+    release."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    ttl = 2.0
+    with (
+        dlock.connect(etcd_cluster.url(path, order=(victim, *others))) as client,
+        dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as rivals,
+    ):
+        lock = client.lock(name, ttl=ttl)
+        assert lock.acquire(timeout=0)
+        old = token_of(lock)
+        etcd_cluster.members[victim].pause()
+        try:
+            until_then = time.monotonic() + 3 * ttl
+            while time.monotonic() < until_then:
+                assert not rivals.lock(name, ttl=5).acquire(timeout=0), "the lease ran out"
+                assert not lock.lost
+                time.sleep(0.2)
+            assert lock.owned()
+            lock.release()
+        finally:
+            etcd_cluster.members[victim].resume()
+        rival = rivals.lock(name, ttl=5)
+        assert rival.acquire(timeout=0)
+        assert token_of(rival) > old
+        rival.release()
+
+
 def test_a_waiter_is_woken_when_the_member_it_watches_through_dies(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

@@ -399,42 +399,63 @@ class AsyncEtcdBackend(AsyncBackend):
         return BackendUnavailable(f"etcd {self._where}: {type(exc).__name__}: {exc}")
 
     async def _post(
-        self, path: str, body: dict[str, Any] | bytes, *, lines: bool = False
+        self,
+        path: str,
+        body: dict[str, Any] | bytes,
+        *,
+        lines: bool = False,
+        resend: float | None = None,
     ) -> dict[str, Any]:
         """One gateway call, with the token of our user if we have one. A request whose
         token the server refused (it expired) goes once more with a new token: that
-        refusal comes before anything is applied."""
+        refusal comes before anything is applied. ``resend``: see ``_send``."""
         self._http()  # a closed client, or a new event loop (with its own mutex), first
         token = await self._token()
         try:
-            return await self._send(path, body, lines=lines, token=token)
+            return await self._send(path, body, lines=lines, token=token, resend=resend)
         except _TokenRefused as exc:
             if self._credentials is None:
                 raise BackendError(self._unauthenticated(str(exc))) from None
             token = await self._authenticate(token)
         try:
-            return await self._send(path, body, lines=lines, token=token)
+            return await self._send(path, body, lines=lines, token=token, resend=resend)
         except _TokenRefused as exc:
             raise BackendError(self._unauthenticated(str(exc))) from None
 
     async def _send(
-        self, path: str, body: dict[str, Any] | bytes, *, lines: bool, token: str | None
+        self,
+        path: str,
+        body: dict[str, Any] | bytes,
+        *,
+        lines: bool,
+        token: str | None,
+        resend: float | None = None,
     ) -> dict[str, Any]:
         """One gateway call; ``lines``: the answer is a stream of messages, returned as
         ``{"lines": [...]}``. A connection that could not be made (nothing was sent)
         moves on to the next endpoint; anything after sending is not retried: its
-        request may have been applied."""
+        request may have been applied. Except with ``resend``, for a request that changes
+        nothing if sent twice (a keepalive, a read): each endpoint but the last one
+        tried gets that many seconds to answer, and one that does not, or answers that
+        it cannot serve, is left for the next one, which is asked the same. (One
+        endpoint alone gets the whole request timeout, as any request.)"""
         client = self._http()
         headers = {"Authorization": token} if token else {}
         last: BaseException | None = None
-        for _ in self._endpoints:
+        for tried in range(len(self._endpoints)):
+            more = resend is not None and tried < len(self._endpoints) - 1
+            limit = httpx.Timeout(resend) if more else self._timeout
             used = self._current
             base = self._endpoints[used]
             try:
                 if isinstance(body, bytes):
-                    response = await client.post(base + path, content=body, headers=headers)
+                    response = await client.post(
+                        base + path, content=body, headers=headers, timeout=limit
+                    )
                 else:
-                    response = await client.post(base + path, json=body, headers=headers)
+                    response = await client.post(
+                        base + path, json=body, headers=headers, timeout=limit
+                    )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if certificate_refused(exc):
                     raise self._fail(exc) from exc
@@ -442,7 +463,11 @@ class AsyncEtcdBackend(AsyncBackend):
                 self._move_on(used)
                 continue
             except httpx.HTTPError as exc:
-                raise self._left(used, self._fail(exc)) from exc
+                failure = self._left(used, self._fail(exc))
+                if resend is None:
+                    raise failure from exc
+                last = exc
+                continue
             if lines and response.status_code == 200:
                 try:
                     messages = [json.loads(line) for line in response.content.splitlines() if line]
@@ -456,8 +481,13 @@ class AsyncEtcdBackend(AsyncBackend):
             try:
                 return self._answer(response.status_code, response.content)
             except BackendUnavailable as exc:
-                raise self._left(used, exc) from None
+                if resend is None:
+                    raise self._left(used, exc) from None
+                self._left(used, exc)
+                last = exc
         assert last is not None
+        if isinstance(last, BackendError):
+            raise last
         raise self._fail(last) from last
 
     def _move_on(self, used: int) -> None:
@@ -611,7 +641,7 @@ class AsyncEtcdBackend(AsyncBackend):
         with contextlib.suppress(BackendError):
             await self._revoke(lease)
 
-    async def _keepalive(self, leases: builtins.list[int]) -> set[int]:
+    async def _keepalive(self, leases: builtins.list[int], resend: float | None = None) -> set[int]:
         """Renew each lease to its granted TTL; return those that were still alive.
 
         The gateway streams one keepalive per line of the request, and answers each in a
@@ -625,7 +655,9 @@ class AsyncEtcdBackend(AsyncBackend):
                 return alive
             batch = left[:KEEPALIVE_BATCH]
             body = "".join(json.dumps({"ID": str(lease)}) + "\n" for lease in batch)
-            answer = await self._post("/v3/lease/keepalive", body.encode("ascii"), lines=True)
+            answer = await self._post(
+                "/v3/lease/keepalive", body.encode("ascii"), lines=True, resend=resend
+            )
             answered = set()
             for message in answer["lines"]:
                 result = message.get("result")
@@ -645,11 +677,13 @@ class AsyncEtcdBackend(AsyncBackend):
         compare: list[dict[str, Any]],
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]] | None = None,
+        resend: float | None = None,
     ) -> dict[str, Any]:
+        """``resend`` only for a transaction that only reads (see ``_send``)."""
         body: dict[str, Any] = {"compare": compare, "success": success}
         if failure:
             body["failure"] = failure
-        return await self._post("/v3/kv/txn", body)
+        return await self._post("/v3/kv/txn", body, resend=resend)
 
     @staticmethod
     def _ranged(answer: dict[str, Any], index: int = 0) -> dict[str, Any] | None:
@@ -984,8 +1018,13 @@ class AsyncEtcdBackend(AsyncBackend):
     async def extend_many(self, leases: Sequence[Lease]) -> builtins.list[bool]:
         """Renew the lease of each lock whose TTL is unchanged (keepalive), then read
         every such key in one transaction to check that it is still ours as we last
-        wrote it. A new TTL moves the key to a new lease, one lock at a time."""
+        wrote it. A new TTL moves the key to a new lease, one lock at a time.
+
+        Both change nothing if sent twice: each member gets a sixth of the shortest ttl
+        to answer them, then the next is asked (a member that hangs must not keep a
+        renewal waiting out the request timeout, longer than a short lease)."""
         idents = [(lease.name, lease.token) for lease in leases]
+        per_member = min([self._timeout.read or TIMEOUT, *(lease.ttl / 6 for lease in leases)])
         answers = [False] * len(leases)
         sent = time.monotonic()
         records = [self._begin(ident) for ident in idents]
@@ -1002,7 +1041,7 @@ class AsyncEtcdBackend(AsyncBackend):
             kept: list[int] = []
             if renewed:
                 ids = [records[index].lease for index in renewed]  # type: ignore[union-attr]
-                alive = await self._keepalive(ids)
+                alive = await self._keepalive(ids, resend=per_member)
                 kept = [index for index, lease in zip(renewed, ids, strict=True) if lease in alive]
             found: builtins.list[dict[str, Any] | None] = []
             for start in range(0, len(kept), MAX_TXN_OPS):
@@ -1012,6 +1051,7 @@ class AsyncEtcdBackend(AsyncBackend):
                         {"request_range": {"key": b64(self._key(leases[i].name))}}
                         for i in kept[start : start + MAX_TXN_OPS]
                     ],
+                    resend=per_member,
                 )
                 found += [self._ranged(answer, i) for i in range(len(answer["responses"]))]
             if kept:
