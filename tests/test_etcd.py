@@ -1386,6 +1386,53 @@ def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_hangs(
         rival.release()
 
 
+def test_a_waiter_keeps_its_place_when_the_member_it_talks_to_hangs(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """A queued waiter's member (a follower) paused (SIGSTOP): its place's keepalive,
+    which changes nothing if sent twice, goes to the next member after a sixth of
+    queue_ttl, so the place outlives the pause (left to the 5 s request timeout, a 3 s
+    queue_ttl would lapse, and the waiter behind would pass it). The release then goes
+    to the first waiter, through a live member, and then to the second."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    queue_ttl = 3
+    with dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        first_url = etcd_cluster.url(path, order=(victim, *others), queue_ttl=queue_ttl)
+        first = ThreadWaiter(first_url, name, "first")
+        second: ThreadWaiter | None = None
+        try:
+            until(lambda: queued_labels(client, name) == ["first"], "the first queued")
+            second_url = etcd_cluster.url(path, order=(*others, victim), queue_ttl=queue_ttl)
+            second = ThreadWaiter(second_url, name, "second")
+            until(lambda: queued_labels(client, name) == ["first", "second"], "the second")
+            etcd_cluster.members[victim].pause()
+            try:
+                time.sleep(queue_ttl + 1.5)  # past a lapse, had a keepalive waited 5 s
+                assert queued_labels(client, name) == ["first", "second"]
+                holder.release()
+                assert first.held.wait(5), "the first waiter never got the lock"
+                assert not second.held.is_set()
+                first.join()
+                assert second.held.wait(5), "the second waiter never got the lock"
+                second.join()
+                assert token_of_turn(first) < token_of_turn(second)
+            finally:
+                etcd_cluster.members[victim].resume()
+        finally:
+            first.join()
+            if second is not None:
+                second.join()
+
+
+def token_of_turn(waiter: ThreadWaiter) -> int:
+    """The fencing token of a joined ThreadWaiter's one hold."""
+    (turn,) = waiter.turns
+    return turn.fencing
+
+
 def test_a_waiter_is_woken_when_the_member_it_watches_through_dies(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

@@ -1169,7 +1169,10 @@ class AsyncEtcdBackend(AsyncBackend):
             renew_in = place.renewed + lease_seconds(self._queue_ttl) / 3 - time.monotonic()
             if renew_in <= 0:
                 sent = time.monotonic()
-                if place.lease not in await self._keepalive([place.lease]):
+                # Sent again to the next member if one hangs (see _send): left to the
+                # request timeout, a place with a short queue_ttl would lapse.
+                alive = await self._keepalive([place.lease], resend=self._queue_ttl / 6)
+                if place.lease not in alive:
                     self._places.pop(ident, None)
                     return  # the place lapsed: the next attempt takes a new one
                 place.renewed = sent
