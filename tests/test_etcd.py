@@ -517,22 +517,26 @@ def test_a_host_that_stops_answering_is_left_for_the_next(
     own_etcd: EtcdServer, etcd_server: EtcdServer, name: str
 ) -> None:
     """A host that accepts connections and then answers nothing (a member paused, hung
-    or cut off from its quorum): the request sent to it is not sent again elsewhere (it
-    may yet be applied) and is BackendUnavailable, but the client's next request goes to
-    the next host, rather than every later one waiting out its timeout on the same host
-    while the others would answer. (Two one-member clusters stand in for the members of
-    one: only where the requests go is checked.)"""
+    or cut off from its quorum): a write sent to it is not sent again elsewhere (it may
+    yet be applied) and is BackendUnavailable, but the client's next request goes to the
+    next host, rather than every later one waiting out its timeout on the same host
+    while the others would answer. A read is asked again of the next host within the
+    same call. (Two one-member clusters stand in for the members of one: only where the
+    requests go is checked.)"""
     path = prefix()
     url = f"etcd://{own_etcd.address},{etcd_server.address}{path}?timeout=0.5"
-    with dlock.connect(url) as client:
+    with dlock.connect(url) as client, dlock.connect(url) as reader:
         assert client.inspect(name) is None  # answered by the first host
+        assert reader.inspect(name) is None
         own_etcd.process.pause()
         try:
             with pytest.raises(dlock.BackendUnavailable):
-                client.inspect(name)
+                client.lock(name, ttl=2).acquire(timeout=0)
             lock = client.lock(name, ttl=2)
             assert lock.acquire(timeout=0)
             assert stored(etcd_server, path, name) is not None, "not held on the second host"
+            info = reader.inspect(name)
+            assert info is not None and info.fencing_token == token_of(lock)
             lock.release()
             assert stored(etcd_server, path, name) is None
         finally:
@@ -1358,6 +1362,33 @@ def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_fails(
         assert rival.acquire(timeout=0)
         assert token_of(rival) > old
         rival.release()
+
+
+def test_inspection_asks_the_next_member_when_one_hangs(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """inspect and list only read: a member that hangs (a follower paused) gets a fifth
+    of the request timeout to answer each read before the next member is asked, so
+    `dlock status` answers within a few seconds, not after failing at the 5 s timeout."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    with (
+        dlock.connect(etcd_cluster.url(path, order=(*others, victim)), label="holder") as live,
+        dlock.connect(etcd_cluster.url(path, order=(victim, *others))) as client,
+    ):
+        holder = live.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        etcd_cluster.members[victim].pause()
+        try:
+            started = time.monotonic()
+            info = client.inspect(name)
+            assert time.monotonic() - started < 3.0
+            assert info is not None and info.holder.label == "holder"
+            assert info.fencing_token == token_of(holder)
+            assert [each.name for each in client.list()] == [name]
+        finally:
+            etcd_cluster.members[victim].resume()
+        holder.release()
 
 
 def test_a_waiter_keeps_its_place_when_the_member_it_talks_to_hangs(

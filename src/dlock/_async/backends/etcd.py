@@ -955,6 +955,7 @@ class AsyncEtcdBackend(AsyncBackend):
                 {"request_range": {"key": b64(self._key(name))}},
                 *self._ahead_reads(name, token, rank),
             ],
+            resend=self._read_resend(),
         )
         return (
             self._revision(answer),
@@ -1007,8 +1008,16 @@ class AsyncEtcdBackend(AsyncBackend):
                 kv, held = self._ranged(answer), None
         raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
 
+    def _read_resend(self) -> float:
+        """A read's time to answer at a member before the next one is asked (see
+        ``_send``): a fifth of the request timeout."""
+        return (self._timeout.read or TIMEOUT) / 5
+
+    async def _read_only(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._post(path, body, resend=self._read_resend())
+
     async def _read(self, key: str) -> dict[str, Any] | None:
-        answer = await self._post("/v3/kv/range", {"key": key})
+        answer = await self._read_only("/v3/kv/range", {"key": key})
         kvs = answer.get("kvs") or []
         return kvs[0] if kvs else None
 
@@ -1330,7 +1339,7 @@ class AsyncEtcdBackend(AsyncBackend):
         value = _Value.load(kv)
         expires_in: float | None = None
         if lease:
-            answer = await self._post("/v3/lease/timetolive", {"ID": str(lease)})
+            answer = await self._read_only("/v3/lease/timetolive", {"ID": str(lease)})
             left = int(answer.get("TTL", 0))  # a zero is left out of the JSON
             if left < 0:
                 return None  # expired; the server deletes the key in a moment
@@ -1347,7 +1356,7 @@ class AsyncEtcdBackend(AsyncBackend):
 
     async def _queued(self, start: bytes) -> builtins.list[dict[str, Any]]:
         """The queue keys under ``start``, oldest first (in the order they are served)."""
-        answer = await self._post(
+        answer = await self._read_only(
             "/v3/kv/range",
             {
                 "key": b64(start),
@@ -1368,7 +1377,7 @@ class AsyncEtcdBackend(AsyncBackend):
         start = self._key(prefix)
         # Not into the queues, which follow the lock keys (see QUEUE_MARK).
         end = min(prefix_end(start), self._prefix + QUEUE_MARK)
-        answer = await self._post("/v3/kv/range", {"key": b64(start), "range_end": b64(end)})
+        answer = await self._read_only("/v3/kv/range", {"key": b64(start), "range_end": b64(end)})
         kvs = answer.get("kvs") or ()
         queues: dict[bytes, builtins.list[dict[str, Any]]] = {}
         if kvs:
