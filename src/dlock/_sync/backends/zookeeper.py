@@ -48,6 +48,7 @@ from kazoo.exceptions import (
     NotEmptyError,
     RolledBackError,
     RuntimeInconsistency,
+    SessionExpiredError,
     UnimplementedError,
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
@@ -856,7 +857,9 @@ class ZooKeeperBackend(Backend):
             started = time.monotonic()
             try:
                 result = op(retrying)
-            except ConnectionLoss as exc:
+            except (ConnectionLoss, SessionExpiredError) as exc:
+                # Expired: kazoo refused the request before sending it, and makes a new
+                # session at once (what a session held is lost, and told as such).
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not run_blocking(self._connected.wait, remaining):
                     raise _wrap(exc) from exc
