@@ -725,6 +725,54 @@ def test_redlock_master_paused_during_hold(own_masters: list[RedisServer]) -> No
         lock.release()
 
 
+def test_redlock_leaves_out_a_silent_master_while_the_others_decide(
+    own_masters: list[RedisServer],
+) -> None:
+    """A paused master costs a client the per-master timeout (0.5 s) now and then, not
+    on every call: while the masters that answer decide a call by themselves, one that
+    lately did not answer is not asked (for 2 s, then twice as long each time it is
+    asked again and still fails, up to 10 s). Before, each acquire and each release
+    waited it out, and each failed try waited out its give-back there too. The lock is
+    still a majority's; resumed, the master is asked again and holds a lease again."""
+    url = make_redlock_url(own_masters)
+    silent = own_masters[2]
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        lock = client.lock(unique(), ttl=5)
+        silent.pause()
+        try:
+            assert lock.acquire(timeout=0)  # waits out the paused master once
+            lock.release()
+            start = time.monotonic()
+            for _ in range(5):
+                assert lock.acquire(timeout=0)
+                lock.release()
+            assert time.monotonic() - start < 0.4, "10 calls, each 0.5 s before"
+            assert lock.acquire(timeout=0)
+            try:
+                attempt = rival.lock(lock.name, ttl=5)
+                assert not attempt.acquire(timeout=0)  # its timeout, then its give-back's
+                start = time.monotonic()
+                for _ in range(5):
+                    assert not attempt.acquire(timeout=0)
+                assert time.monotonic() - start < 0.4, "5 tries, each 1 s before"
+            finally:
+                lock.release()
+        finally:
+            silent.resume()
+        resumed = redis.Redis(port=silent.port)
+        try:
+            deadline = time.monotonic() + 12
+            while True:
+                with lock:
+                    keys = [k for k in resumed.scan_iter(b"*:lease") if lock.name.encode() in k]
+                if keys:
+                    break
+                assert time.monotonic() < deadline, "the resumed master is not asked again"
+                time.sleep(0.2)
+        finally:
+            resumed.close()
+
+
 def test_a_redlock_renewal_keeps_the_drift_allowance_on_every_master(
     redlock_servers: list[RedisServer],
 ) -> None:

@@ -12,7 +12,7 @@ in at least one master, whose counter is already that high, so tokens keep incre
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -33,6 +33,35 @@ def _drift(ttl: float) -> float:
 
 #: Per-master timeouts are short: a slow master must not eat the lease's validity.
 MASTER_TIMEOUT = 0.5
+#: Seconds a master that did not answer is left out of the calls that the others can
+#: decide alone; doubled each time it is asked again and still fails, up to the longest.
+LEFT_OUT_FIRST = 2.0
+LEFT_OUT_LONGEST = 10.0
+
+
+class _LeftOut(BackendUnavailable):
+    """A master not asked: it did not answer lately, and the others decided without it."""
+
+
+class _Silence:
+    """When one master is worth asking. One that failed unavailable (a timeout, a
+    refused or lost connection) would make every call wait out its timeout again while
+    it stays down; left out for a while instead, it is asked only when the others
+    cannot decide a call alone, and again once the while is over."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self._next = LEFT_OUT_FIRST
+
+    def left_out(self) -> bool:
+        return time.monotonic() < self.until
+
+    def answered(self) -> None:
+        self.until, self._next = 0.0, LEFT_OUT_FIRST
+
+    def failed(self) -> None:
+        self.until = time.monotonic() + self._next
+        self._next = min(self._next * 2, LEFT_OUT_LONGEST)
 
 
 def _client_address(client: Any) -> tuple[str, int, str]:
@@ -61,6 +90,7 @@ class RedlockBackend(Backend):
             # One master's release cannot grant a Redlock lease: it only wakes the next.
             master.hand_over = False
         self._quorum = len(masters) // 2 + 1
+        self._silences = [_Silence() for _ in self._masters]
         #: The entries of each lease held here, (name, token) -> count, as the caller
         #: made them. Masters that missed a call (failed there) disagree with each other
         #: in either direction, and no count among theirs need be the caller's.
@@ -121,23 +151,51 @@ class RedlockBackend(Backend):
             seen.add(master.server())
         return cls(sorted(masters, key=lambda master: master.server() or ("", 0)))
 
-    def _each(self, call: Any, waking_last: bool = False) -> list[Any]:
+    def _each(
+        self,
+        call: Any,
+        waking_last: bool = False,
+        decided: Callable[[list[Any]], bool] | None = None,
+    ) -> list[Any]:
         """Run ``call(master)`` on every master; a failure becomes the exception itself.
 
         ``waking_last``: for a release, the master whose wake-ups waiters listen to goes
         last. A waiter woken there then finds the name free on the others too; woken
         first, it would find a minority free, give that back, and (not woken by its
-        own give-back) wait for the fallback timer."""
+        own give-back) wait for the fallback timer.
+
+        ``decided``: whether the answers so far (None: not asked) settle the call. Then
+        a master that lately did not answer is asked only if the others do not, and is
+        otherwise answered by a ``_LeftOut`` error: nothing was sent to it."""
         order = list(range(len(self._masters)))
         if waking_last:
             order = order[1:] + order[:1]
         results: list[Any] = [None] * len(order)
+        later = [i for i in order if decided is not None and self._silences[i].left_out()]
         for i in order:
-            try:
-                results[i] = call(self._masters[i])
-            except BackendError as exc:
-                results[i] = exc
+            if i not in later:
+                results[i] = self._ask(i, call)
+        if later and decided is not None and decided(results):
+            for i in later:
+                results[i] = _LeftOut(f"{self._masters[i]._where}: left out, silent lately")
+        else:
+            for i in later:
+                results[i] = self._ask(i, call)
         return results
+
+    def _ask(self, i: int, call: Any) -> Any:
+        try:
+            result = call(self._masters[i])
+        except BackendUnavailable as exc:
+            self._silences[i].failed()
+            return exc
+        except BackendError as exc:
+            return exc
+        self._silences[i].answered()
+        return result
+
+    def _pending(self, results: list[Any]) -> int:
+        return sum(result is None for result in results)
 
     def _no_quorum(self, results: list[Any], what: str) -> BackendError:
         errors = [r for r in results if isinstance(r, BackendError)]
@@ -157,7 +215,8 @@ class RedlockBackend(Backend):
             )
         started = time.monotonic()
         results = self._each(
-            lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+            lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True),
+            decided=self._acquire_decided,
         )
         granted = [
             (master, result)
@@ -184,6 +243,8 @@ class RedlockBackend(Backend):
         # on a re-entry, though (whatever the masters that answered said): there a
         # release where nothing was granted would take an entry of the outer hold.
         for master, result in zip(self._masters, results, strict=True):
+            if isinstance(result, _LeftOut):
+                continue  # nothing was sent
             if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentrant):
                 with suppress(BackendError):
                     master.release(name, token)
@@ -193,6 +254,10 @@ class RedlockBackend(Backend):
         waits = [r.retry_after for r in results if isinstance(r, Busy)]
         known = [w for w in waits if w is not None]
         return Busy(retry_after=min(known) if known and len(known) == len(waits) else None)
+
+    def _acquire_decided(self, results: list[Any]) -> bool:
+        granted = sum(isinstance(result, Acquired) for result in results)
+        return granted >= self._quorum or granted + self._pending(results) < self._quorum
 
     def _reentered(
         self,
@@ -251,7 +316,11 @@ class RedlockBackend(Backend):
         return sorted(counts, reverse=True)[self._quorum - 1]
 
     def release(self, name: str, token: str) -> int | None:
-        results = self._each(lambda m: m.release(name, token), waking_last=True)
+        results = self._each(
+            lambda m: m.release(name, token),
+            waking_last=True,
+            decided=lambda results: sum(isinstance(r, int) for r in results) >= self._quorum,
+        )
         counts = [r for r in results if isinstance(r, int)]
         if len(counts) >= self._quorum:
             on_majority = self._majority_count(counts)
@@ -290,7 +359,7 @@ class RedlockBackend(Backend):
         master whose clock runs fast would otherwise end it before the holder stops."""
         started = time.monotonic()
         padded = [Lease(x.name, x.token, x.ttl + _drift(x.ttl)) for x in leases]
-        results = self._each(lambda m: m.extend_many(padded))
+        results = self._each(lambda m: m.extend_many(padded), decided=self._renewal_decided)
         answered = [r for r in results if not isinstance(r, BackendError)]
         if len(answered) < self._quorum:
             raise self._no_quorum(results, "extend")
@@ -301,6 +370,17 @@ class RedlockBackend(Backend):
             sum(votes) >= self._quorum and elapsed < lease.ttl
             for lease, votes in zip(leases, zip(*answered, strict=True), strict=True)
         ]
+
+    def _renewal_decided(self, results: list[Any]) -> bool:
+        """Every lease renewed by a majority, or out of reach of one."""
+        answered = [r for r in results if r is not None and not isinstance(r, BackendError)]
+        pending = self._pending(results)
+        if len(answered) + pending < self._quorum:
+            return True
+        return len(answered) >= self._quorum and all(
+            sum(votes) >= self._quorum or sum(votes) + pending < self._quorum
+            for votes in zip(*answered, strict=True)
+        )
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[Waiter]:
@@ -324,18 +404,19 @@ class RedlockBackend(Backend):
             leaves = [(master, master._start_leaving(token)) for master in self._masters]
             shielded(self._dequeue_everywhere(name, token, leaves))
 
-    @staticmethod
     def _dequeue_everywhere(
+        self,
         name: str,
         token: str,
         leaves: list[tuple[RedisBackend, tuple[WakeupEvent, int] | None]],
     ) -> int:
         """Leave the queue on every master (each leave started, see waiter); the number
         of masters. A leave never sent (this run itself cut off, its event loop ending)
-        still ends, or the token's next attempt on that master would wait for it."""
+        still ends, or the token's next attempt on that master would wait for it. A
+        master left out (silent lately) is not asked: its place lapses by itself."""
         try:
-            for master, leaving in leaves:
-                if leaving is not None:
+            for (master, leaving), silence in zip(leaves, self._silences, strict=True):
+                if leaving is not None and not silence.left_out():
                     master._leave(name, token, *leaving)
         finally:
             for master, leaving in leaves:
