@@ -372,6 +372,51 @@ def test_failed_release_stops_renewing_the_lease(tmp_path: Path) -> None:
         assert other.lock("job", ttl=5).acquire(timeout=2 + 5)
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_grant_that_comes_after_its_lease_ended_is_no_lock(tmp_path: Path, face: str) -> None:
+    """An acquire answered only after its ttl (the backend stalled: here the file is
+    write-locked by another connection for 1.2 s, the ttl 0.4 s) was granted a lease
+    that, counted from when the acquire was sent, had ended before the answer came. It
+    raises BackendUnavailable and the lock is not held; it returned True before, with
+    the lock lost at once (``lost`` true, ``on_lost`` called), so that a ``with`` body
+    ran on a dead lease."""
+    db = tmp_path / "locks.sqlite3"
+    url = f"sqlite://{db}?busy_timeout=5"
+    with dlock.connect(url) as client:
+        client.inspect("job")  # the table exists before the file is write-locked
+    blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    losses: list[object] = []
+
+    def stall() -> None:
+        blocker.execute("BEGIN IMMEDIATE")
+        threading.Timer(1.2, blocker.execute, ["COMMIT"]).start()
+
+    async def asyncio_face() -> None:
+        async with dlock.aio.connect(url) as client:
+            lock = client.lock("job", ttl=0.4, on_lost=losses.append)
+            stall()
+            with pytest.raises(dlock.BackendUnavailable, match="after the acquire was sent"):
+                await lock.acquire(timeout=0)
+            assert not lock.owned() and lock.fencing_token is None
+            assert await client.lock("job", ttl=5).acquire(timeout=0)
+
+    try:
+        if face == "asyncio":
+            asyncio.run(asyncio_face())
+        else:
+            with dlock.connect(url) as client:
+                lock = client.lock("job", ttl=0.4, on_lost=losses.append)
+                stall()
+                with pytest.raises(dlock.BackendUnavailable, match="after the acquire was sent"):
+                    lock.acquire(timeout=0)
+                assert not lock.owned() and lock.fencing_token is None
+                assert client.lock("job", ttl=5).acquire(timeout=0)
+    finally:
+        time.sleep(1.3)  # the COMMIT, if the test failed before it
+        blocker.close()
+    assert losses == []
+
+
 def test_cancelled_release_gives_the_lease_back(tmp_path: Path) -> None:
     """A release cancelled while it waits (asyncio.timeout, a TaskGroup shutting down)
     leaves the hold too: the lease is given back, not renewed for its 30 s TTL."""

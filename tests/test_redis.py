@@ -561,6 +561,35 @@ def test_paused_server_is_a_timely_error(own_server: RedisServer) -> None:
         own_server.resume()
 
 
+def test_a_grant_answered_after_its_ttl_is_given_back(own_server: RedisServer) -> None:
+    """The server paused for 1.5 s with an acquire of a 1 s ttl in flight runs it when
+    resumed: its lease then lasts 1 s on the server's clock, but counted from when the
+    acquire was sent it had ended before the answer came. The acquire raises
+    BackendUnavailable and gives that lease back, so a rival gets the lock at once
+    rather than a second later."""
+    name = unique()
+    with (
+        dlock.connect(url_of(own_server), socket_timeout=5) as client,
+        dlock.connect(url_of(own_server), socket_timeout=5) as rivals,
+    ):
+        client.inspect(name)  # connected before the pause
+        rivals.inspect(name)
+        own_server.pause()
+        resume = threading.Timer(1.5, own_server.resume)
+        resume.start()
+        try:
+            with pytest.raises(dlock.BackendUnavailable, match="after the acquire was sent"):
+                client.lock(name, ttl=1).acquire(timeout=0)
+        finally:
+            resume.join()
+        rival = rivals.lock(name, ttl=5)
+        deadline = time.monotonic() + 0.6
+        while not rival.acquire(timeout=0):
+            assert time.monotonic() < deadline, "the late grant was not given back"
+            time.sleep(0.02)
+        rival.release()
+
+
 def test_a_call_cut_off_mid_reply_leaves_no_reply_for_the_next(own_server: RedisServer) -> None:
     """A call cancelled while the server is paused must not leave its late reply on the
     connection, to be read as the answer to the next call."""

@@ -564,7 +564,7 @@ class AsyncLock:
                 cap, write = self._write_done(write), None
             gone = reentry and self._reentry_gone(result)
             if not gone:
-                return self._answered(result, started, cap)
+                return self._answered(result, started, cap, reentry)
             # While this attempt counts: what it is about is kept until it ends. A
             # release in flight may be what emptied the lease: its answer tells.
             while (ended := self._hold_ended(generation)) not in (True, False):
@@ -757,9 +757,22 @@ class AsyncLock:
         if releasing[1] is not None:
             releasing[1].set()
 
-    def _answered(self, result: Acquired | Busy, started: float, cap: float) -> Busy | None:
+    def _answered(
+        self, result: Acquired | Busy, started: float, cap: float, reentry: bool
+    ) -> Busy | None:
         if isinstance(result, Busy):
             return result
+        ttl = self.ttl if result.ttl is None else result.ttl
+        answered = self._client._clock()
+        if not reentry and answered >= self._lease_end(started, ttl, cap):
+            # Counted from when the attempt was sent, as every lease is, this one ended
+            # before its grant came back (a backend paused or stalled that long): no
+            # lock to hold. Raised before it is counted: the attempt gives it back.
+            raise BackendUnavailable(
+                f"lock {self.name!r} was granted {answered - started:.3f} s after the "
+                f"acquire was sent, no sooner than its lease of {ttl:g} s ended: given "
+                "back, not held"
+            )
         self._granted(result, started, cap)
         return None
 
@@ -808,13 +821,17 @@ class AsyncLock:
         with self._writes_guard:
             return self._writes.pop(key)[1]
 
-    def _lease_renewed(self, started: float, ttl: float, cap: float = math.inf) -> None:
+    def _lease_end(self, started: float, ttl: float, cap: float = math.inf) -> float:
+        """Until when a lease written at ``started`` for ``ttl`` surely lasts."""
         unanswered = self._unanswered_ttl
         if unanswered is not None:
             # Such a write may still be applied after this one: the lease then ends
             # its TTL after that, at least as long after ``started``.
             ttl = min(ttl, unanswered)
-        self._deadline = min(started + ttl, cap)
+        return min(started + ttl, cap)
+
+    def _lease_renewed(self, started: float, ttl: float, cap: float = math.inf) -> None:
+        self._deadline = self._lease_end(started, ttl, cap)
         self._lease_ttl = self._deadline - started
         self._renew_at = started + self._lease_ttl * RENEW_AFTER
 
