@@ -339,6 +339,8 @@ class AsyncRedlockBackend(AsyncBackend):
         self._entries.pop((name, token), None)
         if len(results) - sum(isinstance(r, BackendError) for r in results) < self._quorum:
             raise self._no_quorum(results, "release")
+        if self._may_hold(len(counts), results):
+            raise self._unsure(results, "release", len(counts))
         return None
 
     @staticmethod
@@ -362,13 +364,31 @@ class AsyncRedlockBackend(AsyncBackend):
         answered = [r for r in results if not isinstance(r, BackendError)]
         if len(answered) < self._quorum:
             raise self._no_quorum(results, "extend")
+        tally = [sum(votes) for votes in zip(*answered, strict=True)]
+        unsure = [
+            votes for votes in tally if votes < self._quorum and self._may_hold(votes, results)
+        ]
+        if unsure:
+            raise self._unsure(results, "extend", min(unsure))
         # A lease the round outlasted may have ended on the first masters before the
         # last voted; the others were renewed for longer than the round took.
         elapsed = time.monotonic() - started
         return [
-            sum(votes) >= self._quorum and elapsed < lease.ttl
-            for lease, votes in zip(leases, zip(*answered, strict=True), strict=True)
+            votes >= self._quorum and elapsed < lease.ttl
+            for lease, votes in zip(leases, tally, strict=True)
         ]
+
+    def _may_hold(self, holding: int, results: list[Any]) -> bool:
+        """Whether the masters that did not answer could make a majority with the
+        ``holding`` ones that hold a lease: then whether it is held is theirs to say."""
+        return holding + sum(isinstance(r, BackendError) for r in results) >= self._quorum
+
+    def _unsure(self, results: list[Any], what: str, holding: int) -> BackendUnavailable:
+        error = next(r for r in results if isinstance(r, BackendError))
+        return BackendUnavailable(
+            f"Redlock {what}: {holding} of {len(results)} masters hold the lease, "
+            f"{self._quorum} needed, and those that did not answer may; first error: {error}"
+        )
 
     def _renewal_decided(self, results: list[Any]) -> bool:
         """Every lease renewed by a majority, or out of reach of one."""
