@@ -386,10 +386,11 @@ def test_a_grant_that_comes_after_its_lease_ended_is_no_lock(tmp_path: Path, fac
         client.inspect("job")  # the table exists before the file is write-locked
     blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     losses: list[object] = []
+    commit = threading.Timer(1.2, blocker.execute, ["COMMIT"])
 
     def stall() -> None:
         blocker.execute("BEGIN IMMEDIATE")
-        threading.Timer(1.2, blocker.execute, ["COMMIT"]).start()
+        commit.start()
 
     async def asyncio_face() -> None:
         async with dlock.aio.connect(url) as client:
@@ -412,7 +413,8 @@ def test_a_grant_that_comes_after_its_lease_ended_is_no_lock(tmp_path: Path, fac
                 assert not lock.owned() and lock.fencing_token is None
                 assert client.lock("job", ttl=5).acquire(timeout=0)
     finally:
-        time.sleep(1.3)  # the COMMIT, if the test failed before it
+        if commit.is_alive():
+            commit.join()
         blocker.close()
     assert losses == []
 
