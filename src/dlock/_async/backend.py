@@ -115,11 +115,9 @@ class AsyncBackend(ABC):
     def lease_lost(self, name: str, token: str) -> bool:
         """True if this backend knows, without a round trip, that the lease ``token``
         holds on ``name`` has ended (its session is gone); it then gives it up, as
-        ``extend_many`` does a lease it finds gone, or leaves that to the release that
-        the lost hold's holder still makes (SQL session mode). Asked from the client's
-        renewer after ``renew_now()``, from any thread, about held leases that it does
-        not renew (with ``knows_losses``: about all, at each wake): their holder must be
-        told too, before another client can take the lock."""
+        ``extend_many`` does a lease it finds gone. Asked from the client's renewer
+        after ``renew_now()``, from any thread, about held leases that it does not renew:
+        their holder must be told too, before another client can take the lock."""
         return False
 
     @abstractmethod
