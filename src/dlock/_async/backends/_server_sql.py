@@ -132,7 +132,6 @@ class AsyncServerSQLBackend(AsyncBackend):
     def __init__(self, settings: ServerSettings):
         self._settings = settings
         self._session_mode = settings.mode == "session"
-        self.knows_losses = self._session_mode  # see lease_lost
         self._use_table(settings.table)
         #: Whether ``_table`` is the table's full name, as every statement and lock key
         #: spells it. An unqualified table is named in full once the client's first
@@ -885,18 +884,6 @@ class AsyncServerSQLBackend(AsyncBackend):
         held = self._held.pop(token, None)
         if held is not None:
             await self._drop(held.conn)
-
-    def lease_lost(self, name: str, token: str) -> bool:
-        """Session mode: the server closed the connection holding the lock (a restart,
-        a killed session), which freed it at once; the renewer asks each second, so the
-        holder is told then, not at its next renewal. The core's give-back then closes
-        it (``_session_release``). A look at the socket: no round trip."""
-        held = self._held.get(token)
-        if held is None or held.name != name or not self._driver_idle_dead(held.conn.raw):
-            return False
-        # Still held after the look: what the socket had was not the answer to a release
-        # in flight, which takes the lock out of ``_held`` before it sends the unlock.
-        return self._held.get(token) is held
 
     async def _session_release(self, name: str, token: str) -> int | None:
         held = self._held.get(token)
