@@ -163,9 +163,13 @@ class AsyncRedlockBackend(AsyncBackend):
         first, it would find a minority free, give that back, and (not woken by its
         own give-back) wait for the fallback timer.
 
-        ``decided``: whether the answers so far (None: not asked) settle the call. Then
-        a master that lately did not answer is asked only if the others do not, and is
-        otherwise answered by a ``_LeftOut`` error: nothing was sent to it."""
+        ``decided``: whether the answers so far (None: not asked; given only for calls
+        that never answer None) settle the call. Then a master that lately did not
+        answer is asked only if the others do not, and is otherwise answered by a
+        ``_LeftOut`` error: nothing was sent to it. Asked, it comes after the waking
+        master: putting that one last again would make every release whose quorum
+        needs it wait out the silent master's timeout first. Such a late release on a
+        silent master costs a woken waiter at most the fallback timer."""
         order = list(range(len(self._masters)))
         if waking_last:
             order = order[1:] + order[:1]
