@@ -108,6 +108,11 @@ class Backend(ABC):
         """
         return False
 
+    #: :meth:`lease_lost` may turn true while nobody calls ``renew_now`` (a session
+    #: lock's connection found closed by the server): the renewer then asks it about
+    #: every held lease each time it wakes, at least once a second while it holds any.
+    knows_losses = False
+
     def lease_lost(self, name: str, token: str) -> bool:
         """True if this backend knows, without a round trip, that the lease ``token``
         holds on ``name`` has ended (its session is gone); it then gives it up, as

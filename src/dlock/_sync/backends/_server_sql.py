@@ -96,6 +96,10 @@ class Conn:
     loop: Any = None
     #: Closed, or given back closed (``_drop``).
     dropped: bool = False
+    #: Statements begun on it, and whether one is waiting for its answer: a socket
+    #: readable meanwhile holds that answer, not the server's word that it ended it.
+    statements: int = 0
+    running: bool = False
 
 
 @dataclass
@@ -133,6 +137,7 @@ class ServerSQLBackend(Backend):
     def __init__(self, settings: ServerSettings):
         self._settings = settings
         self._session_mode = settings.mode == "session"
+        self.knows_losses = self._session_mode  # see lease_lost
         self._use_table(settings.table)
         #: Whether ``_table`` is the table's full name, as every statement and lock key
         #: spells it. An unqualified table is named in full once the client's first
@@ -653,6 +658,8 @@ class ServerSQLBackend(Backend):
 
     def _run(self, conn: Conn, sql: str, params: dict[str, Any], wait: float = 0) -> Result:
         bound = self._settings.timeout + wait
+        conn.statements += 1
+        conn.running = True
         try:
             return call_with_timeout(
                 self._driver_execute(conn.raw, sql, params, bound), bound + BACKSTOP
@@ -662,6 +669,8 @@ class ServerSQLBackend(Backend):
             if isinstance(error, BackendUnavailable):
                 self._connection_died()
             raise error from exc
+        finally:
+            conn.running = False
 
     def _call(self, key: str, params: dict[str, Any], sql: str | None = None) -> Result:
         """One statement on a pooled connection, sent once.
@@ -881,6 +890,23 @@ class ServerSQLBackend(Backend):
         held = self._held.pop(token, None)
         if held is not None:
             self._drop(held.conn)
+
+    def lease_lost(self, name: str, token: str) -> bool:
+        """Session mode: the server closed the connection holding the lock (a restart,
+        a killed session), which freed it at once; the renewer asks each second, so the
+        holder is told then, not at its next renewal. The core's give-back then closes
+        it (``_session_release``). A look at the socket: no round trip."""
+        held = self._held.get(token)
+        if held is None or held.name != name:
+            return False
+        conn = held.conn
+        statements = conn.statements
+        if conn.running or not self._driver_idle_dead(conn.raw):
+            return False
+        # Looked at while idle and still held: what the socket had was not the answer
+        # to a statement begun meanwhile from another thread (a release takes the lock
+        # out of ``_held`` before it sends the unlock).
+        return self._held.get(token) is held and conn.statements == statements
 
     def _session_release(self, name: str, token: str) -> int | None:
         held = self._held.get(token)
