@@ -520,20 +520,26 @@ def test_a_host_that_stops_answering_is_left_for_the_next(
     or cut off from its quorum): a write sent to it is not sent again elsewhere (it may
     yet be applied) and is BackendUnavailable, but the client's next request goes to the
     next host, rather than every later one waiting out its timeout on the same host
-    while the others would answer. A read is asked again of the next host within the
-    same call. (Two one-member clusters stand in for the members of one: only where the
-    requests go is checked.)"""
+    while the others would answer. A read or a lease grant (which begins every acquire)
+    is asked again of the next host within the same call. (Two one-member clusters
+    stand in for the members of one: only where the requests go is checked.)"""
     path = prefix()
     url = f"etcd://{own_etcd.address},{etcd_server.address}{path}?timeout=0.5"
-    with dlock.connect(url) as client, dlock.connect(url) as reader:
+    with dlock.connect(url) as client, dlock.connect(url) as reader, dlock.connect(url) as writer:
         assert client.inspect(name) is None  # answered by the first host
         assert reader.inspect(name) is None
+        first = writer.lock(f"{name}-first", ttl=30, auto_renew=False)
+        assert first.acquire(timeout=0)
+        assert stored(own_etcd, path, f"{name}-first") is not None
         own_etcd.process.pause()
         try:
             with pytest.raises(dlock.BackendUnavailable):
-                client.lock(name, ttl=2).acquire(timeout=0)
+                first.release()  # a write: not sent again
+            # The next write goes to the next host: force_release is not sent again
+            # either, and here answers that there was nothing to release.
+            assert not writer.force_release(f"{name}-first")
             lock = client.lock(name, ttl=2)
-            assert lock.acquire(timeout=0)
+            assert lock.acquire(timeout=0), "the grant was not asked of the next host"
             assert stored(etcd_server, path, name) is not None, "not held on the second host"
             info = reader.inspect(name)
             assert info is not None and info.fencing_token == token_of(lock)

@@ -435,11 +435,11 @@ class EtcdBackend(Backend):
         """One gateway call; ``lines``: the answer is a stream of messages, returned as
         ``{"lines": [...]}``. A connection that could not be made (nothing was sent)
         moves on to the next endpoint; anything after sending is not retried: its
-        request may have been applied. Except with ``resend``, for a request that changes
-        nothing if sent twice (a keepalive, a read): each endpoint but the last one
-        tried gets that many seconds to answer, and one that does not, or answers that
-        it cannot serve, is left for the next one, which is asked the same. (One
-        endpoint alone gets the whole request timeout, as any request.)"""
+        request may have been applied. Except with ``resend``, for a request that does
+        no harm if sent twice (a keepalive, a read, a lease grant): each endpoint but the
+        last one tried gets that many seconds to answer, and one that does not, or
+        answers that it cannot serve, is left for the next one, which is asked the same.
+        (One endpoint alone gets the whole request timeout, as any request.)"""
         client = self._http()
         headers = {"Authorization": token} if token else {}
         last: BaseException | None = None
@@ -619,7 +619,11 @@ class EtcdBackend(Backend):
         return b64(self._queue(name) + token.encode("utf-8", "surrogateescape"))
 
     def _grant(self, ttl: int) -> tuple[int, int]:
-        answer = self._post("/v3/lease/grant", {"TTL": str(ttl)})
+        """A new lease, asked again of the next member where one does not answer: a
+        grant that one applies after all is a lease no key uses, which ends by its TTL.
+        Every acquire begins with one, so a member that hangs costs the acquire a
+        while, not the acquire."""
+        answer = self._post("/v3/lease/grant", {"TTL": str(ttl)}, resend=self._resend_after())
         if answer.get("error"):
             raise BackendError(f"etcd {self._where}: lease not granted: {answer['error']}")
         return int(answer["ID"]), int(answer["TTL"])
@@ -954,7 +958,7 @@ class EtcdBackend(Backend):
                 {"request_range": {"key": b64(self._key(name))}},
                 *self._ahead_reads(name, token, rank),
             ],
-            resend=self._read_resend(),
+            resend=self._resend_after(),
         )
         return (
             self._revision(answer),
@@ -1007,13 +1011,13 @@ class EtcdBackend(Backend):
                 kv, held = self._ranged(answer), None
         raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
 
-    def _read_resend(self) -> float:
-        """A read's time to answer at a member before the next one is asked (see
-        ``_send``): a fifth of the request timeout."""
+    def _resend_after(self) -> float:
+        """A read's or lease grant's time to answer at a member before the next one is
+        asked (see ``_send``): a fifth of the request timeout."""
         return (self._timeout.read or TIMEOUT) / 5
 
     def _read_only(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._post(path, body, resend=self._read_resend())
+        return self._post(path, body, resend=self._resend_after())
 
     def _read(self, key: str) -> dict[str, Any] | None:
         answer = self._read_only("/v3/kv/range", {"key": key})
