@@ -561,6 +561,53 @@ def test_paused_server_is_a_timely_error(own_server: RedisServer) -> None:
         own_server.resume()
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_waiter_whose_attempt_got_no_answer_fails_after_one_timeout_not_two(
+    own_server: RedisServer, face: str
+) -> None:
+    """A waiter's attempt sent to a server that stopped answering fails after
+    ``socket_timeout``; the waiter's leave that follows, to the same silent server, is
+    waited for only briefly, not for a second ``socket_timeout`` (the README: an
+    acquire ends at most about one backend timeout after its own). Here the waiter's
+    first attempt goes into the pause, and the acquire ends at about 2 + 0.5 s, not
+    2 + 2 s."""
+    name, url = unique(), url_of(own_server)
+    took: list[float] = []
+
+    def raises_unavailable(start: float, error: BaseException) -> None:
+        took.append(time.monotonic() - start)
+        assert isinstance(error, dlock.BackendUnavailable), repr(error)
+
+    async def wait_async() -> None:
+        async with dlock.aio.connect(url, socket_timeout=2) as client:
+            await client.inspect(name)  # connected before the pause
+            own_server.pause()
+            start = time.monotonic()
+            try:
+                await client.lock(name, ttl=5).acquire(timeout=1.5)
+            except Exception as error:
+                raises_unavailable(start, error)
+
+    with dlock.connect(url) as holders:
+        assert holders.lock(name, ttl=30).acquire(timeout=0)
+        try:
+            if face == "asyncio":
+                asyncio.run(wait_async())
+            else:
+                with dlock.connect(url, socket_timeout=2) as client:
+                    client.inspect(name)
+                    own_server.pause()
+                    start = time.monotonic()
+                    try:
+                        client.lock(name, ttl=5).acquire(timeout=1.5)
+                    except Exception as error:
+                        raises_unavailable(start, error)
+        finally:
+            own_server.resume()
+    assert len(took) == 1, "the acquire did not fail"
+    assert 1.9 < took[0] < 3.3, f"the acquire ended {took[0]:.2f} s after it began"
+
+
 def test_a_grant_answered_after_its_ttl_is_given_back(own_server: RedisServer) -> None:
     """The server paused for 1.5 s with an acquire of a 1 s ttl in flight runs it when
     resumed: its lease then lasts 1 s on the server's clock, but counted from when the

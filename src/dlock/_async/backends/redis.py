@@ -103,6 +103,8 @@ QUEUE_TTL = 6.0
 #: Seconds an idle pub/sub connection stays subscribed to its last channel (at least:
 #: it is unsubscribed when the next wait begins, or when the client closes).
 LINGER = 1.0
+#: Seconds a waiter's leave is waited for after its latest attempt got no answer.
+LEAVE_AFTER_SILENCE = 0.5
 #: Seconds between attempts of a waiter that cannot subscribe (e.g. pub/sub refused).
 UNHEARD_POLL = 0.1
 #: Seconds after which a waiter whose subscription failed or dropped (a restart, a
@@ -438,6 +440,8 @@ class _Waiting:
     left: bool = False
     #: Attempts in a row that the cluster refused for moving the name's slot.
     refused: int = 0
+    #: Its latest attempt got no answer (the server silent): see ``_leave``.
+    unanswered: bool = False
 
 
 class _PubSubWaiter(AsyncWaiter):
@@ -1002,7 +1006,10 @@ class AsyncRedisBackend(AsyncBackend):
             # asked not to wait, and a caller who would wait gives a timeout.
             result = await self._call(scripts.ACQUIRE, k.queued(), args, ride_out=reentrant)
         except BackendUnavailable as exc:
-            if waiting is None or not moving(exc.__cause__):
+            if waiting is None:
+                raise
+            if not moving(exc.__cause__):
+                waiting.unanswered = True
                 raise
             # Refused before the script ran (a resharding moves the name's slot): no
             # lease to give back, nor place taken. A blocking acquire waits a while and
@@ -1014,6 +1021,7 @@ class AsyncRedisBackend(AsyncBackend):
         granted = int(result[0]) == 1
         if waiting is not None:
             waiting.refused = 0
+            waiting.unanswered = False
             waiting.left = granted and bool(int(result[3]))
         if granted:
             return Acquired(fencing_token=int(result[1]), count=int(result[2]))
@@ -1165,18 +1173,19 @@ class AsyncRedisBackend(AsyncBackend):
         if leaving is not None:
             await shielded(self._leave(name, token, *leaving))
 
-    def _start_leaving(self, token: str) -> tuple[WakeupEvent, int] | None:
+    def _start_leaving(self, token: str) -> tuple[WakeupEvent, int, bool] | None:
         """Take ``token``'s wait off the books, its leave now on its way (the token's
         next attempt waits for it, see acquire); None if it has no place to leave.
         Not a coroutine: Redlock starts every master's leave at once, before its waiter
         is cancelled again, so that a next wait of the token is ordered after all of
         them (see AsyncRedlockBackend.waiter). ``_leave`` or ``_end_leaving`` follows,
-        with the event and the number of the wait's latest attempt returned here."""
+        with what is returned here: the event, the number of the wait's latest attempt
+        and whether that attempt got no answer."""
         waiting = self._waiting.pop(token, None)
         if waiting is None or waiting.left:
             return None
         left = self._leaving[token] = WakeupEvent()
-        return left, waiting.attempt
+        return left, waiting.attempt, waiting.unanswered
 
     def _end_leaving(self, token: str, left: WakeupEvent) -> None:
         """The leave ``left`` has ended (or will never be sent): the token's next attempt
@@ -1185,10 +1194,26 @@ class AsyncRedisBackend(AsyncBackend):
             del self._leaving[token]
         left.set()
 
-    async def _leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> bool:
+    async def _leave(
+        self, name: str, token: str, left: WakeupEvent, attempt: int, unanswered: bool
+    ) -> bool:
         """DEQUEUE; True if the server answered. ``attempt``, the wait's latest, names
         the only hand-over it may give back: one that arrives late (after it got no
-        answer, and the token held the lock again) must leave that hold alone."""
+        answer, and the token held the lock again) must leave that hold alone.
+
+        After an attempt that got no answer (``unanswered``: the server paused, hung or
+        cut off) the caller waits for the leave only briefly: it is on its way to an
+        error that has waited out one timeout already, and a second would double how
+        late it comes. The leave goes on meanwhile (asyncio: cut off; sync: in its
+        thread, the token's next attempt waiting for it); sent on a connection the
+        server has not yet answered, it often never arrives, and the place lapses by
+        itself (see docs/redis.md)."""
+        send = partial(self._send_leave, name, token, left, attempt)
+        if not unanswered:
+            return await send()
+        return (await concurrently([send], LEAVE_AFTER_SILENCE))[0] is True
+
+    async def _send_leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> bool:
         k = self._keys(name)
         try:
             args = (token, k.wake, self._hand_over_flag(), attempt)

@@ -432,7 +432,7 @@ class RedlockBackend(Backend):
         self,
         name: str,
         token: str,
-        leaves: list[tuple[RedisBackend, tuple[WakeupEvent, int] | None]],
+        leaves: list[tuple[RedisBackend, tuple[WakeupEvent, int, bool] | None]],
     ) -> int:
         """Leave the queue on every master (each leave started, see waiter); the number
         of masters. A leave never sent (this run itself cut off, its event loop ending)
