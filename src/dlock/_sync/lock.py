@@ -201,12 +201,15 @@ class Lock:
         # a client library loses it, our own for a loss declared just below too.
         call.cancels = cancels_of(task)
         if self._count and self.lost:
-            # A re-entry of a hold that ran out is told as a loss, as one that the
-            # backend answers with busy or a fresh grant is. A lock that is not
-            # reentrant is acquired afresh: the hold it had is gone.
-            lost = self._give_up_lost(told=self.reentrant)
             if self.reentrant:
-                raise lost
+                # A re-entry of a hold that ran out is told as a loss, as one that the
+                # backend answers with busy or a fresh grant is; and as there, the hold
+                # stays counted, lost, until its holder leaves it (release() and the
+                # block's end raise LockLost and give it up).
+                reason = "the lease ran out before it could be renewed"
+                raise self._lost_error(reason, self._generation)
+            # A lock that is not reentrant is acquired afresh: the hold it had is gone.
+            self._give_up_lost(told=False)
         if self._count and not self.reentrant:
             raise AlreadyAcquired(f"lock {self.name!r} is already held by this object")
         clock = self._client._clock

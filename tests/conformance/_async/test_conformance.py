@@ -341,6 +341,28 @@ async def test_reentry_after_the_lease_was_lost_is_a_loss(url: str, name: str) -
         await successor.release()
 
 
+async def test_a_hold_told_lost_stays_counted_after_a_reentry_until_it_is_released(
+    url: str, name: str
+) -> None:
+    """The watchdog told the loss first; a re-entry then raises LockLost, and the hold
+    stays counted, lost, until its holder leaves it, as after a re-entry that finds the
+    lease gone itself: release() raises LockLost (it raised NotOwner, which code that
+    catches LockLost misses), and only then is the object free of it."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, reentrant=True)
+        assert await lock.acquire(timeout=0)
+        await force_release_from_another_task(admin, name)
+        await renewal_finds_it_lost(lock)
+        with pytest.raises(dlock.LockLost):
+            await lock.acquire(timeout=0)
+        assert lock.lost and not lock.owned()
+        with pytest.raises(dlock.LockLost):
+            await lock.release()
+        with pytest.raises(dlock.NotOwner) as raised:
+            await lock.release()
+        assert not isinstance(raised.value, dlock.LockLost)
+
+
 async def reentry_is_told_lost(lock: dlock.aio.AsyncLock) -> None:
     """Inside ``lock``'s own block, whose lease is gone: re-entering raises LockLost, the
     inner body never runs, and the task is not also cancelled (it was told already)."""

@@ -338,6 +338,28 @@ def test_reentry_after_the_lease_was_lost_is_a_loss(url: str, name: str) -> None
         successor.release()
 
 
+def test_a_hold_told_lost_stays_counted_after_a_reentry_until_it_is_released(
+    url: str, name: str
+) -> None:
+    """The watchdog told the loss first; a re-entry then raises LockLost, and the hold
+    stays counted, lost, until its holder leaves it, as after a re-entry that finds the
+    lease gone itself: release() raises LockLost (it raised NotOwner, which code that
+    catches LockLost misses), and only then is the object free of it."""
+    with dlock.connect(url) as first, dlock.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6, reentrant=True)
+        assert lock.acquire(timeout=0)
+        force_release_from_another_task(admin, name)
+        renewal_finds_it_lost(lock)
+        with pytest.raises(dlock.LockLost):
+            lock.acquire(timeout=0)
+        assert lock.lost and not lock.owned()
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        with pytest.raises(dlock.NotOwner) as raised:
+            lock.release()
+        assert not isinstance(raised.value, dlock.LockLost)
+
+
 def reentry_is_told_lost(lock: dlock.Lock) -> None:
     """Inside ``lock``'s own block, whose lease is gone: re-entering raises LockLost, the
     inner body never runs, and the task is not also cancelled (it was told already)."""
