@@ -836,11 +836,12 @@ class ServerSQLBackend(Backend):
         """Turn the server's idle timeout off, once, for a session that holds a lock or
         waits (MySQL's ``wait_timeout``, PostgreSQL's ``idle_session_timeout``). A DBA
         sets it to reap leaked connections; a session lock's connection sits idle on
-        purpose, and ending it would free the lock under a live holder, who learns only
-        at its next renewal; a lease waiter in front of the queue sits idle until a
-        notification. A holder that stops renewing is still ended, by eviction once its
-        lease has run out. ``returned_open`` false: a borrowed connection that goes
-        back closed (a waiter's) has no setting of its own to put back."""
+        purpose, and ending it would free the lock under a live holder (told within a
+        second, see lease_lost, but no longer holding it); a lease waiter in front of
+        the queue sits idle until a notification. A holder that stops renewing is still
+        ended, by eviction once its lease has run out. ``returned_open`` false: a
+        borrowed connection that goes back closed (a waiter's) has no setting of its own
+        to put back."""
         if conn.no_idle_timeout:
             return
         if conn.loan is not None and returned_open:
