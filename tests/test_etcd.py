@@ -1440,6 +1440,40 @@ def test_a_waiter_keeps_its_place_when_the_member_it_talks_to_hangs(
                 second.join()
 
 
+def test_a_waiter_that_gives_up_while_its_member_hangs_leaves_the_queue(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """A queued waiter times out while the member it talks to (a follower) is paused:
+    its place's revoke, which ends only what is its own, is asked of the next member
+    after a fifth of the request timeout. Left to the paused member, it failed at the
+    5 s timeout, and the place stayed at the head of the queue, keeping the lock from
+    everyone once free until the place's lease ran out (queue_ttl, 6 s; longer when an
+    election restarted it)."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    with dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = ThreadWaiter(etcd_cluster.url(path, order=(victim, *others)), name, "w", 2.0)
+        try:
+            until(lambda: queued_labels(client, name) == ["w"], "the waiter queued")
+            etcd_cluster.members[victim].pause()
+            try:
+                # Its 2 s wait, then the revoke: 1 s at the paused member, then the next.
+                waiter.thread.join(4.0)
+                assert not waiter.thread.is_alive(), "its leave waited out the paused member"
+                assert waiter.granted is False
+                assert queued_labels(client, name) == [], "its place stayed in the queue"
+                holder.release()
+                newcomer = client.lock(name, ttl=30)
+                assert newcomer.acquire(timeout=0), "a free lock was refused"
+                newcomer.release()
+            finally:
+                etcd_cluster.members[victim].resume()
+        finally:
+            waiter.join()
+
+
 def token_of_turn(waiter: ThreadWaiter) -> int:
     """The fencing token of a joined ThreadWaiter's one hold."""
     (turn,) = waiter.turns

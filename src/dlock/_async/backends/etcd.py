@@ -435,7 +435,7 @@ class AsyncEtcdBackend(AsyncBackend):
         ``{"lines": [...]}``. A connection that could not be made (nothing was sent)
         moves on to the next endpoint; anything after sending is not retried: its
         request may have been applied. Except with ``resend``, for a request that does
-        no harm if sent twice (a keepalive, a read, a lease grant): each endpoint but the
+        no harm if sent twice (a keepalive, a read, a lease grant or revoke): each endpoint but the
         last one tried gets that many seconds to answer, and one that does not, or
         answers that it cannot serve, is left for the next one, which is asked the same.
         (One endpoint alone gets the whole request timeout, as any request.)"""
@@ -630,9 +630,13 @@ class AsyncEtcdBackend(AsyncBackend):
         return int(answer["ID"]), int(answer["TTL"])
 
     async def _revoke(self, lease: int) -> bool:
-        """Revoke ``lease`` (deleting the keys bound to it); False if it was gone."""
+        """Revoke ``lease`` (deleting the keys bound to it); False if it was gone. Asked
+        again of the next member where one does not answer: every lease revoked is ours
+        alone, to be ended, so a revoke applied twice, or late, ends nothing else; left
+        to a member that hangs, a waiter's place would hold up the queue until its
+        lease ran out."""
         try:
-            await self._post("/v3/lease/revoke", {"ID": str(lease)})
+            await self._post("/v3/lease/revoke", {"ID": str(lease)}, resend=self._resend_after())
         except BackendError as exc:
             if "lease not found" in str(exc):
                 return False
@@ -1013,8 +1017,8 @@ class AsyncEtcdBackend(AsyncBackend):
         raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
 
     def _resend_after(self) -> float:
-        """A read's or lease grant's time to answer at a member before the next one is
-        asked (see ``_send``): a fifth of the request timeout."""
+        """A read's, lease grant's or revoke's time to answer at a member before the
+        next one is asked (see ``_send``): a fifth of the request timeout."""
         return (self._timeout.read or TIMEOUT) / 5
 
     async def _read_only(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
