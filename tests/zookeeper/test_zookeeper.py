@@ -423,6 +423,53 @@ def test_a_lock_not_renewed_is_told_of_the_loss_of_its_session_in_time(
         partition.close()
 
 
+def test_a_reentry_in_flight_as_its_hold_is_told_lost_raises_lock_lost(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The holder's connection cut and reset (its server gone for it), a re-entry waits
+    for the session to come back; meanwhile the session's grace runs out and the
+    watchdog gives the hold up and tells the loss. The session then comes back, and the
+    re-entry's write goes through: that must not revive the hold (acquire returned True
+    with ``lost`` set, while another client could take the lock). It raises LockLost,
+    and so does the holder's release."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"reentry-in-flight-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=4"
+    try:
+        with dlock.connect(cut_off) as far:
+            lost_at: list[float] = []
+            lock = far.lock(
+                name, ttl=30, reentrant=True, on_lost=lambda _: lost_at.append(time.monotonic())
+            )
+            assert lock.acquire(timeout=5)
+            lock.extend()  # the server heard from just now: the grace counts from here
+            partition.cut.set()
+            time.sleep(0.5)
+            partition.drop()
+            time.sleep(0.5)
+            answer: list[bool | BaseException] = []
+
+            def reenter() -> None:
+                try:
+                    answer.append(lock.acquire(timeout=0))
+                except dlock.LockError as exc:
+                    answer.append(exc)
+
+            thread = threading.Thread(target=reenter)
+            thread.start()
+            time.sleep(2.4)  # past the grace (3 s from the extend): told lost
+            partition.cut.clear()
+            thread.join(10)
+            assert lost_at, "the loss was not told"
+            assert len(answer) == 1
+            assert isinstance(answer[0], dlock.LockLost), answer
+            assert lock.lost and not lock.owned()
+            with pytest.raises(dlock.LockLost):
+                lock.release()
+    finally:
+        partition.close()
+
+
 def test_a_passed_in_clients_shorter_session_is_the_one_that_counts(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

@@ -564,7 +564,9 @@ class Lock:
             )
             if write is not None:
                 cap, write = self._write_done(write), None
-            gone = reentry and self._reentry_gone(result)
+            gone = reentry and (
+                self._reentry_gone(result) or self._lost_meanwhile(result, generation)
+            )
             if not gone:
                 return self._answered(result, started, cap, reentry)
             # While this attempt counts: what it is about is kept until it ends. A
@@ -719,6 +721,19 @@ class Lock:
             return False
         self._give_back_later(1)
         return True
+
+    def _lost_meanwhile(self, result: Acquired | Busy, generation: int) -> bool:
+        """True if a re-entry the backend granted re-entered hold ``generation`` after
+        the watchdog had declared it lost (ZooKeeper: the session given up while the
+        re-entry waited for it to come back): its answer cannot revive the hold, whose
+        lease another client may hold by now. Its entry is counted, so that the
+        holder's release gives back every entry the backend keeps."""
+        with self._sharing:
+            if not self._lost or generation != self._generation or not self._count:
+                return False
+            if isinstance(result, Acquired) and result.count > self._count:
+                self._count = result.count
+            return True
 
     def _hold_ended(self, generation: int) -> Any:
         """For a re-entry that found hold ``generation`` gone on the backend: True if a
