@@ -436,10 +436,11 @@ class EtcdBackend(Backend):
         ``{"lines": [...]}``. A connection that could not be made (nothing was sent)
         moves on to the next endpoint; anything after sending is not retried: its
         request may have been applied. Except with ``resend``, for a request that does
-        no harm if sent twice (a keepalive, a read, a lease grant or revoke): each endpoint but the
-        last one tried gets that many seconds to answer, and one that does not, or
-        answers that it cannot serve, is left for the next one, which is asked the same.
-        (One endpoint alone gets the whole request timeout, as any request.)"""
+        no harm if sent twice (a keepalive, a read, a lease grant or revoke): each
+        endpoint but the last one tried gets that many seconds to answer, and one that
+        does not, or answers that it cannot serve, is left for the next one, which is
+        asked the same. (One endpoint alone gets the whole request timeout, as any
+        request.)"""
         client = self._http()
         headers = {"Authorization": token} if token else {}
         last: BaseException | None = None
