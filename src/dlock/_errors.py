@@ -23,6 +23,11 @@ class LockLost(NotOwner):
     """
 
 
+#: The loss told for a lease that ran out on the holder's clock (the watchdog's, a
+#: re-entry's or a release's finding alike).
+LEASE_RAN_OUT = "the lease ran out before it could be renewed"
+
+
 class AlreadyAcquired(LockError, RuntimeError):
     """A non-reentrant lock object was asked to acquire a lock it already holds.
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._errors import (
+    LEASE_RAN_OUT,
     AlreadyAcquired,
     BackendError,
     BackendUnavailable,
@@ -206,8 +207,7 @@ class Lock:
                 # backend answers with busy or a fresh grant is; and as there, the hold
                 # stays counted, lost, until its holder leaves it (release() and the
                 # block's end raise LockLost and give it up).
-                reason = "the lease ran out before it could be renewed"
-                raise self._lost_error(reason, self._generation)
+                raise self._lost_error(LEASE_RAN_OUT, self._generation)
             # A lock that is not reentrant is acquired afresh: the hold it had is gone.
             self._give_up_lost(told=False)
         if self._count and not self.reentrant:
@@ -1105,8 +1105,7 @@ class Lock:
             # Its on_lost may close the client: close() then gives the lease back while
             # the backend is still open, and nothing is left for this give-up to send.
             # Forgotten there, once the loss is flagged and before it is told.
-            reason = "the lease ran out before it could be renewed"
-            error = self._lost_error(reason, generation, told, forget=True)
+            error = self._lost_error(LEASE_RAN_OUT, generation, told, forget=True)
             if _WATCHDOG_TELLING.get():
                 # An on_lost run by the watchdog releases: the watchdog must not wait for
                 # the backend (it may be stuck behind the very renewal the watchdog gave

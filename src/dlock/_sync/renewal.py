@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BackendError
+from .._errors import LEASE_RAN_OUT, BackendError
 from .._fork import ForkFollower
 from ._primitives import WakeupEvent, alarm, call_with_timeout, join, serving, spawn
 
@@ -182,8 +182,7 @@ class Renewer:
             # The generation first: a fresh hold sets its deadline before its generation.
             generation = lock._generation
             if now >= lock._deadline:
-                reason = "the lease ran out before it could be renewed"
-                lock._declare_lost(reason, watchdog=True, generation=generation)
+                lock._declare_lost(LEASE_RAN_OUT, watchdog=True, generation=generation)
             elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
                 due.append((lock, generation))
         if not due or self._closed:
@@ -296,6 +295,5 @@ class Renewer:
             if now < deadline:
                 pending.append(deadline - now)
             elif lock in self._locks:
-                reason = "the lease ran out before it could be renewed"
-                lock._declare_lost(reason, watchdog=True, generation=generation)
+                lock._declare_lost(LEASE_RAN_OUT, watchdog=True, generation=generation)
         return min(LONGEST_SLEEP, *pending) if pending else None
