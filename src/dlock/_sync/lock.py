@@ -92,6 +92,10 @@ class Lock:
         self._count = 0
         self._lost = False
         self._lost_reason = ""
+        #: Entries of a lost hold, given up, that its holder has yet to leave: each
+        #: release or block's end raises LockLost, as the first did (see
+        #: _leave_lost_entry), and only then NotOwner.
+        self._lost_entries = 0
         #: The holds (see _generation) that a release ended cleanly (the backend said it
         #: left none), under _sharing, for the re-entries in flight (see _hold_ended):
         #: older ones go once no attempt is in flight.
@@ -661,6 +665,7 @@ class Lock:
                     self._give_back = self._seeker = self._changed = None
                     self._clean_ends, self._releasing = set(), {}
                     self._parents_entries, self._count = self._count, 0
+                    self._lost_entries = 0
                     self._token = secrets.token_hex(16)
                     self._unanswered_ttl = None
                     self._unanswered_release = False
@@ -803,6 +808,7 @@ class Lock:
                 self._generation += 1
                 self._lost = False
                 self._lost_reason = ""
+                self._lost_entries = 0
             self._client._hold(self)
         self._note_entry()
         self._fencing_token = result.fencing_token
@@ -884,7 +890,7 @@ class Lock:
         (it is given back in the background, else ends by its TTL).
         """
         self._check_forked()
-        if not self._count:
+        if not self._count and not self._lost_entries:
             raise self._not_owner()
         if self.lost:
             raise self._give_up_lost(told=True)
@@ -941,7 +947,9 @@ class Lock:
             reason = "the lease had expired or been taken over before release"
             error = self._lost_error(reason, generation)
             if generation == self._generation:
-                self._forget()  # else forgotten already, by another user's release
+                # Else forgotten already, by another user's release.
+                self._leave_lost_entry()
+                self._forget()
             raise error
         if cancel_requests() > cancels:
             # Released, and the caller's cancellation lost by a client library meanwhile.
@@ -1034,6 +1042,7 @@ class Lock:
                     self._lost = True
                     self._lost_reason = reason
             if forget:
+                self._leave_lost_entry()
                 self._forget()
             if not declared:
                 return False
@@ -1071,6 +1080,16 @@ class Lock:
         if not declared and generation == self._generation and self._lost_reason:
             reason = self._lost_reason
         return LockLost(f"lock {self.name!r} was lost: {reason}")
+
+    def _leave_lost_entry(self) -> None:
+        """One entry of a lost hold is left (released, its block ended), the hold given
+        up: the holder's other entries are still to be left, each told as a loss too.
+        Nested blocks and paired acquire/release calls then each see LockLost, not a
+        NotOwner that code catching LockLost misses."""
+        if self._count:
+            self._lost_entries = self._count - 1
+        elif self._lost_entries:
+            self._lost_entries -= 1
 
     def _forget(self) -> None:
         self._count = 0

@@ -363,6 +363,32 @@ async def test_a_hold_told_lost_stays_counted_after_a_reentry_until_it_is_releas
         assert not isinstance(raised.value, dlock.LockLost)
 
 
+@pytest.mark.parametrize("told_first", [False, True], ids=["found-on-release", "told-first"])
+async def test_every_entry_of_a_lost_reentrant_hold_raises_lock_lost_when_released(
+    url: str, name: str, told_first: bool
+) -> None:
+    """A hold entered twice and lost, by the backend's answer to the first release or
+    told first by the watchdog: both releases raise LockLost, as nested blocks' ends do
+    (the second raised NotOwner, which code that catches LockLost misses), and only a
+    third raises NotOwner. A fresh hold starts its own count."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        lock = first.lock(name, ttl=0.6 if told_first else 30, reentrant=True)
+        assert await lock.acquire(timeout=0) and await lock.acquire(timeout=0)
+        await force_release_from_another_task(admin, name)
+        if told_first:
+            await renewal_finds_it_lost(lock)
+        for _ in range(2):
+            with pytest.raises(dlock.LockLost):
+                await lock.release()
+        with pytest.raises(dlock.NotOwner) as raised:
+            await lock.release()
+        assert not isinstance(raised.value, dlock.LockLost)
+        assert await lock.acquire(timeout=0) and not lock.lost
+        await lock.release()
+        with pytest.raises(dlock.NotOwner):
+            await lock.release()
+
+
 async def reentry_is_told_lost(lock: dlock.aio.AsyncLock) -> None:
     """Inside ``lock``'s own block, whose lease is gone: re-entering raises LockLost, the
     inner body never runs, and the task is not also cancelled (it was told already)."""
