@@ -1316,6 +1316,57 @@ def test_a_holder_resumed_after_a_long_pause_is_not_told_it_renewed(
         partition.close()
 
 
+def test_a_waiter_resumed_after_a_long_pause_is_not_granted_by_a_stale_event(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """Paused past its session timeout as the holder ahead released: the deletion
+    event reached its socket before the session expired, and is read only once it is
+    resumed, cut off, while another client holds the lock. The event says nothing of
+    the session now: the waiter must not take it for a hand-off (it did, and its
+    acquire returned True with its own, older fencing token)."""
+    partition = Partition(zookeeper_server.client_ports[0])
+    name = f"paused-waiter-{time.monotonic_ns()}"
+    cut_off = f"zookeeper://127.0.0.1:{partition.port}/dlock?session_timeout=3&operation_timeout=1"
+    waiter: subprocess.Popen[str] | None = None
+    with dlock.connect(zookeeper_server.url()) as near:
+        first = near.lock(name, ttl=60)
+        assert first.acquire(timeout=5)
+        backend: Any = near._backend
+        parent = backend._parent(name)
+        try:
+            waiter = subprocess.Popen(
+                [sys.executable, "-m", "tests.zookeeper.paused_waiter", cut_off, name],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            assert read_line(waiter) == "waiting"
+            wait_until(lambda: len(backend._zk.get_children(parent)) == 2)
+            time.sleep(0.3)  # its watch on our node is set by the same round trip or next
+            os.kill(waiter.pid, signal.SIGSTOP)
+            first.release()
+            time.sleep(0.5)  # the deletion event passes the relay, into its socket
+            partition.cut.set()
+            successor = near.lock(name, ttl=60)
+            assert successor.acquire(timeout=20)  # the waiter's session expired
+            assert successor.fencing_token is not None
+            assert first.fencing_token is not None
+            assert successor.fencing_token > first.fencing_token
+            os.kill(waiter.pid, signal.SIGCONT)
+            answer = read_line(waiter)
+            assert successor.owned()
+            # Cut off, it cannot learn more: not granted, and told so.
+            assert answer.startswith(("failed: ", "timed out")), f"while another holds: {answer}"
+            successor.release()
+        finally:
+            if waiter is not None:
+                os.kill(waiter.pid, signal.SIGCONT)
+                partition.cut.clear()
+                waiter.wait(30)
+                waiter.stdout.close()  # type: ignore[union-attr]
+            partition.close()
+
+
 def test_a_short_server_pause_does_not_lose_an_idle_lease(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:
@@ -1424,7 +1475,7 @@ def test_the_grace_follows_the_session_timeout_the_server_granted(
             for _ in range(3):
                 # Between two pings (kazoo's come 0.93-1.33 s apart here), once past
                 # 3/4 of the 1.5 s asked for since the server was last heard.
-                while time.monotonic() - diagnosis.read_at < 1.15:
+                while time.monotonic() - diagnosis.heard_at < 1.15:
                     assert time.monotonic() < deadline, "no gap between pings that long"
                     time.sleep(0.002)
                 held.extend()

@@ -108,8 +108,18 @@ STALL_SHARE = 3 / 4
 #: session a session timeout after it last heard from us; the rest is a margin for
 #: scheduling and for the reply's way back.
 HEARD_SHARE = 3 / 4
-#: The start of what kazoo logs for each message read from the server.
-READ_MESSAGES = ("Received ", "Session created")
+#: What kazoo logs as it sends a request (the connect, a ping, an operation), with the
+#: request's xid first among the arguments.
+SENDING = "Sending request"
+#: What it logs as it reads an answer: to an operation, with the xid first among the
+#: arguments; to a ping, to the authentication, to the connect (its ``SENDING`` xid is
+#: None). A watch event is not an answer: it says when it was read, not when sent.
+ANSWERS = ("Received response", "Received error")
+PING_ANSWER, PING_XID = "Received Ping", -2
+AUTH_ANSWER, AUTH_XID = "Received AUTH", -4
+SESSION_CREATED = "Session created"
+#: Where kazoo starts a connection: requests sent on the one before get no answer.
+CONNECTING = "Connecting to"
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
 #: Encoded node data kept for reuse (one per holder and TTL in use).
@@ -630,11 +640,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
     def _alive_until(self) -> float:
         """Until when the session surely lives (inf: nothing casts doubt on it).
 
-        Our own client's log tells when the server last sent anything, and that counts
+        Our own client's log tells when the server last surely heard us (when the
+        request it answered latest was sent: see _Diagnosis.heard_at), and that counts
         even while kazoo reports no trouble: a process paused past the session timeout
-        must not be told its leases were renewed when it resumes, before kazoo notices
-        its connection is dead. And a request that timed out during a short server
-        pause costs nothing while kazoo's pings were answered just before it.
+        must not be told its leases were renewed when it resumes, nor take a watch
+        event read then for a hand-off, before kazoo notices its connection is dead.
+        And a request that timed out during a short server pause costs nothing while
+        kazoo's pings were answered just before it.
         A caller's client (``client=``) shows only dlock's own requests: the grace
         then counts from when the suspension or stall was noticed.
         """
@@ -643,7 +655,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return -math.inf
         diagnosis = self._diagnosis
         if diagnosis is not None:
-            heard = max(diagnosis.read_at, self._answered_at)
+            heard = diagnosis.heard_at
             # The server's clock runs the session it granted, longer or shorter than
             # the one asked for: kazoo pings a third of the way through that one.
             session_timeout = diagnosis.negotiated or self._session_timeout
@@ -1761,11 +1773,29 @@ class _Diagnosis:
         self.errors: dict[tuple[str, int], BaseException] = {}
         #: Servers that refused the TLS certificates at least once.
         self.refused: set[tuple[str, int]] = set()
-        #: When kazoo last read a message from the server (monotonic).
-        self.read_at = 0.0
+        #: When the server last surely heard us (monotonic): when the latest request it
+        #: answered was sent, not when its answer was read. An answer read after a
+        #: pause (SIGSTOP, GC) may have waited in the socket since before it, while the
+        #: server expired the session.
+        self.heard_at = 0.0
+        #: When each request that awaits its answer was sent, by xid.
+        self._sent: dict[int | None, float] = {}
         #: The session timeout the server granted (seconds), once a session is made: a
         #: server clamps the one asked for to its own range (2 to 20 ticks by default).
         self.negotiated: float | None = None
+
+    def sent(self, xid: int | None) -> None:
+        self._sent[xid] = time.monotonic()
+
+    def answered(self, xid: int | None) -> None:
+        sent = self._sent.pop(xid, None)
+        if sent is not None and sent > self.heard_at:
+            self.heard_at = sent
+
+    def connecting(self) -> None:
+        """A new connection: the requests still in flight on the last get no answer,
+        and xids start again."""
+        self._sent.clear()
 
     def reset(self, servers: Sequence[tuple[str, int]]) -> None:
         self.servers = {(host.strip(), int(port)) for host, port in servers}
@@ -1807,22 +1837,36 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """kazoo's own logger, which also hands each error kazoo warns about (a failed
     connection attempt, mostly) to a :class:`_Diagnosis`: kazoo's ``start`` only ever
     says "Connection time-out", and its log is the one place that says why. It is also
-    the one place that says when the server last sent something (a ping's answer)."""
+    the one place that says when the server last heard us: when kazoo sent the request
+    (a ping too) whose answer it read latest."""
 
     def __init__(self, diagnosis: _Diagnosis) -> None:
         super().__init__(logging.getLogger("kazoo.client"), {})
         self._diagnosis = diagnosis
 
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
-        if isinstance(msg, str) and msg.startswith(READ_MESSAGES):
-            self._diagnosis.read_at = time.monotonic()
-            if msg.startswith("Session created") and len(args) > 2:
+        diagnosis = self._diagnosis
+        if not isinstance(msg, str):
+            pass
+        elif msg.startswith(SENDING) and args:
+            diagnosis.sent(args[0])  # type: ignore[arg-type]
+        elif msg.startswith(ANSWERS) and args:
+            diagnosis.answered(args[0])  # type: ignore[arg-type]
+        elif msg == PING_ANSWER:
+            diagnosis.answered(PING_XID)
+        elif msg == AUTH_ANSWER:
+            diagnosis.answered(AUTH_XID)
+        elif msg.startswith(SESSION_CREATED):
+            diagnosis.answered(None)
+            if len(args) > 2:
                 with suppress(TypeError, ValueError):
-                    self._diagnosis.negotiated = float(args[2]) / 1000  # type: ignore[arg-type]
-        elif level >= logging.WARNING:
+                    diagnosis.negotiated = float(args[2]) / 1000  # type: ignore[arg-type]
+        elif msg.startswith(CONNECTING):
+            diagnosis.connecting()
+        if level >= logging.WARNING:
             for arg in args:
                 if isinstance(arg, BaseException):
-                    self._diagnosis.failed(arg)
+                    diagnosis.failed(arg)
         super().log(level, msg, *args, **kwargs)
 
 
