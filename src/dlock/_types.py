@@ -66,7 +66,8 @@ class Acquired:
     count: int = 1
     #: The lease's length when it differs from the TTL asked for (a lease handed to a
     #: waiter by the previous holder's release lasts at most as long as its queue place;
-    #: Redlock's, the TTL less the clock drift it allows for).
+    #: Redlock's, the TTL less the clock drift it allows for; ZooKeeper's handed over,
+    #: no longer than its session surely lives).
     ttl: float | None = None
 
 

@@ -1367,6 +1367,40 @@ def test_a_waiter_resumed_after_a_long_pause_is_not_granted_by_a_stale_event(
             partition.close()
 
 
+def test_a_hand_off_counts_the_lease_no_further_than_the_session_surely_lives(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A waiter granted on the event of the holder's release makes no round trip: the
+    server last heard it at its latest ping, before the attempt that the core counts
+    the lease from. Counted for the TTL, a holder paused past its session (though not
+    past its TTL) and resumed found ``owned()`` true while another client held the
+    lock, until its renewer ran (a chaos run: 6 of 12 with TTL and session 1.5 s)."""
+    name = f"hand-off-lease-{time.monotonic_ns()}"
+    url = zookeeper_server.url(session_timeout=3)
+    # Woken by the event only: its fallback wake would list the queue, a round trip.
+    only_events = dlock.Backoff(notify_fallback=60)
+    with dlock.connect(url) as holding, dlock.connect(url, backoff=only_events) as waiting:
+        first = holding.lock(name, ttl=30)
+        assert first.acquire(timeout=5)
+        second = waiting.lock(name, ttl=30)
+        granted: list[bool] = []
+        thread = threading.Thread(target=lambda: granted.append(second.acquire(timeout=20)))
+        thread.start()
+        backend: Any = waiting._backend
+        zk = backend._zk
+        parent = backend._parent(name)
+        wait_until(lambda: zk.connected and len(zk.get_children(parent)) == 2)
+        time.sleep(0.3)  # its watch on our node is set by the same round trip or next
+        first.release()
+        thread.join(20)
+        assert granted == [True]
+        surely = backend._alive_until()
+        assert second._deadline <= surely < time.monotonic() + 3, (
+            f"lease counted {second._deadline - surely:.3f} s past the session's sure life"
+        )
+        second.release()
+
+
 def test_a_short_server_pause_does_not_lose_an_idle_lease(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

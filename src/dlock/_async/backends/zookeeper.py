@@ -1076,7 +1076,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             # The hand-off without a round trip: the node just ahead of ours was the
             # lowest once and is gone, and the queue is in the order of creation, so
             # nothing can ever be ahead of ours again.
-            return self._granted(node, ttl)
+            return self._granted(node, ttl, handed=True)
         parent, child = node.path.rsplit("/", 1)
         listing, node.listing = node.listing, None
         if listing is None:
@@ -1170,11 +1170,22 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if ahead.deleted:
             ahead.watching_data = ahead.watching_delete = False
 
-    def _granted(self, node: _Node, ttl: float) -> Acquired:
+    def _granted(self, node: _Node, ttl: float, handed: bool = False) -> Acquired:
+        """``handed``: granted on the watch event of the node ahead, with no round trip
+        since the attempt began. The core counts the lease from the attempt, but the
+        server last heard us earlier (our latest answered ping, up to a third of the
+        session before): the session surely lives only until _alive_until, which may
+        come first. A holder paused past it and resumed must not find ``owned()`` true
+        while another client holds the lock, so the lease told is no longer."""
         node.held = True
         self._unwatch(node)
         self._lease(node, ttl)
-        return Acquired(fencing_token=node.czxid, count=int(node.data["count"]))
+        lease = None
+        if handed:
+            surely = self._alive_until() - time.monotonic()
+            if surely < ttl:
+                lease = max(0.0, surely)
+        return Acquired(fencing_token=node.czxid, count=int(node.data["count"]), ttl=lease)
 
     def _lease(self, node: _Node, ttl: float) -> None:
         """The held node's lease runs ``ttl`` from now. The reaper sleeps until the
