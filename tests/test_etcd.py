@@ -183,10 +183,10 @@ def test_a_restart_keeps_the_held_lease_and_restarts_its_ttl(
     shorter than its ttl still holds (its renewals get through again), and nobody else
     gets the lock meanwhile. A holder that does not renew, whose ttl ran out during the
     outage, is told so by its own clock, but its reaper could not revoke the lease: the
-    restarted server keeps its key for up to one more ceil(ttl) (a late free, never two
-    holders), unless that holder leaves its hold: its release still reaches the server,
-    owner-checked, and deletes the key. Revisions are on disk too: fencing tokens keep
-    increasing."""
+    restarted server keeps its key until the reaper's revoke, asked again, gets through
+    or the restarted TTL ends (a late free, never two holders), unless that holder
+    leaves its hold: its release still reaches the server, owner-checked, and deletes
+    the key. Revisions are on disk too: fencing tokens keep increasing."""
     url = own_etcd.url(prefix(), timeout=1)
     other = f"{name}-unrenewed"
     left = f"{name}-left"
@@ -216,11 +216,8 @@ def test_a_restart_keeps_the_held_lease_and_restarts_its_ttl(
         assert after.acquire(timeout=0), "the release of a lost hold left its key"
         assert token_of(after) > tokens[left]
         after.release()
-        # The unrenewed holder's key is still there, its TTL started again.
-        info = second.inspect(other)
-        assert info is not None and info.fencing_token == tokens[other]
+        # The unrenewed holder's key outlived the outage, and goes soon after it.
         late = second.lock(other, ttl=5)
-        assert late.acquire(timeout=0) is False, "the restarted lease ended at once"
         assert late.acquire(timeout=3)
         freed_after = time.monotonic() - restarted
         assert freed_after <= 1 + 1.0, f"freed {freed_after:.2f} s after the restart"
@@ -1438,6 +1435,49 @@ def test_a_waiter_keeps_its_place_when_the_member_it_talks_to_hangs(
             first.join()
             if second is not None:
                 second.join()
+
+
+def test_places_and_a_lost_hold_left_by_an_outage_go_soon_after_it(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """The server killed under a holder and two queued waiters: the waiters' acquires
+    fail, and neither their places' revokes nor the lost hold's can get through. etcd
+    starts every lease's TTL afresh as it comes back, so the places kept the free lock
+    from a newcomer for their whole queue_ttl after the restart (a chaos run: 6.3 s
+    with the default 6 s, whatever the lock's ttl); the revokes, asked again, now end
+    them as soon as the server answers."""
+    url = own_etcd.url(prefix(), timeout=1, queue_ttl=20)
+    with dlock.connect(url) as first, dlock.connect(url) as second, dlock.connect(url) as third:
+        holder = first.lock(name, ttl=1)
+        assert holder.acquire(timeout=0)
+        ended: list[object] = []
+
+        def wait(client: dlock.Client) -> None:
+            try:
+                ended.append(client.lock(name, ttl=1).acquire(timeout=30))
+            except dlock.LockError as exc:
+                ended.append(type(exc))
+
+        waiters = [threading.Thread(target=wait, args=(c,)) for c in (second, third)]
+        for waiter in waiters:
+            waiter.start()
+        until(lambda: len(queued_labels(first, name)) == 2, "the waiters queued")
+        own_etcd.process.kill()
+        for waiter in waiters:
+            waiter.join(10)
+        assert ended == [dlock.BackendUnavailable] * 2
+        # Its reaper's revoke, at the end of its ttl, goes unanswered too.
+        until(lambda: holder.lost, "the holder was told its lease ran out")
+        time.sleep(0.5)
+        own_etcd.process.start()
+        restarted = time.monotonic()
+        with dlock.connect(url) as fresh_client:
+            newcomer = fresh_client.lock(name, ttl=1)
+            assert newcomer.acquire(timeout=10), "the places outlived the outage"
+            took = time.monotonic() - restarted
+            # The revokes are asked again at most 2 s apart; their queue_ttl is 20 s.
+            assert took <= 3.5, f"the lock freed {took:.2f} s after the restart"
+            newcomer.release()
 
 
 def test_a_waiter_that_gives_up_while_its_member_hangs_leaves_the_queue(

@@ -92,6 +92,16 @@ PERMISSION_DENIED = "permission denied"
 #: Rounds of a compare-and-write that lost to a write of the same owner token (another
 #: user of the lock object) before giving up.
 ROUNDS = 20
+#: A revoke the cluster could not answer (a member down or silent) is asked again by the
+#: reaper, first after this many seconds, then twice as long each time up to
+#: REVOKE_RETRY_MAX, for REVOKE_RETRY_FOR at most. etcd starts every lease's TTL afresh
+#: when a member becomes leader (a restart, a failover): left alone, a waiter's place or
+#: a lost hold kept a free lock out of reach for its whole TTL after the cluster was back.
+REVOKE_RETRY_FIRST = 0.2
+REVOKE_RETRY_MAX = 2.0
+REVOKE_RETRY_FOR = 300.0
+#: The most leases kept to revoke again (each is a few dozen bytes).
+MAX_UNREVOKED = 10_000
 
 
 def b64(data: bytes) -> str:
@@ -143,6 +153,16 @@ class _Held:
     value: _Value
     mod_revision: int
     deadline: float
+
+
+@dataclass
+class _Unrevoked:
+    """A lease of ours whose revoke the cluster did not answer: when to ask again, after
+    how long a wait, and until when to keep asking."""
+
+    at: float
+    delay: float
+    until: float
 
 
 @dataclass
@@ -306,6 +326,8 @@ class EtcdBackend(Backend):
         self._reaper_lock = threading.Lock()
         #: Leases of places that a grant emptied, for the reaper to revoke.
         self._emptied: list[int] = []
+        #: Leases whose revoke went unanswered, for the reaper to revoke again.
+        self._unrevoked: dict[int, _Unrevoked] = {}
         self._credentials = credentials
         #: The token of the last authentication; "" when the server said it has
         #: authentication disabled (nothing to send), None before the first one.
@@ -358,7 +380,7 @@ class EtcdBackend(Backend):
         its leases: they are the parent's."""
         self._client = None
         self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
-        self._emptied = []
+        self._emptied, self._unrevoked = [], {}
         self._reaper = None
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
@@ -643,11 +665,38 @@ class EtcdBackend(Backend):
             raise
         return True
 
-    def _revoke_quietly(self, lease: int) -> None:
-        """Revoke a lease of ours that no key of ours needs; one that cannot be reached
-        now ends by its TTL."""
-        with contextlib.suppress(BackendError):
+    def _revoke_quietly(self, lease: int) -> bool:
+        """Revoke a lease of ours that no key of ours needs; False if the cluster did
+        not answer. Such a revoke is asked again by the reaper (see
+        REVOKE_RETRY_FIRST), else the lease ends by its TTL. One refused (an error
+        that asking again would not change) is left to its TTL too."""
+        try:
             self._revoke(lease)
+        except BackendUnavailable:
+            self._revoke_later(lease)
+            return False
+        except BackendError:
+            pass
+        if self._unrevoked:
+            with self._lock:
+                self._unrevoked.pop(lease, None)
+        return True
+
+    def _revoke_later(self, lease: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            retry = self._unrevoked.get(lease)
+            if retry is None:
+                if len(self._unrevoked) >= MAX_UNREVOKED:
+                    return
+                retry = _Unrevoked(now, REVOKE_RETRY_FIRST / 2, now + REVOKE_RETRY_FOR)
+                self._unrevoked[lease] = retry
+            if now >= retry.until:
+                del self._unrevoked[lease]
+                return
+            retry.delay = min(retry.delay * 2, REVOKE_RETRY_MAX)
+            retry.at = now + retry.delay
+        self._start_reaper(retry.at)
 
     def _keepalive(self, leases: builtins.list[int], resend: float | None = None) -> set[int]:
         """Renew each lease to its granted TTL; return those that were still alive.
@@ -1149,8 +1198,7 @@ class EtcdBackend(Backend):
             elif place is not None:
                 # Leave the queue: run to its end even if cancelled again, else the
                 # place holds up the waiters behind it until its lease runs out.
-                with contextlib.suppress(BackendError):
-                    shielded(self._revoke(place.lease))
+                shielded(self._revoke_quietly(place.lease))
 
     def _wait_turn(self, name: str, token: str, timeout: float) -> None:
         """Wait in line (see ``_wait_in_line``). A member that dies or hangs under the
@@ -1324,9 +1372,10 @@ class EtcdBackend(Backend):
                 for ident, _ in due:
                     del self._held[ident]
                 emptied, self._emptied = self._emptied, []
+                again = [lease for lease, retry in self._unrevoked.items() if retry.at <= now]
             for lease in [held.lease for _, held in due] + emptied:
-                with contextlib.suppress(BackendError):
-                    self._revoke(lease)
+                self._revoke_quietly(lease)
+            self._revoke_again(again)
             if self._closed:
                 return
             with self._lock:
@@ -1334,9 +1383,22 @@ class EtcdBackend(Backend):
                     (h.deadline for i, h in self._held.items() if not self._busy.get(i)),
                     default=math.inf,
                 )
+                deadline = min(
+                    deadline, min((r.at for r in self._unrevoked.values()), default=math.inf)
+                )
             self._reaper_next = deadline
             wait = deadline - time.monotonic()
             self._reaper_wakeup.wait(max(0.001, wait) if wait != math.inf else None)
+
+    def _revoke_again(self, leases: builtins.list[int]) -> None:
+        """Ask again for revokes that went unanswered, until one goes unanswered again:
+        the cluster is still out of reach, and each of the rest would wait out the
+        same timeout (they wait their next turn instead)."""
+        for index, lease in enumerate(leases):
+            if not self._revoke_quietly(lease):
+                for rest in leases[index + 1 :]:
+                    self._revoke_later(rest)
+                return
 
     # -- inspection --------------------------------------------------------------------
 
@@ -1420,8 +1482,11 @@ class EtcdBackend(Backend):
         leaving, self._places = builtins.list(self._places.values()), {}
         with self._lock:
             emptied, self._emptied = self._emptied, []
-        for lease in [place.lease for place in leaving] + emptied:
-            self._revoke_quietly(lease)
+            unrevoked, self._unrevoked = builtins.list(self._unrevoked), {}
+        # Once each, the unanswered ones too: the reaper ends with the client.
+        for lease in [place.lease for place in leaving] + emptied + unrevoked:
+            with contextlib.suppress(BackendError):
+                self._revoke(lease)
         self._closed = True
         self._reaper_wakeup.set()
         client, self._client = self._client, None
