@@ -1480,6 +1480,45 @@ def test_places_and_a_lost_hold_left_by_an_outage_go_soon_after_it(
             newcomer.release()
 
 
+def test_close_asks_revokes_left_by_a_hung_server_for_one_timeout_not_one_each(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """Three waiters of one client fail while the server hangs, and their places'
+    revokes go unanswered, kept to be asked again. close() asks each once more, but
+    stops at the first that goes unanswered: one timeout, not one per lease."""
+    url = own_etcd.url(prefix(), timeout=1)
+    holding = dlock.connect(url)
+    waiting = dlock.connect(url)
+    backend: Any = waiting._backend
+    ended: list[object] = []
+
+    def wait() -> None:
+        try:
+            ended.append(waiting.lock(name, ttl=30).acquire(timeout=30))
+        except dlock.LockError as exc:
+            ended.append(type(exc))
+
+    try:
+        assert holding.lock(name, ttl=30).acquire(timeout=0)
+        threads = [threading.Thread(target=wait) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        until(lambda: len(queued_labels(holding, name)) == 3, "the waiters queued")
+        own_etcd.process.pause()
+        for thread in threads:
+            thread.join(10)
+        assert ended == [dlock.BackendUnavailable] * 3
+        until(lambda: len(backend._unrevoked) == 3, "their revokes were kept", 5)
+        started = time.monotonic()
+        waiting.close()
+        took = time.monotonic() - started
+        assert took < 1.8, f"close took {took:.2f} s with the server hung (timeout 1 s)"
+    finally:
+        own_etcd.process.resume()
+        waiting.close()
+        holding.close()
+
+
 def test_a_waiter_that_gives_up_while_its_member_hangs_leaves_the_queue(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

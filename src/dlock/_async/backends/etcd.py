@@ -1374,9 +1374,7 @@ class AsyncEtcdBackend(AsyncBackend):
                     del self._held[ident]
                 emptied, self._emptied = self._emptied, []
                 again = [lease for lease, retry in self._unrevoked.items() if retry.at <= now]
-            for lease in [held.lease for _, held in due] + emptied:
-                await self._revoke_quietly(lease)
-            await self._revoke_again(again)
+            await self._revoke_in_turn([held.lease for _, held in due] + emptied + again)
             if self._closed:
                 return
             with self._lock:
@@ -1391,10 +1389,10 @@ class AsyncEtcdBackend(AsyncBackend):
             wait = deadline - time.monotonic()
             await self._reaper_wakeup.wait(max(0.001, wait) if wait != math.inf else None)
 
-    async def _revoke_again(self, leases: builtins.list[int]) -> None:
-        """Ask again for revokes that went unanswered, until one goes unanswered again:
-        the cluster is still out of reach, and each of the rest would wait out the
-        same timeout (they wait their next turn instead)."""
+    async def _revoke_in_turn(self, leases: builtins.list[int]) -> None:
+        """Revoke ``leases`` (the reaper's), until the cluster leaves one unanswered:
+        each of the rest would wait out the same timeout, so they are asked again
+        later with it (see _revoke_later)."""
         for index, lease in enumerate(leases):
             if not await self._revoke_quietly(lease):
                 for rest in leases[index + 1 :]:
@@ -1488,10 +1486,15 @@ class AsyncEtcdBackend(AsyncBackend):
         with self._lock:
             emptied, self._emptied = self._emptied, []
             unrevoked, self._unrevoked = builtins.list(self._unrevoked), {}
-        # Once each, the unanswered ones too: the reaper ends with the client.
+        # Once each, the unanswered ones too (the reaper ends with the client), until
+        # the cluster leaves one unanswered: each of the rest would wait as long.
         for lease in [place.lease for place in leaving] + emptied + unrevoked:
-            with contextlib.suppress(BackendError):
+            try:
                 await self._revoke(lease)
+            except BackendUnavailable:
+                break
+            except BackendError:
+                pass
         self._closed = True
         self._reaper_wakeup.set()
         client, self._client = self._client, None

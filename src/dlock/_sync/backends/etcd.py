@@ -1373,9 +1373,7 @@ class EtcdBackend(Backend):
                     del self._held[ident]
                 emptied, self._emptied = self._emptied, []
                 again = [lease for lease, retry in self._unrevoked.items() if retry.at <= now]
-            for lease in [held.lease for _, held in due] + emptied:
-                self._revoke_quietly(lease)
-            self._revoke_again(again)
+            self._revoke_in_turn([held.lease for _, held in due] + emptied + again)
             if self._closed:
                 return
             with self._lock:
@@ -1390,10 +1388,10 @@ class EtcdBackend(Backend):
             wait = deadline - time.monotonic()
             self._reaper_wakeup.wait(max(0.001, wait) if wait != math.inf else None)
 
-    def _revoke_again(self, leases: builtins.list[int]) -> None:
-        """Ask again for revokes that went unanswered, until one goes unanswered again:
-        the cluster is still out of reach, and each of the rest would wait out the
-        same timeout (they wait their next turn instead)."""
+    def _revoke_in_turn(self, leases: builtins.list[int]) -> None:
+        """Revoke ``leases`` (the reaper's), until the cluster leaves one unanswered:
+        each of the rest would wait out the same timeout, so they are asked again
+        later with it (see _revoke_later)."""
         for index, lease in enumerate(leases):
             if not self._revoke_quietly(lease):
                 for rest in leases[index + 1 :]:
@@ -1483,10 +1481,15 @@ class EtcdBackend(Backend):
         with self._lock:
             emptied, self._emptied = self._emptied, []
             unrevoked, self._unrevoked = builtins.list(self._unrevoked), {}
-        # Once each, the unanswered ones too: the reaper ends with the client.
+        # Once each, the unanswered ones too (the reaper ends with the client), until
+        # the cluster leaves one unanswered: each of the rest would wait as long.
         for lease in [place.lease for place in leaving] + emptied + unrevoked:
-            with contextlib.suppress(BackendError):
+            try:
                 self._revoke(lease)
+            except BackendUnavailable:
+                break
+            except BackendError:
+                pass
         self._closed = True
         self._reaper_wakeup.set()
         client, self._client = self._client, None
