@@ -1519,6 +1519,29 @@ def test_close_asks_revokes_left_by_a_hung_server_for_one_timeout_not_one_each(
         holding.close()
 
 
+def test_close_gives_back_its_holds_at_once_while_the_server_hangs(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A client closed with three locks held while the server hangs: the holders are
+    told, and the give-backs, each waiting out the request timeout, run at once (the
+    core's, for every backend): the close takes one timeout, not one per held lock."""
+    client = dlock.connect(own_etcd.url(prefix(), timeout=1))
+    try:
+        told: list[object] = []
+        locks = [client.lock(f"{name}-{i}", ttl=30, on_lost=told.append) for i in range(3)]
+        for lock in locks:
+            assert lock.acquire(timeout=0)
+        own_etcd.process.pause()
+        started = time.monotonic()
+        client.close()
+        took = time.monotonic() - started
+        assert len(told) == 3 and all(lock.lost for lock in locks)
+        assert took < 1.8, f"close took {took:.2f} s with the server hung (timeout 1 s)"
+    finally:
+        own_etcd.process.resume()
+        client.close()
+
+
 def test_a_waiter_that_gives_up_while_its_member_hangs_leaves_the_queue(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

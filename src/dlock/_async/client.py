@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -26,7 +27,7 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import WakeupEvent, notices_fork, serving, wait_done
+from ._primitives import WakeupEvent, concurrently, notices_fork, serving, wait_done
 from .backend import AsyncBackend
 from .lock import _ACQUIRE_CALL, AsyncLock
 from .renewal import AsyncRenewer
@@ -34,6 +35,8 @@ from .renewal import AsyncRenewer
 DEFAULT_TTL = 30.0
 #: Longest that close() waits for acquires in flight to end (see aclose).
 CLOSE_WAIT = 5.0
+#: Holds that close() gives back at once (see _give_back_all).
+GIVE_BACKS_AT_ONCE = 16
 
 #: The clock a holder measures its lease by. On Linux, the boot clock: like
 #: ``time.monotonic`` it never steps, and unlike it, it keeps counting while the host is
@@ -365,13 +368,29 @@ class AsyncClient:
         # the backend is open; their give-ups stop.
         with self._held_guard:
             giving_up, self._giving_up = self._giving_up or {}, None
-        for lock, (entries, token) in giving_up.items():
-            await lock._release_quietly(entries, token)
-        for lock, entries, token in own:
-            await lock._release_quietly(entries, token)
+        await self._give_back_all(
+            [(lock, entries, token) for lock, (entries, token) in giving_up.items()] + own
+        )
         await self._backend.aclose()
         if error is not None:
             raise error
+
+    async def _give_back_all(self, holds: Sequence[tuple[AsyncLock, int, str]]) -> None:
+        """Give back ``holds`` (lock, entries, owner token) at once, a few at a time:
+        against a server that stopped answering each waits out its timeout, and one
+        after another they made a close take that once per held lock."""
+        if len(holds) == 1:
+            (lock, entries, token), *_ = holds
+            await lock._release_quietly(entries, token)
+            return
+        for first in range(0, len(holds), GIVE_BACKS_AT_ONCE):
+            await concurrently(
+                [
+                    partial(lock._release_quietly, entries, token)
+                    for lock, entries, token in holds[first : first + GIVE_BACKS_AT_ONCE]
+                ],
+                math.inf,
+            )
 
     async def __aenter__(self) -> AsyncClient:
         return self

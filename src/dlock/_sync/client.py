@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -27,7 +28,7 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import WakeupEvent, notices_fork, serving, wait_done
+from ._primitives import WakeupEvent, concurrently, notices_fork, serving, wait_done
 from .backend import Backend
 from .lock import _ACQUIRE_CALL, Lock
 from .renewal import Renewer
@@ -35,6 +36,8 @@ from .renewal import Renewer
 DEFAULT_TTL = 30.0
 #: Longest that close() waits for acquires in flight to end (see close).
 CLOSE_WAIT = 5.0
+#: Holds that close() gives back at once (see _give_back_all).
+GIVE_BACKS_AT_ONCE = 16
 
 #: The clock a holder measures its lease by. On Linux, the boot clock: like
 #: ``time.monotonic`` it never steps, and unlike it, it keeps counting while the host is
@@ -366,13 +369,29 @@ class Client:
         # the backend is open; their give-ups stop.
         with self._held_guard:
             giving_up, self._giving_up = self._giving_up or {}, None
-        for lock, (entries, token) in giving_up.items():
-            lock._release_quietly(entries, token)
-        for lock, entries, token in own:
-            lock._release_quietly(entries, token)
+        self._give_back_all(
+            [(lock, entries, token) for lock, (entries, token) in giving_up.items()] + own
+        )
         self._backend.close()
         if error is not None:
             raise error
+
+    def _give_back_all(self, holds: Sequence[tuple[Lock, int, str]]) -> None:
+        """Give back ``holds`` (lock, entries, owner token) at once, a few at a time:
+        against a server that stopped answering each waits out its timeout, and one
+        after another they made a close take that once per held lock."""
+        if len(holds) == 1:
+            (lock, entries, token), *_ = holds
+            lock._release_quietly(entries, token)
+            return
+        for first in range(0, len(holds), GIVE_BACKS_AT_ONCE):
+            concurrently(
+                [
+                    partial(lock._release_quietly, entries, token)
+                    for lock, entries, token in holds[first : first + GIVE_BACKS_AT_ONCE]
+                ],
+                math.inf,
+            )
 
     def __enter__(self) -> Client:
         return self
