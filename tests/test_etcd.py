@@ -1542,6 +1542,40 @@ def test_close_gives_back_its_holds_at_once_while_the_server_hangs(
         client.close()
 
 
+def test_an_extend_whose_answer_is_lost_leaves_the_lease_it_may_have_moved_to(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """extend() with a new ttl moves the key to a fresh lease (compare and put). When
+    the put is applied but its answer lost (played here by raising after the real
+    transaction), the fresh lease carries the hold: revoking it, as a lease the move
+    did not use, deleted the key under a holder that still counted it held (the core
+    keeps a hold whose extend failed), and another client took the lock. A helper's
+    chaos run found it with a member killed or paused under the move."""
+    url = own_etcd.url(prefix(), timeout=1)
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        backend: Any = client._backend
+        applied = backend._txn
+
+        def answer_lost(*args: Any, **kwargs: Any) -> Any:
+            applied(*args, **kwargs)
+            backend._txn = applied
+            raise dlock.BackendUnavailable("the answer was lost (the test's doing)")
+
+        backend._txn = answer_lost
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.extend(20)
+        assert backend._txn is applied, "the move sent no transaction"
+        time.sleep(0.5)  # a revoke asked again comes 0.2 s later
+        assert other.inspect(name) is not None, "the key went with the lease it moved to"
+        assert not other.lock(name, ttl=1).acquire(timeout=0)
+        assert lock.owned()
+        lock.extend(20)  # found on a lease it did not expect, and moved again
+        lock.release()
+        assert other.lock(name, ttl=1).acquire(timeout=0)
+
+
 def test_a_waiter_that_gives_up_while_its_member_hangs_leaves_the_queue(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

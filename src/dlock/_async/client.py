@@ -36,7 +36,7 @@ DEFAULT_TTL = 30.0
 #: Longest that close() waits for acquires in flight to end (see aclose).
 CLOSE_WAIT = 5.0
 #: Holds that close() gives back at once (see _give_back_all).
-GIVE_BACKS_AT_ONCE = 16
+GIVE_BACKS_AT_ONCE = 64
 
 #: The clock a holder measures its lease by. On Linux, the boot clock: like
 #: ``time.monotonic`` it never steps, and unlike it, it keeps counting while the host is

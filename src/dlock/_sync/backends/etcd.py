@@ -93,8 +93,9 @@ PERMISSION_DENIED = "permission denied"
 #: user of the lock object) before giving up.
 ROUNDS = 20
 #: A revoke the cluster could not answer (a member down or silent) is asked again by the
-#: reaper, first after this many seconds, then twice as long each time up to
-#: REVOKE_RETRY_MAX, for REVOKE_RETRY_FOR at most. etcd starts every lease's TTL afresh
+#: reaper, with every other one left unanswered, first after this many seconds, then
+#: twice as long each round left unanswered up to REVOKE_RETRY_MAX, for
+#: REVOKE_RETRY_FOR at most. etcd starts every lease's TTL afresh
 #: when a member becomes leader (a restart, a failover): left alone, a waiter's place or
 #: a lost hold kept a free lock out of reach for its whole TTL after the cluster was back.
 REVOKE_RETRY_FIRST = 0.2
@@ -153,16 +154,6 @@ class _Held:
     value: _Value
     mod_revision: int
     deadline: float
-
-
-@dataclass
-class _Unrevoked:
-    """A lease of ours whose revoke the cluster did not answer: when to ask again, after
-    how long a wait, and until when to keep asking."""
-
-    at: float
-    delay: float
-    until: float
 
 
 @dataclass
@@ -326,8 +317,12 @@ class EtcdBackend(Backend):
         self._reaper_lock = threading.Lock()
         #: Leases of places that a grant emptied, for the reaper to revoke.
         self._emptied: list[int] = []
-        #: Leases whose revoke went unanswered, for the reaper to revoke again.
-        self._unrevoked: dict[int, _Unrevoked] = {}
+        #: Leases whose revoke went unanswered, for the reaper to revoke again (each
+        #: until when to keep asking), all in one round at _revoke_at; the wait before
+        #: the next round after one left unanswered (see REVOKE_RETRY_FIRST).
+        self._unrevoked: dict[int, float] = {}
+        self._revoke_at = math.inf
+        self._revoke_delay = REVOKE_RETRY_FIRST
         self._credentials = credentials
         #: The token of the last authentication; "" when the server said it has
         #: authentication disabled (nothing to send), None before the first one.
@@ -380,7 +375,7 @@ class EtcdBackend(Backend):
         its leases: they are the parent's."""
         self._client = None
         self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
-        self._emptied, self._unrevoked = [], {}
+        self._emptied, self._unrevoked, self._revoke_at = [], {}, math.inf
         self._reaper = None
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
@@ -677,6 +672,8 @@ class EtcdBackend(Backend):
             return False
         except BackendError:
             pass
+        # The cluster answers: a next round needs no long wait.
+        self._revoke_delay = REVOKE_RETRY_FIRST
         if self._unrevoked:
             with self._lock:
                 self._unrevoked.pop(lease, None)
@@ -685,18 +682,15 @@ class EtcdBackend(Backend):
     def _revoke_later(self, lease: int) -> None:
         now = time.monotonic()
         with self._lock:
-            retry = self._unrevoked.get(lease)
-            if retry is None:
+            if lease not in self._unrevoked:
                 if len(self._unrevoked) >= MAX_UNREVOKED:
                     return
-                retry = _Unrevoked(now, REVOKE_RETRY_FIRST / 2, now + REVOKE_RETRY_FOR)
-                self._unrevoked[lease] = retry
-            if now >= retry.until:
-                del self._unrevoked[lease]
-                return
-            retry.delay = min(retry.delay * 2, REVOKE_RETRY_MAX)
-            retry.at = now + retry.delay
-        self._start_reaper(retry.at)
+                self._unrevoked[lease] = now + REVOKE_RETRY_FOR
+            if self._revoke_at != math.inf:
+                return  # a round is due already: this one joins it
+            self._revoke_at = at = now + self._revoke_delay
+            self._revoke_delay = min(self._revoke_delay * 2, REVOKE_RETRY_MAX)
+        self._start_reaper(at)
 
     def _keepalive(self, leases: builtins.list[int], resend: float | None = None) -> set[int]:
         """Renew each lease to its granted TTL; return those that were still alive.
@@ -1150,6 +1144,8 @@ class EtcdBackend(Backend):
         key = b64(self._key(name))
         asked = lease_seconds(ttl)
         fresh: int | None = None
+        #: True while a put of the key on the fresh lease may have been applied unseen.
+        unsure = False
         try:
             for _ in range(ROUNDS):
                 kv = self._read(key)
@@ -1160,10 +1156,12 @@ class EtcdBackend(Backend):
                     fresh, _ = self._grant(asked)
                 stored = _Value.load(kv)
                 value = _Value(token, stored.count, ttl, stored.holder)
+                unsure = True
                 answer = self._txn(
                     [{"target": "MOD", "key": key, "mod_revision": kv["mod_revision"]}],
                     [{"request_put": {"key": key, "value": value.dump(), "lease": str(fresh)}}],
                 )
+                unsure = False
                 if answer.get("succeeded"):
                     lease, fresh = fresh, None
                     self._hold(
@@ -1175,7 +1173,11 @@ class EtcdBackend(Backend):
                     return True
             raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
         finally:
-            if fresh is not None:
+            # Not one the put may have taken: the key, still ours, would go with it,
+            # under a holder that counts it held (the core keeps a hold whose extend
+            # failed). Then it ends by its TTL, or carries the hold, which the next
+            # renewal finds on a lease it did not expect and moves again.
+            if fresh is not None and not unsure:
                 self._revoke_quietly(fresh)
 
     # -- waiting -----------------------------------------------------------------------
@@ -1372,7 +1374,13 @@ class EtcdBackend(Backend):
                 for ident, _ in due:
                     del self._held[ident]
                 emptied, self._emptied = self._emptied, []
-                again = [lease for lease, retry in self._unrevoked.items() if retry.at <= now]
+                again = []
+                if self._revoke_at <= now:
+                    self._revoke_at = math.inf
+                    self._unrevoked = {
+                        lease: until for lease, until in self._unrevoked.items() if until > now
+                    }
+                    again = builtins.list(self._unrevoked)
             self._revoke_in_turn([held.lease for _, held in due] + emptied + again)
             if self._closed:
                 return
@@ -1381,9 +1389,7 @@ class EtcdBackend(Backend):
                     (h.deadline for i, h in self._held.items() if not self._busy.get(i)),
                     default=math.inf,
                 )
-                deadline = min(
-                    deadline, min((r.at for r in self._unrevoked.values()), default=math.inf)
-                )
+                deadline = min(deadline, self._revoke_at)
             self._reaper_next = deadline
             wait = deadline - time.monotonic()
             self._reaper_wakeup.wait(max(0.001, wait) if wait != math.inf else None)
