@@ -1480,12 +1480,37 @@ def test_places_and_a_lost_hold_left_by_an_outage_go_soon_after_it(
             newcomer.release()
 
 
+def test_a_release_that_fails_in_an_outage_frees_the_lock_soon_after_it(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A holder (ttl 30) releases while the server is down: the release fails, and the
+    key stayed until the reaper revoked its lease at the holder's deadline, 30 s on.
+    The lease is that hold's alone: revoked once the server answers again, the lock is
+    free within seconds of the restart."""
+    url = own_etcd.url(prefix(), timeout=1)
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        own_etcd.process.kill()
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        own_etcd.process.start()
+        restarted = time.monotonic()
+        with dlock.connect(url) as other:
+            newcomer = other.lock(name, ttl=1)
+            assert newcomer.acquire(timeout=5), "the key outlived the failed release"
+            took = time.monotonic() - restarted
+            assert took <= 3.5, f"the lock freed {took:.2f} s after the restart"
+            newcomer.release()
+
+
 def test_close_asks_revokes_left_by_a_hung_server_for_one_timeout_not_one_each(
     own_etcd: EtcdServer, name: str
 ) -> None:
     """Three waiters of one client fail while the server hangs, and their places'
-    revokes go unanswered, kept to be asked again. close() asks each once more, but
-    stops at the first that goes unanswered: one timeout, not one per lease."""
+    revokes go unanswered, kept to be asked again. close() asks them once more, but
+    stops at the first that goes unanswered, and asks none when one went unanswered
+    within the last request timeout: one timeout at most, not one per lease."""
     url = own_etcd.url(prefix(), timeout=1)
     holding = dlock.connect(url)
     waiting = dlock.connect(url)

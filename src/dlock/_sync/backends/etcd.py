@@ -323,6 +323,8 @@ class EtcdBackend(Backend):
         self._unrevoked: dict[int, float] = {}
         self._revoke_at = math.inf
         self._revoke_delay = REVOKE_RETRY_FIRST
+        #: When a revoke last went unanswered.
+        self._unanswered_at = -math.inf
         self._credentials = credentials
         #: The token of the last authentication; "" when the server said it has
         #: authentication disabled (nothing to send), None before the first one.
@@ -680,7 +682,7 @@ class EtcdBackend(Backend):
         return True
 
     def _revoke_later(self, lease: int) -> None:
-        now = time.monotonic()
+        now = self._unanswered_at = time.monotonic()
         with self._lock:
             if lease not in self._unrevoked:
                 if len(self._unrevoked) >= MAX_UNREVOKED:
@@ -1045,9 +1047,21 @@ class EtcdBackend(Backend):
                                 now.value, now.mod_revision = less, self._revision(answer)
                         return less.count
                 else:
-                    answer = self._txn(
-                        compare, [{"request_delete_range": {"key": key, "prev_kv": True}}], read
-                    )
+                    try:
+                        answer = self._txn(
+                            compare,
+                            [{"request_delete_range": {"key": key, "prev_kv": True}}],
+                            read,
+                        )
+                    except BackendUnavailable:
+                        # Deleted or not, the last entry is left (the core gives up a
+                        # hold whose release failed), and the key's lease is this
+                        # hold's alone: revoked once the cluster answers, it ends the
+                        # key then, not at the holder's deadline (the reaper's).
+                        lease = held.lease if held is not None else int((kv or {}).get("lease", 0))
+                        if lease:
+                            self._revoke_later(lease)
+                        raise
                     if answer.get("succeeded"):
                         deleted = answer["responses"][0].get("response_delete_range", {})
                         previous = (deleted.get("prev_kvs") or [{}])[0]
@@ -1487,6 +1501,8 @@ class EtcdBackend(Backend):
         with self._lock:
             emptied, self._emptied = self._emptied, []
             unrevoked, self._unrevoked = builtins.list(self._unrevoked), {}
+        if time.monotonic() < self._unanswered_at + (self._timeout.read or TIMEOUT):
+            unrevoked = []  # one went unanswered within a timeout: so would these
         # Once each, the unanswered ones too (the reaper ends with the client), until
         # the cluster leaves one unanswered: each of the rest would wait as long.
         for lease in [place.lease for place in leaving] + emptied + unrevoked:
