@@ -946,8 +946,8 @@ class Lock:
         if remaining is None:
             reason = "the lease had expired or been taken over before release"
             error = self._lost_error(reason, generation)
+            # Forgotten here, unless another user's release has forgotten it already.
             if generation == self._generation:
-                # Else forgotten already, by another user's release.
                 self._leave_lost_entry()
                 self._forget()
             raise error

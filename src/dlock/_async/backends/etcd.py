@@ -94,9 +94,9 @@ ROUNDS = 20
 #: A revoke the cluster could not answer (a member down or silent) is asked again by the
 #: reaper, with every other one left unanswered, first after this many seconds, then
 #: twice as long each round left unanswered up to REVOKE_RETRY_MAX, for
-#: REVOKE_RETRY_FOR at most. etcd starts every lease's TTL afresh
-#: when a member becomes leader (a restart, a failover): left alone, a waiter's place or
-#: a lost hold kept a free lock out of reach for its whole TTL after the cluster was back.
+#: REVOKE_RETRY_FOR at most. etcd starts every lease's TTL afresh when a member becomes
+#: leader (a restart, a failover): left alone, a waiter's place or a lost hold kept a
+#: free lock out of reach for its whole TTL after the cluster was back.
 REVOKE_RETRY_FIRST = 0.2
 REVOKE_RETRY_MAX = 2.0
 REVOKE_RETRY_FOR = 300.0
