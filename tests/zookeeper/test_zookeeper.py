@@ -1309,11 +1309,16 @@ def test_a_holder_resumed_after_a_long_pause_is_not_told_it_renewed(
             assert read_line(holder) == "lost"
             successor.release()
     finally:
-        os.kill(holder.pid, signal.SIGCONT)
-        partition.cut.clear()
-        holder.wait(30)
-        holder.stdout.close()  # type: ignore[union-attr]
+        resume_for_good(holder, partition)
         partition.close()
+
+
+def resume_for_good(worker: subprocess.Popen[str], partition: Partition) -> None:
+    """End a paused worker's test: resumed, its relay mended, and waited for."""
+    os.kill(worker.pid, signal.SIGCONT)
+    partition.cut.clear()
+    worker.wait(30)
+    worker.stdout.close()  # type: ignore[union-attr]
 
 
 def test_a_waiter_resumed_after_a_long_pause_is_not_granted_by_a_stale_event(
@@ -1360,10 +1365,7 @@ def test_a_waiter_resumed_after_a_long_pause_is_not_granted_by_a_stale_event(
             successor.release()
         finally:
             if waiter is not None:
-                os.kill(waiter.pid, signal.SIGCONT)
-                partition.cut.clear()
-                waiter.wait(30)
-                waiter.stdout.close()  # type: ignore[union-attr]
+                resume_for_good(waiter, partition)
             partition.close()
 
 
