@@ -1450,22 +1450,8 @@ def test_places_and_a_lost_hold_left_by_an_outage_go_soon_after_it(
     with dlock.connect(url) as first, dlock.connect(url) as second, dlock.connect(url) as third:
         holder = first.lock(name, ttl=1)
         assert holder.acquire(timeout=0)
-        ended: list[object] = []
-
-        def wait(client: dlock.Client) -> None:
-            try:
-                ended.append(client.lock(name, ttl=1).acquire(timeout=30))
-            except dlock.LockError as exc:
-                ended.append(type(exc))
-
-        waiters = [threading.Thread(target=wait, args=(c,)) for c in (second, third)]
-        for waiter in waiters:
-            waiter.start()
-        until(lambda: len(queued_labels(first, name)) == 2, "the waiters queued")
-        own_etcd.process.kill()
-        for waiter in waiters:
-            waiter.join(10)
-        assert ended == [dlock.BackendUnavailable] * 2
+        waits = [second.lock(name, ttl=1), third.lock(name, ttl=1)]
+        waits_failed_by(own_etcd.process.kill, waits, first)
         # Its reaper's revoke, at the end of its ttl, goes unanswered too.
         until(lambda: holder.lost, "the holder was told its lease ran out")
         time.sleep(0.5)
@@ -1487,6 +1473,28 @@ def test_a_release_that_fails_in_an_outage_frees_the_lock_soon_after_it(
         with pytest.raises(dlock.BackendUnavailable):
             lock.release()
         freed_soon_after_a_restart(own_etcd, url, name)
+
+
+def waits_failed_by(fault: Any, locks: list[dlock.Lock], looking: dlock.Client) -> None:
+    """Each of ``locks`` waits for its (held) name in a thread, queued (as ``looking``
+    sees), until ``fault`` makes every wait end with BackendUnavailable."""
+    ended: list[object] = []
+
+    def wait(lock: dlock.Lock) -> None:
+        try:
+            ended.append(lock.acquire(timeout=30))
+        except dlock.LockError as exc:
+            ended.append(type(exc))
+
+    threads = [threading.Thread(target=wait, args=(lock,)) for lock in locks]
+    for thread in threads:
+        thread.start()
+    name = locks[0].name
+    until(lambda: len(queued_labels(looking, name)) == len(locks), "the waiters queued")
+    fault()
+    for thread in threads:
+        thread.join(10)
+    assert ended == [dlock.BackendUnavailable] * len(locks)
 
 
 def freed_soon_after_a_restart(server: EtcdServer, url: str, name: str) -> None:
@@ -1513,24 +1521,10 @@ def test_close_asks_revokes_left_by_a_hung_server_for_one_timeout_not_one_each(
     holding = dlock.connect(url)
     waiting = dlock.connect(url)
     backend: Any = waiting._backend
-    ended: list[object] = []
-
-    def wait() -> None:
-        try:
-            ended.append(waiting.lock(name, ttl=30).acquire(timeout=30))
-        except dlock.LockError as exc:
-            ended.append(type(exc))
-
     try:
         assert holding.lock(name, ttl=30).acquire(timeout=0)
-        threads = [threading.Thread(target=wait) for _ in range(3)]
-        for thread in threads:
-            thread.start()
-        until(lambda: len(queued_labels(holding, name)) == 3, "the waiters queued")
-        own_etcd.process.pause()
-        for thread in threads:
-            thread.join(10)
-        assert ended == [dlock.BackendUnavailable] * 3
+        waits = [waiting.lock(name, ttl=30) for _ in range(3)]
+        waits_failed_by(own_etcd.process.pause, waits, holding)
         until(lambda: len(backend._unrevoked) == 3, "their revokes were kept", 5)
         started = time.monotonic()
         waiting.close()
