@@ -1403,6 +1403,22 @@ def test_a_hand_off_counts_the_lease_no_further_than_the_session_surely_lives(
         second.release()
 
 
+def test_requests_answered_unlogged_leave_nothing_behind(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The "last heard" record keeps when each request in flight was sent, until its
+    answer is logged; kazoo does not log the answer to an ``exists`` of a missing node
+    (dlock's reaper asks those). Such requests' send times piled up for the
+    connection's life."""
+    with dlock.connect(zookeeper_server.url()) as client:
+        client.inspect("warm-up")
+        backend: Any = client._backend
+        for i in range(100):
+            assert backend._zk.exists(f"/missing-{i}") is None
+        client.inspect("after")  # an answer logged: those sent before it are done
+        assert len(backend._diagnosis._sent) == 0
+
+
 def test_a_short_server_pause_does_not_lose_an_idle_lease(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

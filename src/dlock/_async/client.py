@@ -380,7 +380,7 @@ class AsyncClient:
         against a server that stopped answering each waits out its timeout, and one
         after another they made a close take that once per held lock."""
         if len(holds) == 1:
-            (lock, entries, token), *_ = holds
+            lock, entries, token = holds[0]
             await lock._release_quietly(entries, token)
             return
         for first in range(0, len(holds), GIVE_BACKS_AT_ONCE):

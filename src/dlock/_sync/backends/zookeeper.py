@@ -28,6 +28,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -1786,17 +1787,34 @@ class _Diagnosis:
         #: pause (SIGSTOP, GC) may have waited in the socket since before it, while the
         #: server expired the session.
         self.heard_at = 0.0
-        #: When each request that awaits its answer was sent, by xid.
-        self._sent: dict[int | None, float] = {}
+        #: When each operation that awaits its answer was sent: (xid, time), in the
+        #: order sent, which is the order answered on one connection.
+        self._sent: deque[tuple[int, float]] = deque()
+        #: The same for the connect (xid None), a ping and the authentication, one of
+        #: each at a time.
+        self._sent_special: dict[int | None, float] = {}
         #: The session timeout the server granted (seconds), once a session is made: a
         #: server clamps the one asked for to its own range (2 to 20 ticks by default).
         self.negotiated: float | None = None
 
     def sent(self, xid: int | None) -> None:
-        self._sent[xid] = time.monotonic()
+        if isinstance(xid, int) and xid > 0:
+            self._sent.append((xid, time.monotonic()))
+        else:
+            self._sent_special[xid] = time.monotonic()
 
     def answered(self, xid: int | None) -> None:
-        sent = self._sent.pop(xid, None)
+        sent: float | None = None
+        if isinstance(xid, int) and xid > 0:
+            # Those sent before it were answered before it, some unlogged (an
+            # ``exists`` of a missing node): dropped, or they would pile up.
+            pending = self._sent
+            while pending and pending[0][0] <= xid:
+                answered, at = pending.popleft()
+                if answered == xid:
+                    sent = at
+        else:
+            sent = self._sent_special.pop(xid, None)
         if sent is not None and sent > self.heard_at:
             self.heard_at = sent
 
@@ -1804,6 +1822,7 @@ class _Diagnosis:
         """A new connection: the requests still in flight on the last get no answer,
         and xids start again."""
         self._sent.clear()
+        self._sent_special.clear()
 
     def reset(self, servers: Sequence[tuple[str, int]]) -> None:
         self.servers = {(host.strip(), int(port)) for host, port in servers}
@@ -1853,10 +1872,18 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         self._diagnosis = diagnosis
 
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if isinstance(msg, str):
+            self._note(msg, args)
+        if level >= logging.WARNING:
+            for arg in args:
+                if isinstance(arg, BaseException):
+                    self._diagnosis.failed(arg)
+        super().log(level, msg, *args, **kwargs)
+
+    def _note(self, msg: str, args: tuple[object, ...]) -> None:
+        """Note a request sent or answered, or a new connection or session."""
         diagnosis = self._diagnosis
-        if not isinstance(msg, str):
-            pass
-        elif msg.startswith(SENDING) and args:
+        if msg.startswith(SENDING) and args:
             diagnosis.sent(args[0])  # type: ignore[arg-type]
         elif msg.startswith(ANSWERS) and args:
             diagnosis.answered(args[0])  # type: ignore[arg-type]
@@ -1871,11 +1898,6 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
                     diagnosis.negotiated = float(args[2]) / 1000  # type: ignore[arg-type]
         elif msg.startswith(CONNECTING):
             diagnosis.connecting()
-        if level >= logging.WARNING:
-            for arg in args:
-                if isinstance(arg, BaseException):
-                    diagnosis.failed(arg)
-        super().log(level, msg, *args, **kwargs)
 
 
 class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]
