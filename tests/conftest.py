@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port
+from tests.servers import Outage, free_port
 from tests.servers.etcd import etcd_cluster, etcd_server  # noqa: F401
 from tests.servers.redis import (  # noqa: F401
     redis_cluster,
@@ -71,11 +71,29 @@ class BackendUnderTest:
     #: cluster client, those to a node that went away): collected after each test, else
     #: the ResourceWarning fails whichever later test of the worker the collector runs in.
     leaves_sockets: bool = False
+    #: For the outage tests: the backend with requests that time out within about a
+    #: second, reached through relays that a test may cut. None where the suite does not
+    #: cut it off: the embedded SQLite, a Redis Cluster (its redirects go around a relay)
+    #: and ZooKeeper (its lock ends with the session that an outage expires).
+    outage: Callable[[pytest.FixtureRequest], Outage] | None = None
 
 
 def _server(request: pytest.FixtureRequest, fixture: str) -> SQLServer:
     server: SQLServer = request.getfixturevalue(fixture)
     return server
+
+
+def _sql_outage(fixture: str, query: str) -> Callable[[pytest.FixtureRequest], Outage]:
+    quick = "timeout=1&connect_timeout=1" + (f"&{query}" if query else "")
+
+    def outage(request: pytest.FixtureRequest) -> Outage:
+        server = _server(request, fixture)
+        return Outage(
+            lambda ports: server.url(quick).replace(f":{server.port}/", f":{ports[0]}/"),
+            [server.port],
+        )
+
+    return outage
 
 
 def _sql(fixture: str, query: str) -> BackendUnderTest:
@@ -87,6 +105,7 @@ def _sql(fixture: str, query: str) -> BackendUnderTest:
             .url(query)
             .replace(f":{_server(request, fixture).port}/", f":{free_port()}/")
         ),
+        outage=_sql_outage(fixture, query),
     )
 
 
@@ -97,6 +116,7 @@ def _wrong_password(fixture: str, query: str) -> BackendUnderTest:
         unreachable_url=lambda request, tmp: (
             _server(request, fixture).url(query).replace(":secret@", ":wrong@")
         ),
+        outage=_sql_outage(fixture, query),
     )
 
 
@@ -108,6 +128,10 @@ BACKENDS: dict[str, BackendUnderTest] = {
     "redis": BackendUnderTest(
         url=lambda request, tmp: f"redis://{request.getfixturevalue('redis_server').address}/0",
         unreachable_url=lambda request, tmp: f"redis://127.0.0.1:{free_port()}/0",
+        outage=lambda request: Outage(
+            lambda ports: f"redis://127.0.0.1:{ports[0]}/0?socket_timeout=0.5",
+            [request.getfixturevalue("redis_server").port],
+        ),
     ),
     "redis-cluster": BackendUnderTest(
         url=lambda request, tmp: request.getfixturevalue("redis_cluster").url,
@@ -118,6 +142,14 @@ BACKENDS: dict[str, BackendUnderTest] = {
         url=lambda request, tmp: redlock_url(request.getfixturevalue("redlock_servers")),
         unreachable_url=lambda request, tmp: (
             "redis+redlock://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+        ),
+        outage=lambda request: Outage(
+            lambda ports: (
+                "redis+redlock://"
+                + ",".join(f"127.0.0.1:{port}" for port in ports)
+                + "?socket_timeout=0.5"
+            ),
+            [server.port for server in request.getfixturevalue("redlock_servers")],
         ),
     ),
     "mariadb-lease": _wrong_password("mariadb_server", ""),
@@ -146,6 +178,10 @@ BACKENDS: dict[str, BackendUnderTest] = {
         ),
         # Nobody listens there: every request is refused at once.
         unreachable_url=lambda request, tmp: f"etcd://127.0.0.1:{free_port()}/dlock",
+        outage=lambda request: Outage(
+            lambda ports: f"etcd://127.0.0.1:{ports[0]}/dlock-{uuid.uuid4().hex[:8]}?timeout=1",
+            [request.getfixturevalue("etcd_server").port],
+        ),
     ),
 }
 
@@ -169,6 +205,18 @@ def unreachable_url(
     backend: BackendUnderTest, request: pytest.FixtureRequest, tmp_path: Path
 ) -> str:
     return backend.unreachable_url(request, tmp_path)
+
+
+@pytest.fixture
+def outage(backend: BackendUnderTest, request: pytest.FixtureRequest) -> Iterator[Outage]:
+    """The backend with quick timeouts, through relays the test may cut."""
+    if backend.outage is None:
+        pytest.skip("the suite does not cut this backend off")
+    outage = backend.outage(request)
+    try:
+        yield outage
+    finally:
+        outage.close()
 
 
 @pytest.fixture(params=["mariadb", "postgresql"])

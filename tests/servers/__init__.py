@@ -11,9 +11,11 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -214,6 +216,118 @@ class ServerProcess:
         else:
             self.stop()
         self.start()
+
+
+class Partition:
+    """A TCP relay to one server that can be cut: while cut, bytes are neither read nor
+    passed on, as when a network partition swallows packets (no reset, no FIN)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.port = free_port()
+        self.cut = threading.Event()
+        self._closed = threading.Event()
+        #: One event per relayed connection: set, its pipes reset it (see drop).
+        self._links: list[tuple[threading.Event, list[threading.Thread]]] = []
+        self._links_lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            dropped = threading.Event()
+            threads = [
+                threading.Thread(target=self._pipe, args=(source, sink, dropped), daemon=True)
+                for source, sink in ((client, server), (server, client))
+            ]
+            with self._links_lock:
+                self._links.append((dropped, threads))
+            for thread in threads:
+                thread.start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, dropped: threading.Event) -> None:
+        source.settimeout(0.05)
+        with source, sink:
+            while not self._closed.is_set():
+                if dropped.is_set():
+                    for sock in (source, sink):
+                        # Closed with unread data and no linger: a reset, the data lost.
+                        with contextlib.suppress(OSError):
+                            sock.setsockopt(
+                                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                            )
+                    return
+                if self.cut.is_set():
+                    time.sleep(0.01)
+                    continue
+                try:
+                    chunk = source.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                # Read just as the cut began: held back with the rest.
+                while self.cut.is_set() and not (dropped.is_set() or self._closed.is_set()):
+                    time.sleep(0.01)
+                if dropped.is_set():
+                    continue
+                try:
+                    sink.sendall(chunk)
+                except OSError:
+                    return
+
+    def drop(self) -> None:
+        """Reset every relayed connection, losing the bytes a cut held back (sent, never
+        passed on): a connection that dies with requests in flight that the server
+        never sees. Connections made afterwards are relayed as before."""
+        with self._links_lock:
+            links, self._links = self._links, []
+        for dropped, _ in links:
+            dropped.set()
+        for _, threads in links:
+            for thread in threads:
+                thread.join(5)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+
+class Outage:
+    """A backend reached through relays (one per server) that a test may cut, as a
+    network partition does: a request in flight when it begins is lost, not held back
+    to be applied when it ends (as a paused server would)."""
+
+    def __init__(self, url: Callable[[list[int]], str], ports: list[int]) -> None:
+        self.partitions = [Partition(port) for port in ports]
+        #: Made from the relays' ports, in the order of ``ports``.
+        self.url = url([partition.port for partition in self.partitions])
+
+    def begin(self) -> None:
+        for partition in self.partitions:
+            partition.cut.set()
+
+    def end(self) -> None:
+        for partition in self.partitions:
+            partition.drop()
+            partition.cut.clear()
+
+    def close(self) -> None:
+        self.end()
+        for partition in self.partitions:
+            partition.close()
 
 
 def require_binary(name: str, package: str) -> str:

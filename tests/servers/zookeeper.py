@@ -12,12 +12,9 @@ can also serve TLS on a second port (``tls=True``), requiring client certificate
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import socket
-import struct
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -255,85 +252,3 @@ def zookeeper_ensemble() -> Iterator[ZooKeeperEnsemble]:
     ensemble.start()
     yield ensemble
     ensemble.stop()
-
-
-class Partition:
-    """A TCP relay to one server that can be cut: while cut, bytes are neither read nor
-    passed on, as when a network partition swallows packets (no reset, no FIN)."""
-
-    def __init__(self, port: int) -> None:
-        self.target = port
-        self.port = free_port()
-        self.cut = threading.Event()
-        self._closed = threading.Event()
-        #: One event per relayed connection: set, its pipes reset it (see drop).
-        self._links: list[tuple[threading.Event, list[threading.Thread]]] = []
-        self._links_lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._listener.settimeout(0.1)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                continue
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                client.close()
-                continue
-            dropped = threading.Event()
-            threads = [
-                threading.Thread(target=self._pipe, args=(source, sink, dropped), daemon=True)
-                for source, sink in ((client, server), (server, client))
-            ]
-            with self._links_lock:
-                self._links.append((dropped, threads))
-            for thread in threads:
-                thread.start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket, dropped: threading.Event) -> None:
-        source.settimeout(0.05)
-        with source, sink:
-            while not self._closed.is_set():
-                if dropped.is_set():
-                    for sock in (source, sink):
-                        # Closed with unread data and no linger: a reset, the data lost.
-                        with contextlib.suppress(OSError):
-                            sock.setsockopt(
-                                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                            )
-                    return
-                if self.cut.is_set():
-                    time.sleep(0.01)
-                    continue
-                try:
-                    chunk = source.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                try:
-                    sink.sendall(chunk)
-                except OSError:
-                    return
-
-    def drop(self) -> None:
-        """Reset every relayed connection, losing the bytes a cut held back (sent, never
-        passed on): a connection that dies with requests in flight that the server
-        never sees. Connections made afterwards are relayed as before."""
-        with self._links_lock:
-            links, self._links = self._links, []
-        for dropped, _ in links:
-            dropped.set()
-        for _, threads in links:
-            for thread in threads:
-                thread.join(5)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._listener.close()

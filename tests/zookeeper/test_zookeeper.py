@@ -26,7 +26,8 @@ import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
 from dlock._types import Acquired, Holder
 from tests.conformance.helpers import WORKER_ENV, read_line
-from tests.servers.zookeeper import Partition, ZooKeeperEnsemble
+from tests.servers import Partition
+from tests.servers.zookeeper import ZooKeeperEnsemble
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

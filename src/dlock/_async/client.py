@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -27,16 +26,15 @@ from .._validation import (
     check_timeout,
     check_ttl,
 )
-from ._primitives import WakeupEvent, concurrently, notices_fork, serving, wait_done
+from ._primitives import WakeupEvent, notices_fork, serving, wait_done
 from .backend import AsyncBackend
+from .giveback import AsyncGiveBackRetrier, give_back_all
 from .lock import _ACQUIRE_CALL, AsyncLock
 from .renewal import AsyncRenewer
 
 DEFAULT_TTL = 30.0
 #: Longest that close() waits for acquires in flight to end (see aclose).
 CLOSE_WAIT = 5.0
-#: Holds that close() gives back at once (see _give_back_all).
-GIVE_BACKS_AT_ONCE = 64
 
 #: The clock a holder measures its lease by. On Linux, the boot clock: like
 #: ``time.monotonic`` it never steps, and unlike it, it keeps counting while the host is
@@ -93,6 +91,8 @@ class AsyncClient:
         self._acquires_settling: set[WakeupEvent] = set()
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
+        #: Give-backs that got no answer, asked again until one does.
+        self._retrier = AsyncGiveBackRetrier(clock)
         #: Every lock of this client holding a lease, renewed or not: close() gives them
         #: back. Weakly: an unrenewed lock dropped while held ends by its TTL, and the
         #: client must not keep it alive until it closes. After a fork, those held so
@@ -321,6 +321,8 @@ class AsyncClient:
             self._acquires_settling.discard(settling)
         for give_back in self._give_backs:
             await wait_done(give_back)
+        # Given back below with the holds, once more, not each waiting its turn.
+        retried = await self._retrier.aclose()
         await self._renewer.aclose()
         holds = []
         # What another close (another thread's) took the holds being given up before
@@ -368,29 +370,12 @@ class AsyncClient:
         # the backend is open; their give-ups stop.
         with self._held_guard:
             giving_up, self._giving_up = self._giving_up or {}, None
-        await self._give_back_all(
-            [(lock, entries, token) for lock, (entries, token) in giving_up.items()] + own
+        await give_back_all(
+            [(lock, entries, token) for lock, (entries, token) in giving_up.items()] + own + retried
         )
         await self._backend.aclose()
         if error is not None:
             raise error
-
-    async def _give_back_all(self, holds: Sequence[tuple[AsyncLock, int, str]]) -> None:
-        """Give back ``holds`` (lock, entries, owner token) at once, a few at a time:
-        against a server that stopped answering each waits out its timeout, and one
-        after another they made a close take that once per held lock."""
-        if len(holds) == 1:
-            lock, entries, token = holds[0]
-            await lock._release_quietly(entries, token)
-            return
-        for first in range(0, len(holds), GIVE_BACKS_AT_ONCE):
-            await concurrently(
-                [
-                    partial(lock._release_quietly, entries, token)
-                    for lock, entries, token in holds[first : first + GIVE_BACKS_AT_ONCE]
-                ],
-                math.inf,
-            )
 
     async def __aenter__(self) -> AsyncClient:
         return self

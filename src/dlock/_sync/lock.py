@@ -712,8 +712,33 @@ class Lock:
         entries, self._to_give_back = self._to_give_back, 0
         if self._count and not (self._lost or hold_gone):
             return
-        self._give_back = spawn(partial(self._release_quietly, entries), name="dlock-give-back")
+        self._give_back = spawn(partial(self._give_back_now, entries), name="dlock-give-back")
         self._client._keep_give_back(self._give_back)
+
+    def _give_back_now(self, entries: int) -> None:
+        """Run by _settle_give_back; what gets no answer is asked again later."""
+        token = self._token
+        if unanswered := self._release_quietly(entries, token):
+            self._client._retrier.add(self, token, unanswered)
+
+    def _retire_token(self, token: str) -> bool | None:
+        """Whether a give-back asked again under ``token`` may be sent now: True if this
+        object no longer uses that token, or did not while idle and now has a new one
+        (as _take_new_token gives); False if a hold of this object has it (the lease
+        under it is that hold's, which its own release ends); None while an attempt or
+        give-back of this object is in flight under it (ask again later)."""
+        with self._sharing:
+            if self._token != token:
+                return True
+            if self._count:
+                return False
+            if self._attempts or self._to_give_back or serving(self._give_back):
+                return None
+            with self._writes_guard:
+                self._token = secrets.token_hex(16)
+                self._unanswered_ttl = None
+                self._unanswered_release = False
+            return True
 
     def _reentry_gone(self, result: Acquired | Busy) -> bool:
         """True if a re-entry's answer says the hold it re-entered is gone: busy, or a
@@ -1155,23 +1180,31 @@ class Lock:
                 if self._attempts and self._token == token:
                     self._to_give_back = max(self._to_give_back, left)
                     return
-            if not self._release_once(token):
+            answered = self._release_once(token)
+            if answered is None:
+                self._client._retrier.add(self, token, left)
+            if not answered:
                 return
             given = 1
 
-    def _release_quietly(self, entries: int = 1, token: str | None = None) -> None:
-        """Give back up to ``entries`` entries of a reentrant lease (under ``token``, by
-        default this object's), owner-checked, so harmless if it is gone; stop at the
-        first answer that nothing is left."""
-        token = self._token if token is None else token
-        for _ in range(entries):
-            if not self._release_once(token):
-                return
+    def _release_quietly(self, entries: int, token: str) -> int:
+        """Give back up to ``entries`` entries of a reentrant lease under ``token``,
+        owner-checked, so harmless if it is gone; stop at the first answer that nothing
+        is left. Returns how many entries got no answer (a call failed): the caller may
+        have them asked again (see GiveBackRetrier)."""
+        for given in range(entries):
+            left = self._release_once(token)
+            if left is None:
+                return entries - given
+            if not left:
+                return 0
+        return 0
 
-    def _release_once(self, token: str) -> bool:
-        """One best-effort release under ``token``: True if entries are left to give back.
-        One that fails may still be applied later, to whatever lease the token has then
-        (see _unanswered); a token this object no longer uses has none that matters."""
+    def _release_once(self, token: str) -> bool | None:
+        """One best-effort release under ``token``: True if entries are left to give back,
+        None if it failed. One that fails may still be applied later, to whatever lease
+        the token has then (see _unanswered); a token this object no longer uses has
+        none that matters."""
         try:
             return bool(self._client._backend.release(self.name, token))
         except BaseException as exc:
@@ -1181,7 +1214,7 @@ class Lock:
             if not isinstance(exc, Exception):
                 raise
             logger.debug("dlock: best-effort release of %r failed", self.name, exc_info=True)
-            return False
+            return None
 
     def __enter__(self) -> Lock:
         call = _Call()

@@ -1,0 +1,187 @@
+"""Give-backs asked again: a lease whose give-back failed is freed once the backend answers.
+
+A release, or the give-back of an acquire cut off in flight, that fails in an outage
+would otherwise leave its lease to end by its TTL, and keep the lock from everyone
+until then: 30 s by default, and on etcd a TTL that starts afresh whenever a member
+becomes leader, so a restart made it longer still.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .._fork import ForkFollower
+from ._primitives import WakeupEvent, concurrently, join, serving, spawn
+
+if TYPE_CHECKING:
+    from .lock import AsyncLock
+
+#: Holds given back at once, by close() and by a round of the retrier.
+GIVE_BACKS_AT_ONCE = 64
+#: A failed give-back is asked again after about this many seconds; the delay doubles
+#: after every round that is not answered, up to RETRY_MAX.
+RETRY_FIRST = 0.2
+RETRY_MAX = 2.0
+#: How long a give-back is asked again; past that, its lease ends by its TTL.
+RETRY_FOR = 300.0
+#: How long close() waits for a round in flight (the sync face's thread cannot be
+#: cancelled; what it had not been answered for is given back by close() itself).
+CLOSE_JOIN = 1.0
+
+#: A lease to give back: the lock object, how many entries, its owner token.
+GiveBack = tuple["AsyncLock", int, str]
+
+
+async def give_back_all(holds: Sequence[GiveBack]) -> list[int]:
+    """Give back ``holds`` at once, a few dozen at a time, and return for each how many
+    entries got no answer. Against a server that stopped answering each waits out its
+    timeout; one after another they would take that once per hold."""
+    if len(holds) == 1:
+        lock, entries, token = holds[0]
+        return [await lock._release_quietly(entries, token)]
+    unanswered: list[int] = []
+    for first in range(0, len(holds), GIVE_BACKS_AT_ONCE):
+        batch = holds[first : first + GIVE_BACKS_AT_ONCE]
+        results = await concurrently(
+            [partial(lock._release_quietly, entries, token) for lock, entries, token in batch],
+            math.inf,
+        )
+        unanswered += [
+            result if isinstance(result, int) else entries
+            for result, (_, entries, _) in zip(results, batch, strict=True)
+        ]
+    return unanswered
+
+
+@dataclass
+class _Left:
+    entries: int
+    #: When to stop asking (the client's clock).
+    until: float
+
+
+class AsyncGiveBackRetrier:
+    """Asks again, in the background, the give-backs that got no answer, until one does.
+
+    One task (a thread in the sync face) per client, running only while some are left.
+    Each round first asks one of them: only if the backend answers it are the others
+    asked, so an outage costs one request per round, not one per lease. The delay
+    between rounds doubles while they go unanswered, with jitter, so that the clients
+    of a backend that comes back do not all ask at once.
+
+    Owner-checked releases under a token its lock object no longer uses (see
+    :meth:`AsyncLock._retire_token`): they free nothing but the lease left behind.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._left: dict[tuple[AsyncLock, str], _Left] = {}
+        self._delay = RETRY_FIRST
+        self._wakeup = WakeupEvent()
+        self._runner: Any = None
+        self._closed = False
+        #: Threads add give-backs while the runner (a thread of its own) asks them.
+        self._guard = threading.Lock()
+        self._follow_fork = ForkFollower(self._forget_parent)
+
+    def _forget_parent(self) -> None:
+        """In a forked child: what is left is the parent's to give back."""
+        self._left, self._runner, self._guard = {}, None, threading.Lock()
+        self._wakeup = WakeupEvent()
+
+    def add(self, lock: AsyncLock, token: str, entries: int) -> None:
+        """Ask again to give back ``entries`` entries of ``lock``'s lease under ``token``."""
+        self._follow_fork()
+        with self._guard:
+            if self._closed:
+                return
+            if not self._left:
+                self._delay = RETRY_FIRST
+            key = (lock, token)
+            known = self._left.get(key)
+            if known is None:
+                self._left[key] = _Left(entries, self._clock() + RETRY_FOR)
+            else:
+                known.entries = max(known.entries, entries)
+            # Not one of an event loop that has ended, or left in a fork's parent.
+            if not serving(self._runner):
+                self._runner = spawn(self._run, name="dlock-give-back-retrier")
+
+    async def _run(self) -> None:
+        while True:
+            with self._guard:
+                if self._closed or not self._left:
+                    self._runner = None
+                    return
+                delay = self._delay * random.uniform(0.5, 1.0)
+            await self._wakeup.wait(delay)
+            if self._closed:
+                return
+            answered = await self._ask_again()
+            with self._guard:
+                self._delay = RETRY_FIRST if answered else min(self._delay * 2, RETRY_MAX)
+
+    async def _ask_again(self) -> bool:
+        """One round; False if the backend did not answer."""
+        now = self._clock()
+        holds: list[GiveBack] = []
+        with self._guard:
+            for key, left in list(self._left.items()):
+                if left.until <= now:
+                    del self._left[key]
+            keys = list(self._left)
+        for lock, token in keys:
+            free = lock._retire_token(token)
+            with self._guard:
+                asked = self._left.get((lock, token))
+                if asked is None:
+                    continue
+                if free is False:
+                    # A hold of that lock object has the token: the lease is that hold's.
+                    del self._left[(lock, token)]
+                elif free:
+                    holds.append((lock, asked.entries, token))
+        if not holds:
+            return True
+        answered = await self._give_back(holds[:1])
+        if answered and not self._closed:
+            await self._give_back(holds[1:])
+        return answered
+
+    async def _give_back(self, holds: Sequence[GiveBack]) -> bool:
+        """Kept in the table while asked: a close meanwhile gives them back itself."""
+        if not holds:
+            return True
+        unanswered = await give_back_all(holds)
+        with self._guard:
+            for (lock, _, token), entries in zip(holds, unanswered, strict=True):
+                left = self._left.get((lock, token))
+                if left is not None:
+                    if entries:
+                        left.entries = entries
+                    else:
+                        del self._left[(lock, token)]
+        return not any(unanswered)
+
+    async def aclose(self) -> list[GiveBack]:
+        """Stop asking, and return what is left, for close() to ask once more."""
+        self._follow_fork()
+        with self._guard:
+            self._closed = True
+            runner = self._runner
+        self._wakeup.set()
+        if serving(runner):
+            await join(runner, timeout=CLOSE_JOIN)
+        with self._guard:
+            left, self._left = self._left, {}
+        return [
+            (lock, item.entries, token)
+            for (lock, token), item in left.items()
+            if lock._retire_token(token)
+        ]
