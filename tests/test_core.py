@@ -758,6 +758,35 @@ def test_give_backs_left_by_an_ended_event_loop_are_not_waited_for(tmp_path: Pat
     asyncio.run(use_again())
 
 
+def test_give_backs_are_asked_again_in_a_second_event_loop(tmp_path: Path) -> None:
+    """A client used by two asyncio.run calls: in each, a release fails while another
+    connection keeps the SQLite file write-locked, and its give-back is asked again once
+    the file is free. The first loop's asking task ended with it, and so must its
+    wake-up event, which asyncio binds to the loop that first waited on it."""
+    path = tmp_path / "locks.sqlite3"
+    client = dlock.aio.connect(f"sqlite://{path}?busy_timeout=0.2")
+
+    async def release_in_a_fault() -> None:
+        lock = client.lock("job", ttl=30)
+        assert await lock.acquire(timeout=0)
+        blocker = sqlite3.connect(path)
+        try:
+            blocker.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(dlock.BackendUnavailable):
+                await lock.release()
+            await asyncio.sleep(1)  # the give-back in the background fails too
+        finally:
+            blocker.close()
+        freed = time.monotonic() + 3
+        while await client.inspect("job") is not None:
+            assert time.monotonic() < freed, "the give-back was not asked again"
+            await asyncio.sleep(0.05)
+
+    asyncio.run(release_in_a_fault())
+    asyncio.run(release_in_a_fault())
+    asyncio.run(client.aclose())
+
+
 def losing_cancellations(
     backend_call: Callable[..., Awaitable[Any]], expire_at_answer: list[Any]
 ) -> Callable[..., Awaitable[Any]]:

@@ -94,7 +94,6 @@ class GiveBackRetrier:
     def _forget_parent(self) -> None:
         """In a forked child: what is left is the parent's to give back."""
         self._left, self._runner, self._guard = {}, None, threading.Lock()
-        self._wakeup = WakeupEvent()
 
     def add(self, lock: Lock, token: str, entries: int) -> None:
         """Ask again to give back ``entries`` entries of ``lock``'s lease under ``token``."""
@@ -110,8 +109,10 @@ class GiveBackRetrier:
                 self._left[key] = _Left(entries, self._clock() + RETRY_FOR)
             else:
                 known.entries = max(known.entries, entries)
-            # Not one of an event loop that has ended, or left in a fork's parent.
+            # Not one of an event loop that has ended, or left in a fork's parent. Nor
+            # the old runner's event: it may belong to an ended loop.
             if not serving(self._runner):
+                self._wakeup = WakeupEvent()
                 self._runner = spawn(self._run, name="dlock-give-back-retrier")
 
     def _run(self) -> None:
