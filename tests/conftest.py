@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import Outage, free_port
+from tests.servers import Outage, Partitioned, WriteLocked, free_port
 from tests.servers.etcd import etcd_cluster, etcd_server  # noqa: F401
 from tests.servers.redis import (  # noqa: F401
     redis_cluster,
@@ -72,10 +72,10 @@ class BackendUnderTest:
     #: the ResourceWarning fails whichever later test of the worker the collector runs in.
     leaves_sockets: bool = False
     #: For the outage tests: the backend with requests that time out within about a
-    #: second, reached through relays that a test may cut. None where the suite does not
-    #: cut it off: the embedded SQLite, a Redis Cluster (its redirects go around a relay)
-    #: and ZooKeeper (its lock ends with the session that an outage expires).
-    outage: Callable[[pytest.FixtureRequest], Outage] | None = None
+    #: second, which a test may cut off. None where the suite does not: a Redis Cluster
+    #: (its redirects go around a relay) and ZooKeeper (its lock ends with the session
+    #: that an outage expires).
+    outage: Callable[[pytest.FixtureRequest, Path], Outage] | None = None
 
 
 def _server(request: pytest.FixtureRequest, fixture: str) -> SQLServer:
@@ -83,12 +83,12 @@ def _server(request: pytest.FixtureRequest, fixture: str) -> SQLServer:
     return server
 
 
-def _sql_outage(fixture: str, query: str) -> Callable[[pytest.FixtureRequest], Outage]:
+def _sql_outage(fixture: str, query: str) -> Callable[[pytest.FixtureRequest, Path], Outage]:
     quick = "timeout=1&connect_timeout=1" + (f"&{query}" if query else "")
 
-    def outage(request: pytest.FixtureRequest) -> Outage:
+    def outage(request: pytest.FixtureRequest, tmp: Path) -> Outage:
         server = _server(request, fixture)
-        return Outage(
+        return Partitioned(
             lambda ports: server.url(quick).replace(f":{server.port}/", f":{ports[0]}/"),
             [server.port],
         )
@@ -124,11 +124,12 @@ BACKENDS: dict[str, BackendUnderTest] = {
     "sqlite": BackendUnderTest(
         url=lambda request, tmp: f"sqlite://{tmp}/locks.sqlite3",
         unreachable_url=lambda request, tmp: "sqlite:///proc/dlock-no-such-dir/locks.sqlite3",
+        outage=lambda request, tmp: WriteLocked(tmp / "locks.sqlite3"),
     ),
     "redis": BackendUnderTest(
         url=lambda request, tmp: f"redis://{request.getfixturevalue('redis_server').address}/0",
         unreachable_url=lambda request, tmp: f"redis://127.0.0.1:{free_port()}/0",
-        outage=lambda request: Outage(
+        outage=lambda request, tmp: Partitioned(
             lambda ports: f"redis://127.0.0.1:{ports[0]}/0?socket_timeout=0.5",
             [request.getfixturevalue("redis_server").port],
         ),
@@ -143,7 +144,7 @@ BACKENDS: dict[str, BackendUnderTest] = {
         unreachable_url=lambda request, tmp: (
             "redis+redlock://" + ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
         ),
-        outage=lambda request: Outage(
+        outage=lambda request, tmp: Partitioned(
             lambda ports: (
                 "redis+redlock://"
                 + ",".join(f"127.0.0.1:{port}" for port in ports)
@@ -178,7 +179,7 @@ BACKENDS: dict[str, BackendUnderTest] = {
         ),
         # Nobody listens there: every request is refused at once.
         unreachable_url=lambda request, tmp: f"etcd://127.0.0.1:{free_port()}/dlock",
-        outage=lambda request: Outage(
+        outage=lambda request, tmp: Partitioned(
             lambda ports: f"etcd://127.0.0.1:{ports[0]}/dlock-{uuid.uuid4().hex[:8]}?timeout=1",
             [request.getfixturevalue("etcd_server").port],
         ),
@@ -208,11 +209,13 @@ def unreachable_url(
 
 
 @pytest.fixture
-def outage(backend: BackendUnderTest, request: pytest.FixtureRequest) -> Iterator[Outage]:
+def outage(
+    backend: BackendUnderTest, request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Outage]:
     """The backend with quick timeouts, through relays the test may cut."""
     if backend.outage is None:
         pytest.skip("the suite does not cut this backend off")
-    outage = backend.outage(request)
+    outage = backend.outage(request, tmp_path)
     try:
         yield outage
     finally:

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -306,9 +307,25 @@ class Partition:
 
 
 class Outage:
-    """A backend reached through relays (one per server) that a test may cut, as a
-    network partition does: a request in flight when it begins is lost, not held back
-    to be applied when it ends (as a paused server would)."""
+    """A backend that a test may cut off: from ``begin`` to ``end`` it answers nothing
+    within the timeouts that ``url`` sets."""
+
+    url: str
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.end()
+
+
+class Partitioned(Outage):
+    """Servers reached through relays (one each) that are cut, as a network partition
+    does: a request in flight when it begins is lost, not held back to be applied when
+    it ends (as a paused server would)."""
 
     def __init__(self, url: Callable[[list[int]], str], ports: list[int]) -> None:
         self.partitions = [Partition(port) for port in ports]
@@ -328,6 +345,25 @@ class Outage:
         self.end()
         for partition in self.partitions:
             partition.close()
+
+
+class WriteLocked(Outage):
+    """An SQLite file that another connection keeps write-locked (``BEGIN EXCLUSIVE``)
+    past the client's short ``busy_timeout``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.url = f"sqlite://{path}?busy_timeout=0.2"
+        self._blocker: sqlite3.Connection | None = None
+
+    def begin(self) -> None:
+        self._blocker = sqlite3.connect(self.path, isolation_level=None)
+        self._blocker.execute("BEGIN EXCLUSIVE")
+
+    def end(self) -> None:
+        if self._blocker is not None:
+            self._blocker.close()
+            self._blocker = None
 
 
 def require_binary(name: str, package: str) -> str:
