@@ -42,7 +42,9 @@ GiveBack = tuple["Lock", int, str]
 def give_back_all(holds: Sequence[GiveBack]) -> list[int]:
     """Give back ``holds`` at once, a few dozen at a time, and return for each how many
     entries got no answer. Against a server that stopped answering each waits out its
-    timeout; one after another they would take that once per hold."""
+    timeout; one after another they would take that once per hold. After a batch that
+    got no answer at all, the rest are not sent: each batch would wait out the timeout
+    again (a close with hundreds of holds, one timeout per batch)."""
     if len(holds) == 1:
         lock, entries, token = holds[0]
         return [lock._release_quietly(entries, token)]
@@ -53,10 +55,13 @@ def give_back_all(holds: Sequence[GiveBack]) -> list[int]:
             [partial(lock._release_quietly, entries, token) for lock, entries, token in batch],
             math.inf,
         )
-        unanswered += [
+        left = [
             result if isinstance(result, int) else entries
             for result, (_, entries, _) in zip(results, batch, strict=True)
         ]
+        unanswered += left
+        if left == [entries for _, entries, _ in batch]:
+            return unanswered + [entries for _, entries, _ in holds[len(unanswered) :]]
     return unanswered
 
 

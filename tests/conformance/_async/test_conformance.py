@@ -1133,6 +1133,36 @@ async def test_close_gives_back_what_an_outage_left(
         assert await other.inspect(name) is None
 
 
+async def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
+    outage: Outage, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() gives its holds back 64 at a time (4 here); against a backend that
+    answers nothing each batch waited out the request timeout, one after another (a
+    close with hundreds of holds took minutes). A batch that got no answer at all now
+    ends the give-backs, the rest left to their TTLs: one batch is sent, not three."""
+    monkeypatch.setattr(giveback, "GIVE_BACKS_AT_ONCE", 4)
+    client = dlock.aio.connect(outage.url)
+    backend: Any = client._backend
+    release, sent = backend.release, []
+
+    async def counted(name: str, token: str) -> Any:
+        sent.append(name)
+        return await release(name, token)
+
+    try:
+        locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(12)]
+        for lock in locks:
+            assert await lock.acquire(timeout=0)
+        backend.release = counted
+        outage.begin()
+        await client.aclose()
+        assert all(lock.lost for lock in locks)
+        assert len(sent) == 4, f"{len(sent)} give-backs sent"
+    finally:
+        outage.end()
+        await client.aclose()
+
+
 async def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(
     url: str, name: str
 ) -> None:

@@ -1126,6 +1126,36 @@ def test_close_gives_back_what_an_outage_left(
         assert other.inspect(name) is None
 
 
+def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
+    outage: Outage, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() gives its holds back 64 at a time (4 here); against a backend that
+    answers nothing each batch waited out the request timeout, one after another (a
+    close with hundreds of holds took minutes). A batch that got no answer at all now
+    ends the give-backs, the rest left to their TTLs: one batch is sent, not three."""
+    monkeypatch.setattr(giveback, "GIVE_BACKS_AT_ONCE", 4)
+    client = dlock.connect(outage.url)
+    backend: Any = client._backend
+    release, sent = backend.release, []
+
+    def counted(name: str, token: str) -> Any:
+        sent.append(name)
+        return release(name, token)
+
+    try:
+        locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(12)]
+        for lock in locks:
+            assert lock.acquire(timeout=0)
+        backend.release = counted
+        outage.begin()
+        client.close()
+        assert all(lock.lost for lock in locks)
+        assert len(sent) == 4, f"{len(sent)} give-backs sent"
+    finally:
+        outage.end()
+        client.close()
+
+
 def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(url: str, name: str) -> None:
     ttl = 1.0
     holder = start_worker(FACE, "hold", url, name, str(ttl))
