@@ -75,10 +75,10 @@ class AsyncGiveBackRetrier:
     """Asks again, in the background, the give-backs that got no answer, until one does.
 
     One task (a thread in the sync face) per client, running only while some are left.
-    Each round first asks one of them: only if the backend answers it are the others
-    asked, so an outage costs one request per round, not one per lease. The delay
-    between rounds doubles while they go unanswered, with jitter, so that the clients
-    of a backend that comes back do not all ask at once.
+    Each round first asks one of them, a different one each round: only if the backend
+    answers it are the others asked, so an outage costs one request per round, not one
+    per lease. The delay between rounds doubles while any goes unanswered, with jitter,
+    so that the clients of a backend that comes back do not all ask at once.
 
     Owner-checked releases under a token its lock object no longer uses (see
     :meth:`AsyncLock._retire_token`): they free nothing but the lease left behind.
@@ -155,10 +155,17 @@ class AsyncGiveBackRetrier:
                     holds.append((lock, asked.entries, token))
         if not holds:
             return True
-        answered = await self._give_back(holds[:1])
-        if answered and not self._closed:
-            await self._give_back(holds[1:])
-        return answered
+        if not await self._give_back(holds[:1]):
+            # Another one goes first next round: this one's server may be the only one
+            # down (a Redis Cluster node), and the rest must not wait for it.
+            lock, _, token = holds[0]
+            with self._guard:
+                if (lock, token) in self._left:
+                    self._left[(lock, token)] = self._left.pop((lock, token))
+            return False
+        if self._closed:
+            return True
+        return await self._give_back(holds[1:])
 
     async def _give_back(self, holds: Sequence[GiveBack]) -> bool:
         """Kept in the table while asked: a close meanwhile gives them back itself."""
