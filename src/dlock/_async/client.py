@@ -294,7 +294,8 @@ class AsyncClient:
         # flight too: its hold is not lost, and the backend must not close under it.
         # Not for the calls that this close runs inside (an on_lost told by an acquire):
         # they go on only once it returns.
-        until = self._clock() + CLOSE_WAIT
+        began = self._clock()
+        until = began + CLOSE_WAIT
         pid = _fork.pid
         mine = set()
         call = _ACQUIRE_CALL.get()
@@ -322,7 +323,7 @@ class AsyncClient:
         for give_back in self._give_backs:
             await wait_done(give_back)
         # Given back below with the holds, once more, not each waiting its turn.
-        retried = await self._retrier.aclose()
+        retried = await self._retrier.aclose(since=began)
         await self._renewer.aclose()
         holds = []
         # What another close (another thread's) took the holds being given up before

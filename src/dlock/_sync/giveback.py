@@ -70,6 +70,8 @@ class _Left:
     entries: int
     #: When to stop asking (the client's clock).
     until: float
+    #: When it last went unanswered (the client's clock).
+    failed_at: float
 
 
 class GiveBackRetrier:
@@ -108,12 +110,12 @@ class GiveBackRetrier:
                 return
             if not self._left:
                 self._delay = RETRY_FIRST
-            key = (lock, token)
+            key, now = (lock, token), self._clock()
             known = self._left.get(key)
             if known is None:
-                self._left[key] = _Left(entries, self._clock() + RETRY_FOR)
+                self._left[key] = _Left(entries, now + RETRY_FOR, now)
             else:
-                known.entries = max(known.entries, entries)
+                known.entries, known.failed_at = max(known.entries, entries), now
             # Not one of an event loop that has ended, or left in a fork's parent. Nor
             # the old runner's event: it may belong to an ended loop.
             if not serving(self._runner):
@@ -174,17 +176,20 @@ class GiveBackRetrier:
             return True
         unanswered = give_back_all(holds)
         with self._guard:
+            now = self._clock()
             for (lock, _, token), entries in zip(holds, unanswered, strict=True):
                 left = self._left.get((lock, token))
                 if left is not None:
                     if entries:
-                        left.entries = entries
+                        left.entries, left.failed_at = entries, now
                     else:
                         del self._left[(lock, token)]
         return not any(unanswered)
 
-    def close(self) -> list[GiveBack]:
-        """Stop asking, and return what is left, for close() to ask once more."""
+    def close(self, since: float) -> list[GiveBack]:
+        """Stop asking, and return what is left, for close() to ask once more: not what
+        went unanswered since ``since`` (the close's start, which waited for it), as
+        asking again at once would make the close wait out another timeout."""
         self._follow_fork()
         with self._guard:
             self._closed = True
@@ -197,5 +202,5 @@ class GiveBackRetrier:
         return [
             (lock, item.entries, token)
             for (lock, token), item in left.items()
-            if lock._retire_token(token)
+            if item.failed_at < since and lock._retire_token(token)
         ]

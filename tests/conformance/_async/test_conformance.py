@@ -1163,6 +1163,35 @@ async def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
         await client.aclose()
 
 
+async def test_a_close_after_a_release_cut_off_asks_its_give_back_once(
+    outage: Outage, name: str
+) -> None:
+    """A release fails in an outage, and close() waits for its give-back in the
+    background, which gets no answer either. The close then asked it once more, and
+    waited out another timeout: `dlock run` exited three timeouts after its command
+    (a helper saw 16-31 s). Two requests now: the release and its give-back."""
+    client = dlock.aio.connect(outage.url)
+    backend: Any = client._backend
+    release, sent = backend.release, []
+
+    async def counted(name: str, token: str) -> Any:
+        sent.append(name)
+        return await release(name, token)
+
+    try:
+        lock = client.lock(name, ttl=30)
+        assert await lock.acquire(timeout=0)
+        outage.begin()
+        backend.release = counted
+        with pytest.raises(dlock.BackendUnavailable):
+            await lock.release()
+        await client.aclose()
+        assert len(sent) == 2, f"{len(sent)} releases sent"
+    finally:
+        outage.end()
+        await client.aclose()
+
+
 async def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(
     url: str, name: str
 ) -> None:

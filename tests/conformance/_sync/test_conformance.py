@@ -1156,6 +1156,33 @@ def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
         client.close()
 
 
+def test_a_close_after_a_release_cut_off_asks_its_give_back_once(outage: Outage, name: str) -> None:
+    """A release fails in an outage, and close() waits for its give-back in the
+    background, which gets no answer either. The close then asked it once more, and
+    waited out another timeout: `dlock run` exited three timeouts after its command
+    (a helper saw 16-31 s). Two requests now: the release and its give-back."""
+    client = dlock.connect(outage.url)
+    backend: Any = client._backend
+    release, sent = backend.release, []
+
+    def counted(name: str, token: str) -> Any:
+        sent.append(name)
+        return release(name, token)
+
+    try:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        outage.begin()
+        backend.release = counted
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        client.close()
+        assert len(sent) == 2, f"{len(sent)} releases sent"
+    finally:
+        outage.end()
+        client.close()
+
+
 def test_paused_holder_loses_the_lock_and_cannot_touch_the_new_one(url: str, name: str) -> None:
     ttl = 1.0
     holder = start_worker(FACE, "hold", url, name, str(ttl))
