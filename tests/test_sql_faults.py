@@ -610,6 +610,21 @@ def test_malicious_table_names_are_refused(server: SQLServer, table: str) -> Non
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])
+@pytest.mark.parametrize("table", ["pg_temp.locks", "PG_TEMP.locks", "pg_catalog.locks"])
+def test_a_table_in_a_system_schema_is_refused(
+    postgresql_server: SQLServer, name: str, mode: str, table: str
+) -> None:
+    """``table=pg_temp.locks`` made a temporary table, each connection's own: two
+    clients held one name at once (a helper's `dlock run` twice, 4 of 4)."""
+    url = postgresql_server.url(f"mode={mode}")
+    with (
+        dlock.connect(url, table=table) as client,
+        pytest.raises(dlock.ConfigurationError, match="system schema"),
+    ):
+        client.lock(name, ttl=5).acquire(timeout=0)
+
+
+@pytest.mark.parametrize("mode", ["lease", "session"])
 def test_lock_table_in_a_schema_of_its_own(server: SQLServer, name: str, mode: str) -> None:
     """``table=schema.table`` (MySQL: ``database.table``) puts the table there."""
     run = admin(server)

@@ -255,12 +255,21 @@ class PostgreSQLBackend(ServerSQLBackend):
         if "." in table:
             schema, relation = table.split(".")
             params = {"schema": schema, "table": relation}
-            return str((self._run(conn, POSTGRESQL_QUOTE_TABLE, params)).rows[0][0])
-        found = (self._run(conn, POSTGRESQL_FIND_TABLE, {"table": table})).rows[0][0]
+            found = (self._run(conn, POSTGRESQL_QUOTE_TABLE, params)).rows[0][0]
+        else:
+            found = (self._run(conn, POSTGRESQL_FIND_TABLE, {"table": table})).rows[0][0]
         if found is None:
             raise ConfigurationError(
                 f"no schema to keep the lock table {table!r} in: none of the search_path "
                 f"exists; name one, table=<schema>.{table}"
+            )
+        if str(found).startswith("pg_"):
+            # pg_temp above all: a table there is each connection's own, and every
+            # client would hold the same name at once.
+            raise ConfigurationError(
+                f"the lock table {table!r} would be {found}, in a system schema (pg_temp "
+                "keeps a table of each connection's own, seen by no other client); name "
+                "a schema of your own, table=<schema>.<table>"
             )
         return str(found)
 
