@@ -204,6 +204,13 @@ def test_a_relative_xdg_state_home_is_ignored(
         ("postgresql://u@[::1/db", "cannot be parsed"),
         ("zookeeper://[::1:2181/p", "cannot be parsed"),
         ("sqlite://[x/y.db", "cannot be parsed"),
+        # Kept by some parsers, stripped by others: with a blank at its end, a SQLite
+        # file, an etcd prefix or a ZooKeeper root was a lock space of its own.
+        ("sqlite:///tmp/x.db ", "blank at its end"),
+        (" sqlite:///tmp/x.db", "blank at its end"),
+        ("etcd://h:2379/p\n", "control character"),
+        ("zookeeper://h:2181/p\u00a0", "control character"),
+        ("redis://h:6379/0\u200b", "control character"),
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:

@@ -94,6 +94,16 @@ def scheme_of(url: str) -> str:
 def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
     """Import the backend for ``url``'s scheme from ``package`` and build it."""
     scheme = scheme_of(url)
+    # Some parsers strip them, some keep them: a file or prefix named with a trailing
+    # space (pasted from a config file) was a lock space apart from the one without.
+    # An ASCII space inside (a SQLite file's directory) is plain to see, and kept.
+    unseen = [char for char in url if not char.isprintable()]
+    if unseen or url != url.strip():
+        blank = (unseen or [url[0] if url[0].isspace() else url[-1]])[0]
+        raise ConfigurationError(
+            f"{scheme}:// URL has a control character or a blank at its end ({blank!r}):"
+            f" write it percent-encoded ({quote(blank)}), or drop it"
+        )
     if split_url(url).fragment:
         raise ConfigurationError(
             f"{shown_url(url)!r} has a #fragment, which no backend reads: a '#' in a"

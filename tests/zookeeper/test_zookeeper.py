@@ -128,6 +128,22 @@ def test_bad_hosts_roots_and_users_are_refused(url: str) -> None:
         dlock.connect(url)
 
 
+@pytest.mark.parametrize(("first", "second"), [("", "/"), ("/locks", "/locks/")])
+def test_a_trailing_slash_names_the_same_root(
+    zookeeper_server: ZooKeeperEnsemble, first: str, second: str
+) -> None:
+    """``zookeeper://host`` (root /dlock) and ``zookeeper://host/`` (root /) were two
+    lock spaces, each holding one name at once (a helper's finding); ``/locks/`` was
+    refused as not absolute. A trailing slash now names the same root, as on etcd."""
+    name = f"slash-{os.getpid()}-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url(first)) as one,
+        dlock.connect(zookeeper_server.url(second)) as other,
+        one.lock(name, ttl=5),
+    ):
+        assert other.lock(name, ttl=5).acquire(timeout=0) is False
+
+
 def test_bad_constructor_values_are_refused() -> None:
     with pytest.raises(dlock.ConfigurationError):
         ZooKeeperBackend("127.0.0.1:1", session_timeout=math.inf)

@@ -518,7 +518,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
             raise ConfigurationError("with client=, TLS is the kazoo client's own setting")
         return cls(
             netloc,
-            unquote(parts.path) or "/dlock",
+            # "/" (a trailing slash) names the default root, as on etcd; "/locks/" is
+            # "/locks": two spellings, one lock space.
+            unquote(parts.path).rstrip("/") or "/dlock",
             on_suspend=str(settings.get("on_suspend", "session")),
             auth=auth,
             tls=tls,
