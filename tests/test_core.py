@@ -211,6 +211,20 @@ def test_a_relative_xdg_state_home_is_ignored(
         ("etcd://h:2379/p\n", "control character"),
         ("zookeeper://h:2181/p\u00a0", "control character"),
         ("redis://h:6379/0\u200b", "control character"),
+        # Past what a socket or a thread's wait holds: an OverflowError at first use.
+        ("redis://h?socket_timeout=1e10", "socket_timeout is '1e10' seconds; the longest"),
+        ("redis://h?socket_connect_timeout=1e10", "socket_connect_timeout is '1e10'"),
+        ("redis://h?queue_ttl=1e300", "queue_ttl is '1e300' seconds"),
+        ("etcd://h:2379/p?timeout=1e10", "timeout is '1e10' seconds"),
+        ("etcd://h:2379/p?connect_timeout=1e10", "connect_timeout is '1e10' seconds"),
+        ("etcd://h:2379/p?queue_ttl=1e300", "queue_ttl is '1e300' seconds"),
+        ("zookeeper://h:2181/p?operation_timeout=1e10", "operation_timeout is '1e10'"),
+        # A ValueError or httpx's InvalidURL at first use, not a dlock error (the second
+        # member's: only when a failover reached it).
+        ("etcd://127.0.0.1:\u00b3/x", "bad port"),
+        ("etcd://::1/x", "in brackets"),
+        ("etcd://fe80::1/x", "in brackets"),
+        ("etcd://127.0.0.1:2379,::1/x", "in brackets"),
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str, message: str) -> None:

@@ -52,11 +52,14 @@ def seconds(value: object, what: str) -> float:
 #: its timeouts (``tcp_user_timeout``, ``lock_timeout``) as 32-bit milliseconds, and
 #: PyMySQL refuses a connect timeout over a year: past this, every connection failed.
 #: SQLite's busy timeout is an int of milliseconds too: past it, it wrapped to none.
+#: Sockets and thread waits overflow past about 9.2e9 s (Redis, etcd: a crash), and
+#: Redis refused a waiter's place of 1e300 s only once a lock was busy.
 MAX_TIMEOUT = 1e6
 
 
 def bounded_seconds(value: object, what: str) -> float:
-    """``seconds``, for a duration a database or its driver keeps in 32-bit milliseconds."""
+    """``seconds``, for a duration that a server or its client library must hold (see
+    MAX_TIMEOUT): every backend's timeouts and waiting places."""
     duration = seconds(value, what)
     if duration > MAX_TIMEOUT:
         raise ConfigurationError(

@@ -55,7 +55,7 @@ from redis.exceptions import (
 from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
-from ..._options import flag, query_options, seconds
+from ..._options import bounded_seconds, flag, query_options
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
@@ -681,11 +681,11 @@ class AsyncRedisBackend(AsyncBackend):
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
         client_options: dict[str, Any] = {
-            key: seconds(settings[key], key)
+            key: bounded_seconds(settings[key], key)
             for key in ("socket_timeout", "socket_connect_timeout")
             if key in settings
         }
-        queue_ttl = seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl")
+        queue_ttl = bounded_seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl")
         netloc = parts.netloc
         if not parts.hostname:
             auth, at, _ = netloc.rpartition("@")

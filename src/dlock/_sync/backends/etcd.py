@@ -47,7 +47,7 @@ import httpx
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
-from ..._options import flag, query_options, seconds
+from ..._options import bounded_seconds, flag, query_options
 from ..._registry import split_url
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
@@ -230,11 +230,18 @@ def _parse_hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
             port_text = rest[1:]
         elif ":" in item:
             host, _, port_text = item.rpartition(":")
+            if ":" in host:
+                # Else "::1" was host "::" and port 1, and "fe80::1" an invalid URL to
+                # httpx at the first request to that member (a failover's, perhaps).
+                raise ConfigurationError(
+                    f"etcd host {item!r}: an IPv6 address is written in brackets, [::1]:2379"
+                )
         if not host:
             raise ConfigurationError(f"empty host in etcd URL host list {netloc!r}")
         port = default_port
         if port_text:
-            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            # ASCII digits: "³".isdigit() is true, and int() refuses it.
+            if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
                 raise ConfigurationError(f"bad port {port_text!r} in etcd host {item!r}")
             port = int(port_text)
         hosts.append((host, port))
@@ -362,12 +369,12 @@ class EtcdBackend(Backend):
             hosts,
             prefix,
             tls=_ssl_context(settings) if tls else None,
-            timeout=seconds(settings.get("timeout", TIMEOUT), "timeout"),
-            connect_timeout=seconds(
+            timeout=bounded_seconds(settings.get("timeout", TIMEOUT), "timeout"),
+            connect_timeout=bounded_seconds(
                 settings.get("connect_timeout", CONNECT_TIMEOUT), "connect_timeout"
             ),
             credentials=credentials,
-            queue_ttl=seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl"),
+            queue_ttl=bounded_seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl"),
         )
 
     # -- the HTTP client ----------------------------------------------------------

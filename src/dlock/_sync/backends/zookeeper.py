@@ -60,7 +60,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
-from ..._options import flag, query_options, seconds
+from ..._options import bounded_seconds, flag, query_options
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import (
@@ -505,7 +505,7 @@ class ZooKeeperBackend(Backend):
         if unknown:
             raise ConfigurationError(f"unknown zookeeper option(s): {', '.join(sorted(unknown))}")
         durations = {
-            key: seconds(settings.get(key, default), key)
+            key: bounded_seconds(settings.get(key, default), key)
             for key, default in [
                 ("session_timeout", 10.0),
                 ("connect_timeout", 5.0),
