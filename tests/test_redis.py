@@ -1929,6 +1929,36 @@ def test_a_wrong_password_on_a_cluster_is_refused_not_unavailable(
         assert client.lock(unique()).acquire(timeout=0)
 
 
+def test_redlock_refused_by_its_masters_is_refused_not_unavailable(
+    own_masters: list[RedisServer],
+) -> None:
+    """Every master refused the password: a Redlock raised BackendUnavailable (the CLI's
+    "retry" exit, 69) where one server's refusal is a BackendError (76). Refused by a
+    majority, it is a refusal; with one master down and one refusing, the quorum may
+    come back with the one down: unavailable."""
+    masters = own_masters
+    for master in masters:
+        with redis.Redis(port=master.port) as admin:
+            admin.config_set("requirepass", "s3cret")
+    addresses = ",".join(master.address for master in masters)
+    with dlock.connect(f"redis+redlock://:wrong@{addresses}") as client:
+        with pytest.raises(dlock.BackendError, match="refused") as caught:
+            client.lock(unique()).acquire(timeout=0)
+        assert not isinstance(caught.value, dlock.BackendUnavailable), caught.value
+        with pytest.raises(dlock.BackendError) as caught:
+            client.inspect(unique())
+        assert not isinstance(caught.value, dlock.BackendUnavailable), caught.value
+    with redis.Redis(port=masters[0].port, password="s3cret") as admin:
+        admin.config_set("requirepass", "another")
+    masters[1].pause()
+    try:
+        url = f"redis+redlock://:s3cret@{addresses}?socket_timeout=0.5"
+        with dlock.connect(url) as client, pytest.raises(dlock.BackendUnavailable):
+            client.lock(unique()).acquire(timeout=0)
+    finally:
+        masters[1].resume()
+
+
 def test_redlock_failed_quorum_gives_back_on_a_master_that_timed_out(
     own_masters: list[RedisServer],
 ) -> None:

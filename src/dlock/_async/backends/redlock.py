@@ -201,10 +201,16 @@ class AsyncRedlockBackend(AsyncBackend):
         return sum(result is None for result in results)
 
     def _no_quorum(self, results: list[Any], what: str) -> BackendError:
+        """Unavailable (worth retrying) while the masters that did not answer could make
+        the quorum once they do; refused (wrong credentials, a replica) when too many
+        refused for any quorum, as a single server's refusal is."""
         errors = [r for r in results if isinstance(r, BackendError)]
-        return BackendUnavailable(
+        refused = [e for e in errors if not isinstance(e, BackendUnavailable)]
+        kind = BackendError if len(results) - len(refused) < self._quorum else BackendUnavailable
+        first = (refused or errors)[0]
+        return kind(
             f"Redlock {what}: only {len(results) - len(errors)} of {len(results)} masters "
-            f"answered, {self._quorum} needed; first error: {errors[0]}"
+            f"answered, {self._quorum} needed; {'refused' if refused else 'first error'}: {first}"
         )
 
     async def acquire(
