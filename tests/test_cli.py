@@ -459,6 +459,41 @@ def test_lost_lease_stops_what_the_command_started(
         assert not after.exists(), "the shell went on to its next step"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGALRM])
+def test_a_dlock_killed_by_a_signal_it_cannot_pass_on_stops_the_command(
+    db: str, name: str, tmp_path: Path, spawn: Spawn, signum: int
+) -> None:
+    """dlock dies of a signal it does not forward (SIGKILL, or one whose default ends a
+    process): its command, and what that started (a worker that ignores TERM), ran on,
+    and another holder took the lock once the lease ran out (a helper's finding, 8 of
+    8). Its guard stops the group as dlock does on a lost lease: TERM, KILL after the
+    grace period."""
+    pidfile, after = tmp_path / "worker.pid", tmp_path / "after"
+    stubborn = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+        "time.sleep(60)\n"
+    )
+    script = f'"$PYTHON" -c "$STUBBORN" {pidfile} >{tmp_path}/out 2>&1; touch {after}'
+    env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "STUBBORN": stubborn}
+    with killing(pidfile):
+        process = spawn(
+            [DLOCK, "run", "--ttl", "30", "--grace", "0.5", name, "--", "sh", "-c", script],
+            env=env,
+        )
+        worker = wait_for_pid(pidfile, process)
+        os.kill(process.pid, signum)
+        process.wait(10)
+        deadline = time.monotonic() + 5
+        while not gone(worker):
+            assert time.monotonic() < deadline, "the worker outlived dlock, unguarded"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert not after.exists(), "the shell went on to its next step"
+
+
 def test_terminate_stops_what_the_command_started_before_the_release(
     db: str, name: str, tmp_path: Path, spawn: Spawn
 ) -> None:

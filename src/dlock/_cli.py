@@ -355,7 +355,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             give_back_unused(lock)
             return 128 + forwarder.pending[0]
         try:
-            job = Job(command, env, done)
+            job = Job(command, env, done, args.grace)
         except OSError as exc:
             note(f"dlock: cannot run {command[0]!r}: {exc}")
             give_back_unused(lock)

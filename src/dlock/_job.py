@@ -59,10 +59,15 @@ class Job:
     shell sees its job stopped; a stop of dlock is passed to the command, and a
     SIGCONT too."""
 
-    def __init__(self, command: list[str], env: dict[str, str], done: threading.Event) -> None:
+    def __init__(
+        self, command: list[str], env: dict[str, str], done: threading.Event, grace: float
+    ) -> None:
         become_subreaper()
         self.process = spawn_in_new_group(command, env)
         self.pgid = self.process.pid  # the group's leader: its id is the group's
+        #: The guard (see _guard.py), which ends the group if dlock dies, and the pipe
+        #: to tell it the job is over.
+        self.guard = start_guard(self.pgid, grace)
         self.done = done
         #: The command's own process has ended (and been reaped).
         self.ended = threading.Event()
@@ -189,6 +194,43 @@ class Job:
         if self.terminal is not None:
             os.close(self.terminal)
             self.terminal = None
+        if self.guard is not None:
+            guard, pipe = self.guard
+            self.guard = None
+            # Not "done" while some of the group runs on: leaving it, dlock leaves it
+            # to the guard to end.
+            finished = not self.running()
+            with contextlib.suppress(OSError):
+                if finished:
+                    os.write(pipe, b"done")
+            os.close(pipe)
+            if finished:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    guard.wait(1)
+
+
+def start_guard(pgid: int, grace: float) -> tuple[subprocess.Popen[bytes], int] | None:
+    """Start the guard of group ``pgid`` (see _guard.py) in a session of its own (the
+    terminal's signals are dlock's to pass on); return it and the pipe's end to tell it
+    "done". None where no Python can be started again (an embedded interpreter)."""
+    if not sys.executable:
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+    read, write = os.pipe()
+    try:
+        guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", script, str(pgid), repr(grace)],
+            stdin=read,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError:
+        os.close(write)
+        return None
+    finally:
+        os.close(read)
+    return guard, write
 
 
 def spawn_in_new_group(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
