@@ -95,6 +95,10 @@ class AsyncLock:
         #: release or block's end raises LockLost, as the first did (see
         #: _leave_lost_entry), and only then NotOwner.
         self._lost_entries = 0
+        #: The hold (see _generation) that a re-entry cut off in flight may have entered
+        #: on the backend, an entry no caller counts: its last release gives such
+        #: entries back (see release).
+        self._uncounted_in: int | None = None
         #: The holds (see _generation) that a release ended cleanly (the backend said it
         #: left none), under _sharing, for the re-entries in flight (see _hold_ended):
         #: older ones go once no attempt is in flight.
@@ -593,11 +597,13 @@ class AsyncLock:
                     self._unanswered(self.ttl)
                     if not reentry:
                         self._give_back_later(1)
-                    elif cap != math.inf and generation == self._generation:
-                        # A fresh hold taken since (by another user of this object) was
-                        # sent later with the same TTL: applied after it, this re-entry
-                        # ends its lease no earlier than counted.
-                        self._lease_unsure(started, self.ttl, cap)
+                    else:
+                        self._uncounted_in = generation
+                        if cap != math.inf and generation == self._generation:
+                            # A fresh hold taken since (by another user of this object)
+                            # was sent later with the same TTL: applied after it, this
+                            # re-entry ends its lease no earlier than counted.
+                            self._lease_unsure(started, self.ttl, cap)
             elif isinstance(result, Acquired) and not reentry and self._count == 0:
                 # Interrupted (a signal's KeyboardInterrupt) after the backend granted but
                 # before the grant was counted: acquire() cannot see an entry to undo, and
@@ -913,7 +919,8 @@ class AsyncLock:
         Raises :class:`NotOwner` if this object does not hold it, and :class:`LockLost`
         if its lease ended before the release reached the backend. A release that fails
         or is cancelled raises too, and this object no longer holds nor renews the lease
-        (it is given back in the background, else ends by its TTL).
+        (it is given back in the background, else ends by its TTL); if it was not the
+        last entry, the hold is declared lost, as its other entries' holders believe in it.
         """
         self._check_forked()
         if not self._count and not self._lost_entries:
@@ -946,13 +953,25 @@ class AsyncLock:
                 remaining = await self._client._backend.release(self.name, self._token)
             except BaseException:
                 self._unanswered(math.inf)
+                if not last and generation == self._generation:
+                    # The failure ends the whole hold, whose other entries' holders (an
+                    # outer block, another task) still believe in it: a loss, told as
+                    # one, and their own releases raise LockLost (see _undo_entry).
+                    self._declare_lost("a release of one of its entries failed", True)
+                    self._leave_lost_entry()
                 self._abandon()
                 raise
+            uncounted = 0
             if remaining is not None and generation == self._generation and self._count:
                 # Else another user of this object ended the hold while this release was
                 # in flight (its last release answered first, or a loss given up): this
                 # answer is older than that end, and must not revive the hold, nor count
                 # a fresh one taken since.
+                if remaining and last and self._uncounted_in == generation and not self._attempts:
+                    # Entered by re-entries cut off in flight, which the backend applied
+                    # after their callers were told they failed: nobody holds them, and
+                    # kept, the hold was renewed for good after its holder left it.
+                    uncounted, remaining = remaining, 0
                 self._count = remaining
                 if remaining == 0:
                     clean = True
@@ -962,13 +981,15 @@ class AsyncLock:
                     if self._changed is not None:
                         self._wake_sharers()
                 elif self.auto_renew and not self._lost:
-                    # Entries left where this object counted none (a re-entry the backend
-                    # applied but whose answer was cut off, or one another user of this
-                    # object has in flight): the hold goes on, so renewal must too.
+                    # Entries left where this object counted none (a re-entry that
+                    # another user of this object has in flight, or, while one is, a
+                    # re-entry cut off): the hold goes on, so renewal must too.
                     self._client._renewer.add(self)
         finally:
             self._client._call_ends(call)
             self._release_ends(generation, clean)
+        if uncounted:
+            self._give_back_later(uncounted)
         if remaining is None:
             reason = "the lease had expired or been taken over before release"
             error = self._lost_error(reason, generation)

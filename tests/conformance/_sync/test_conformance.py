@@ -363,6 +363,54 @@ def test_a_hold_told_lost_stays_counted_after_a_reentry_until_it_is_released(
         assert not isinstance(raised.value, dlock.LockLost)
 
 
+def test_a_reentry_whose_answer_is_lost_leaves_no_entry_behind(url: str, name: str) -> None:
+    """A re-entry the backend applied but whose answer was lost (played here by raising
+    after the real call) entered the hold once more, an entry no caller counted: after
+    its holder's last release the hold stayed, renewed for good, and no other client
+    got the lock (a helper's chaos run hung on it). The last release gives it back."""
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=5, reentrant=True)
+        backend: Any = client._backend
+        acquire = backend.acquire
+
+        def answer_lost(*args: Any) -> Any:
+            acquire(*args)
+            raise dlock.BackendUnavailable("the answer was lost")
+
+        with lock:
+            backend.acquire = answer_lost
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.acquire(timeout=0)
+            backend.acquire = acquire
+        assert not lock.owned()
+        assert other.lock(name, ttl=5).acquire(timeout=3), "an entry was left held"
+
+
+def test_a_failed_release_of_an_inner_entry_is_told_as_a_loss(url: str, name: str) -> None:
+    """A release of one entry of a reentrant hold fails: that ends the whole hold (given
+    back in the background), the outer entry's too. Its holder was not told: no
+    on_lost, owned() false but not lost, and the outer block ended in NotOwner (or hid
+    a cancellation behind it) while another client could take the lock."""
+    told: list[dlock.Lock] = []
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=5, reentrant=True, on_lost=told.append)
+        backend: Any = client._backend
+        release = backend.release
+
+        def fails(*args: Any) -> Any:
+            raise dlock.BackendUnavailable("no answer")
+
+        with pytest.raises(dlock.LockLost):
+            with lock:
+                assert lock.acquire(timeout=0)  # the inner entry
+                backend.release = fails
+                with pytest.raises(dlock.BackendUnavailable):
+                    lock.release()
+                backend.release = release
+                assert told == [lock] and lock.lost and not lock.owned()
+        assert other.lock(name, ttl=5).acquire(timeout=3), "the hold was not given back"
+
+
 @pytest.mark.parametrize("told_first", [False, True], ids=["found-on-release", "told-first"])
 def test_every_entry_of_a_lost_reentrant_hold_raises_lock_lost_when_released(
     url: str, name: str, told_first: bool
