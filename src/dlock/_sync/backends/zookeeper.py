@@ -424,6 +424,9 @@ class ZooKeeperBackend(Backend):
         self._auth = auth
         self._tls = tls or {}
         self._owns_client = client is None
+        #: The client that close() stopped, and the lock that makes it stop once.
+        self._stopping = threading.Lock()
+        self._stopped: KazooClient | None = None
         self._zk: KazooClient | None = client
         #: A forked child starts a session of its own (``_forget_parent``).
         self._follow_fork = ForkFollower(self._forget_parent)
@@ -1734,7 +1737,7 @@ class ZooKeeperBackend(Backend):
         if self._owns_client:
             # Ending the session makes the ensemble delete every node it made.
             try:
-                run_blocking(_stop, zk)
+                run_blocking(self._stop_once, zk)
             except CLIENT_ERRORS:
                 logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
         else:
@@ -1765,10 +1768,15 @@ class ZooKeeperBackend(Backend):
         self._follow_fork()
         self._close()
 
-
-def _stop(zk: KazooClient) -> None:
-    zk.stop()
-    zk.close()
+    def _stop_once(self, zk: KazooClient) -> None:
+        """Stop and close ``zk``, once. A close cut off (cancelled) while its stop ran
+        in a thread left that stop running, and a second close's raced it: kazoo raised
+        a bare Exception ("Cannot close connection until it is stopped")."""
+        with self._stopping:
+            if zk is not self._stopped:
+                zk.stop()
+                zk.close()
+                self._stopped = zk
 
 
 class _Diagnosis:
