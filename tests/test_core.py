@@ -196,6 +196,7 @@ def test_a_relative_xdg_state_home_is_ignored(
         ("postgresql://u@h/db?sslmode=REQUIRE", "sslmode must be one of"),
         ("postgresql://u@h/db?target_session_attrs=bogus", "target_session_attrs must be"),
         ("mysql://u@h/db?charset=utf9", "charset 'utf9'"),
+        ("mysql://u@h/db?charset=binary", "charset 'binary' has no Python codec"),
         ("redis://h?socket_timeout=1&socket_timeout=2", "given twice"),
         ("redis+redlock://a:1,b:2,c:3?socket_timeout=1&socket_timeout=2", "given twice"),
         ("zookeeper://h:2181/p?session_timeout=5&session_timeout=6", "given twice"),

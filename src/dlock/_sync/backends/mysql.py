@@ -12,6 +12,7 @@ MariaDB is tested here, as MySQL 8 is not packaged by Debian.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import socket
@@ -176,9 +177,18 @@ class MySQLBackend(ServerSQLBackend):
             settings = dataclasses.replace(settings, table=table)
         super().__init__(settings)
         charset = settings.extra.get("charset")
-        if charset is not None and charset_by_name(charset) is None:
-            # The driver would fail each connection with an AttributeError.
-            raise ConfigurationError(f"charset {charset!r} is not one PyMySQL knows")
+        if charset is not None:
+            known = charset_by_name(charset)
+            if known is None:
+                # The driver would fail each connection with an AttributeError.
+                raise ConfigurationError(f"charset {charset!r} is not one PyMySQL knows")
+            try:
+                codecs.lookup(known.encoding)
+            except LookupError:
+                # Each connection failed with it, as a refusal (binary: no text codec).
+                raise ConfigurationError(
+                    f"charset {charset!r} has no Python codec to read text with"
+                ) from None
         try:
             self._ssl = _ssl_context(settings.extra)
         except (OSError, ValueError) as exc:
