@@ -3,9 +3,10 @@ dlock treats as a shell treats a job.
 
 ``dlock run`` must guarantee that nothing the command started runs on once the lock is
 lost or released: not the command's own process only, but every process of its group
-(and the orphans it leaves, adopted as a subreaper). That takes process groups, reaping,
-the terminal's foreground (``tcsetpgrp``) and signal forwarding, kept here apart from the
-command line itself (``_cli.py``).
+(and the orphans it leaves, adopted as a subreaper), even once dlock itself is gone (a
+guard process, ``_guard.py``). That takes process groups, reaping, the terminal's
+foreground (``tcsetpgrp``) and signal forwarding, kept here apart from the command line
+itself (``_cli.py``).
 """
 
 from __future__ import annotations
