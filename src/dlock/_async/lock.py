@@ -953,13 +953,17 @@ class AsyncLock:
                 remaining = await self._client._backend.release(self.name, self._token)
             except BaseException:
                 self._unanswered(math.inf)
-                if not last and generation == self._generation:
-                    # The failure ends the whole hold, whose other entries' holders (an
-                    # outer block, another task) still believe in it: a loss, told as
-                    # one, and their own releases raise LockLost (see _undo_entry).
-                    self._declare_lost("a release of one of its entries failed", True)
+                # The failure ends the whole hold. If its other entries' holders (an outer
+                # block, another task) still believe in it, that is a loss, told as one,
+                # and their own releases raise LockLost (see _undo_entry).
+                told = not last and generation == self._generation
+                if told:
                     self._leave_lost_entry()
-                self._abandon()
+                try:
+                    if told:
+                        self._declare_lost("a release of one of its entries failed", True)
+                finally:
+                    self._abandon()
                 raise
             uncounted = 0
             if remaining is not None and generation == self._generation and self._count:
