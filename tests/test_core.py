@@ -1815,7 +1815,8 @@ def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> 
         told: list[object] = []
         lock = client.lock("job", ttl=1, reentrant=True, on_lost=told.append)
         assert lock.acquire(timeout=0)
-        real = client._backend.acquire
+        backend: Any = client._backend
+        real = backend.acquire
         sent, go = threading.Event(), threading.Event()
 
         def cut_off(*args: Any) -> Any:
@@ -1827,10 +1828,10 @@ def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> 
             go.wait(10)
             return real(*args)
 
-        client._backend.acquire = cut_off  # type: ignore[method-assign]
+        backend.acquire = cut_off
         with pytest.raises(KeyboardInterrupt):
             lock.acquire(timeout=0)
-        client._backend.acquire = held_up  # type: ignore[method-assign]
+        backend.acquire = held_up
         other_user = threading.Thread(target=lock.acquire, kwargs={"timeout": 0})
         other_user.start()
         assert sent.wait(5)
@@ -1838,7 +1839,7 @@ def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> 
         assert lock._count == 1
         go.set()
         other_user.join(5)
-        client._backend.acquire = real  # type: ignore[method-assign]
+        backend.acquire = real
         assert lock._count == 2
         time.sleep(2)
         assert lock.owned() and not told

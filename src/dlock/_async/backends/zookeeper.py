@@ -486,6 +486,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         caller's client (``client=``) cannot be made again here: using it is refused.
         """
         self._zk = None
+        # Perhaps taken by a thread that stayed in the parent, stopping its client.
+        self._stopping = threading.Lock()
         self._start_over()
 
     @classmethod
