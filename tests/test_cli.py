@@ -416,6 +416,15 @@ def gone(pid: int) -> bool:
     return False
 
 
+def ended(pid: int) -> bool:
+    """Gone, or dead and not yet reaped: an orphan whose parent died is reaped by PID 1,
+    which on some machines takes seconds."""
+    try:
+        return gone(pid) or process_state(pid) == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @contextlib.contextmanager
 def killing(pidfile: Path) -> Iterator[None]:
     """Leave no worker behind when a test fails."""
@@ -487,11 +496,71 @@ def test_a_dlock_killed_by_a_signal_it_cannot_pass_on_stops_the_command(
         os.kill(process.pid, signum)
         process.wait(10)
         deadline = time.monotonic() + 5
-        while not gone(worker):
+        while not ended(worker):
             assert time.monotonic() < deadline, "the worker outlived dlock, unguarded"
             time.sleep(0.05)
         time.sleep(0.2)
         assert not after.exists(), "the shell went on to its next step"
+
+
+def test_a_command_that_kills_dlock_as_it_starts_is_stopped(
+    db: str, name: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    """dlock killed just after starting its command, before it could tell the guard the
+    command's group (here by the command itself, its first step): the guard finds the
+    group by the run's id in its environment (it ran on in about half the runs)."""
+    pidfile = tmp_path / "command.pid"
+    script = (
+        f'kill -9 $PPID; trap "" TERM; echo $$ >{pidfile}.tmp; mv {pidfile}.tmp {pidfile}; sleep 30'
+    )
+    env = {**os.environ, "DLOCK_URL": db}
+    with killing(pidfile):
+        process = spawn([DLOCK, "run", "--grace", "0.5", name, "--", "sh", "-c", script], env=env)
+        process.wait(10)
+        deadline = time.monotonic() + 5
+        while not pidfile.exists():
+            assert time.monotonic() < deadline, "the command never wrote its pid"
+            time.sleep(0.05)
+        command = int(pidfile.read_text())
+        while not ended(command):
+            assert time.monotonic() < deadline, "the command outlived dlock, unguarded"
+            time.sleep(0.05)
+
+
+def test_a_dlock_killed_as_it_stops_its_command_sends_no_second_term(
+    db: str, name: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    """dlock killed in the grace period of stopping its command (its lease lost): the
+    guard sent TERM again and started the grace period over; a program that takes a
+    second TERM for "quit now" skipped its clean-up. It sends KILL at the end of
+    dlock's grace period instead."""
+    pidfile, terms = tmp_path / "command.pid", tmp_path / "terms"
+    script = (
+        f"trap 'echo TERM >>{terms}' TERM; echo $$ >{pidfile}.tmp; mv {pidfile}.tmp {pidfile};"
+        " while :; do sleep 0.05; done"
+    )
+    env = {**os.environ, "DLOCK_URL": db}
+    with killing(pidfile):
+        process = spawn(
+            [DLOCK, "run", "--ttl", "30", "--grace", "2", name, "--", "sh", "-c", script],
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        command = wait_for_pid(pidfile, process)
+        with dlock.connect(db) as client:
+            assert client.force_release(name)
+        deadline = time.monotonic() + 10
+        while not terms.exists():
+            assert time.monotonic() < deadline, "the command was never sent TERM"
+            time.sleep(0.02)
+        termed = time.monotonic()
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        while not ended(command):
+            assert time.monotonic() < termed + 4, "the command outlived the grace period"
+            time.sleep(0.05)
+        assert time.monotonic() - termed < 3, "the grace period started over"
+        assert terms.read_text().split() == ["TERM"]
 
 
 def test_terminate_stops_what_the_command_started_before_the_release(

@@ -360,6 +360,8 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             note(f"dlock: cannot run {command[0]!r}: {exc}")
             give_back_unused(lock)
             return 127 if isinstance(exc, FileNotFoundError) else 126
+        if job.guard.missing:
+            note(f"dlock: no guard for the command ({job.guard.missing}): killed, dlock leaves it")
         try:
             forwarder.attach(job)
             # In slices: a signal whose handler is due as the main thread goes back to

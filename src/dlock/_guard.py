@@ -2,9 +2,13 @@
 has ended the command, end the command's process group, which nothing would stop
 otherwise, and which the lock stops covering once its lease runs out.
 
-A script, not a module of the package: ``python -I -S _guard.py PGID GRACE`` imports
+A script, not a module of the package: ``python -I -S _guard.py GRACE RUN_ID`` imports
 nothing of dlock's and starts in milliseconds. Its standard input is a pipe that only
-dlock writes: ``done`` once the job is over, and end of file alone if dlock died.
+dlock writes, a line at a time (see ``_job.Guard``): the command's group id, ``stopping``
+once dlock has sent the group TERM, ``done`` once the group is gone. Its end without
+``done`` means dlock died, or left the group running. If dlock died before it could
+write the group's id (just after starting the command), the group is found by the
+``DLOCK_RUN_ID`` in its processes' environment.
 """
 
 from __future__ import annotations
@@ -16,23 +20,50 @@ import time
 
 
 def main() -> None:
-    pgid, grace = int(sys.argv[1]), float(sys.argv[2])
-    told = b""
-    while chunk := os.read(0, 64):
-        told += chunk
-    if told == b"done":
-        return
-    # As dlock itself stops the group when its lease is lost: TERM (and CONT, for a
-    # stopped process to act on it), then KILL after the grace period.
-    for signum in (signal.SIGTERM, signal.SIGCONT):
-        if not _signal(pgid, signum):
+    grace, run_id = float(sys.argv[1]), sys.argv[2]
+    pgid: int | None = None
+    stopping_at: float | None = None
+    with os.fdopen(0, "rb") as told:
+        for line in told:
+            word = line.strip()
+            if word == b"done":
+                return
+            if word == b"stopping":
+                stopping_at = time.monotonic()
+            elif word.isdigit():
+                pgid = int(word)
+    if pgid is None:
+        pgid = _group_of(f"DLOCK_RUN_ID={run_id}".encode())
+        if pgid is None:
             return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
+    if stopping_at is None:
+        # As dlock stops the group when its lease is lost: TERM (and CONT, for a
+        # stopped process to act on it), then KILL after the grace period. If dlock
+        # sent TERM itself, no second one (some programs take it for "quit now"), and
+        # the grace period runs from dlock's.
+        for signum in (signal.SIGTERM, signal.SIGCONT):
+            if not _signal(pgid, signum):
+                return
+        stopping_at = time.monotonic()
+    while time.monotonic() < stopping_at + grace:
         if not _signal(pgid, 0):
             return
         time.sleep(0.05)
     _signal(pgid, signal.SIGKILL)
+
+
+def _group_of(variable: bytes) -> int | None:
+    """The process group of a process whose environment holds ``variable``, if any."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                if variable in environ.read().split(b"\0"):
+                    return os.getpgid(int(entry))
+        except OSError:
+            continue
+    return None
 
 
 def _signal(pgid: int, signum: int) -> bool:

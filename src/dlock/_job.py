@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -64,11 +65,19 @@ class Job:
         self, command: list[str], env: dict[str, str], done: threading.Event, grace: float
     ) -> None:
         become_subreaper()
-        self.process = spawn_in_new_group(command, env)
+        #: Ends the group if dlock dies (see _guard.py): started first, so that the
+        #: command runs unguarded only until its group's id is written to it.
+        run_id = secrets.token_hex(8)
+        self.guard = Guard(grace, run_id)
+        try:
+            self.process = spawn_in_new_group(command, {**env, "DLOCK_RUN_ID": run_id})
+        except BaseException:
+            self.guard.close()
+            raise
         self.pgid = self.process.pid  # the group's leader: its id is the group's
-        #: The guard (see _guard.py), which ends the group if dlock dies, and the pipe
-        #: to tell it the job is over.
-        self.guard = start_guard(self.pgid, grace)
+        self.guard.watch(self.pgid)
+        #: The group was seen gone: its id may be another's from then on.
+        self.gone = False
         self.done = done
         #: The command's own process has ended (and been reaped).
         self.ended = threading.Event()
@@ -105,7 +114,9 @@ class Job:
         return 255 if code is None else code
 
     def signal(self, signum: int) -> None:
-        """Send ``signum`` to every process of the command's group."""
+        """Send ``signum`` to every process of the command's group, unless it is gone."""
+        if self.gone:
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, signum)
 
@@ -133,6 +144,8 @@ class Job:
             if self.ended.is_set():
                 reap_children()  # orphans adopted since the waiter thread ended
                 if not self.running():
+                    self.gone = True
+                    self.guard.done()
                     return True
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -146,6 +159,7 @@ class Job:
         """End every process of the group: TERM, then KILL after ``grace`` seconds.
         Returns once none is left."""
         self.stopping = True
+        self.guard.stopping()
         self.forward(signal.SIGTERM)
         if not self.wait_gone(grace):
             self.signal(signal.SIGKILL)
@@ -195,43 +209,72 @@ class Job:
         if self.terminal is not None:
             os.close(self.terminal)
             self.terminal = None
-        if self.guard is not None:
-            guard, pipe = self.guard
-            self.guard = None
-            # Not "done" while some of the group runs on: leaving it, dlock leaves it
-            # to the guard to end.
-            finished = not self.running()
-            with contextlib.suppress(OSError):
-                if finished:
-                    os.write(pipe, b"done")
-            os.close(pipe)
-            if finished:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    guard.wait(1)
+        # Unless the group was seen gone, the guard ends what is left of it.
+        self.guard.close()
 
 
-def start_guard(pgid: int, grace: float) -> tuple[subprocess.Popen[bytes], int] | None:
-    """Start the guard of group ``pgid`` (see _guard.py) in a session of its own (the
-    terminal's signals are dlock's to pass on); return it and the pipe's end to tell it
-    "done". None where no Python can be started again (an embedded interpreter)."""
-    if not sys.executable:
-        return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
-    read, write = os.pipe()
-    try:
-        guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", script, str(pgid), repr(grace)],
-            stdin=read,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    except OSError:
-        os.close(write)
-        return None
-    finally:
-        os.close(read)
-    return guard, write
+class Guard:
+    """The guard process (_guard.py) and the pipe only dlock writes to it, line by line:
+    the command's group id, "stopping" once dlock sends it TERM, "done" once it is gone.
+    The end of the pipe without "done" (dlock died, or left the group behind) has the
+    guard stop the group as a lost lease does: TERM, then KILL after the grace period,
+    counted from dlock's own TERM if it sent one.
+
+    Spawned and never waited for (posix_spawn, no Popen): dlock does not wait for it to
+    read "done", and reaps it as it reaps the command's orphans (a subreaper)."""
+
+    def __init__(self, grace: float, run_id: str) -> None:
+        self.pipe: int | None = None
+        #: Why there is none, if there is none (told on stderr by the caller).
+        self.missing = ""
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+        if not sys.executable:
+            self.missing = "no Python interpreter to start it with (sys.executable)"
+            return
+        if not os.path.isfile(script):
+            self.missing = f"{script} is not a file (dlock imported from an archive?)"
+            return
+        read, write = os.pipe()
+        try:
+            with open(os.devnull, "wb") as null:
+                os.posix_spawn(
+                    sys.executable,
+                    [sys.executable, "-I", "-S", script, repr(grace), run_id],
+                    os.environ,
+                    file_actions=[
+                        (os.POSIX_SPAWN_DUP2, read, 0),
+                        (os.POSIX_SPAWN_DUP2, null.fileno(), 1),
+                        (os.POSIX_SPAWN_DUP2, null.fileno(), 2),
+                    ],
+                    # A session of its own: the terminal's signals are dlock's to pass on.
+                    setsid=True,
+                )
+        except OSError:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        self.pipe = write
+
+    def watch(self, pgid: int) -> None:
+        self._tell(f"{pgid}\n")
+
+    def stopping(self) -> None:
+        self._tell("stopping\n")
+
+    def done(self) -> None:
+        self._tell("done\n")
+        self.close()
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            os.close(self.pipe)
+            self.pipe = None
+
+    def _tell(self, line: str) -> None:
+        if self.pipe is not None:
+            with contextlib.suppress(OSError):  # a guard that died: nothing to tell
+                os.write(self.pipe, line.encode())
 
 
 def spawn_in_new_group(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
