@@ -1850,6 +1850,104 @@ def test_a_release_answered_with_entries_left_keeps_renewing(tmp_path: Path) -> 
         assert client.inspect("job") is None
 
 
+def test_a_failed_release_is_given_back_under_its_own_token_while_a_sharer_acquires(
+    tmp_path: Path,
+) -> None:
+    """A release fails, and its hold is forgotten and given back in the background.
+    Another thread sharing the lock object, acquiring as the hold was forgotten but
+    before its give-back was counted, took a new owner token, and the give-back went
+    out under that one: the old lease stayed for its TTL, and a give-back landing late
+    could free the new hold (a helper's chaos run, with a thread switch forced there).
+    The give-back is counted as the hold is forgotten, under its own token."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=30)
+        assert lock.acquire(timeout=0)
+        old = lock._token
+        backend: Any = client._backend
+        release, released = backend.release, []
+
+        def release_failing_first(name: str, token: str) -> Any:
+            released.append(token)
+            if len(released) == 1:
+                raise dlock.BackendUnavailable("no answer")
+            return release(name, token)
+
+        backend.release = release_failing_first
+        forget = lock._forget
+        sharer: list[threading.Thread] = []
+        got: list[bool] = []
+
+        def forget_then_a_sharer_acquires() -> None:
+            forget()
+            if not sharer:
+                sharer.append(threading.Thread(target=lambda: got.append(lock.acquire(5))))
+                sharer[0].start()
+                time.sleep(0.3)
+
+        lock._forget = forget_then_a_sharer_acquires  # type: ignore[method-assign]
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        sharer[0].join(10)
+        assert released[:2] == [old, old], "given back under another token"
+        assert got == [True], "the old lease was not given back"
+        lock.release()
+
+
+def test_an_acquire_cut_off_in_its_wait_takes_a_new_token_next(tmp_path: Path) -> None:
+    """A waiter cut off in its wait may leave a clean-up that releases under its owner
+    token later (PostgreSQL's turnstile give-back runs in the background): a helper's
+    chaos run saw such a release, delayed, free the object's next hold. The next
+    acquire takes a new owner token, as after any release that got no answer."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            holder = other.lock("job", ttl=30)
+            assert await holder.acquire(timeout=0)
+            waiter = client.lock("job", ttl=30)
+            token = waiter._token
+            waiting = asyncio.create_task(waiter.acquire(timeout=10))
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await holder.release()
+            assert await waiter.acquire(timeout=5)
+            assert waiter._token != token, "the next hold kept the token of the wait cut off"
+            await waiter.release()
+
+    asyncio.run(main())
+
+
+def test_a_close_asks_again_a_give_back_refused_as_it_began(tmp_path: Path) -> None:
+    """close() leaves to its TTL a give-back that waited out a timeout while the close
+    waited for it (asked again, the hung backend would cost the close another). One
+    refused at once (its connection cut as an outage ended, say) is asked again: the
+    backend may be answering, and left, the lease lasted its TTL (a helper's finding)."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as other:
+        client = dlock.connect(url)
+        lock = client.lock("job", ttl=30)
+        assert lock.acquire(timeout=0)
+        backend: Any = client._backend
+        release, calls = backend.release, []
+
+        def refused_twice(name: str, token: str) -> Any:
+            calls.append(token)
+            if len(calls) == 2:
+                time.sleep(0.1)  # the close has begun, and waits for this give-back
+            if len(calls) <= 2:
+                raise dlock.BackendUnavailable("connection refused")
+            return release(name, token)
+
+        backend.release = refused_twice
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        client.close()
+        assert len(calls) == 3
+        assert other.inspect("job") is None
+
+
 def test_two_closes_both_end_when_the_acquire_in_flight_does(tmp_path: Path) -> None:
     """close() lets an acquire in flight end first; two threads closing at once must
     both go on when it ends, not one of them after the 5 s bound."""

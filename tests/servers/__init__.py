@@ -353,7 +353,7 @@ class WriteLocked(Outage):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.url = f"sqlite://{path}?busy_timeout=0.2"
+        self.url = f"sqlite://{path}?busy_timeout=0.5"
         self._blocker: sqlite3.Connection | None = None
 
     def begin(self) -> None:

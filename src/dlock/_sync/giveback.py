@@ -34,6 +34,9 @@ RETRY_FOR = 300.0
 #: How long close() waits for a round in flight (the sync face's thread cannot be
 #: cancelled; what it had not been answered for is given back by close() itself).
 CLOSE_JOIN = 1.0
+#: A give-back that went unanswered for this long waited out a timeout: its backend
+#: hangs, rather than refused or cut the connection (see close).
+HUNG = 0.25
 
 #: A lease to give back: the lock object, how many entries, its owner token.
 GiveBack = tuple["Lock", int, str]
@@ -72,6 +75,8 @@ class _Left:
     until: float
     #: When it last went unanswered (the client's clock).
     failed_at: float
+    #: How long that took: a hung backend's timeout, or a prompt failure (see HUNG).
+    waited: float
 
 
 class GiveBackRetrier:
@@ -102,8 +107,9 @@ class GiveBackRetrier:
         """In a forked child: what is left is the parent's to give back."""
         self._left, self._runner, self._guard = {}, None, threading.Lock()
 
-    def add(self, lock: Lock, token: str, entries: int) -> None:
-        """Ask again to give back ``entries`` entries of ``lock``'s lease under ``token``."""
+    def add(self, lock: Lock, token: str, entries: int, waited: float = 0.0) -> None:
+        """Ask again to give back ``entries`` entries of ``lock``'s lease under ``token``,
+        which went unanswered after ``waited`` seconds."""
         self._follow_fork()
         with self._guard:
             if self._closed:
@@ -113,9 +119,10 @@ class GiveBackRetrier:
             key, now = (lock, token), self._clock()
             known = self._left.get(key)
             if known is None:
-                self._left[key] = _Left(entries, now + RETRY_FOR, now)
+                self._left[key] = _Left(entries, now + RETRY_FOR, now, waited)
             else:
-                known.entries, known.failed_at = max(known.entries, entries), now
+                known.entries = max(known.entries, entries)
+                known.failed_at, known.waited = now, waited
             # Not one of an event loop that has ended, or left in a fork's parent. Nor
             # the old runner's event: it may belong to an ended loop.
             if not serving(self._runner):
@@ -174,6 +181,7 @@ class GiveBackRetrier:
         """Kept in the table while asked: a close meanwhile gives them back itself."""
         if not holds:
             return True
+        started = self._clock()
         unanswered = give_back_all(holds)
         with self._guard:
             now = self._clock()
@@ -181,15 +189,17 @@ class GiveBackRetrier:
                 left = self._left.get((lock, token))
                 if left is not None:
                     if entries:
-                        left.entries, left.failed_at = entries, now
+                        left.entries, left.failed_at, left.waited = entries, now, now - started
                     else:
                         del self._left[(lock, token)]
         return not any(unanswered)
 
     def close(self, since: float) -> list[GiveBack]:
         """Stop asking, and return what is left, for close() to ask once more: not what
-        went unanswered since ``since`` (the close's start, which waited for it), as
-        asking again at once would make the close wait out another timeout."""
+        waited out a timeout since ``since`` (the close's start, which waited for it):
+        asked again, the hung backend would have the close wait out another. What
+        failed at once (refused, its connection cut as an outage ended) is asked: the
+        backend may be answering again, and left, the lease would last its TTL."""
         self._follow_fork()
         with self._guard:
             self._closed = True
@@ -202,5 +212,5 @@ class GiveBackRetrier:
         return [
             (lock, item.entries, token)
             for (lock, token), item in left.items()
-            if item.failed_at < since and lock._retire_token(token)
+            if (item.failed_at < since or item.waited < HUNG) and lock._retire_token(token)
         ]

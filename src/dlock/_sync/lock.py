@@ -100,6 +100,8 @@ class Lock:
         #: on the backend, an entry no caller counts: its last release gives such
         #: entries back (see release).
         self._uncounted_in: int | None = None
+        #: How many such re-entries there were.
+        self._uncounted = 0
         #: The holds (see _generation) that a release ended cleanly (the backend said it
         #: left none), under _sharing, for the re-entries in flight (see _hold_ended):
         #: older ones go once no attempt is in flight.
@@ -426,7 +428,6 @@ class Lock:
 
     def _seek(self, call: _Call, wait: float | None, deadline: float | None, reentry: bool) -> bool:
         """The attempts of one acquire, and its wait between them."""
-        clock = self._client._clock
         backend = self._client._backend
         # A re-entry never waits (busy means lost), so it never takes a place in a queue.
         if wait == 0 or not backend.queues_waiters or reentry:
@@ -435,6 +436,20 @@ class Lock:
                 return True
             if wait == 0:
                 return False
+        try:
+            return self._wait_between_attempts(call, deadline, reentry)
+        except BaseException as exc:
+            if isinstance(exc, BackendError) or not isinstance(exc, LockError):
+                # Cut off in its wait: the backend's clean-up of the place it took (a SQL
+                # turnstile's give-back, in the background) may release under this owner
+                # token later, as a release with no answer may (a helper's chaos run
+                # freed this object's next hold so).
+                self._unanswered(math.inf)
+            raise
+
+    def _wait_between_attempts(self, call: _Call, deadline: float | None, reentry: bool) -> bool:
+        clock = self._client._clock
+        backend = self._client._backend
         with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:
@@ -597,7 +612,9 @@ class Lock:
                     if not reentry:
                         self._give_back_later(1)
                     else:
-                        self._uncounted_in = generation
+                        if self._uncounted_in != generation:
+                            self._uncounted_in, self._uncounted = generation, 0
+                        self._uncounted += 1
                         if cap != math.inf and generation == self._generation:
                             # A fresh hold taken since (by another user of this object)
                             # was sent later with the same TTL: applied after it, this
@@ -718,14 +735,19 @@ class Lock:
         entries, self._to_give_back = self._to_give_back, 0
         if self._count and not (self._lost or hold_gone):
             return
-        self._give_back = spawn(partial(self._give_back_now, entries), name="dlock-give-back")
+        # The token now (under _sharing): while a give-back is to be done, no other user
+        # of this object takes a new one (_take_new_token).
+        self._give_back = spawn(
+            partial(self._give_back_now, entries, self._token), name="dlock-give-back"
+        )
         self._client._keep_give_back(self._give_back)
 
-    def _give_back_now(self, entries: int) -> None:
+    def _give_back_now(self, entries: int, token: str) -> None:
         """Run by _settle_give_back; what gets no answer is asked again later."""
-        token = self._token
+        started = self._client._clock()
         if unanswered := self._release_quietly(entries, token):
-            self._client._retrier.add(self, token, unanswered)
+            waited = self._client._clock() - started
+            self._client._retrier.add(self, token, unanswered, waited)
 
     def _retire_token(self, token: str) -> bool | None:
         """Whether a give-back asked again under ``token`` may be sent now: True if this
@@ -962,7 +984,10 @@ class Lock:
                     if told:
                         self._declare_lost("a release of one of its entries failed", True)
                 finally:
-                    self._abandon()
+                    # With the entries that re-entries cut off may have added: given back
+                    # until the backend says none is left.
+                    uncounted = self._uncounted if self._uncounted_in == generation else 0
+                    self._abandon(self._count + uncounted)
                 raise
             uncounted = 0
             if remaining is not None and generation == self._generation and self._count:
@@ -974,7 +999,11 @@ class Lock:
                     # Entered by re-entries cut off in flight, which the backend applied
                     # after their callers were told they failed: nobody holds them, and
                     # kept, the hold was renewed for good after its holder left it.
+                    # Counted to give back as the hold ends (see _abandon).
                     uncounted, remaining = remaining, 0
+                    with self._sharing:
+                        self._to_give_back = max(self._to_give_back, uncounted)
+                        self._count = 0
                 self._count = remaining
                 if remaining == 0:
                     clean = True
@@ -1155,8 +1184,15 @@ class Lock:
         (owner-checked); if that fails too, the lease ends by its TTL. ``entries``: a
         grant not yet counted (see _attempt)."""
         entries = self._count if entries is None else entries
+        self._check_forked()
+        with self._sharing:
+            # Counted to give back as the hold is forgotten, not after: in between,
+            # another user of this object took a new owner token (_take_new_token), and
+            # the give-back went out under it (a helper's chaos run, threads).
+            self._to_give_back = max(self._to_give_back, entries)
+            self._count = 0
+            self._settle_give_back()
         self._forget()
-        self._give_back_later(entries)
 
     def _give_up_lost(self, told: bool) -> LockLost:
         """Forget a lost lease and return the error to raise. A lease that ran out on our
@@ -1205,9 +1241,11 @@ class Lock:
                 if self._attempts and self._token == token:
                     self._to_give_back = max(self._to_give_back, left)
                     return
+            started = self._client._clock()
             answered = self._release_once(token)
             if answered is None:
-                self._client._retrier.add(self, token, left)
+                waited = self._client._clock() - started
+                self._client._retrier.add(self, token, left, waited)
             if not answered:
                 return
             given = 1

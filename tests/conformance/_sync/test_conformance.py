@@ -386,6 +386,36 @@ def test_a_reentry_whose_answer_is_lost_leaves_no_entry_behind(url: str, name: s
         assert other.lock(name, ttl=5).acquire(timeout=3), "an entry was left held"
 
 
+def test_a_failed_last_release_gives_back_what_a_lost_reentry_added(url: str, name: str) -> None:
+    """The same entry no caller counts, and then the last release fails: its give-back
+    in the background gave back the entries the object counted, and the one the
+    re-entry added kept the lock for its TTL (a helper's finding)."""
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock(name, ttl=30, reentrant=True)
+        backend: Any = client._backend
+        acquire, release = backend.acquire, backend.release
+        failed: list[object] = []
+
+        def answer_lost(*args: Any) -> Any:
+            acquire(*args)
+            raise dlock.BackendUnavailable("the answer was lost")
+
+        def fails_once(*args: Any) -> Any:
+            if not failed:
+                failed.append(args)
+                raise dlock.BackendUnavailable("no answer")
+            return release(*args)
+
+        assert lock.acquire(timeout=0)
+        backend.acquire = answer_lost
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.acquire(timeout=0)
+        backend.acquire, backend.release = acquire, fails_once
+        with pytest.raises(dlock.BackendUnavailable):
+            lock.release()
+        assert other.lock(name, ttl=5).acquire(timeout=3), "an entry was left held"
+
+
 def test_a_failed_release_of_an_inner_entry_is_told_as_a_loss(url: str, name: str) -> None:
     """A release of one entry of a reentrant hold fails: that ends the whole hold (given
     back in the background), the outer entry's too. Its holder was not told: no
