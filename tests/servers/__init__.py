@@ -251,10 +251,11 @@ class Partition:
                 threading.Thread(target=self._pipe, args=(source, sink, dropped), daemon=True)
                 for source, sink in ((client, server), (server, client))
             ]
-            with self._links_lock:
-                self._links.append((dropped, threads))
             for thread in threads:
                 thread.start()
+            # Once started: drop() joins them.
+            with self._links_lock:
+                self._links.append((dropped, threads))
 
     def _pipe(self, source: socket.socket, sink: socket.socket, dropped: threading.Event) -> None:
         source.settimeout(0.05)

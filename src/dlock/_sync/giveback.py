@@ -147,6 +147,7 @@ class GiveBackRetrier:
         """One round; False if the backend did not answer."""
         now = self._clock()
         holds: list[GiveBack] = []
+        deferred = False
         with self._guard:
             for key, left in list(self._left.items()):
                 if left.until <= now:
@@ -163,8 +164,12 @@ class GiveBackRetrier:
                     del self._left[(lock, token)]
                 elif free:
                     holds.append((lock, asked.entries, token))
+                else:
+                    deferred = True
         if not holds:
-            return True
+            # Put off while their objects' attempts are in flight: the rounds slow down
+            # rather than look again every 0.2 s for as long.
+            return not deferred
         if not self._give_back(holds[:1]):
             # Another one goes first next round: this one's server may be the only one
             # down (a Redis Cluster node), and the rest must not wait for it.
