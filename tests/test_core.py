@@ -1893,32 +1893,6 @@ def test_a_failed_release_is_given_back_under_its_own_token_while_a_sharer_acqui
         lock.release()
 
 
-def test_an_acquire_cut_off_in_its_wait_takes_a_new_token_next(tmp_path: Path) -> None:
-    """A waiter cut off in its wait may leave a clean-up that releases under its owner
-    token later (PostgreSQL's turnstile give-back runs in the background): a helper's
-    chaos run saw such a release, delayed, free the object's next hold. The next
-    acquire takes a new owner token, as after any release that got no answer."""
-    url = f"sqlite://{tmp_path}/locks.sqlite3"
-
-    async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            holder = other.lock("job", ttl=30)
-            assert await holder.acquire(timeout=0)
-            waiter = client.lock("job", ttl=30)
-            token = waiter._token
-            waiting = asyncio.create_task(waiter.acquire(timeout=10))
-            await asyncio.sleep(0.3)
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
-            await holder.release()
-            assert await waiter.acquire(timeout=5)
-            assert waiter._token != token, "the next hold kept the token of the wait cut off"
-            await waiter.release()
-
-    asyncio.run(main())
-
-
 def test_a_close_asks_again_a_give_back_refused_as_it_began(tmp_path: Path) -> None:
     """close() leaves to its TTL a give-back that waited out a timeout while the close
     waited for it (asked again, the hung backend would cost the close another). One

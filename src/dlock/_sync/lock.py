@@ -436,20 +436,7 @@ class Lock:
                 return True
             if wait == 0:
                 return False
-        try:
-            return self._wait_between_attempts(call, deadline, reentry)
-        except BaseException as exc:
-            if isinstance(exc, BackendError) or not isinstance(exc, LockError):
-                # Cut off in its wait: the backend's clean-up of the place it took (a SQL
-                # turnstile's give-back, in the background) may release under this owner
-                # token later, as a release with no answer may (a helper's chaos run
-                # freed this object's next hold so).
-                self._unanswered(math.inf)
-            raise
-
-    def _wait_between_attempts(self, call: _Call, deadline: float | None, reentry: bool) -> bool:
         clock = self._client._clock
-        backend = self._client._backend
         with backend.waiter(self.name, self._token) as waiter:
             attempt = 0
             while True:
