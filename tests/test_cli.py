@@ -435,13 +435,10 @@ def killing(pidfile: Path) -> Iterator[None]:
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
-def test_lost_lease_stops_what_the_command_started(
-    db: str, name: str, tmp_path: Path, spawn: Spawn
-) -> None:
-    """On a lost lease dlock stops the command's whole process group, not only its own
-    child: a worker that a shell started (and that ignores TERM) ran on without the lock
-    while another holder had it, and the shell's next step ran too."""
-    pidfile, after = tmp_path / "worker.pid", tmp_path / "after"
+def stubborn_worker(db: str, pidfile: Path, after: Path) -> tuple[str, dict[str, str]]:
+    """A shell script, and its environment, that starts a worker ignoring TERM (its pid
+    written to ``pidfile``, its output to a file: one holding dlock's pipes open would
+    hide when dlock ends), then touches ``after``, the shell's next step."""
     stubborn = (
         "import os, signal, sys, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -449,10 +446,18 @@ def test_lost_lease_stops_what_the_command_started(
         "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
         "time.sleep(60)\n"
     )
-    # The worker's output goes to a file: one holding dlock's pipes open would hide when
-    # dlock ends.
-    script = f'"$PYTHON" -c "$STUBBORN" {pidfile} >{tmp_path}/out 2>&1; touch {after}'
-    env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "STUBBORN": stubborn}
+    script = f'"$PYTHON" -c "$STUBBORN" {pidfile} >{pidfile}.out 2>&1; touch {after}'
+    return script, {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "STUBBORN": stubborn}
+
+
+def test_lost_lease_stops_what_the_command_started(
+    db: str, name: str, tmp_path: Path, spawn: Spawn
+) -> None:
+    """On a lost lease dlock stops the command's whole process group, not only its own
+    child: a worker that a shell started (and that ignores TERM) ran on without the lock
+    while another holder had it, and the shell's next step ran too."""
+    pidfile, after = tmp_path / "worker.pid", tmp_path / "after"
+    script, env = stubborn_worker(db, pidfile, after)
     with killing(pidfile):
         process = spawn(
             [DLOCK, "run", "--ttl", "1", "--grace", "0.5", name, "--", "sh", "-c", script],
@@ -478,15 +483,7 @@ def test_a_dlock_killed_by_a_signal_it_cannot_pass_on_stops_the_command(
     8). Its guard stops the group as dlock does on a lost lease: TERM, KILL after the
     grace period."""
     pidfile, after = tmp_path / "worker.pid", tmp_path / "after"
-    stubborn = (
-        "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
-        "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
-        "time.sleep(60)\n"
-    )
-    script = f'"$PYTHON" -c "$STUBBORN" {pidfile} >{tmp_path}/out 2>&1; touch {after}'
-    env = {**os.environ, "DLOCK_URL": db, "PYTHON": sys.executable, "STUBBORN": stubborn}
+    script, env = stubborn_worker(db, pidfile, after)
     with killing(pidfile):
         process = spawn(
             [DLOCK, "run", "--ttl", "30", "--grace", "0.5", name, "--", "sh", "-c", script],

@@ -1214,6 +1214,18 @@ async def test_close_gives_back_what_an_outage_left(
         assert await other.inspect(name) is None
 
 
+def count_releases(client: dlock.aio.AsyncClient, sent: list[str]) -> None:
+    """Append to ``sent`` the name of every release that ``client``'s backend is asked."""
+    backend: Any = client._backend
+    release = backend.release
+
+    async def counted(name: str, token: str) -> Any:
+        sent.append(name)
+        return await release(name, token)
+
+    backend.release = counted
+
+
 async def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
     outage: Outage, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1223,18 +1235,12 @@ async def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
     ends the give-backs, the rest left to their TTLs: one batch is sent, not three."""
     monkeypatch.setattr(giveback, "GIVE_BACKS_AT_ONCE", 4)
     client = dlock.aio.connect(outage.url)
-    backend: Any = client._backend
-    release, sent = backend.release, []
-
-    async def counted(name: str, token: str) -> Any:
-        sent.append(name)
-        return await release(name, token)
-
+    sent: list[str] = []
     try:
         locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(12)]
         for lock in locks:
             assert await lock.acquire(timeout=0)
-        backend.release = counted
+        count_releases(client, sent)
         outage.begin()
         await client.aclose()
         assert all(lock.lost for lock in locks)
@@ -1252,18 +1258,12 @@ async def test_a_close_after_a_release_cut_off_asks_its_give_back_once(
     waited out another timeout: `dlock run` exited three timeouts after its command
     (a helper saw 16-31 s). Two requests now: the release and its give-back."""
     client = dlock.aio.connect(outage.url)
-    backend: Any = client._backend
-    release, sent = backend.release, []
-
-    async def counted(name: str, token: str) -> Any:
-        sent.append(name)
-        return await release(name, token)
-
+    sent: list[str] = []
     try:
         lock = client.lock(name, ttl=30)
         assert await lock.acquire(timeout=0)
         outage.begin()
-        backend.release = counted
+        count_releases(client, sent)
         with pytest.raises(dlock.BackendUnavailable):
             await lock.release()
         await client.aclose()

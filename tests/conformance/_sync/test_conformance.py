@@ -1205,6 +1205,18 @@ def test_close_gives_back_what_an_outage_left(
         assert other.inspect(name) is None
 
 
+def count_releases(client: dlock.Client, sent: list[str]) -> None:
+    """Append to ``sent`` the name of every release that ``client``'s backend is asked."""
+    backend: Any = client._backend
+    release = backend.release
+
+    def counted(name: str, token: str) -> Any:
+        sent.append(name)
+        return release(name, token)
+
+    backend.release = counted
+
+
 def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
     outage: Outage, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1214,18 +1226,12 @@ def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
     ends the give-backs, the rest left to their TTLs: one batch is sent, not three."""
     monkeypatch.setattr(giveback, "GIVE_BACKS_AT_ONCE", 4)
     client = dlock.connect(outage.url)
-    backend: Any = client._backend
-    release, sent = backend.release, []
-
-    def counted(name: str, token: str) -> Any:
-        sent.append(name)
-        return release(name, token)
-
+    sent: list[str] = []
     try:
         locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(12)]
         for lock in locks:
             assert lock.acquire(timeout=0)
-        backend.release = counted
+        count_releases(client, sent)
         outage.begin()
         client.close()
         assert all(lock.lost for lock in locks)
@@ -1241,18 +1247,12 @@ def test_a_close_after_a_release_cut_off_asks_its_give_back_once(outage: Outage,
     waited out another timeout: `dlock run` exited three timeouts after its command
     (a helper saw 16-31 s). Two requests now: the release and its give-back."""
     client = dlock.connect(outage.url)
-    backend: Any = client._backend
-    release, sent = backend.release, []
-
-    def counted(name: str, token: str) -> Any:
-        sent.append(name)
-        return release(name, token)
-
+    sent: list[str] = []
     try:
         lock = client.lock(name, ttl=30)
         assert lock.acquire(timeout=0)
         outage.begin()
-        backend.release = counted
+        count_releases(client, sent)
         with pytest.raises(dlock.BackendUnavailable):
             lock.release()
         client.close()
