@@ -236,11 +236,19 @@ class EtcdCluster:
         start_all(self.members, then=quorum)
 
     def leader(self) -> int:
-        """The index of the member that leads now, as every live member sees it."""
-        statuses = {port: _post(port, "/v3/maintenance/status") for port in self.live()}
-        leaders = {status["leader"] for status in statuses.values()}
-        if len(leaders) != 1:
-            raise RuntimeError(f"the members disagree on the leader: {leaders}")
+        """The index of the member that leads now, as every live member sees it. Asked
+        again for a few seconds while a member knows no leader yet (its status then
+        has no "leader" at all: the JSON gateway leaves out a zero) or they disagree, as
+        in an election."""
+        deadline = time.monotonic() + 10
+        while True:
+            statuses = {port: _post(port, "/v3/maintenance/status") for port in self.live()}
+            leaders = {status.get("leader") for status in statuses.values()}
+            if len(leaders) == 1 and None not in leaders:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the members agree on no leader: {leaders}")
+            time.sleep(0.05)
         for port, status in statuses.items():
             if status["header"]["member_id"] in leaders:
                 return self.ports.index(port)
