@@ -524,6 +524,23 @@ def test_a_command_that_kills_dlock_as_it_starts_is_stopped(
             time.sleep(0.05)
 
 
+def test_a_guard_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no interpreter to start it with (an embedded Python), or no _guard.py beside
+    the package (imported from an archive), the command would run unguarded: the guard
+    says why, for dlock to tell on stderr, and nothing waits on a pipe."""
+    from dlock import _job
+
+    python = sys.executable
+    monkeypatch.setattr(sys, "executable", "")
+    guard = _job.Guard(1.0, "run")
+    assert guard.pipe is None and "sys.executable" in guard.missing
+    monkeypatch.setattr(sys, "executable", python)
+    monkeypatch.setattr(os.path, "isfile", lambda path: False)
+    guard = _job.Guard(1.0, "run")
+    assert guard.pipe is None and "_guard.py is not a file" in guard.missing
+    guard.done()  # told nothing, closes nothing
+
+
 def test_a_dlock_killed_as_it_stops_its_command_sends_no_second_term(
     db: str, name: str, tmp_path: Path, spawn: Spawn
 ) -> None:
