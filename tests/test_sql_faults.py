@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pymysql
@@ -28,6 +28,7 @@ import dlock._sync.lock
 import dlock.aio
 from dlock._sql import DEFAULT_TABLES, MYSQL, advisory_key, named_lock_key
 from dlock._types import Holder
+from tests.servers import Partition
 from tests.servers.sql import SQLServer, start_postgresql
 from tests.servers.tls import Certificates, make_certificates
 from tests.test_core import LONGEST_LABELS
@@ -1604,6 +1605,60 @@ async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_o
             await holder.release()
     finally:
         server.process.resume()
+
+
+async def test_a_late_give_back_of_a_wait_cut_off_frees_no_later_hold(
+    server: SQLServer, name: str
+) -> None:
+    """A lease waiter cancelled in the turnstile gives back, in the background, what
+    its wait may have taken. Those give-backs got no answer (the network held them up)
+    and reached the server only after the same lock object had acquired again: under
+    the same owner token, they freed that hold (a chaos run's relay, 3 of 3), and
+    another client took the lock from its holder."""
+    relay = Partition(server.port)
+    url = server.url("timeout=1&connect_timeout=1")
+    url = url.replace(f":{server.port}/", f":{relay.port}/")
+    try:
+        async with (
+            dlock.aio.connect(server.url()) as holding,
+            dlock.aio.connect(server.url()) as front,
+            dlock.aio.connect(url) as behind,
+            dlock.aio.connect(server.url()) as other,
+        ):
+            holder = holding.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            first = front.lock(name, ttl=30)
+            in_front = asyncio.create_task(first.acquire(timeout=30))
+            deadline = time.monotonic() + 5
+            while not _turnstile_held(server, name):
+                assert time.monotonic() < deadline, "the first waiter never got in front"
+                await asyncio.sleep(0.01)
+            lock = behind.lock(name, ttl=30)
+            cancelled = asyncio.create_task(lock.acquire(timeout=30))
+            while not _turnstile_waiters(server, name):
+                assert time.monotonic() < deadline, "the second waiter never queued"
+                await asyncio.sleep(0.01)
+            relay.cut.set()
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            clean_ups = list(cast(Any, behind._backend)._clean_ups.values())
+            assert clean_ups, "the wait cut off left nothing to give back"
+            # Its give-backs time out in the cut, and are held up, not lost.
+            await asyncio.wait_for(asyncio.gather(*clean_ups), 20)
+            relay.hold()
+            relay.cut.clear()
+            await holder.release()
+            assert await in_front
+            await first.release()
+            assert await lock.acquire(timeout=10)
+            relay.deliver()
+            await asyncio.sleep(1)  # for the late give-backs to land
+            assert await other.inspect(name) is not None, "a late give-back freed the hold"
+            assert not await other.lock(name, ttl=30).acquire(timeout=0)
+            await lock.release()
+    finally:
+        relay.close()
 
 
 @pytest.mark.parametrize("table", ["order", "public.order", "Public.Dlock_Locks"])

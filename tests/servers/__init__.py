@@ -221,7 +221,9 @@ class ServerProcess:
 
 class Partition:
     """A TCP relay to one server that can be cut: while cut, bytes are neither read nor
-    passed on, as when a network partition swallows packets (no reset, no FIN)."""
+    passed on, as when a network partition swallows packets (no reset, no FIN). Its
+    connections can also be held apart (``hold``): what they carry reaches the server
+    late, when ``deliver`` lets it go, as a request held up in the network does."""
 
     def __init__(self, port: int) -> None:
         self.target = port
@@ -230,6 +232,8 @@ class Partition:
         self._closed = threading.Event()
         #: One event per relayed connection: set, its pipes reset it (see drop).
         self._links: list[tuple[threading.Event, list[threading.Thread]]] = []
+        #: Set while the connections relayed before ``hold`` pass nothing on.
+        self._held: list[threading.Event] = []
         self._links_lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._listener.settimeout(0.1)
@@ -246,9 +250,9 @@ class Partition:
             except OSError:
                 client.close()
                 continue
-            dropped = threading.Event()
+            dropped, held = threading.Event(), threading.Event()
             threads = [
-                threading.Thread(target=self._pipe, args=(source, sink, dropped), daemon=True)
+                threading.Thread(target=self._pipe, args=(source, sink, dropped, held), daemon=True)
                 for source, sink in ((client, server), (server, client))
             ]
             for thread in threads:
@@ -256,8 +260,15 @@ class Partition:
             # Once started: drop() joins them.
             with self._links_lock:
                 self._links.append((dropped, threads))
+                self._held.append(held)
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, dropped: threading.Event) -> None:
+    def _pipe(
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        dropped: threading.Event,
+        held: threading.Event,
+    ) -> None:
         source.settimeout(0.05)
         with source, sink:
             while not self._closed.is_set():
@@ -269,7 +280,7 @@ class Partition:
                                 socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                             )
                     return
-                if self.cut.is_set():
+                if self.cut.is_set() or held.is_set():
                     time.sleep(0.01)
                     continue
                 try:
@@ -281,7 +292,9 @@ class Partition:
                 if not chunk:
                     return
                 # Read just as the cut began: held back with the rest.
-                while self.cut.is_set() and not (dropped.is_set() or self._closed.is_set()):
+                while (self.cut.is_set() or held.is_set()) and not (
+                    dropped.is_set() or self._closed.is_set()
+                ):
                     time.sleep(0.01)
                 if dropped.is_set():
                     continue
@@ -290,12 +303,27 @@ class Partition:
                 except OSError:
                     return
 
+    def hold(self) -> None:
+        """Hold every connection relayed so far: what it carries, sent already or sent
+        later, is passed on only by ``deliver``. Connections made afterwards are relayed
+        as before (while not cut)."""
+        with self._links_lock:
+            for held in self._held:
+                held.set()
+
+    def deliver(self) -> None:
+        """Pass on what the connections held by ``hold`` kept back, in order, late."""
+        with self._links_lock:
+            held, self._held = self._held, []
+        for event in held:
+            event.clear()
+
     def drop(self) -> None:
         """Reset every relayed connection, losing the bytes a cut held back (sent, never
         passed on): a connection that dies with requests in flight that the server
         never sees. Connections made afterwards are relayed as before."""
         with self._links_lock:
-            links, self._links = self._links, []
+            links, self._links, self._held = self._links, [], []
         for dropped, _ in links:
             dropped.set()
         for _, threads in links:

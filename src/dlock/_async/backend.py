@@ -120,6 +120,15 @@ class AsyncBackend(ABC):
         their holder must be told too, before another client can take the lock."""
         return False
 
+    def may_write_late(self, token: str) -> bool:
+        """True if a write under ``token`` that this backend sent by itself, in the
+        background, got no answer and may still reach the server at any later time (a
+        SQL turnstile wait's clean-up giving back what the wait may have taken), or
+        is being sent now. Asked, with no round trip, as each fresh hold starts: the
+        core then takes a new owner token, which such a release cannot free. Each
+        cause is told once: the core remembers it until it has a new token."""
+        return False
+
     @abstractmethod
     async def inspect(self, name: str) -> LockInfo | None:
         """The live holder of ``name``, or None when it is free."""

@@ -307,6 +307,8 @@ class AsyncLock:
         if self._turn(call) is not call and not await self._take_turn(call, deadline):
             return False
         try:
+            if self._client._backend.may_write_late(self._token):
+                self._unanswered(math.inf)
             if (
                 self._unanswered_ttl is not None or self._token_given_up == self._token
             ) and not await self._take_new_token(deadline):

@@ -61,6 +61,10 @@ KNOWN_FOR = SHORTEST_PRUNE_AGE / 10
 #: Seconds between the give-backs of a turnstile wait cut off in flight, until its own
 #: bound has passed (``_give_back_cut_off``).
 CUT_OFF_RETRY = 0.1
+#: Owner tokens kept whose give-backs got no answer until the core asks about them
+#: (``may_write_late``); more, and the oldest are forgotten (a lock object dropped
+#: unused never asks).
+LATE_WRITERS = 10_000
 
 
 @dataclass
@@ -167,6 +171,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         #: is done: the token's next acquire and ``aclose`` wait for them, and one an
         #: event loop ended before it was done runs again in the next (``_follow_loop``).
         self._clean_ups: dict[TurnstileWaiter, Any] = {}
+        #: Owner tokens whose clean-ups sent a give-back that got no answer: it may
+        #: reach the server at any later time, and free a hold taken under that token.
+        self._late_writers: dict[str, bool] = {}
         #: The event loop that made the connections kept above (``_follow_loop``).
         self._loop: Any = None
         #: Our own connections (not borrowed) from their making until they are closed,
@@ -567,6 +574,7 @@ class AsyncServerSQLBackend(AsyncBackend):
         self._held.clear()
         self._parked.clear()
         self._clean_ups.clear()  # the parent's to finish
+        self._late_writers.clear()  # a child's locks take tokens of their own
         self._loop = _running_loop()
         for conn in inherited:
             self._disown(conn.raw)
@@ -1293,6 +1301,9 @@ class AsyncServerSQLBackend(AsyncBackend):
             try:
                 await self._plain_release(waiter.name, waiter.token)
             except Exception:
+                self._late_writers[waiter.token] = True
+                if len(self._late_writers) > LATE_WRITERS:
+                    del self._late_writers[next(iter(self._late_writers))]
                 if started >= waiter.wait_ends + self._settings.timeout:
                     return
             else:
@@ -1313,6 +1324,14 @@ class AsyncServerSQLBackend(AsyncBackend):
         """End a turnstile wait cut off in flight in the server too, its connection
         closed already; True once the server says it has ended (with the take after it)."""
         return False
+
+    def may_write_late(self, token: str) -> bool:
+        """A clean-up's give-back under ``token`` that got no answer may be applied
+        after the token's next hold began, and release it; so may one still being
+        sent. With a new token, that next hold need not wait for the clean-up either."""
+        return self._late_writers.pop(token, False) or any(
+            waiter.token == token for waiter in list(self._clean_ups)
+        )
 
     async def _cut_offs_done(self, token: str) -> None:
         """Wait for the clean-ups of ``token``'s waiters cut off: their give-backs
