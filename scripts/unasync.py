@@ -41,6 +41,8 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     # httpx's AsyncClient and Client share one API; only the streaming names differ.
     (r"\baiter_lines\b", "iter_lines"),
     (r"\baread\b", "read"),
+    # psycopg's wait for a generator on a socket.
+    (r"\bwait_async\b", "wait"),
 ]
 
 

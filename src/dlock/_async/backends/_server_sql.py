@@ -51,7 +51,7 @@ POOL_SIZE = 16
 #: Where ``call_with_timeout`` bounds a statement (under asyncio), it does so this long
 #: after the driver's own bound, so that a driver which has one ends its wait itself (a
 #: cancelled psycopg query is first cancelled on the server, which a hung server makes
-#: last 10 s more).
+#: last up to 1 s more on dlock's connections, 10 s on an application's).
 BACKSTOP = 0.5
 #: Names known to have a row; more than this many and the record starts over.
 KNOWN_NAMES = 10_000

@@ -9,6 +9,7 @@ released instead of polling.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -20,7 +21,9 @@ from typing import Any, TypeVar
 import psycopg
 import psycopg.errors
 from psycopg import sql as psql
+from psycopg import waiting
 from psycopg.abc import PQGen
+from psycopg.pq import TransactionStatus
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._sql import (
@@ -51,6 +54,12 @@ RECORD_PARAMETERS = (*TAKE_PARAMETERS, ("key", "int8"))
 
 RV = TypeVar("RV")
 
+#: How long a statement cut off by a cancellation (or Ctrl-C) is asked to stop on the
+#: server, and then waited for, before its connection is hung up (see ``_stop_query``).
+STOP_QUERY_WITHIN = 0.5
+#: psycopg's interval between checks for an interrupt while it waits.
+WAIT_INTERVAL = 0.1
+
 
 class BoundedConnection(psycopg.Connection[Any]):
     """psycopg's connection, with every wait for the server bounded by ``call_timeout``.
@@ -59,9 +68,8 @@ class BoundedConnection(psycopg.Connection[Any]):
     its host still acknowledges the packets (paused, hung on a stalled disk) never
     trips TCP's own timeouts: a statement would wait forever, and a renewal with it,
     so its holder would never be told that the lease ran out. Past the bound the wait
-    raises TimeoutError and dlock drops the connection. (Cancelling the task instead,
-    as ``asyncio.timeout`` does, makes psycopg first ask the hung server to cancel the
-    query: 10 s more.)
+    raises TimeoutError and dlock drops the connection. A statement cut off by a
+    cancellation stops within a second too (``_stop_query``).
     """
 
     #: Seconds the statement about to run may wait for the server: set by dlock.
@@ -73,14 +81,40 @@ class BoundedConnection(psycopg.Connection[Any]):
         # A wait psycopg bounds itself (notifies) is left alone.
         bound = self.call_timeout if timeout is None else timeout
         deadline = time.monotonic() + (bound or 0.0)
+        every = WAIT_INTERVAL if interval is None else interval
         try:
-            if interval is None:
-                return super().wait(gen, timeout=bound)
-            return super().wait(gen, interval, bound)
+            return waiting.wait(gen, self.pgconn.socket, interval=every, timeout=bound)
         except psycopg.OperationalError as exc:
             if timeout is None and bound is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"no answer within {bound:.3f} s") from exc
             raise
+        except BaseException as exc:
+            if (
+                not isinstance(exc, Exception)
+                and self.pgconn.transaction_status == TransactionStatus.ACTIVE
+            ):
+                self._stop_query(gen, every)
+            raise
+
+    def _stop_query(self, gen: PQGen[Any], interval: float) -> None:
+        """A statement cut off while the server runs it (a cancelled task, Ctrl-C): ask
+        the server to cancel it, then read on to its end, each for ``STOP_QUERY_WITHIN``
+        at most, else hang up. psycopg's own wait allows 5 s for each, which a server
+        that does not answer (paused, cut off) spends in full: a cancelled acquire took
+        10 s to end. dlock drops the connection either way; the cancel ends a wait
+        inside the server at once rather than at its bound."""
+        try:
+            # A server that does not answer the cancel may still end the query.
+            with contextlib.suppress(Exception):
+                self.cancel_safe(timeout=STOP_QUERY_WITHIN)
+            waiting.wait(gen, self.pgconn.socket, interval=interval, timeout=STOP_QUERY_WITHIN)
+        except psycopg.errors.QueryCanceled:
+            return  # the end asked for: the session is idle again
+        except BaseException as exc:
+            # Not answered in time, or cut off again: the session's state is unknown.
+            self.pgconn.finish()
+            if not isinstance(exc, Exception):
+                raise
 
 
 def _prepare(name: str, parameters: tuple[tuple[str, str], ...], sql: str) -> str:
@@ -513,8 +547,9 @@ class PostgreSQLBackend(ServerSQLBackend):
         return True, Acquired(int(result.rows[0][0]), int(result.rows[0][1]))
 
     def _cut_off_wait_ended(self, conn: Conn) -> bool:
-        # psycopg cancels an interrupted query on the server and reads on to its end;
-        # it closes the connection if the server does not answer that in time.
+        # An interrupted query is cancelled on the server and read on to its end
+        # (``_stop_query``; psycopg's own wait does so too); the connection is closed
+        # if the server does not answer that in time.
         raw = conn.raw
         return not raw.closed and raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
