@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -1459,6 +1460,42 @@ def _turnstile_waiters(server: SQLServer, name: str) -> int:
     return int(rows[0][0])
 
 
+@dataclasses.dataclass
+class _Queue:
+    """A lease held, one waiter in front of its turnstile, one queued behind it."""
+
+    holder: dlock.aio.AsyncLock
+    first: dlock.aio.AsyncLock
+    in_front: asyncio.Task[bool]
+    second: dlock.aio.AsyncLock
+    queued: asyncio.Task[bool]
+
+
+async def _queue_up(
+    server: SQLServer,
+    name: str,
+    holding: dlock.aio.AsyncClient,
+    front: dlock.aio.AsyncClient,
+    behind: dlock.aio.AsyncClient,
+) -> _Queue:
+    """``holding`` takes ``name``; a lock of ``front`` then waits in front of the
+    turnstile, and one of ``behind`` in the server's queue behind it."""
+    holder = holding.lock(name, ttl=30)
+    assert await holder.acquire(timeout=0)
+    first = front.lock(name, ttl=30)
+    in_front = asyncio.create_task(first.acquire(timeout=30))
+    deadline = time.monotonic() + 5
+    while not _turnstile_held(server, name):
+        assert time.monotonic() < deadline, "the first waiter never got in front"
+        await asyncio.sleep(0.01)
+    second = behind.lock(name, ttl=30)
+    queued = asyncio.create_task(second.acquire(timeout=30))
+    while not _turnstile_waiters(server, name):
+        assert time.monotonic() < deadline, "the second waiter never queued"
+        await asyncio.sleep(0.01)
+    return _Queue(holder, first, in_front, second, queued)
+
+
 async def test_a_waiter_cancelled_in_the_turnstile_takes_nothing_later(
     server: SQLServer, name: str
 ) -> None:
@@ -1473,26 +1510,16 @@ async def test_a_waiter_cancelled_in_the_turnstile_takes_nothing_later(
         dlock.aio.connect(url) as behind,
         dlock.aio.connect(url) as later,
     ):
-        holder = holding.lock(name, ttl=30)
-        assert await holder.acquire(timeout=0)
-        first = front.lock(name, ttl=30)
-        in_front = asyncio.create_task(first.acquire(timeout=20))
-        deadline = time.monotonic() + 5
-        while not _turnstile_held(server, name):
-            assert time.monotonic() < deadline, "the first waiter never got in front"
-            await asyncio.sleep(0.01)
-        cancelled = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=20))
-        while not _turnstile_waiters(server, name):
-            assert time.monotonic() < deadline, "the second waiter never queued"
-            await asyncio.sleep(0.01)
-        cancelled.cancel()
+        queue = await _queue_up(server, name, holding, front, behind)
+        queue.queued.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await cancelled
-        await holder.release()
-        assert await in_front
-        await first.release()
+            await queue.queued
+        await queue.holder.release()
+        assert await queue.in_front
+        await queue.first.release()
         # A wait left in the server would now get the turnstile, take the lease, and
         # only then find its connection gone and leave the turnstile.
+        deadline = time.monotonic() + 5
         while _turnstile_held(server, name) or _turnstile_waiters(server, name):
             assert time.monotonic() < deadline, "the turnstile was never left"
             await asyncio.sleep(0.01)
@@ -1581,28 +1608,18 @@ async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_o
             dlock.aio.connect(url) as front,
             dlock.aio.connect(url) as behind,
         ):
-            holder = holding.lock(name, ttl=30)
-            assert await holder.acquire(timeout=0)
-            in_front = asyncio.create_task(front.lock(name, ttl=30).acquire(timeout=20))
-            deadline = time.monotonic() + 5
-            while not _turnstile_held(server, name):
-                assert time.monotonic() < deadline, "the first waiter never got in front"
-                await asyncio.sleep(0.01)
-            cancelled = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=20))
-            while not _turnstile_waiters(server, name):
-                assert time.monotonic() < deadline, "the second waiter never queued"
-                await asyncio.sleep(0.01)
+            queue = await _queue_up(server, name, holding, front, behind)
             server.process.pause()
             started = time.monotonic()
-            cancelled.cancel()
+            queue.queued.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await cancelled
+                await queue.queued
             assert time.monotonic() - started < 1.5, "the cancellation waited for the server"
             server.process.resume()
-            in_front.cancel()
+            queue.in_front.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await in_front
-            await holder.release()
+                await queue.in_front
+            await queue.holder.release()
     finally:
         server.process.resume()
 
@@ -1625,38 +1642,26 @@ async def test_a_late_give_back_of_a_wait_cut_off_frees_no_later_hold(
             dlock.aio.connect(url) as behind,
             dlock.aio.connect(server.url()) as other,
         ):
-            holder = holding.lock(name, ttl=30)
-            assert await holder.acquire(timeout=0)
-            first = front.lock(name, ttl=30)
-            in_front = asyncio.create_task(first.acquire(timeout=30))
-            deadline = time.monotonic() + 5
-            while not _turnstile_held(server, name):
-                assert time.monotonic() < deadline, "the first waiter never got in front"
-                await asyncio.sleep(0.01)
-            lock = behind.lock(name, ttl=30)
-            cancelled = asyncio.create_task(lock.acquire(timeout=30))
-            while not _turnstile_waiters(server, name):
-                assert time.monotonic() < deadline, "the second waiter never queued"
-                await asyncio.sleep(0.01)
+            queue = await _queue_up(server, name, holding, front, behind)
             relay.cut.set()
-            cancelled.cancel()
+            queue.queued.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await cancelled
+                await queue.queued
             clean_ups = list(cast(Any, behind._backend)._clean_ups.values())
             assert clean_ups, "the wait cut off left nothing to give back"
             # Its give-backs time out in the cut, and are held up, not lost.
             await asyncio.wait_for(asyncio.gather(*clean_ups), 20)
             relay.hold()
             relay.cut.clear()
-            await holder.release()
-            assert await in_front
-            await first.release()
-            assert await lock.acquire(timeout=10)
+            await queue.holder.release()
+            assert await queue.in_front
+            await queue.first.release()
+            assert await queue.second.acquire(timeout=10)
             relay.deliver()
             await asyncio.sleep(1)  # for the late give-backs to land
             assert await other.inspect(name) is not None, "a late give-back freed the hold"
             assert not await other.lock(name, ttl=30).acquire(timeout=0)
-            await lock.release()
+            await queue.second.release()
     finally:
         relay.close()
 
