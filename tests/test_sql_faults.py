@@ -1666,6 +1666,44 @@ async def test_a_late_give_back_of_a_wait_cut_off_frees_no_later_hold(
         relay.close()
 
 
+async def test_a_late_give_back_of_a_wait_whose_connection_failed_frees_no_later_hold(
+    server: SQLServer, name: str
+) -> None:
+    """A queued lease waiter whose wait got no answer (its connection held up in the
+    network) connects again and gives back what that wait may have taken. That
+    give-back got no answer either, and the waiter went on under the same owner token,
+    took the lease, and the give-back, reaching the server late, freed it."""
+    relay = Partition(server.port)
+    url = server.url("timeout=1&connect_timeout=1")
+    url = url.replace(f":{server.port}/", f":{relay.port}/")
+    try:
+        async with (
+            dlock.aio.connect(server.url()) as holding,
+            dlock.aio.connect(server.url()) as front,
+            dlock.aio.connect(url) as behind,
+            dlock.aio.connect(server.url()) as other,
+        ):
+            queue = await _queue_up(server, name, holding, front, behind)
+            relay.hold()  # the wait and the pooled connections; new ones pass
+            await asyncio.sleep(4)  # the wait, then the give-back, time out
+            await queue.holder.release()
+            assert await queue.in_front
+            await queue.first.release()
+            try:
+                acquired = await queue.queued
+            except dlock.BackendUnavailable:
+                # It gives up rather than hold under that token; its next hold does not.
+                acquired = await queue.second.acquire(timeout=10)
+            relay.deliver()
+            assert acquired
+            await asyncio.sleep(1)  # for the late give-back to land
+            assert await other.inspect(name) is not None, "a late give-back freed the hold"
+            assert not await other.lock(name, ttl=30).acquire(timeout=0)
+            await queue.second.release()
+    finally:
+        relay.close()
+
+
 @pytest.mark.parametrize("mode", ["lease", "session"])
 async def test_a_statement_cancelled_on_a_paused_server_ends_within_a_second(
     server: SQLServer, name: str, mode: str

@@ -1301,9 +1301,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             try:
                 await self._plain_release(waiter.name, waiter.token)
             except Exception:
-                self._late_writers[waiter.token] = True
-                if len(self._late_writers) > LATE_WRITERS:
-                    del self._late_writers[next(iter(self._late_writers))]
+                self._note_late_writer(waiter.token)
                 if started >= waiter.wait_ends + self._settings.timeout:
                     return
             else:
@@ -1324,6 +1322,12 @@ class AsyncServerSQLBackend(AsyncBackend):
         """End a turnstile wait cut off in flight in the server too, its connection
         closed already; True once the server says it has ended (with the take after it)."""
         return False
+
+    def _note_late_writer(self, token: str) -> None:
+        """A give-back under ``token`` got no answer (see ``may_write_late``)."""
+        self._late_writers[token] = True
+        if len(self._late_writers) > LATE_WRITERS:
+            del self._late_writers[next(iter(self._late_writers))]
 
     def may_write_late(self, token: str) -> bool:
         """A clean-up's give-back under ``token`` that got no answer may be applied
@@ -1393,8 +1397,14 @@ class AsyncServerSQLBackend(AsyncBackend):
             waiter.conn.session_id = None
             await self._drop(waiter.conn)
             waiter.conn = await self._connect()
-            with contextlib.suppress(Exception):
+            try:
                 await self._plain_release(waiter.name, waiter.token)
+            except Exception:
+                # No answer: applied late, it would free what this token takes next.
+                # So the acquire fails; the clean-up gives back again, and the next
+                # hold takes a new token (may_write_late).
+                self._note_late_writer(waiter.token)
+                raise exc from exc.__cause__
             waiter.cut_off = False
             return None
         except BaseException:
