@@ -2590,6 +2590,62 @@ def test_an_on_lost_acquiring_afresh_during_a_sharers_attempt_takes_a_new_token(
         lock.release()
 
 
+def test_a_reentry_answered_after_its_hold_was_abandoned_makes_no_hold(tmp_path: Path) -> None:
+    """A thread re-enters a reentrant lock object's hold, and while the re-entry is in
+    flight another thread's release of that hold fails, which abandons it. The re-entry,
+    answered by the backend with the old lease one entry up, was then counted as a
+    fresh hold of two entries, its caller holding one: after that caller's release the
+    object still held the lock, renewed for good, and once that hold was lost every
+    acquire raised LockLost (a helper's chaos run: 8 threads, outages, 7 of 9 runs).
+    The re-entry is told the loss, and the whole lease is given back."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=30, reentrant=True)
+        backend: Any = client._backend
+        real_acquire, real_release = backend.acquire, backend.release
+        sent, go_on = threading.Event(), threading.Event()
+
+        def answered_late(name: str, token: str, ttl: float, holder: Any, reentrant: bool) -> Any:
+            result = real_acquire(name, token, ttl, holder, reentrant)
+            if reentrant:
+                sent.set()
+                go_on.wait(10)
+            return result
+
+        def failing_release(name: str, token: str) -> Any:
+            backend.release = real_release
+            raise dlock.BackendUnavailable("no answer, for the test")
+
+        backend.acquire = answered_late
+        assert lock.acquire(timeout=0)
+        errors: list[BaseException] = []
+
+        def reenter() -> None:
+            try:
+                if lock.acquire(timeout=0):
+                    lock.release()
+            except BaseException as exc:
+                errors.append(exc)
+
+        sharer = threading.Thread(target=reenter, daemon=True)
+        sharer.start()
+        try:
+            assert sent.wait(5)  # applied by the backend, not yet answered
+            backend.release = failing_release
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.release()
+        finally:
+            go_on.set()
+            sharer.join(10)
+        assert [type(exc) for exc in errors] == [dlock.LockLost]
+        assert not lock.owned(), "the re-entry made a hold nobody holds"
+        rival = other.lock("job", ttl=5)
+        assert rival.acquire(timeout=5), "the lease was not given back"
+        rival.release()
+        assert lock.acquire(timeout=0), "the lock object is stuck"
+        lock.release()
+
+
 def test_a_reentry_finding_its_hold_gone_leaves_a_fresh_hold_taken_meanwhile(
     tmp_path: Path,
 ) -> None:

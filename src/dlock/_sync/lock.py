@@ -577,7 +577,9 @@ class Lock:
             if write is not None:
                 cap, write = self._write_done(write), None
             gone = reentry and (
-                self._reentry_gone(result) or self._lost_meanwhile(result, generation)
+                self._reentry_gone(result)
+                or self._lost_meanwhile(result, generation)
+                or self._left_meanwhile(result, generation)
             )
             if not gone:
                 return self._answered(result, started, cap, reentry)
@@ -781,6 +783,19 @@ class Lock:
             if isinstance(result, Acquired) and result.count > self._count:
                 self._count = result.count
             return True
+
+    def _left_meanwhile(self, result: Acquired | Busy, generation: int) -> bool:
+        """True if hold ``generation`` was left, uncleanly, while a re-entry of it was in
+        flight (another user's release failed, which abandons it), and no fresh hold has
+        been taken since. The re-entry's grant is the old lease, one entry up: nobody
+        holds it, and it is given back whole. Counted, it made a fresh hold of more
+        entries than its holders had, which outlived them (a helper's chaos run)."""
+        with self._sharing:
+            if self._count or generation != self._generation:
+                return False
+        if isinstance(result, Acquired):
+            self._give_back_later(result.count)
+        return True
 
     def _hold_ended(self, generation: int) -> Any:
         """For a re-entry that found hold ``generation`` gone on the backend: True if a
