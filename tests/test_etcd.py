@@ -1633,12 +1633,15 @@ def token_of_turn(waiter: ThreadWaiter) -> int:
     return turn.fencing
 
 
+@pytest.mark.parametrize("end", ["kill", "stop"])
 def test_a_waiter_is_woken_when_the_member_it_watches_through_dies(
-    etcd_cluster: EtcdCluster, name: str
+    etcd_cluster: EtcdCluster, name: str, end: str
 ) -> None:
-    """A waiter talks to a follower, and watches through it; that member killed, the
-    waiter goes on waiting through the next one, keeps its place (no rival passes it)
-    and gets the lock as soon as the holder, talking to another member, releases."""
+    """A waiter talks to a follower, and watches through it; that member killed (or
+    stopped: its watch stream then ends with "transport is closing", which failed the
+    waiter with a BackendError), the waiter goes on waiting through the next one, keeps
+    its place (no rival passes it) and gets the lock as soon as the holder, talking to
+    another member, releases."""
     path = prefix()
     victim, *others = a_follower_first(etcd_cluster)
     with dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as client:
@@ -1648,7 +1651,7 @@ def test_a_waiter_is_woken_when_the_member_it_watches_through_dies(
         waiter = ThreadWaiter(waiter_url, name, "waiter")
         try:
             until(lambda: queued_labels(client, name) == ["waiter"], "the waiter queued")
-            etcd_cluster.members[victim].kill()
+            getattr(etcd_cluster.members[victim], end)()
             time.sleep(1.5)  # its watch, and a keepalive of its place, met the dead member
             assert not client.lock(name, ttl=5).acquire(timeout=0), "passed the queue"
             assert queued_labels(client, name) == ["waiter"]

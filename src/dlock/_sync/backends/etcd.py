@@ -722,7 +722,7 @@ class EtcdBackend(Backend):
             for message in answer["lines"]:
                 result = message.get("result")
                 if not isinstance(result, dict):
-                    raise self._refusal(message.get("error") or message)
+                    raise self._refusal(message)
                 lease = int(result.get("ID", 0))
                 answered.add(lease)
                 if int(result.get("TTL", 0)) > 0:  # a zero is left out of the JSON
@@ -1330,6 +1330,11 @@ class EtcdBackend(Backend):
             if self._closed:
                 raise BackendError(f"etcd {self._where}: the client is closed") from exc
             raise self._left(used, self._fail(exc)) from exc
+        except BackendUnavailable as exc:
+            # Said by the member in the stream: one that is stopping ends its watches
+            # with "transport is closing". The next request goes to the next member.
+            self._left(used, exc)
+            raise
         return True
 
     @staticmethod
@@ -1345,7 +1350,7 @@ class EtcdBackend(Backend):
         and the next attempt looks again)."""
         result = message.get("result")
         if not isinstance(result, dict):
-            raise self._refusal(message.get("error") or message)
+            raise self._refusal(message)
         if result.get("canceled"):
             self._watch_canceled(str(result.get("cancel_reason") or ""))
             return True
