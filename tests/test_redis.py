@@ -16,7 +16,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import pytest
@@ -31,6 +31,7 @@ from dlock._redis_scripts import DEQUEUE, FENCE_KEPT_MS
 from dlock._sync.backends.redis import Keys, RedisBackend, wrap
 from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
+from tests.forking import answer_in_a_child
 from tests.servers import stop_every
 from tests.servers.redis import (
     RedisCluster,
@@ -716,6 +717,43 @@ def test_a_forked_child_does_not_share_the_parents_connections(redis_server: Red
             lock.release()
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_child_forked_while_a_thread_uses_the_pool_does_not_hang(
+    redis_server: RedisServer,
+) -> None:
+    """A process forks while another of its threads is inside redis-py's connection pool
+    (a renewal, say: it holds the pool's lock). The child's first call hung for ever:
+    redis-py's own fork check resets the pool under that lock, which no thread of the
+    child will let go (a helper's chaos run, 7 of 24). The child makes its own client."""
+    with dlock.connect(url_of(redis_server)) as client:
+        lock = client.lock(unique(), ttl=5)
+        assert lock.acquire(timeout=0)  # connected
+        lock.release()
+        pool = cast(Any, client._backend)._client.connection_pool
+        inside, forked = threading.Event(), threading.Event()
+
+        def hold_the_pool() -> None:
+            with pool._lock:
+                inside.set()
+                forked.wait(10)
+
+        thread = threading.Thread(target=hold_the_pool)
+        thread.start()
+        assert inside.wait(5)
+
+        def in_the_child() -> str:
+            child_lock = client.lock(unique(), ttl=5)
+            got = child_lock.acquire(timeout=0)
+            child_lock.release()
+            return f"acquired {got}"
+
+        try:
+            answer = answer_in_a_child(in_the_child)
+        finally:
+            forked.set()
+            thread.join()
+        assert answer == "acquired True", answer or "the child hung"
 
 
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")

@@ -625,8 +625,10 @@ class RedisBackend(Backend):
         self._loop: Any = None
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
-        #: A forked child drops the pub/sub connections above (``_forget_parent``).
+        #: A forked child drops the connections above (``_forget_parent``).
         self._follow_fork = ForkFollower(self._forget_parent)
+        #: What the processes this one was forked from made, kept unused and unclosed.
+        self._parents: list[Any] = []
         #: The tokens waiting through this backend (the sync face: from several threads).
         self._waiting: dict[str, _Waiting] = {}
         #: Tokens whose leave of the queue is still on its way (asyncio: a waiter
@@ -735,15 +737,24 @@ class RedisBackend(Backend):
             self._loop = loop
 
     def _forget_parent(self) -> None:
-        """Drop the pub/sub connections of the process this one was forked from: their
-        sockets are the parent's, to neither use nor close (a child subscribing one to
-        its own channel would take the parent's wake-ups away). Command connections
-        check for a fork themselves (_Connections, redis-py's pools)."""
+        """Drop the connections of the process this one was forked from: their sockets
+        are the parent's, to neither use nor close (a child subscribing one to its own
+        channel would take the parent's wake-ups away). Our own client is made anew:
+        redis-py's pools check for a fork themselves, but start over under a lock that
+        another thread of the parent may have held as it forked, and that no thread of
+        the child lets go (its first call hung). What the parent made is kept, unused:
+        collected, redis-py would close it through those pools. A client given with
+        ``client=`` stays; its pool is its owner's to make fork-safe."""
+        self._parents.append((self._client, self._connections, self._idle, self._subscribers))
         self._idle, self._subscribers, self._leaving = [], {}, {}
+        self._creating = threading.Lock()
+        if self._owns_client:
+            self._client = self._connections = None
 
     def _get_client(self) -> Any:
         self._check_open()
         self._follow_loop()
+        self._follow_fork()
         if self._client is None:
             with self._creating:
                 return self._create_client()
