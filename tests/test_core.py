@@ -1965,6 +1965,52 @@ def test_two_closes_both_end_when_the_acquire_in_flight_does(tmp_path: Path) -> 
         assert max(closed) - answered < 2, "a close waited for the bound"
 
 
+def test_a_close_waiting_for_an_acquire_renews_nothing_and_still_tells_losses(
+    tmp_path: Path,
+) -> None:
+    """While close() waits for an acquire in flight (up to 5 s), the renewer went on
+    renewing the holds it was about to give back: against a server that stopped
+    answering, a renewal begun then held the close up by another 5 s, the renewer's
+    join (a helper saw a sync MariaDB close take 20 s, its bound 15). Nothing is renewed
+    once the close begins; a lease that runs out meanwhile is still told at its end."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lost_at: list[float] = []
+        short = client.lock("short", ttl=0.6, on_lost=lambda lock: lost_at.append(time.monotonic()))
+        assert short.acquire(timeout=0)
+        backend: Any = client._backend
+        real_acquire, real_extend_many = backend.acquire, backend.extend_many
+        sent, answer = threading.Event(), threading.Event()
+        renewals: list[float] = []
+
+        def answered_late(*args: Any) -> Any:
+            sent.set()
+            answer.wait(10)
+            return real_acquire(*args)
+
+        def counted_extend_many(leases: Any) -> Any:
+            renewals.append(time.monotonic())
+            return real_extend_many(leases)
+
+        backend.acquire, backend.extend_many = answered_late, counted_extend_many
+
+        def acquire() -> None:
+            with contextlib.suppress(dlock.BackendError):
+                client.lock("job").acquire(timeout=0)
+
+        acquiring = threading.Thread(target=acquire)
+        acquiring.start()
+        assert sent.wait(10)
+        closing = threading.Thread(target=client.close)
+        began = time.monotonic()
+        closing.start()
+        time.sleep(1.5)
+        answer.set()
+        closing.join(10)
+        acquiring.join(10)
+        assert not [at for at in renewals if at >= began], "renewed while closing"
+        assert len(lost_at) == 1 and lost_at[0] - began < 1.0, "its loss was told late"
+
+
 def test_closing_the_client_from_an_on_lost_told_by_an_acquire(tmp_path: Path) -> None:
     """An on_lost that closes the client, told by a re-entry that finds the lease gone
     (granted afresh): close() does not wait for the acquire that it runs inside, and

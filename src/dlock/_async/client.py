@@ -288,6 +288,7 @@ class AsyncClient:
         its block's end, ``release`` and ``extend``) before its lease is given back. A
         release in flight as the close begins ends first: that hold ended cleanly."""
         self._closed = True
+        self._renewer.wind_down()
         # An attempt in flight may yet be granted: its acquire sees the client closed and
         # gives the lease back, which needs the backend open, so let it end first;
         # bounded, as a server that stopped answering would hold it up. A release in

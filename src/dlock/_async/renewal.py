@@ -66,6 +66,8 @@ class AsyncRenewer:
         self._epoch = 0
         self._follow_fork = ForkFollower(self._forget_parent)
         self._closed = False
+        #: The client is closing (see wind_down).
+        self._winding_down = False
         self._urgent = False
         #: When the backend last called :meth:`renew_now` (the client's clock).
         self._told_at = -math.inf
@@ -145,6 +147,14 @@ class AsyncRenewer:
         if self._told_at >= started:
             self.renew_now()
 
+    def wind_down(self) -> None:
+        """The client is closing: the holds are about to be given back, so none is
+        renewed any more (a renewal begun against a server that stopped answering
+        would hold the close up, which joins this loop), but a lease that runs out
+        meanwhile is still told lost at its end."""
+        self._winding_down = True
+        self._wakeup.set()
+
     async def aclose(self) -> None:
         self._closed = True
         self._wakeup.set()
@@ -166,7 +176,10 @@ class AsyncRenewer:
         if not locks:
             return IDLE_TICK
         now = self._clock()
-        due = min(min(lock._renew_at, lock._deadline) for lock in locks)
+        if self._winding_down:
+            due = min(lock._deadline for lock in locks)
+        else:
+            due = min(min(lock._renew_at, lock._deadline) for lock in locks)
         return min(RESUME_CHECK, max(0.0, due - now))
 
     async def _renew_due(self) -> None:
@@ -184,7 +197,7 @@ class AsyncRenewer:
                 lock._declare_lost(LEASE_RAN_OUT, watchdog=True, generation=generation)
             elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
                 due.append((lock, generation))
-        if not due or self._closed:
+        if not due or self._closed or self._winding_down:
             # Closed by an on_lost told just above (threads): its close gave the leases
             # back, and a call now would reopen the backend (SQLite: the file, for good).
             return
