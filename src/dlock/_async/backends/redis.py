@@ -754,8 +754,8 @@ class AsyncRedisBackend(AsyncBackend):
 
     def _get_client(self) -> Any:
         self._check_open()
+        self._follow_fork()  # first: it renews the lock that _follow_loop takes
         self._follow_loop()
-        self._follow_fork()
         if self._client is None:
             with self._creating:
                 return self._create_client()
