@@ -1149,6 +1149,23 @@ def test_url_before_or_after_the_command(db: str, name: str) -> None:
             assert result.returncode == 0, (args, result.stdout, result.stderr)
 
 
+@pytest.mark.parametrize("command", [["status", "x"], ["run", "x", "--", "true"]])
+def test_a_client_librarys_own_warnings_stay_out_of_stderr(command: list[str]) -> None:
+    """dlock's stderr is its command's too: kazoo's warnings as it tried to connect
+    ("Connection dropped: ... Connection refused", three of them, and "Failed
+    connecting to Zookeeper ...") came before dlock's one-line error, and a server
+    that blinked while a command ran put them amid its output. With -v they show."""
+    nobody_there = f"zookeeper://127.0.0.1:{free_port()}/dlock?connect_timeout=0.5"
+    down = dlock_cmd(nobody_there, *command)
+    assert down.returncode == 69, down.stderr
+    assert down.stderr.splitlines() == [
+        line for line in down.stderr.splitlines() if line.startswith("dlock")
+    ], down.stderr
+    if command[0] == "run":
+        verbose = dlock_cmd(nobody_there, "run", "-v", *command[1:])
+        assert "Connection dropped" in verbose.stderr, verbose.stderr
+
+
 def test_bad_input_and_unreachable_backend(db: str) -> None:
     bad_ttl = dlock_cmd(db, "run", "--ttl", "0", "x", "--", "true")
     assert bad_ttl.returncode == 2 and "ttl" in bad_ttl.stderr

@@ -61,6 +61,11 @@ def command_line(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if not getattr(args, "verbose", False):
+        # dlock's stderr is its command's too: a client library's warnings about its
+        # connections (kazoo's "Connection dropped", "Transition to CONNECTING") would
+        # come amid its output. dlock tells what matters itself; -v shows them.
+        logging.getLogger("kazoo").setLevel(logging.ERROR)
     if args.handler is cmd_run:
         args.command, args.separated = run_command(argv, args.name, args.command)
     stdout = sys.stdout  # None if the caller closed it (>&-)
