@@ -1028,7 +1028,7 @@ class AsyncLock:
         if uncounted:
             self._give_back_later(uncounted)
         if remaining is None:
-            reason = "the lease had expired or been taken over before release"
+            reason = "the lease had ended (expired, taken over, or with its session) before release"
             error = self._lost_error(reason, generation)
             # Forgotten here, unless another user's release has forgotten it already.
             if generation == self._generation:
@@ -1067,7 +1067,7 @@ class AsyncLock:
             if not extended:
                 raise NotOwner(f"lock {self.name!r} was released while it was being extended")
         elif not extended:
-            reason = "the lease had expired or been taken over before extend"
+            reason = "the lease had ended (expired, taken over, or with its session) before extend"
             raise self._lost_error(reason, generation)
         else:
             self._lease_renewed(started, seconds, cap)
