@@ -755,6 +755,35 @@ def test_an_async_client_renews_in_a_second_event_loop(tmp_path: Path) -> None:
     asyncio.run(client.aclose())
 
 
+def test_a_hold_carried_into_a_later_event_loop_is_renewed_from_its_first_call(
+    tmp_path: Path,
+) -> None:
+    """A lock taken in one asyncio.run and still held in the next: its renewer task
+    ended with the first loop, and only a new lease started one again, so the hold was
+    neither renewed nor its loss told (on_lost) in the second loop: another client took
+    the lock while its holder's block ran on (a helper's run, every backend). The first
+    call of the lock's in the new loop (owned() here) starts the renewer again."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    client = dlock.aio.connect(url)
+    lock = client.lock("job", ttl=1.5)
+
+    async def take() -> None:
+        assert await lock.acquire(timeout=0)
+
+    async def hold_on() -> bool:
+        assert lock.owned()
+        await asyncio.sleep(3)
+        async with dlock.aio.connect(url) as other:
+            taken = await other.lock("job", ttl=5).acquire(timeout=0)
+        return lock.owned() and not taken
+
+    asyncio.run(take())
+    try:
+        assert asyncio.run(hold_on()), "the hold was not renewed in the second loop"
+    finally:
+        asyncio.run(client.aclose())
+
+
 def test_give_backs_left_by_an_ended_event_loop_are_not_waited_for(tmp_path: Path) -> None:
     """An acquire cut off in flight leaves a give-back task behind; once its loop has
     ended, neither the next acquire nor close may wait for it (asyncio asks the closed

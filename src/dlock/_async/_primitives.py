@@ -247,6 +247,15 @@ def current_task() -> asyncio.Task[Any] | None:
     return asyncio.current_task()
 
 
+def can_spawn() -> bool:
+    """True where spawn() can start a task: inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def cancel_requests() -> int:
     """How many cancellations of the running task are pending: what ``lost_cancel``
     compares against (0 before Python 3.11, which does not count them)."""

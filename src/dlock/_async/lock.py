@@ -686,6 +686,8 @@ class AsyncLock:
                     self._unanswered_release = False
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
+        # Where its task ended with an event loop, the renewer runs again in this one.
+        self._client._renewer.resume()
 
     def _attempt_ends(self, hold_gone: bool = False) -> None:
         """``hold_gone``: a re-entry found the hold it re-entered gone (_settle_give_back)."""

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import LEASE_RAN_OUT, BackendError
 from .._fork import ForkFollower
-from ._primitives import WakeupEvent, alarm, call_with_timeout, join, serving, spawn
+from ._primitives import (
+    WakeupEvent,
+    alarm,
+    call_with_timeout,
+    can_spawn,
+    join,
+    serving,
+    spawn,
+)
 
 if TYPE_CHECKING:
     from .backend import AsyncBackend
@@ -105,6 +113,16 @@ class AsyncRenewer:
         self._sleeping_until = math.inf
         self._epoch += 1
         self._runner = spawn(partial(self._run, self._epoch), name="dlock-renewer")
+
+    def resume(self) -> None:
+        """Start the loop again if it is not running while leases are held. Under
+        asyncio its task ends with the event loop it ran in (a client used by two
+        ``asyncio.run`` calls), and the holds carried into the next loop were neither
+        renewed nor told lost there until a new lease started it. Called as each call
+        of a lock starts: a loop that makes no call of dlock's cannot be helped."""
+        self._follow_fork()
+        if self._locks and not self._closed and not serving(self._runner) and can_spawn():
+            self._start()
 
     def watch(self) -> None:
         """A lock not renewed here was granted: when the backend says that leases may

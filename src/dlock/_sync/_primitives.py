@@ -161,6 +161,11 @@ def current_task() -> Any:
     return None
 
 
+def can_spawn() -> bool:
+    """True where spawn() can start a thread: anywhere."""
+    return True
+
+
 def cancel_requests() -> int:
     return 0
 
