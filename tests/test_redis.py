@@ -609,6 +609,40 @@ def test_a_waiter_whose_attempt_got_no_answer_fails_after_one_timeout_not_two(
     assert 1.9 < took[0] < 3.3, f"the acquire ended {took[0]:.2f} s after it began"
 
 
+def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
+    own_server: RedisServer,
+) -> None:
+    """A waiter parked on a busy lock is cancelled while the server is paused. Its
+    leave of the queue runs to its end even if cancelled again, but the cancellation
+    that began it waited for it: the caller saw the cancellation only after the leave's
+    whole timeout (5 s; docs/redis.md promises it at once). The leave goes on by itself,
+    and the token's next attempt still waits for it."""
+    name, url = unique(), url_of(own_server)
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as client:
+            holder = holders.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            lock = client.lock(name, ttl=30)
+            waiting = asyncio.create_task(lock.acquire(timeout=30))
+            await asyncio.sleep(0.5)  # parked, waiting for a release
+            own_server.pause()
+            try:
+                started = time.monotonic()
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                took = time.monotonic() - started
+            finally:
+                own_server.resume()
+            assert took < 1.0, f"the cancellation took {took:.2f} s"
+            await holder.release()
+            assert await lock.acquire(timeout=10), "the waiter's token is stuck"
+            await lock.release()
+
+    asyncio.run(main())
+
+
 def test_a_grant_answered_after_its_ttl_is_given_back(own_server: RedisServer) -> None:
     """The server paused for 1.5 s with an acquire of a 1 s ttl in flight runs it when
     resumed: its lease then lasts 1 s on the server's clock, but counted from when the

@@ -61,6 +61,7 @@ from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
     IS_ASYNC,
+    Cancelled,
     WakeupEvent,
     call_with_timeout,
     cancel_requests,
@@ -69,6 +70,7 @@ from .._primitives import (
     lost_cancel,
     shielded,
     sleep,
+    spawn,
 )
 from ..backend import AsyncBackend, AsyncWaiter
 
@@ -635,6 +637,8 @@ class AsyncRedisBackend(AsyncBackend):
         #: Tokens whose leave of the queue is still on its way (asyncio: a waiter
         #: cancelled again while leaving has gone on, its leave runs to its end).
         self._leaving: dict[str, WakeupEvent] = {}
+        #: Leaves of waiters cancelled, going on by themselves (kept from the collector).
+        self._leaves: set[Any] = set()
         self._attempt_numbers = itertools.count(1)
         #: Releases grant the lease to the next waiter (False for Redlock's masters, where
         #: one master cannot grant alone: the waiter is only woken).
@@ -1162,8 +1166,29 @@ class AsyncRedisBackend(AsyncBackend):
         try:
             async with self.subscription(name, token) as waiter:
                 yield waiter
+        except Cancelled:
+            # The caller sees its cancellation at once: the leave goes on by itself,
+            # as it does when the caller is cancelled again while it waits for it (the
+            # token's next attempt waits for it). Awaited, it held the cancellation up
+            # for its whole timeout on a server that does not answer.
+            self._leave_later(name, token)
+            raise
         finally:
             await self.dequeue(name, token)
+
+    def _leave_later(self, name: str, token: str) -> None:
+        leaving = self._start_leaving(token)
+        if leaving is None:
+            return
+
+        async def leave() -> None:
+            try:
+                await self._leave(name, token, *leaving)
+            finally:
+                self._leaves.discard(task)
+
+        task = spawn(leave, name="dlock-leave")
+        self._leaves.add(task)
 
     def enqueue(self, name: str, token: str, arrival: str) -> None:
         """Queue ``token`` with its acquire attempts (the core makes one right after

@@ -62,6 +62,7 @@ from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
     IS_ASYNC,
+    Cancelled,
     WakeupEvent,
     call_with_timeout,
     cancel_requests,
@@ -70,6 +71,7 @@ from .._primitives import (
     lost_cancel,
     shielded,
     sleep,
+    spawn,
 )
 from ..backend import Backend, Waiter
 
@@ -634,6 +636,8 @@ class RedisBackend(Backend):
         #: Tokens whose leave of the queue is still on its way (asyncio: a waiter
         #: cancelled again while leaving has gone on, its leave runs to its end).
         self._leaving: dict[str, WakeupEvent] = {}
+        #: Leaves of waiters cancelled, going on by themselves (kept from the collector).
+        self._leaves: set[Any] = set()
         self._attempt_numbers = itertools.count(1)
         #: Releases grant the lease to the next waiter (False for Redlock's masters, where
         #: one master cannot grant alone: the waiter is only woken).
@@ -1159,8 +1163,29 @@ class RedisBackend(Backend):
         try:
             with self.subscription(name, token) as waiter:
                 yield waiter
+        except Cancelled:
+            # The caller sees its cancellation at once: the leave goes on by itself,
+            # as it does when the caller is cancelled again while it waits for it (the
+            # token's next attempt waits for it). Awaited, it held the cancellation up
+            # for its whole timeout on a server that does not answer.
+            self._leave_later(name, token)
+            raise
         finally:
             self.dequeue(name, token)
+
+    def _leave_later(self, name: str, token: str) -> None:
+        leaving = self._start_leaving(token)
+        if leaving is None:
+            return
+
+        def leave() -> None:
+            try:
+                self._leave(name, token, *leaving)
+            finally:
+                self._leaves.discard(task)
+
+        task = spawn(leave, name="dlock-leave")
+        self._leaves.add(task)
 
     def enqueue(self, name: str, token: str, arrival: str) -> None:
         """Queue ``token`` with its acquire attempts (the core makes one right after
