@@ -1633,6 +1633,38 @@ def token_of_turn(waiter: ThreadWaiter) -> int:
     return turn.fencing
 
 
+def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A waiter parked in the queue is cancelled while the server is paused: the
+    cancellation waited for the revoke of its place, the request's whole timeout (5 s).
+    The revoke goes on by itself."""
+    url = own_etcd.url(prefix())
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as client:
+            holder = holders.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            lock = client.lock(name, ttl=30)
+            waiting = asyncio.create_task(lock.acquire(timeout=30))
+            await asyncio.sleep(0.5)  # queued, waiting for a release
+            own_etcd.process.pause()
+            try:
+                started = time.monotonic()
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                took = time.monotonic() - started
+            finally:
+                own_etcd.process.resume()
+            assert took < 1.0, f"the cancellation took {took:.2f} s"
+            await holder.release()
+            assert await lock.acquire(timeout=10)
+            await lock.release()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("end", ["kill", "stop"])
 def test_a_waiter_is_woken_when_the_member_it_watches_through_dies(
     etcd_cluster: EtcdCluster, name: str, end: str

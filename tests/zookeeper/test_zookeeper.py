@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -23,6 +24,7 @@ from kazoo.exceptions import ConnectionLoss
 from kazoo.security import make_acl
 
 import dlock
+import dlock.aio
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
 from dlock._types import Acquired, Holder
 from tests.conformance.helpers import WORKER_ENV, read_line
@@ -1650,6 +1652,40 @@ def test_a_session_that_expires_just_after_a_grant_is_told(
         other = second.lock(name, ttl=60)
         assert other.acquire(timeout=5)
         other.release()
+
+
+def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A waiter queued behind a holder is cancelled while the server is paused: the
+    cancellation waited for the delete of its node, the operation's whole timeout. The
+    delete goes on by itself."""
+    name = f"cancelled-parked-{time.monotonic_ns()}"
+    url = zookeeper_server.url(session_timeout=20, operation_timeout=3)
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as client:
+            holder = holders.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            lock = client.lock(name, ttl=30)
+            waiting = asyncio.create_task(lock.acquire(timeout=30))
+            await asyncio.sleep(0.5)  # queued, waiting for a release
+            server = zookeeper_server.nodes[0]
+            server.pause()
+            try:
+                started = time.monotonic()
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                took = time.monotonic() - started
+            finally:
+                server.resume()
+            assert took < 1.0, f"the cancellation took {took:.2f} s"
+            await holder.release()
+            assert await lock.acquire(timeout=10)
+            await lock.release()
+
+    asyncio.run(main())
 
 
 def test_a_create_whose_give_back_failed_too_does_not_block_the_lock(

@@ -152,6 +152,21 @@ async def shielded(awaitable: Awaitable[T]) -> T:
         raise
 
 
+def run_detached(func: Callable[[], Awaitable[Any]], keep: set[Any], name: str) -> None:
+    """Run ``func()`` to its end in the background: a clean-up that a cancelled caller
+    must not wait for (its whole timeout, on a server that does not answer), kept in
+    ``keep`` until then, as asyncio keeps only weak references to its tasks."""
+
+    async def run() -> None:
+        try:
+            await func()
+        finally:
+            keep.discard(task)
+
+    task = asyncio.get_running_loop().create_task(run(), name=name)
+    keep.add(task)
+
+
 def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark the outcome of an abandoned operation as seen (no warning at exit)."""
     if not task.cancelled():

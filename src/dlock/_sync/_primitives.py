@@ -142,6 +142,11 @@ def spawn(func: Callable[[], None], name: str) -> threading.Thread:
     return thread
 
 
+def run_detached(func: Callable[[], Any], keep: set[Any], name: str) -> None:
+    """Twin of the asyncio one: a thread runs to its end without a reference kept."""
+    threading.Thread(target=func, name=name, daemon=True).start()
+
+
 def join(thread: threading.Thread | None, timeout: float) -> None:
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout)

@@ -39,6 +39,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import unquote
 
@@ -51,7 +52,16 @@ from ..._registry import split_url
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
-from .._primitives import Mutex, WakeupEvent, current_task, serving, shielded, spawn
+from .._primitives import (
+    Cancelled,
+    Mutex,
+    WakeupEvent,
+    current_task,
+    run_detached,
+    serving,
+    shielded,
+    spawn,
+)
 from ..backend import AsyncBackend, AsyncWaiter
 
 DEFAULT_PORT = 2379
@@ -317,6 +327,8 @@ class AsyncEtcdBackend(AsyncBackend):
         #: (name, token) of waiters -> their place in the name's queue.
         self._places: dict[tuple[str, str], _Place] = {}
         self._waiting: set[tuple[str, str]] = set()
+        #: Leaves of waiters cancelled, going on by themselves (kept from the collector).
+        self._leaves: set[Any] = set()
         self._reaper: Any = None
         self._reaper_wakeup = WakeupEvent()
         self._reaper_next = math.inf
@@ -1208,8 +1220,12 @@ class AsyncEtcdBackend(AsyncBackend):
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncEtcdWaiter]:
         ident = (name, token)
         self._waiting.add(ident)
+        cancelled = False
         try:
             yield AsyncEtcdWaiter(self, name, token)
+        except Cancelled:
+            cancelled = True
+            raise
         finally:
             self._waiting.discard(ident)
             place = self._places.pop(ident, None)
@@ -1219,6 +1235,12 @@ class AsyncEtcdBackend(AsyncBackend):
                 with self._lock:
                     self._emptied.append(place.lease)
                 self._start_reaper(-math.inf)
+            elif place is not None and cancelled:
+                # The caller sees its cancellation at once: the leave goes on by itself
+                # (awaited, it held the cancellation up for a whole request timeout on
+                # a server that does not answer).
+                leave = partial(self._revoke_quietly, place.lease)
+                run_detached(leave, self._leaves, "dlock-leave")
             elif place is not None:
                 # Leave the queue: run to its end even if cancelled again, else the
                 # place holds up the waiters behind it until its lease runs out.

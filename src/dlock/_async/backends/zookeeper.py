@@ -63,12 +63,14 @@ from ..._options import bounded_seconds, flag, query_options
 from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import (
+    Cancelled,
     Mutex,
     WakeupEvent,
     acquire_within,
     current_task,
     join,
     run_blocking,
+    run_detached,
     serving,
     shielded,
     spawn,
@@ -457,6 +459,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         #: Waits in progress per (name, token): more than one when threads or tasks
         #: share a lock object, and then they share its node in the queue.
         self._waiters: dict[tuple[str, str], list[AsyncZooKeeperWaiter]] = {}
+        #: Leaves of waiters cancelled, going on by themselves (kept from the collector).
+        self._leaves: set[Any] = set()
         self._suspended_at: float | None = None
         #: Before the latest request that was answered: the server heard us after this.
         self._heard_at = 0.0
@@ -1215,8 +1219,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
         key = (name, token)
         waiter = AsyncZooKeeperWaiter()
         self._waiters.setdefault(key, []).append(waiter)
+        cancelled = False
         try:
             yield waiter
+        except Cancelled:
+            cancelled = True
+            raise
         finally:
             sharers = self._waiters[key]
             sharers.remove(waiter)
@@ -1225,9 +1233,16 @@ class AsyncZooKeeperBackend(AsyncBackend):
             node = self._nodes.get(key)
             # Another wait of the same lock object still queues in this node.
             if node is not None and not node.held and key not in self._waiters:
-                # Run to the end even if cancelled again: a node left behind would
-                # block the line until the session ends.
-                await shielded(self._leave_queue(name, token))
+                if cancelled:
+                    # The caller sees its cancellation at once: the leave goes on by
+                    # itself (awaited, it held the cancellation up for a whole
+                    # operation timeout on a server that does not answer).
+                    leave = partial(self._leave_queue, name, token)
+                    run_detached(leave, self._leaves, "dlock-leave")
+                else:
+                    # Run to the end even if cancelled again: a node left behind would
+                    # block the line until the session ends.
+                    await shielded(self._leave_queue(name, token))
 
     async def _leave_queue(self, name: str, token: str) -> bool:
         """Timeout or cancellation: a queued (not held) node must not block the line.

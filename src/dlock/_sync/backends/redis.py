@@ -69,9 +69,9 @@ from .._primitives import (
     concurrently,
     current_task,
     lost_cancel,
+    run_detached,
     shielded,
     sleep,
-    spawn,
 )
 from ..backend import Backend, Waiter
 
@@ -1175,17 +1175,8 @@ class RedisBackend(Backend):
 
     def _leave_later(self, name: str, token: str) -> None:
         leaving = self._start_leaving(token)
-        if leaving is None:
-            return
-
-        def leave() -> None:
-            try:
-                self._leave(name, token, *leaving)
-            finally:
-                self._leaves.discard(task)
-
-        task = spawn(leave, name="dlock-leave")
-        self._leaves.add(task)
+        if leaving is not None:
+            run_detached(partial(self._leave, name, token, *leaving), self._leaves, "dlock-leave")
 
     def enqueue(self, name: str, token: str, arrival: str) -> None:
         """Queue ``token`` with its acquire attempts (the core makes one right after
