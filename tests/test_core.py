@@ -838,6 +838,43 @@ def test_give_backs_are_asked_again_in_a_second_event_loop(tmp_path: Path) -> No
     asyncio.run(client.aclose())
 
 
+def test_a_give_back_cut_off_by_the_end_of_its_event_loop_is_asked_in_the_next(
+    tmp_path: Path,
+) -> None:
+    """A release fails (the SQLite file write-locked) and asyncio.run ends at once:
+    the give-back task, cancelled with its loop before it failed into the retrier, was
+    never asked again, neither in the next loop nor by close(): the lock stayed taken
+    until its TTL (a helper's run, every server backend). It is kept to ask again, from
+    the next loop's first call of a lock (here owned()), and by close()."""
+    path = tmp_path / "locks.sqlite3"
+    url = f"sqlite://{path}?busy_timeout=0.2"
+    client = dlock.aio.connect(url)
+    lock = client.lock("job", ttl=30)
+    blocker = sqlite3.connect(path, isolation_level=None)
+
+    async def release_in_a_fault() -> None:
+        assert await lock.acquire(timeout=0)
+        blocker.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(dlock.BackendUnavailable):
+            await lock.release()
+
+    async def next_loop() -> None:
+        assert not lock.owned()
+        freed = time.monotonic() + 3
+        while await client.inspect("job") is not None:
+            assert time.monotonic() < freed, "the give-back was not asked again"
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(release_in_a_fault())
+    finally:
+        blocker.close()
+    try:
+        asyncio.run(next_loop())
+    finally:
+        asyncio.run(client.aclose())
+
+
 def test_a_give_back_that_keeps_failing_does_not_hold_up_the_others(tmp_path: Path) -> None:
     """Each round of asking give-backs again asks one first, and the rest only if that
     one is answered. One whose server stays down (a Redis Cluster node; played here by

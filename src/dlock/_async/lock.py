@@ -686,8 +686,10 @@ class AsyncLock:
                     self._unanswered_release = False
                     # Last: another thread of the child goes on only with all of the above.
                     self._fork_generation = _fork.generation
-        # Where its task ended with an event loop, the renewer runs again in this one.
+        # Where their tasks ended with an event loop, the renewer and the asking of
+        # give-backs run again in this one.
         self._client._renewer.resume()
+        self._client._retrier.resume()
 
     def _attempt_ends(self, hold_gone: bool = False) -> None:
         """``hold_gone``: a re-entry found the hold it re-entered gone (_settle_give_back)."""
@@ -737,9 +739,16 @@ class AsyncLock:
         self._client._keep_give_back(self._give_back)
 
     async def _give_back_now(self, entries: int, token: str) -> None:
-        """Run by _settle_give_back; what gets no answer is asked again later."""
+        """Run by _settle_give_back; what gets no answer is asked again later, and so
+        is all of it when this is cut off (asyncio.run ends, cancelling its loop's
+        tasks): kept for the next loop or close() (see AsyncGiveBackRetrier.keep)."""
         started = self._client._clock()
-        if unanswered := await self._release_quietly(entries, token):
+        try:
+            unanswered = await self._release_quietly(entries, token)
+        except BaseException:
+            self._client._retrier.keep(self, token, entries)
+            raise
+        if unanswered:
             waited = self._client._clock() - started
             self._client._retrier.add(self, token, unanswered, waited)
 

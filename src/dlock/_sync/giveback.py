@@ -18,7 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._fork import ForkFollower
-from ._primitives import WakeupEvent, concurrently, join, serving, spawn
+from ._primitives import WakeupEvent, can_spawn, concurrently, join, serving, spawn
 
 if TYPE_CHECKING:
     from .lock import Lock
@@ -107,7 +107,9 @@ class GiveBackRetrier:
         """In a forked child: what is left is the parent's to give back."""
         self._left, self._runner, self._guard = {}, None, threading.Lock()
 
-    def add(self, lock: Lock, token: str, entries: int, waited: float = 0.0) -> None:
+    def add(
+        self, lock: Lock, token: str, entries: int, waited: float = 0.0, start: bool = True
+    ) -> None:
         """Ask again to give back ``entries`` entries of ``lock``'s lease under ``token``,
         which went unanswered after ``waited`` seconds."""
         self._follow_fork()
@@ -123,11 +125,30 @@ class GiveBackRetrier:
             else:
                 known.entries = max(known.entries, entries)
                 known.failed_at, known.waited = now, waited
-            # Not one of an event loop that has ended, or left in a fork's parent. Nor
-            # the old runner's event: it may belong to an ended loop.
-            if not serving(self._runner):
-                self._wakeup = WakeupEvent()
-                self._runner = spawn(self._run, name="dlock-give-back-retrier")
+            if start:
+                self._start()
+
+    def keep(self, lock: Lock, token: str, entries: int) -> None:
+        """As :meth:`add`, for a give-back cut off as its event loop ends: a task
+        started now would never run, so it is asked from the next loop (see
+        :meth:`resume`) or by close()."""
+        self.add(lock, token, entries, start=False)
+
+    def resume(self) -> None:
+        """Start asking again where give-backs are left and nothing asks them here (the
+        task that did ended with its event loop). Called as each call of a lock starts."""
+        self._follow_fork()
+        if self._left and can_spawn():
+            with self._guard:
+                if not self._closed:
+                    self._start()
+
+    def _start(self) -> None:
+        """Under _guard. Not one of an event loop that has ended, or left in a fork's
+        parent. Nor the old runner's event: it may belong to an ended loop."""
+        if not serving(self._runner):
+            self._wakeup = WakeupEvent()
+            self._runner = spawn(self._run, name="dlock-give-back-retrier")
 
     def _run(self) -> None:
         while True:
