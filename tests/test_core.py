@@ -875,6 +875,40 @@ def test_a_give_back_cut_off_by_the_end_of_its_event_loop_is_asked_in_the_next(
         asyncio.run(client.aclose())
 
 
+def test_a_block_whose_hold_was_lost_leaves_another_users_fresh_hold(tmp_path: Path) -> None:
+    """A non-reentrant lock object shared by two threads: one is in a ``with`` block
+    when its lease runs out; the other then acquires the object afresh, as a call made
+    after a loss does. The block's end released that fresh hold, saying nothing: its
+    holder believed it held the lock while another client took it (a helper's run, 3
+    of 3). A block ends only the hold it entered: its end raises LockLost."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=0.3, auto_renew=False)
+        entered, leave = threading.Event(), threading.Event()
+        ended: list[BaseException | None] = []
+
+        def block() -> None:
+            try:
+                with lock:
+                    entered.set()
+                    leave.wait(10)
+                ended.append(None)
+            except BaseException as exc:
+                ended.append(exc)
+
+        thread = threading.Thread(target=block)
+        thread.start()
+        assert entered.wait(5)
+        time.sleep(0.5)  # the block's lease runs out
+        assert lock.acquire(timeout=1), "the lost hold was not acquired afresh"
+        leave.set()
+        thread.join(10)
+        assert len(ended) == 1 and isinstance(ended[0], dlock.LockLost), ended
+        assert lock.owned(), "the block's end ended the fresh hold"
+        assert not other.lock("job", ttl=5).acquire(timeout=0)
+        lock.release()
+
+
 def test_a_give_back_that_keeps_failing_does_not_hold_up_the_others(tmp_path: Path) -> None:
     """Each round of asking give-backs again asks one first, and the rest only if that
     one is answered. One whose server stays down (a Redis Cluster node; played here by

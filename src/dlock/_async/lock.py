@@ -142,6 +142,10 @@ class AsyncLock:
         self._body_tasks: list[Any] = []
         #: The body tasks that a loss cancelled, each to be uncancelled once on exit.
         self._cancelled: set[Any] = set()
+        #: One per ``with`` block inside: its task and thread, and the hold it entered
+        #: (see _generation). Its end leaves that hold only, not a fresh one that
+        #: another user of this object took after a loss (see __aexit__).
+        self._blocks: list[tuple[Any, int, int | None]] = []
         #: The give-back of a lease this object may have on the backend but does not
         #: hold (an attempt cut off in flight, a failed release), while it runs.
         self._give_back: Any = None
@@ -680,6 +684,7 @@ class AsyncLock:
                     self._give_back = self._seeker = self._changed = None
                     self._clean_ends, self._releasing = set(), {}
                     self._parents_entries, self._count = self._count, 0
+                    self._blocks = []
                     self._lost_entries = 0
                     self._token = secrets.token_hex(16)
                     self._unanswered_ttl = None
@@ -1312,7 +1317,17 @@ class AsyncLock:
                 self._body_tasks.remove(task)
             await self._undo_entry(call)
             raise
+        self._blocks.append((task, threading.get_ident(), call.generation))
         return self
+
+    def _leave_block(self, task: Any) -> int | None:
+        """Forget the innermost ``with`` block of ``task`` in this thread; the hold it
+        entered (None if not known)."""
+        me = threading.get_ident()
+        for index in range(len(self._blocks) - 1, -1, -1):
+            if self._blocks[index][:2] == (task, me):
+                return self._blocks.pop(index)[2]
+        return None
 
     async def __aexit__(
         self,
@@ -1331,8 +1346,17 @@ class AsyncLock:
         task = current_task()
         if task in self._body_tasks:
             self._body_tasks.remove(task)
+        entered = self._leave_block(task)
         cancelled_by_us = task in self._cancelled
         self._cancelled.discard(task)
+        if entered is not None and entered != self._generation:
+            # The block's hold was lost and given up, and another user of this object
+            # has taken a fresh one since: that hold is theirs to leave.
+            if cancelled_by_us and isinstance(exc, Cancelled):
+                uncancel(task)
+            raise LockLost(
+                f"lock {self.name!r} was lost: its hold ended while the block ran"
+            ) from exc
         if self.lost:
             lost = await self._give_up_lost(told=True)
             if cancelled_by_us and isinstance(exc, Cancelled):
