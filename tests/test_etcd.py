@@ -33,6 +33,7 @@ import pytest
 
 import dlock
 import dlock.aio
+from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
 from tests.servers import free_port
 from tests.servers.etcd import EtcdCluster, EtcdServer, EtcdUser
@@ -1639,30 +1640,10 @@ def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
     """A waiter parked in the queue is cancelled while the server is paused: the
     cancellation waited for the revoke of its place, the request's whole timeout (5 s).
     The revoke goes on by itself."""
-    url = own_etcd.url(prefix())
-
-    async def main() -> None:
-        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as client:
-            holder = holders.lock(name, ttl=30)
-            assert await holder.acquire(timeout=0)
-            lock = client.lock(name, ttl=30)
-            waiting = asyncio.create_task(lock.acquire(timeout=30))
-            await asyncio.sleep(0.5)  # queued, waiting for a release
-            own_etcd.process.pause()
-            try:
-                started = time.monotonic()
-                waiting.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await waiting
-                took = time.monotonic() - started
-            finally:
-                own_etcd.process.resume()
-            assert took < 1.0, f"the cancellation took {took:.2f} s"
-            await holder.release()
-            assert await lock.acquire(timeout=10)
-            await lock.release()
-
-    asyncio.run(main())
+    process = own_etcd.process
+    waiter = cancel_a_parked_waiter(own_etcd.url(prefix()), name, process.pause, process.resume)
+    took = asyncio.run(waiter)
+    assert took < 1.0, f"the cancellation took {took:.2f} s"
 
 
 @pytest.mark.parametrize("end", ["kill", "stop"])

@@ -31,6 +31,7 @@ from dlock._redis_scripts import DEQUEUE, FENCE_KEPT_MS
 from dlock._sync.backends.redis import Keys, RedisBackend, wrap
 from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
+from tests.cancelling import cancel_a_parked_waiter
 from tests.forking import answer_in_a_child
 from tests.servers import stop_every
 from tests.servers.redis import (
@@ -617,30 +618,11 @@ def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
     that began it waited for it: the caller saw the cancellation only after the leave's
     whole timeout (5 s; docs/redis.md promises it at once). The leave goes on by itself,
     and the token's next attempt still waits for it."""
-    name, url = unique(), url_of(own_server)
-
-    async def main() -> None:
-        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as client:
-            holder = holders.lock(name, ttl=30)
-            assert await holder.acquire(timeout=0)
-            lock = client.lock(name, ttl=30)
-            waiting = asyncio.create_task(lock.acquire(timeout=30))
-            await asyncio.sleep(0.5)  # parked, waiting for a release
-            own_server.pause()
-            try:
-                started = time.monotonic()
-                waiting.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await waiting
-                took = time.monotonic() - started
-            finally:
-                own_server.resume()
-            assert took < 1.0, f"the cancellation took {took:.2f} s"
-            await holder.release()
-            assert await lock.acquire(timeout=10), "the waiter's token is stuck"
-            await lock.release()
-
-    asyncio.run(main())
+    waiter = cancel_a_parked_waiter(
+        url_of(own_server), unique(), own_server.pause, own_server.resume
+    )
+    took = asyncio.run(waiter)
+    assert took < 1.0, f"the cancellation took {took:.2f} s"
 
 
 def test_a_grant_answered_after_its_ttl_is_given_back(own_server: RedisServer) -> None:

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
 import psycopg
@@ -1624,14 +1624,12 @@ async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_o
         server.process.resume()
 
 
-async def test_a_late_give_back_of_a_wait_cut_off_frees_no_later_hold(
+@contextlib.asynccontextmanager
+async def _queued_through_a_relay(
     server: SQLServer, name: str
-) -> None:
-    """A lease waiter cancelled in the turnstile gives back, in the background, what
-    its wait may have taken. Those give-backs got no answer (the network held them up)
-    and reached the server only after the same lock object had acquired again: under
-    the same owner token, they freed that hold (a chaos run's relay, 3 of 3), and
-    another client took the lock from its holder."""
+) -> AsyncIterator[tuple[_Queue, Partition, dlock.aio.AsyncClient]]:
+    """As _queue_up, the second waiter reaching the server through a relay (timeouts
+    of 1 s); with the relay, and another client that reaches the server directly."""
     relay = Partition(server.port)
     url = server.url("timeout=1&connect_timeout=1")
     url = url.replace(f":{server.port}/", f":{relay.port}/")
@@ -1642,28 +1640,46 @@ async def test_a_late_give_back_of_a_wait_cut_off_frees_no_later_hold(
             dlock.aio.connect(url) as behind,
             dlock.aio.connect(server.url()) as other,
         ):
-            queue = await _queue_up(server, name, holding, front, behind)
-            relay.cut.set()
-            queue.queued.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await queue.queued
-            clean_ups = list(cast(Any, behind._backend)._clean_ups.values())
-            assert clean_ups, "the wait cut off left nothing to give back"
-            # Its give-backs time out in the cut, and are held up, not lost.
-            await asyncio.wait_for(asyncio.gather(*clean_ups), 20)
-            relay.hold()
-            relay.cut.clear()
-            await queue.holder.release()
-            assert await queue.in_front
-            await queue.first.release()
-            assert await queue.second.acquire(timeout=10)
-            relay.deliver()
-            await asyncio.sleep(1)  # for the late give-backs to land
-            assert await other.inspect(name) is not None, "a late give-back freed the hold"
-            assert not await other.lock(name, ttl=30).acquire(timeout=0)
-            await queue.second.release()
+            yield await _queue_up(server, name, holding, front, behind), relay, other
     finally:
         relay.close()
+
+
+async def _held_after_late_give_backs(
+    relay: Partition, other: dlock.aio.AsyncClient, lock: dlock.aio.AsyncLock
+) -> None:
+    """Deliver what the relay held up; ``lock``, held, must still be."""
+    relay.deliver()
+    await asyncio.sleep(1)  # for the late give-backs to land
+    assert await other.inspect(lock.name) is not None, "a late give-back freed the hold"
+    assert not await other.lock(lock.name, ttl=30).acquire(timeout=0)
+    await lock.release()
+
+
+async def test_a_late_give_back_of_a_wait_cut_off_frees_no_later_hold(
+    server: SQLServer, name: str
+) -> None:
+    """A lease waiter cancelled in the turnstile gives back, in the background, what
+    its wait may have taken. Those give-backs got no answer (the network held them up)
+    and reached the server only after the same lock object had acquired again: under
+    the same owner token, they freed that hold (a chaos run's relay, 3 of 3), and
+    another client took the lock from its holder."""
+    async with _queued_through_a_relay(server, name) as (queue, relay, other):
+        relay.cut.set()
+        queue.queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queue.queued
+        clean_ups = list(cast(Any, queue.second._client._backend)._clean_ups.values())
+        assert clean_ups, "the wait cut off left nothing to give back"
+        # Its give-backs time out in the cut, and are held up, not lost.
+        await asyncio.wait_for(asyncio.gather(*clean_ups), 20)
+        relay.hold()
+        relay.cut.clear()
+        await queue.holder.release()
+        assert await queue.in_front
+        await queue.first.release()
+        assert await queue.second.acquire(timeout=10)
+        await _held_after_late_give_backs(relay, other, queue.second)
 
 
 async def test_a_late_give_back_of_a_wait_whose_connection_failed_frees_no_later_hold(
@@ -1673,35 +1689,18 @@ async def test_a_late_give_back_of_a_wait_whose_connection_failed_frees_no_later
     network) connects again and gives back what that wait may have taken. That
     give-back got no answer either, and the waiter went on under the same owner token,
     took the lease, and the give-back, reaching the server late, freed it."""
-    relay = Partition(server.port)
-    url = server.url("timeout=1&connect_timeout=1")
-    url = url.replace(f":{server.port}/", f":{relay.port}/")
-    try:
-        async with (
-            dlock.aio.connect(server.url()) as holding,
-            dlock.aio.connect(server.url()) as front,
-            dlock.aio.connect(url) as behind,
-            dlock.aio.connect(server.url()) as other,
-        ):
-            queue = await _queue_up(server, name, holding, front, behind)
-            relay.hold()  # the wait and the pooled connections; new ones pass
-            await asyncio.sleep(4)  # the wait, then the give-back, time out
-            await queue.holder.release()
-            assert await queue.in_front
-            await queue.first.release()
-            try:
-                acquired = await queue.queued
-            except dlock.BackendUnavailable:
-                # It gives up rather than hold under that token; its next hold does not.
-                acquired = await queue.second.acquire(timeout=10)
-            relay.deliver()
-            assert acquired
-            await asyncio.sleep(1)  # for the late give-back to land
-            assert await other.inspect(name) is not None, "a late give-back freed the hold"
-            assert not await other.lock(name, ttl=30).acquire(timeout=0)
-            await queue.second.release()
-    finally:
-        relay.close()
+    async with _queued_through_a_relay(server, name) as (queue, relay, other):
+        relay.hold()  # the wait and the pooled connections; new ones pass
+        await asyncio.sleep(4)  # the wait, then the give-back, time out
+        await queue.holder.release()
+        assert await queue.in_front
+        await queue.first.release()
+        try:
+            assert await queue.queued
+        except dlock.BackendUnavailable:
+            # It gives up rather than hold under that token; its next hold does not.
+            assert await queue.second.acquire(timeout=10)
+        await _held_after_late_give_backs(relay, other, queue.second)
 
 
 @pytest.mark.parametrize("mode", ["lease", "session"])

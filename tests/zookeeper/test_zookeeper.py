@@ -24,9 +24,9 @@ from kazoo.exceptions import ConnectionLoss
 from kazoo.security import make_acl
 
 import dlock
-import dlock.aio
 from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
 from dlock._types import Acquired, Holder
+from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import WORKER_ENV, read_line
 from tests.servers import Partition
 from tests.servers.zookeeper import ZooKeeperEnsemble
@@ -1660,32 +1660,11 @@ def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
     """A waiter queued behind a holder is cancelled while the server is paused: the
     cancellation waited for the delete of its node, the operation's whole timeout. The
     delete goes on by itself."""
-    name = f"cancelled-parked-{time.monotonic_ns()}"
     url = zookeeper_server.url(session_timeout=20, operation_timeout=3)
-
-    async def main() -> None:
-        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as client:
-            holder = holders.lock(name, ttl=30)
-            assert await holder.acquire(timeout=0)
-            lock = client.lock(name, ttl=30)
-            waiting = asyncio.create_task(lock.acquire(timeout=30))
-            await asyncio.sleep(0.5)  # queued, waiting for a release
-            server = zookeeper_server.nodes[0]
-            server.pause()
-            try:
-                started = time.monotonic()
-                waiting.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await waiting
-                took = time.monotonic() - started
-            finally:
-                server.resume()
-            assert took < 1.0, f"the cancellation took {took:.2f} s"
-            await holder.release()
-            assert await lock.acquire(timeout=10)
-            await lock.release()
-
-    asyncio.run(main())
+    server = zookeeper_server.nodes[0]
+    name = f"cancelled-parked-{time.monotonic_ns()}"
+    took = asyncio.run(cancel_a_parked_waiter(url, name, server.pause, server.resume))
+    assert took < 1.0, f"the cancellation took {took:.2f} s"
 
 
 def test_a_create_whose_give_back_failed_too_does_not_block_the_lock(
