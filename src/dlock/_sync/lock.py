@@ -1316,16 +1316,18 @@ class Lock:
                 self._body_tasks.remove(task)
             self._undo_entry(call)
             raise
-        self._blocks.append((task, threading.get_ident(), call.generation))
+        with self._sharing:
+            self._blocks.append((task, threading.get_ident(), call.generation))
         return self
 
     def _leave_block(self, task: Any) -> int | None:
         """Forget the innermost ``with`` block of ``task`` in this thread; the hold it
         entered (None if not known)."""
         me = threading.get_ident()
-        for index in range(len(self._blocks) - 1, -1, -1):
-            if self._blocks[index][:2] == (task, me):
-                return self._blocks.pop(index)[2]
+        with self._sharing:  # other threads' blocks come and go meanwhile
+            for index in range(len(self._blocks) - 1, -1, -1):
+                if self._blocks[index][:2] == (task, me):
+                    return self._blocks.pop(index)[2]
         return None
 
     def __exit__(
