@@ -952,3 +952,36 @@ def test_a_relative_path_from_a_deleted_directory_is_a_configuration_error(
     gone.rmdir()
     with pytest.raises(dlock.ConfigurationError, match="working directory"):
         dlock.connect("sqlite:locks.db")
+
+
+def test_a_give_back_waits_for_the_acquire_it_gives_back(tmp_path: Path) -> None:
+    """An asyncio acquire cancelled while its SQLite statement runs in a worker thread:
+    the thread goes on, and the give-back of what it may take ran at once, before the
+    thread's grant was committed: it released nothing, and the grant then held the lock
+    for its whole TTL (1 of 3 runs of a helper's script; every run here, the thread held
+    up). The give-back now comes after the call it gives back."""
+    client = dlock.aio.connect(f"sqlite://{tmp_path}/locks.sqlite3")
+    backend: Any = client._backend
+    blocking_acquire = backend._acquire
+
+    def slow_acquire(*args: Any) -> Any:
+        time.sleep(0.3)
+        return blocking_acquire(*args)
+
+    async def main() -> None:
+        try:
+            assert await client.inspect("job") is None  # connected
+            backend._acquire = slow_acquire
+            lock = client.lock("job", ttl=30)
+            attempt = asyncio.create_task(lock.acquire(timeout=0))
+            await asyncio.sleep(0.05)  # the statement runs in its thread
+            attempt.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await attempt
+            await asyncio.wait(client._give_backs)
+            await asyncio.sleep(0.5)  # the cut-off statement's thread has ended
+            assert await client.inspect("job") is None, "the cut-off grant was not given back"
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -95,6 +96,28 @@ async def _bounded(awaitable: Awaitable[T], timeout: float | None) -> T:
 async def run_blocking(func: Callable[..., T], *args: Any) -> T:
     """Run a blocking call (SQLite, a synchronous client library) off the event loop."""
     return await asyncio.to_thread(func, *args)
+
+
+async def run_blocking_in_order(cut_off: set[Any], func: Callable[..., T], *args: Any) -> T:
+    """As run_blocking, once the calls in ``cut_off`` have ended: calls whose caller
+    was cancelled while their thread ran on. One made after them must not overtake
+    them (a give-back of what an acquire cut off may take, run before that acquire's
+    thread commits, releases nothing). Cancelled, this call joins ``cut_off``."""
+    loop = asyncio.get_running_loop()
+    earlier = [call for call in cut_off if call.get_loop() is loop and not call.done()]
+    if earlier:
+        await asyncio.wait(earlier)
+    call = loop.run_in_executor(
+        None, functools.partial(contextvars.copy_context().run, func, *args)
+    )
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        if not call.done():
+            cut_off.add(call)
+            call.add_done_callback(cut_off.discard)
+            call.add_done_callback(_retrieve)
+        raise
 
 
 #: Mutual exclusion between the operations of one backend (they all run in the loop).

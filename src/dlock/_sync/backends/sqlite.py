@@ -14,9 +14,9 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from ... import _fork, _sqlite_fork
@@ -31,8 +31,10 @@ from ..._sql import (
     sqlite_statements,
 )
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import run_blocking
+from .._primitives import run_blocking, run_blocking_in_order
 from ..backend import Backend
+
+T = TypeVar("T")
 
 #: Only Linux has a boot clock and a boot id: elsewhere, leases are timed by the wall clock.
 LINUX = sys.platform.startswith("linux")
@@ -182,6 +184,8 @@ class SQLiteBackend(Backend):
         # One connection shared by the caller's thread and the renewer's, one at a time;
         # and the thread using it (see dlock._sqlite_fork).
         self._mutex = threading.Lock()
+        #: Lease writes whose caller was cancelled while their thread ran on (asyncio).
+        self._cut_off: set[Any] = set()
         self._user: int | None = None
         # Quoted: a plain identifier may be a keyword (``order``), as the servers allow.
         self._sql = sqlite_statements(f'"{self._table}"')
@@ -376,7 +380,7 @@ class SQLiteBackend(Backend):
     def acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
-        return run_blocking(self._acquire, name, token, ttl, holder, reentrant)
+        return self._in_order(self._acquire, name, token, ttl, holder, reentrant)
 
     def _release(self, name: str, token: str) -> int | None:
         boot, now = _boot_and_now()
@@ -385,7 +389,7 @@ class SQLiteBackend(Backend):
         return rows[0][0] if rows else None
 
     def release(self, name: str, token: str) -> int | None:
-        return run_blocking(self._release, name, token)
+        return self._in_order(self._release, name, token)
 
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
         boot, now = _boot_and_now()
@@ -396,11 +400,16 @@ class SQLiteBackend(Backend):
         return [bool(rows) for rows in self._run_batch(self._sql["extend"], batch)]
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
-        result = run_blocking(self._extend_all, [Lease(name, token, ttl)])
+        result = self._in_order(self._extend_all, [Lease(name, token, ttl)])
         return result[0]
 
     def extend_many(self, leases: Sequence[Lease]) -> list[bool]:
-        return run_blocking(self._extend_all, list(leases))
+        return self._in_order(self._extend_all, list(leases))
+
+    def _in_order(self, func: Callable[..., T], *args: Any) -> T:
+        """A lease write, after those whose caller was cancelled while their thread ran
+        on (asyncio): a give-back must not overtake the acquire it gives back."""
+        return run_blocking_in_order(self._cut_off, func, *args)
 
     def _infos(self, statement: str, params: dict[str, Any]) -> list[LockInfo]:
         boot, now = _boot_and_now()
