@@ -1408,9 +1408,11 @@ def test_a_hand_off_counts_the_lease_no_further_than_the_session_surely_lives(
         thread = threading.Thread(target=lambda: granted.append(second.acquire(timeout=20)))
         thread.start()
         backend: Any = waiting._backend
-        zk = backend._zk
         parent = backend._parent(name)
-        wait_until(lambda: zk.connected and len(zk.get_children(parent)) == 2)
+        # The waiter's thread makes the client: read it once there is one.
+        wait_until(lambda: backend._zk is not None and backend._zk.connected)
+        zk = backend._zk
+        wait_until(lambda: len(zk.get_children(parent)) == 2)
         time.sleep(0.3)  # its watch on our node is set by the same round trip or next
         first.release()
         thread.join(20)
