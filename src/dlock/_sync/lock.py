@@ -672,7 +672,10 @@ class Lock:
         releases that lease. The child must neither release it nor re-enter it (a
         re-entry under the shared token is granted: two processes would hold the lock),
         so it acquires under a token of its own, and ``with`` blocks entered before the
-        fork end in the child without releasing (_parents_entries)."""
+        fork end in the child without releasing (_parents_entries).
+
+        Being on every call's way in, it also has the client's renewer and give-back
+        retrier run again where their tasks ended with an event loop (see resume)."""
         if self._fork_generation != _fork.generation:
             with _fork.guard:
                 if self._fork_generation != _fork.generation:
