@@ -101,13 +101,13 @@ class AsyncLock:
         self._uncounted_in: int | None = None
         #: How many such re-entries there were.
         self._uncounted = 0
-        #: The holds (see _generation) that a release ended cleanly (the backend said it
-        #: left none), under _sharing, for the re-entries in flight (see _hold_ended):
-        #: older ones go once no attempt is in flight.
-        self._clean_ends: set[int] = set()
-        #: Releases in flight, per hold: [how many, the event a re-entry that waits for
-        #: their end made, if any] (see _hold_ended). Under _sharing.
-        self._releasing: dict[int, list[Any]] = {}
+        #: The user (task, thread) whose re-entry or release is changing the count of
+        #: entries now, how many of its calls are (one may run inside another: an
+        #: on_lost it tells), and what the others wait on (see _take_count_turn).
+        #: Under _sharing.
+        self._counting: tuple[Any, int] | None = None
+        self._counting_depth = 0
+        self._counted: WakeupEvent | None = None
         #: Held while a loss is declared (see _declare_lost). Reentrant, so that on_lost
         #: may itself release the lock or leave its block.
         self._loss_lock = threading.RLock()
@@ -242,10 +242,10 @@ class AsyncLock:
                     acquired = await self._acquire(call, wait, deadline, entries > 0)
                     break
                 except _HoldEnded:
-                    # A re-entry whose hold another user of this object ended cleanly
-                    # meanwhile (its last release): nothing was lost. It goes on as a
-                    # call made now would, a fresh acquire (or a re-entry of a fresh
-                    # hold taken since), within what is left of its timeout.
+                    # A re-entry whose hold another user of this object ended while
+                    # it waited for its turn (its last release): nothing of this call's
+                    # was lost. It goes on as a call made now would, a fresh acquire,
+                    # within what is left of its timeout.
                     await self._still_wanted(call)
                     entries = self._count
             await self._still_wanted(call)
@@ -554,11 +554,37 @@ class AsyncLock:
 
         ``reentry``: the object was held when this acquire began. If it was not, and it
         is now, another thread or task sharing it took the lock meanwhile: that hold is
-        theirs, not one to re-enter (nor to declare lost on a busy answer)."""
+        theirs, not one to re-enter (nor to declare lost on a busy answer).
+
+        A re-entry is made in the count's turn (see _take_count_turn). If the hold
+        ended meanwhile (the last release of another user of this object came first),
+        it is no re-entry any more: the call goes on as one made now would."""
+        if not reentry:
+            return await self._send_attempt(reentry, self._generation)
+        await self._take_count_turn()
+        try:
+            if not self._count:
+                raise _HoldEnded
+            generation = self._generation
+            answer = await self._send_attempt(reentry, generation)
+        finally:
+            self._end_count_turn()
+        if answer is not _HOLD_GONE:
+            return answer
+        # Told only once the attempt and its turn have ended: an on_lost that acquires
+        # afresh may wait for a fresh hold's turn, and that hold for this object's
+        # attempts to end (see _take_new_token), each for the other; one that waits for
+        # another user's release would wait for this turn. Only if the hold is still
+        # the one that was re-entered: another user may have ended it and taken a fresh
+        # one since, which is not lost. The caller is told all the same: its hold is.
+        raise self._lost_error("the lease was gone when re-entering", generation)
+
+    async def _send_attempt(self, reentry: bool, generation: int) -> Busy | None:
+        """_attempt's round trip; _HOLD_GONE if a re-entry found its hold gone."""
         while (give_back := self._attempt_starts()) is not None:
             await wait_done(give_back)
         result: Acquired | Busy | None = None
-        generation, gone, ended = self._generation, False, False
+        gone = False
         write: int | None = None
         cap = math.inf
         try:
@@ -588,10 +614,6 @@ class AsyncLock:
             )
             if not gone:
                 return self._answered(result, started, cap, reentry)
-            # While this attempt counts: what it is about is kept until it ends. A
-            # release in flight may be what emptied the lease: its answer tells.
-            while (ended := self._hold_ended(generation)) not in (True, False):
-                await ended.wait(None)
         except BaseException as exc:
             if write is not None:
                 cap = self._write_done(write)
@@ -629,20 +651,13 @@ class AsyncLock:
             ):
                 # The same, for a re-entry: counted now, and recorded as this call's
                 # entry, so that acquire() undoes just this entry.
-                self._count = result.count
+                self._count = self._reentered(result.count)
                 self._note_entry()
                 self._lease_unsure(started, self.ttl, cap)
             raise
         finally:
             self._attempt_ends(gone and generation == self._generation)
-        if ended:
-            raise _HoldEnded
-        # Told only once the attempt has ended: an on_lost that acquires afresh may wait
-        # for a fresh hold's turn, and that hold for this object's attempts to end (see
-        # _take_new_token), each for the other. Only if the hold is still the one that
-        # was re-entered: another user may have ended it and taken a fresh one since,
-        # which is not lost. The caller is told all the same: its hold is.
-        raise self._lost_error("the lease was gone when re-entering", generation)
+        return _HOLD_GONE
 
     def _attempt_starts(self) -> Any:
         """Count an attempt in flight, unless a give-back runs: that releases under this
@@ -685,7 +700,7 @@ class AsyncLock:
                     self._sharing, self._loss_lock = threading.Lock(), threading.RLock()
                     self._attempts = self._to_give_back = 0
                     self._give_back = self._seeker = self._changed = None
-                    self._clean_ends, self._releasing = set(), {}
+                    self._counting, self._counting_depth, self._counted = None, 0, None
                     self._parents_entries, self._count = self._count, 0
                     self._blocks = []
                     self._lost_entries = 0
@@ -703,10 +718,6 @@ class AsyncLock:
         """``hold_gone``: a re-entry found the hold it re-entered gone (_settle_give_back)."""
         with self._sharing:
             self._attempts -= 1
-            if not self._attempts and self._clean_ends:
-                # A later attempt is about the current hold or a later one (_hold_ended).
-                current = self._generation
-                self._clean_ends = {g for g in self._clean_ends if g >= current}
             if self._to_give_back:
                 self._settle_give_back(hold_gone)
             changed = None
@@ -806,10 +817,10 @@ class AsyncLock:
 
     def _left_meanwhile(self, result: Acquired | Busy, generation: int) -> bool:
         """True if hold ``generation`` was left, uncleanly, while a re-entry of it was in
-        flight (another user's release failed, which abandons it), and no fresh hold has
-        been taken since. The re-entry's grant is the old lease, one entry up: nobody
-        holds it, and it is given back whole. Counted, it made a fresh hold of more
-        entries than its holders had, which outlived them (a helper's chaos run)."""
+        flight (another user gave it up, lost), and no fresh hold has been taken since.
+        The re-entry's grant is the old lease, one entry up: nobody holds it, and it is
+        given back whole. Counted, it made a fresh hold of more entries than its holders
+        had, which outlived them (a helper's chaos run)."""
         with self._sharing:
             if self._count or generation != self._generation:
                 return False
@@ -817,44 +828,36 @@ class AsyncLock:
             self._give_back_later(result.count)
         return True
 
-    def _hold_ended(self, generation: int) -> Any:
-        """For a re-entry that found hold ``generation`` gone on the backend: True if a
-        release of another user of this object ended it cleanly (the backend said it
-        left no entry), so nothing was lost: the re-entry's attempt came after that
-        release (one applied before it would have been a re-entry, and the release
-        would have left an entry). False if it was lost, or ended in a way that cannot
-        tell (a release that got no answer: the lease may have been lost before it
-        arrived). While a release of it is in flight, the event set when it ends."""
-        with self._sharing:
-            if generation in self._clean_ends:
-                return True
-            releasing = self._releasing.get(generation)
-            if releasing is None:
-                return False
-            if releasing[1] is None:
-                releasing[1] = WakeupEvent()
-            return releasing[1]
+    async def _take_count_turn(self) -> None:
+        """Wait until no other user of this object is re-entering or releasing its hold,
+        then be the one (end with _end_count_turn); reentrant per task and thread.
 
-    def _release_starts(self, generation: int) -> None:
-        with self._sharing:
-            releasing = self._releasing.setdefault(generation, [0, None])
-            releasing[0] += 1
+        Why: a backend whose re-entry is more than one step (MariaDB's session mode
+        extends, then counts) answers a release that arrives in between from the count
+        before it, and lets the database's lock go while the re-entry is counted held;
+        and where each is one step, the answers of the two, applied in one order and
+        handled in another, leave this object's count out of step with the backend's.
+        One at a time, each answer is about the count that the other left."""
+        user = (current_task(), threading.get_ident())
+        while True:
+            with self._sharing:
+                if self._counting is None or self._counting == user:
+                    self._counting = user
+                    self._counting_depth += 1
+                    return
+                counted = self._counted = self._counted or WakeupEvent()
+            await counted.wait(None)
 
-    def _release_ends(self, generation: int, clean: bool) -> None:
-        """``clean``: the backend said the release left no entry of the hold, which has
-        ended (see _hold_ended)."""
+    def _end_count_turn(self) -> None:
         with self._sharing:
-            if clean:
-                self._clean_ends.add(generation)
-            releasing = self._releasing.get(generation)
-            if releasing is None:
-                return  # started in the parent of a fork, ending in the child
-            releasing[0] -= 1
-            if releasing[0]:
+            if not self._counting_depth:
+                return  # a turn of the parent process, ending in a forked child
+            self._counting_depth -= 1
+            if self._counting_depth:
                 return
-            del self._releasing[generation]
-        if releasing[1] is not None:
-            releasing[1].set()
+            self._counting, counted, self._counted = None, self._counted, None
+        if counted is not None:
+            counted.set()
 
     def _answered(
         self, result: Acquired | Busy, started: float, cap: float, reentry: bool
@@ -887,14 +890,33 @@ class AsyncLock:
                 self._lost_reason = ""
                 self._lost_entries = 0
             self._client._hold(self)
+            entries = result.count
+        else:
+            entries = self._reentered(result.count)
         self._note_entry()
         self._fencing_token = result.fencing_token
-        self._count = result.count
+        self._count = entries
         if self.auto_renew:
             self._client._renewer.add(self)
         else:
             self._client._renewer.watch()
         self._client._renewer.granted(started)
+
+    def _reentered(self, count: int) -> int:
+        """The entries held once a re-entry is granted: one more. The backend may count
+        more (see _uncounted_entries), or fewer (its count is then the one to follow)."""
+        entered = self._count + 1
+        if count > entered:
+            self._uncounted_entries(count - entered)
+        return min(count, entered)
+
+    def _uncounted_entries(self, surplus: int) -> None:
+        """The backend has ``surplus`` entries of the hold beyond this object's count:
+        re-entries cut off in flight that it applied all the same, which nobody holds
+        (counted, they outlived every holder's release). Given back with the hold."""
+        if self._uncounted_in != self._generation:
+            self._uncounted_in, self._uncounted = self._generation, 0
+        self._uncounted = max(self._uncounted, surplus)
 
     def _note_entry(self) -> None:
         """Record in the running acquire call that it entered the current hold."""
@@ -972,27 +994,38 @@ class AsyncLock:
             raise self._not_owner()
         if self.lost:
             raise await self._give_up_lost(told=True)
+        if not self.reentrant:
+            return await self._release_entry()
+        # A loss it tells runs on_lost in the turn: reentrant, so that on_lost may use
+        # this object itself, but on_lost must not wait for another user's release.
+        await self._take_count_turn()
+        try:
+            await self._release_entry()
+        finally:
+            self._end_count_turn()
+
+    async def _release_entry(self) -> None:
+        """release(), in the count's turn for a reentrant lock: what is held is looked
+        at again, as another user of this object may have left it meanwhile."""
+        if not self._count and not self._lost_entries:
+            raise self._not_owner()
+        if self.lost:
+            raise await self._give_up_lost(told=True)
         generation, last = self._generation, self._count == 1
         if last:
             # Renewal stops before the last release is sent: a renewal applied after it
             # would find the lease gone and tell a loss of a lock released cleanly.
             self._client._renewer.discard(self)
         cancels = cancel_requests()
-        # A re-entry of this hold in flight that finds it gone waits for this answer to
-        # tell a clean end from a loss (see _hold_ended). Not for a loss told: its
-        # on_lost may wait for that re-entry's attempt to end (see _take_new_token).
-        self._release_starts(generation)
         # Either close() sees this call and lets it end first (a clean end), or this call
         # sees the close giving back the holds: this one is the close's to give back
         # and to declare lost (which it may have done already), not sent from here.
         call = self._client._call_starts()
         if self._client._closing_holds:
             self._client._call_ends(call)
-            self._release_ends(generation, False)
             # Told once out of the close's sight: an on_lost that closes the client too
             # must not wait for this call.
             raise self._lost_error("its client was closed", generation)
-        clean = False
         try:
             try:
                 remaining = await self._client._backend.release(self.name, self._token)
@@ -1019,31 +1052,28 @@ class AsyncLock:
                 # in flight (its last release answered first, or a loss given up): this
                 # answer is older than that end, and must not revive the hold, nor count
                 # a fresh one taken since.
-                if remaining and last and self._uncounted_in == generation and not self._attempts:
-                    # Entered by re-entries cut off in flight, which the backend applied
-                    # after their callers were told they failed: nobody holds them, and
-                    # kept, the hold was renewed for good after its holder left it.
-                    # Counted to give back as the hold ends (see _abandon).
-                    uncounted, remaining = remaining, 0
-                    with self._sharing:
-                        self._to_give_back = max(self._to_give_back, uncounted)
-                        self._count = 0
-                self._count = remaining
-                if remaining == 0:
-                    clean = True
+                # In the count's turn no re-entry of this object is in flight: entries
+                # that the backend has beyond this object's count were entered by
+                # re-entries cut off in flight, applied after their callers were told
+                # they failed. Nobody holds them (kept, the hold was renewed for good
+                # after its holders left it): the last release gives them back.
+                left = min(self._count - 1, remaining)
+                if remaining > left:
+                    self._uncounted_entries(remaining - left)
+                    if not left:
+                        uncounted = remaining
+                        with self._sharing:
+                            self._to_give_back = max(self._to_give_back, uncounted)
+                            self._count = 0
+                self._count = left
+                if not left:
                     if not last:
                         self._client._renewer.discard(self)
                     self._client._let_go(self)
                     if self._changed is not None:
                         self._wake_sharers()
-                elif self.auto_renew and not self._lost:
-                    # Entries left where this object counted none (a re-entry that
-                    # another user of this object has in flight, or, while one is, a
-                    # re-entry cut off): the hold goes on, so renewal must too.
-                    self._client._renewer.add(self)
         finally:
             self._client._call_ends(call)
-            self._release_ends(generation, clean)
         if uncounted:
             self._give_back_later(uncounted)
         if remaining is None:
@@ -1371,11 +1401,13 @@ class AsyncLock:
 
 
 class _HoldEnded(Exception):
-    """A re-entry found its hold gone, ended cleanly by another user (see _hold_ended)."""
+    """A re-entry's hold ended before its turn came (see _attempt)."""
 
 
 #: An attempt's answer when another user of the lock object holds it (no round trip).
 _SHARER_HOLDS = Busy()
+#: A re-entry's answer when the backend no longer has the hold it re-entered.
+_HOLD_GONE = Busy()
 
 #: True while the watchdog (renewer, alarm) runs an on_lost callback in this thread or
 #: task: a release from there gives back in the background (see _give_up_lost).
