@@ -625,6 +625,28 @@ def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
     assert took < 1.0, f"the cancellation took {took:.2f} s"
 
 
+@pytest.mark.parametrize("paused", ["the-listened-to-master", "every-master"])
+def test_a_parked_redlock_waiter_cancelled_with_masters_paused_ends_at_once(
+    redlock_servers: list[RedisServer], paused: str
+) -> None:
+    """As above, for Redlock: the waiter's leave of every master's queue, awaited, held
+    the cancellation up for a master's timeout per paused master (1-1.5 s). It goes on
+    by itself, and the token's next attempt still waits for it."""
+    servers = redlock_servers[:1] if paused == "the-listened-to-master" else redlock_servers
+
+    def pause() -> None:
+        for server in servers:
+            server.pause()
+
+    def resume() -> None:
+        for server in servers:
+            server.resume()
+
+    waiter = cancel_a_parked_waiter(make_redlock_url(redlock_servers), unique(), pause, resume)
+    took = asyncio.run(waiter)
+    assert took < 0.5, f"the cancellation took {took:.2f} s"
+
+
 def test_a_grant_answered_after_its_ttl_is_given_back(own_server: RedisServer) -> None:
     """The server paused for 1.5 s with an acquire of a 1 s ttl in flight runs it when
     resumed: its lease then lasts 1 s on the server's clock, but counted from when the

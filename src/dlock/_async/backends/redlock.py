@@ -13,12 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import WakeupEvent, shielded
+from .._primitives import Cancelled, WakeupEvent, run_detached, shielded
 from ..backend import AsyncBackend, AsyncWaiter
 from .redis import AsyncRedisBackend
 
@@ -90,6 +91,8 @@ class AsyncRedlockBackend(AsyncBackend):
             master.hand_over = False
         self._quorum = len(masters) // 2 + 1
         self._silences = [_Silence() for _ in self._masters]
+        #: The leaves of cancelled waiters, going on by themselves (see waiter).
+        self._leaves: set[Any] = set()
         #: The entries of each lease held here, (name, token) -> count, as the caller
         #: made them. Masters that missed a call (failed there) disagree with each other
         #: in either direction, and no count among theirs need be the caller's.
@@ -423,13 +426,22 @@ class AsyncRedlockBackend(AsyncBackend):
             # core's timer covers a dead one.
             async with self._masters[0].subscription(name, token) as waiter:
                 yield waiter
+        except Cancelled:
+            # The caller sees its cancellation at once, the leaves going on by
+            # themselves (as AsyncRedisBackend.waiter's): awaited, they held it up for a
+            # master's timeout per master that does not answer.
+            leaves = [(master, master._start_leaving(token)) for master in self._masters]
+            leave = partial(self._dequeue_everywhere, name, token, leaves)
+            run_detached(leave, self._leaves, "dlock-leave")
+            raise
         finally:
             # Every master's leave, to its end even if the waiter is cancelled again
             # meanwhile (see AsyncRedisBackend.dequeue): cut off after the first, the
             # others' places would keep the line waiting until they lapsed. All of them
             # start here, at once: a leave that a master's record of this wait showed
             # only once the caller had gone on would take the place (and the record) of
-            # the token's next wait, begun meanwhile, instead of waiting for it.
+            # the token's next wait, begun meanwhile, instead of waiting for it. (None
+            # left to start once a cancellation has started them.)
             leaves = [(master, master._start_leaving(token)) for master in self._masters]
             await shielded(self._dequeue_everywhere(name, token, leaves))
 
