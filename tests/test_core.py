@@ -1958,6 +1958,124 @@ def test_a_hold_counts_one_entry_per_reentry_whatever_the_backend_applied(
         rival.release()
 
 
+def test_a_release_cancelled_while_a_sharers_reentry_has_the_turn_ends_the_hold(
+    tmp_path: Path,
+) -> None:
+    """Tasks share a reentrant lock object's hold (two entries), and a third re-enters it,
+    its attempt in flight; a release waiting for that re-entry's turn to end is
+    cancelled there. It raised CancelledError and left its entry counted: after the
+    other users' releases the object still held the lock, renewed for good (a helper's
+    chaos run, Redis 4 of 4). As any release cut off, it now ends the whole hold: told
+    lost, given back, every other entry's release raising LockLost."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            told: list[object] = []
+            lock = client.lock("job", ttl=30, reentrant=True, on_lost=told.append)
+            assert await lock.acquire(timeout=0)
+            assert await lock.acquire(timeout=0)
+            real_acquire = client._backend.acquire
+            in_flight, go_on = asyncio.Event(), asyncio.Event()
+
+            async def held_up(
+                name: str, token: str, ttl: float, holder: Any, reentrant: bool
+            ) -> Any:
+                in_flight.set()
+                await asyncio.wait_for(go_on.wait(), 10)
+                return await real_acquire(name, token, ttl, holder, reentrant)
+
+            client._backend.acquire = held_up  # type: ignore[method-assign]
+            reentry = asyncio.ensure_future(lock.acquire(timeout=0))
+            await asyncio.wait_for(in_flight.wait(), 5)
+            releasing = asyncio.ensure_future(lock.release())
+            await asyncio.sleep(0.1)
+            assert not releasing.done(), "the release did not wait for the re-entry"
+            releasing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await releasing
+            assert told == [lock] and not lock.owned()
+            go_on.set()
+            with pytest.raises(dlock.LockLost):
+                await reentry
+            with pytest.raises(dlock.LockLost):
+                await lock.release()
+            rival = other.lock("job", ttl=5)
+            assert await rival.acquire(timeout=5), "the hold was left on the backend"
+            await rival.release()
+            assert await lock.acquire(timeout=0), "the lock object is stuck"
+            await lock.release()
+
+    asyncio.run(main())
+
+
+def test_an_on_lost_reentering_while_another_thread_releases_a_lost_hold_does_not_deadlock(
+    tmp_path: Path,
+) -> None:
+    """An on_lost runs while its loss is told, holding the object's loss lock, and
+    re-enters the lock (a fresh hold that another thread took meanwhile). That other
+    thread's release, in the count's turn, found its lease gone and waited for the loss
+    lock to tell it, while the re-entry waited for the turn: each for the other, for
+    good (a helper's chaos run, 9 of 9; from the renewer, every other lease of the
+    client then went unrenewed). A release now tells its loss once out of its turn."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    # Not closed by a with block: the close would wait for a deadlocked release for good.
+    client, other = dlock.connect(url), dlock.connect(url)
+    first_told, released = threading.Event(), threading.Event()
+    outcomes: list[tuple[str, object]] = []
+
+    def on_lost(lock: dlock.Lock) -> None:
+        if first_told.is_set():
+            return  # the re-entry below finds the fresh hold lost too
+        with contextlib.suppress(dlock.LockLost):
+            lock.release()  # gives the lost hold up
+        first_told.set()
+        assert released.wait(5)  # the other thread's release found the lease gone
+        time.sleep(0.2)  # ... and waits to tell it
+        try:
+            outcomes.append(("re-entry", lock.acquire(timeout=0)))
+        except dlock.LockError as exc:
+            outcomes.append(("re-entry", type(exc)))
+
+    lock = client.lock("job", ttl=30, reentrant=True, auto_renew=False, on_lost=on_lost)
+    real_release = client._backend.release
+
+    def noted(name: str, token: str) -> int | None:
+        remaining = real_release(name, token)
+        if first_told.is_set():
+            released.set()
+        return remaining
+
+    client._backend.release = noted  # type: ignore[method-assign]
+
+    def first_holder() -> None:
+        assert lock.acquire(timeout=0)
+        assert other.force_release("job")
+        with pytest.raises(dlock.LockLost):
+            lock.extend()  # told here: on_lost runs in this thread
+
+    def second_holder() -> None:
+        assert first_told.wait(5)
+        assert lock.acquire(timeout=0)  # afresh: the lost hold was forgotten
+        assert other.force_release("job")
+        try:
+            lock.release()
+        except dlock.LockError as exc:
+            outcomes.append(("release", type(exc)))
+
+    users = [threading.Thread(target=f, daemon=True) for f in (first_holder, second_holder)]
+    for user in users:
+        user.start()
+    for user in users:
+        user.join(10)
+    assert not any(user.is_alive() for user in users), "deadlocked"
+    with client, other:
+        assert sorted(outcomes) == [("re-entry", dlock.LockLost), ("release", dlock.LockLost)]
+        assert not lock.owned()
+        assert lock.acquire(timeout=0)
+        lock.release()
+
+
 def test_a_failed_release_is_given_back_under_its_own_token_while_a_sharer_acquires(
     tmp_path: Path,
 ) -> None:

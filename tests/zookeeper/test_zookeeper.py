@@ -1669,6 +1669,51 @@ def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
     assert took < 1.0, f"the cancellation took {took:.2f} s"
 
 
+def test_close_with_the_server_paused_takes_one_operation_timeout(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A client holding locks is closed while the server is paused: the releases give
+    up after one operation timeout in all (docs/zookeeper.md), and then kazoo's stop
+    waited for the server to answer its close, 2/3 of the session timeout more (16 s
+    in all here, both faces). The stop goes on by itself; the nodes go with the
+    session once the server answers (or it expires)."""
+    url = zookeeper_server.url(session_timeout=20, operation_timeout=1)
+    server = zookeeper_server.nodes[0]
+    name = f"closed-paused-{time.monotonic_ns()}"
+    took: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def paused(face: str) -> Iterator[None]:
+        server.pause()
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            took[face] = time.monotonic() - started
+            server.resume()
+
+    client = dlock.connect(url)
+    for index in range(3):
+        assert client.lock(f"{name}-{index}", ttl=30).acquire(timeout=0)
+    with paused("sync"):
+        client.close()
+
+    async def async_face() -> None:
+        client = dlock.aio.connect(url)
+        for index in range(3):
+            assert await client.lock(f"{name}-async-{index}", ttl=30).acquire(timeout=0)
+        with paused("asyncio"):
+            await client.aclose()
+
+    asyncio.run(async_face())
+    assert all(seconds < 2.5 for seconds in took.values()), took
+    with dlock.connect(url) as other:
+        for lock_name in [f"{name}-0", f"{name}-async-0"]:
+            lock = other.lock(lock_name, ttl=5)
+            assert lock.acquire(timeout=10), "the closed client's lock stayed held"
+            lock.release()
+
+
 def test_a_create_whose_give_back_failed_too_does_not_block_the_lock(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

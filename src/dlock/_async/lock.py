@@ -994,64 +994,81 @@ class AsyncLock:
             raise self._not_owner()
         if self.lost:
             raise await self._give_up_lost(told=True)
-        if not self.reentrant:
-            return await self._release_entry()
-        # A loss it tells runs on_lost in the turn: reentrant, so that on_lost may use
-        # this object itself, but on_lost must not wait for another user's release.
-        await self._take_count_turn()
+        cancels = cancel_requests()
+        if self.reentrant:
+            generation = self._generation
+            try:
+                await self._take_count_turn()
+            except BaseException:
+                # Cut off (cancelled) while another user re-entered or released: as a
+                # release cut off in flight, it ends the hold.
+                if generation == self._generation and self._count:
+                    self._release_failed(generation, self._count == 1)
+                raise
         try:
-            await self._release_entry()
+            outcome, generation, last = await self._release_counted()
         finally:
-            self._end_count_turn()
+            if self.reentrant:
+                self._end_count_turn()
+        # A loss is told once out of the turn: on_lost may re-enter or release the lock
+        # itself (in another thread, while the telling holds _loss_lock).
+        if outcome is _LOST:
+            raise await self._give_up_lost(told=True)
+        if outcome is _CLOSED:
+            raise self._lost_error("its client was closed", generation)
+        if isinstance(outcome, BaseException):
+            self._release_failed(generation, last)
+            raise outcome
+        if outcome is _GONE:
+            reason = "the lease had ended (expired, taken over, or with its session) before release"
+            error = self._lost_error(reason, generation)
+            # Forgotten here, unless another user's release has forgotten it already.
+            if generation == self._generation:
+                self._leave_lost_entry()
+                self._forget()
+            raise error
+        if outcome:
+            self._give_back_later(outcome)
+        if cancel_requests() > cancels:
+            # Released, and the caller's cancellation lost by a client library meanwhile.
+            await lost_cancel()
 
-    async def _release_entry(self) -> None:
-        """release(), in the count's turn for a reentrant lock: what is held is looked
-        at again, as another user of this object may have left it meanwhile."""
+    async def _release_counted(self) -> tuple[Any, int, bool]:
+        """release()'s round trip and count, in the count's turn for a reentrant lock:
+        what is held is looked at again, as another user may have left it meanwhile.
+        Returns what came of it, for release() to tell once out of the turn (_LOST,
+        _CLOSED, _GONE, the exception the backend raised, or the entries nobody holds
+        to give back), the hold's generation, and whether this was its last entry."""
         if not self._count and not self._lost_entries:
             raise self._not_owner()
-        if self.lost:
-            raise await self._give_up_lost(told=True)
         generation, last = self._generation, self._count == 1
+        if self.lost:
+            return _LOST, generation, last
         if last:
             # Renewal stops before the last release is sent: a renewal applied after it
             # would find the lease gone and tell a loss of a lock released cleanly.
             self._client._renewer.discard(self)
-        cancels = cancel_requests()
         # Either close() sees this call and lets it end first (a clean end), or this call
         # sees the close giving back the holds: this one is the close's to give back
         # and to declare lost (which it may have done already), not sent from here.
+        # Told once out of the close's sight: an on_lost that closes the client too must
+        # not wait for this call.
         call = self._client._call_starts()
-        if self._client._closing_holds:
-            self._client._call_ends(call)
-            # Told once out of the close's sight: an on_lost that closes the client too
-            # must not wait for this call.
-            raise self._lost_error("its client was closed", generation)
         try:
+            if self._client._closing_holds:
+                return _CLOSED, generation, last
             try:
                 remaining = await self._client._backend.release(self.name, self._token)
-            except BaseException:
+            except BaseException as exc:
                 self._unanswered(math.inf)
-                # The failure ends the whole hold. If its other entries' holders (an outer
-                # block, another task) still believe in it, that is a loss, told as one,
-                # and their own releases raise LockLost (see _undo_entry).
-                told = not last and generation == self._generation
-                if told:
-                    self._leave_lost_entry()
-                try:
-                    if told:
-                        self._declare_lost("a release of one of its entries failed", True)
-                finally:
-                    # With the entries that re-entries cut off may have added: given back
-                    # until the backend says none is left.
-                    uncounted = self._uncounted if self._uncounted_in == generation else 0
-                    self._abandon(self._count + uncounted)
-                raise
+                return exc, generation, last
+            if remaining is None:
+                return _GONE, generation, last
             uncounted = 0
-            if remaining is not None and generation == self._generation and self._count:
+            if generation == self._generation and self._count:
                 # Else another user of this object ended the hold while this release was
-                # in flight (its last release answered first, or a loss given up): this
-                # answer is older than that end, and must not revive the hold, nor count
-                # a fresh one taken since.
+                # in flight (a loss given up): this answer is older than that end, and
+                # must not revive the hold, nor count a fresh one taken since.
                 # In the count's turn no re-entry of this object is in flight: entries
                 # that the backend has beyond this object's count were entered by
                 # re-entries cut off in flight, applied after their callers were told
@@ -1072,21 +1089,28 @@ class AsyncLock:
                     self._client._let_go(self)
                     if self._changed is not None:
                         self._wake_sharers()
+            return uncounted, generation, last
         finally:
             self._client._call_ends(call)
-        if uncounted:
-            self._give_back_later(uncounted)
-        if remaining is None:
-            reason = "the lease had ended (expired, taken over, or with its session) before release"
-            error = self._lost_error(reason, generation)
-            # Forgotten here, unless another user's release has forgotten it already.
-            if generation == self._generation:
-                self._leave_lost_entry()
-                self._forget()
-            raise error
-        if cancel_requests() > cancels:
-            # Released, and the caller's cancellation lost by a client library meanwhile.
-            await lost_cancel()
+
+    def _release_failed(self, generation: int, last: bool) -> None:
+        """A release of hold ``generation`` failed or was cut off: that ends the whole
+        hold. If its other entries' holders (an outer block, another task) still believe
+        in it, that is a loss, told as one, and their own releases raise LockLost (see
+        _undo_entry). Not a fresh hold that another user took meanwhile."""
+        if generation != self._generation:
+            return
+        told = not last
+        if told:
+            self._leave_lost_entry()
+        try:
+            if told:
+                self._declare_lost("a release of one of its entries failed", True)
+        finally:
+            # With the entries that re-entries cut off may have added: given back until
+            # the backend says none is left.
+            uncounted = self._uncounted if self._uncounted_in == generation else 0
+            self._abandon(self._count + uncounted)
 
     @notices_fork
     async def extend(self, ttl: float | None = None) -> None:
@@ -1408,6 +1432,9 @@ class _HoldEnded(Exception):
 _SHARER_HOLDS = Busy()
 #: A re-entry's answer when the backend no longer has the hold it re-entered.
 _HOLD_GONE = Busy()
+#: What a release came to, to be told out of the count's turn (see release): the hold
+#: was lost before it was sent; the client was closing; the backend had no lease.
+_LOST, _CLOSED, _GONE = object(), object(), object()
 
 #: True while the watchdog (renewer, alarm) runs an on_lost callback in this thread or
 #: task: a release from there gives back in the background (see _give_up_lost).

@@ -1755,11 +1755,17 @@ class AsyncZooKeeperBackend(AsyncBackend):
             return
         zk.remove_listener(self._on_state)
         if self._owns_client:
-            # Ending the session makes the ensemble delete every node it made.
-            try:
-                await run_blocking(self._stop_once, zk)
-            except CLIENT_ERRORS:
-                logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
+            # Ending the session makes the ensemble delete every node it made. kazoo's
+            # stop waits for the server to answer its close, up to 2/3 of the session
+            # timeout (13 s of a 20 s session), on a server that does not answer: in a
+            # thread of its own, waited for an operation timeout at most, and not at all
+            # once a request went unanswered (a release just now). Left running, it ends
+            # by itself; the nodes go with the session, as a crashed client's do.
+            stopping = threading.Thread(
+                target=self._stop_quietly, args=(zk,), name="dlock-zookeeper-stop", daemon=True
+            )
+            stopping.start()
+            await run_blocking(stopping.join, 0.0 if self._silent() else self._op_timeout)
         else:
             await self._delete_own_nodes(zk)
 
@@ -1787,6 +1793,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
     async def aclose(self) -> None:
         self._follow_fork()
         await self._close()
+
+    def _stop_quietly(self, zk: KazooClient) -> None:
+        try:
+            self._stop_once(zk)
+        except CLIENT_ERRORS:
+            logger.debug("dlock: error closing the ZooKeeper client", exc_info=True)
 
     def _stop_once(self, zk: KazooClient) -> None:
         """Stop and close ``zk``, once. A close cut off (cancelled) while its stop ran
