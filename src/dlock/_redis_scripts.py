@@ -238,6 +238,21 @@ return 0
 """
 )
 
+#: KEYS queue qexp info. Redlock (see AsyncRedlockBackend.release): the token at the
+#: head of the queue, its lapsed places pruned first; nil if none.
+QUEUE_HEAD = Script(
+    _MINT
+    + _QUEUE
+    + """
+prune(KEYS[1], KEYS[2], KEYS[3])
+return redis.call('ZRANGE', KEYS[1], 0, 0)[1] or false
+"""
+)
+
+#: ARGV channel. Redlock: wake a waiter on this master, where it listens; by pcall, as
+#: hand_on's wake-up.
+WAKE = Script("redis.pcall('PUBLISH', ARGV[1], '') return 1")
+
 #: KEYS lease; ARGV token ttl_ms. Returns 1 if extended, 0 if not held by token.
 EXTEND = Script(
     """

@@ -1065,6 +1065,16 @@ class AsyncRedisBackend(AsyncBackend):
         left = int(await self._call(scripts.RELEASE, k.queued(), args))
         return None if left < 0 else left
 
+    async def queue_head(self, name: str) -> str | None:
+        """The token at the head of ``name``'s queue here, if any (for Redlock)."""
+        k = self._keys(name)
+        head = await self._call(scripts.QUEUE_HEAD, (k.queue, k.qexp, k.info), ())
+        return None if head is None else head.decode() if isinstance(head, bytes) else str(head)
+
+    async def wake(self, name: str, token: str) -> None:
+        """Wake ``token``'s waiter on ``name`` here, where it listens (for Redlock)."""
+        await self._call(scripts.WAKE, (), (self._keys(name).wake + token.encode(),))
+
     async def extend(self, name: str, token: str, ttl: float) -> bool:
         return bool(
             int(await self._call(scripts.EXTEND, (self._keys(name).lease,), (token, _ms(ttl))))

@@ -1064,6 +1064,16 @@ class RedisBackend(Backend):
         left = int(self._call(scripts.RELEASE, k.queued(), args))
         return None if left < 0 else left
 
+    def queue_head(self, name: str) -> str | None:
+        """The token at the head of ``name``'s queue here, if any (for Redlock)."""
+        k = self._keys(name)
+        head = self._call(scripts.QUEUE_HEAD, (k.queue, k.qexp, k.info), ())
+        return None if head is None else head.decode() if isinstance(head, bytes) else str(head)
+
+    def wake(self, name: str, token: str) -> None:
+        """Wake ``token``'s waiter on ``name`` here, where it listens (for Redlock)."""
+        self._call(scripts.WAKE, (), (self._keys(name).wake + token.encode(),))
+
     def extend(self, name: str, token: str, ttl: float) -> bool:
         return bool(int(self._call(scripts.EXTEND, (self._keys(name).lease,), (token, _ms(ttl)))))
 

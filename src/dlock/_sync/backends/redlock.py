@@ -347,6 +347,8 @@ class RedlockBackend(Backend):
             for master, count in zip(self._masters, results, strict=True):
                 if isinstance(count, int):
                     self._release_all(master, name, token, count)
+            if results[0] is None and left <= 0:
+                self._wake_head_where_it_listens(name, token, results)
             # Freed on a majority while the caller still had entries (entries missed on
             # different masters): another client may take it now, so it is lost.
             return 0 if left <= 0 else None
@@ -356,6 +358,19 @@ class RedlockBackend(Backend):
         if self._may_hold(len(counts), results):
             raise self._unsure(results, "release", len(counts))
         return None
+
+    def _wake_head_where_it_listens(self, name: str, token: str, results: list[Any]) -> None:
+        """A release that freed the name on a majority but had no lease on the master
+        waiters listen to (``masters[0]``): its releases woke the head of the queue on
+        the others, where it does not listen. A split vote does this: the head was
+        granted ``masters[0]`` alone (by itself, with nobody queued there, so it left
+        no place there), gave it back, and sat until its fallback timer (2 s). Woken
+        there now, as the head of the queue on a master this release freed."""
+        freed = [m for m, r in zip(self._masters, results, strict=True) if isinstance(r, int)]
+        with suppress(BackendError):
+            head = freed[0].queue_head(name)
+            if head is not None and head != token:
+                self._masters[0].wake(name, head)
 
     @staticmethod
     def _release_all(master: RedisBackend, name: str, token: str, count: int) -> None:
