@@ -2009,6 +2009,100 @@ def test_a_release_cancelled_while_a_sharers_reentry_has_the_turn_ends_the_hold(
     asyncio.run(main())
 
 
+def test_a_reentry_cut_off_after_its_hold_was_ended_is_given_back_with_it(
+    tmp_path: Path,
+) -> None:
+    """A release cancelled while another task's re-entry has the count's turn ends the
+    hold (see above), its entries given back once that re-entry's attempt ends. The
+    re-entry, applied by the backend, is then cut off too (its body cancelled by the
+    loss, as here): its entry was counted only for a later release of the hold, which
+    never comes, and the give-back left it: the lease stayed, held by nobody, until
+    its TTL (a helper's chaos run, 7 of 7 backends). It is given back too."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("job", ttl=30, reentrant=True)
+            assert await lock.acquire(timeout=0)
+            assert await lock.acquire(timeout=0)
+            real_acquire = client._backend.acquire
+            applied = asyncio.Event()
+
+            async def answered_late(
+                name: str, token: str, ttl: float, holder: Any, reentrant: bool
+            ) -> Any:
+                result = await real_acquire(name, token, ttl, holder, reentrant)
+                applied.set()
+                await asyncio.sleep(30)  # cut off before its answer comes
+                return result
+
+            client._backend.acquire = answered_late  # type: ignore[method-assign]
+            reentry = asyncio.ensure_future(lock.acquire(timeout=0))
+            await asyncio.wait_for(applied.wait(), 5)  # the backend counts 3 entries
+            releasing = asyncio.ensure_future(lock.release())
+            await asyncio.sleep(0.05)
+            releasing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await releasing
+            reentry.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reentry
+            client._backend.acquire = real_acquire  # type: ignore[method-assign]
+            rival = other.lock("job", ttl=5)
+            assert await rival.acquire(timeout=5), "an entry was left on the backend"
+            await rival.release()
+
+    asyncio.run(main())
+
+
+def test_a_give_back_waits_for_another_users_release_in_flight(tmp_path: Path) -> None:
+    """A release cancelled while another task's release has the count's turn ends the
+    hold, and its give-back went out at once, alongside that release: two releases of
+    one hold at once, which SQL session mode (count, then unlock) answered from the same
+    count, so neither unlocked, and the lock stayed held by nobody until its TTL (a
+    helper's chaos run, MariaDB and PostgreSQL). The give-back waits for the release
+    in flight, as it does for an attempt."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            lock = client.lock("job", ttl=30, reentrant=True)
+            assert await lock.acquire(timeout=0)
+            assert await lock.acquire(timeout=0)
+            real_release = client._backend.release
+            in_flight, go_on = asyncio.Event(), asyncio.Event()
+            order: list[str] = []
+
+            async def held_up(name: str, token: str) -> int | None:
+                first = not order
+                order.append("sent")
+                if first:
+                    in_flight.set()
+                    await asyncio.wait_for(go_on.wait(), 10)
+                remaining = await real_release(name, token)
+                order.append(f"answered {remaining}")
+                return remaining
+
+            client._backend.release = held_up  # type: ignore[method-assign]
+            releasing = asyncio.ensure_future(lock.release())
+            await asyncio.wait_for(in_flight.wait(), 5)
+            cut_off = asyncio.ensure_future(lock.release())
+            await asyncio.sleep(0.05)
+            cut_off.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cut_off
+            await asyncio.sleep(0.2)
+            assert order == ["sent"], "the give-back went out alongside the release"
+            go_on.set()
+            await releasing
+            rival = other.lock("job", ttl=5)
+            assert await rival.acquire(timeout=5), "an entry was left on the backend"
+            await rival.release()
+            assert order[:3] == ["sent", "answered 1", "sent"]
+
+    asyncio.run(main())
+
+
 def test_an_on_lost_reentering_while_another_thread_releases_a_lost_hold_does_not_deadlock(
     tmp_path: Path,
 ) -> None:

@@ -633,6 +633,12 @@ class AsyncLock:
                         if self._uncounted_in != generation:
                             self._uncounted_in, self._uncounted = generation, 0
                         self._uncounted += 1
+                        with self._sharing:
+                            if not self._count and self._to_give_back:
+                                # Its hold was left meanwhile (a release cut off ended
+                                # it), its give-back waiting for this attempt: one entry
+                                # more to give back, or it outlived every holder.
+                                self._to_give_back += 1
                         if cap != math.inf and generation == self._generation:
                             # A fresh hold taken since (by another user of this object)
                             # was sent later with the same TTL: applied after it, this
@@ -1027,8 +1033,6 @@ class AsyncLock:
                 self._leave_lost_entry()
                 self._forget()
             raise error
-        if outcome:
-            self._give_back_later(outcome)
         if cancel_requests() > cancels:
             # Released, and the caller's cancellation lost by a client library meanwhile.
             await lost_cancel()
@@ -1037,8 +1041,8 @@ class AsyncLock:
         """release()'s round trip and count, in the count's turn for a reentrant lock:
         what is held is looked at again, as another user may have left it meanwhile.
         Returns what came of it, for release() to tell once out of the turn (_LOST,
-        _CLOSED, _GONE, the exception the backend raised, or the entries nobody holds
-        to give back), the hold's generation, and whether this was its last entry."""
+        _CLOSED, _GONE, the exception the backend raised, or None: released), the
+        hold's generation, and whether this was its last entry."""
         if not self._count and not self._lost_entries:
             raise self._not_owner()
         generation, last = self._generation, self._count == 1
@@ -1057,41 +1061,55 @@ class AsyncLock:
         try:
             if self._client._closing_holds:
                 return _CLOSED, generation, last
+            # Counted as an attempt in flight (under the same owner token): a give-back
+            # of this hold, ended meanwhile by another user's cut-off release, waits for
+            # this one to end. Sent alongside, it was a second release of the same hold
+            # at once, which a backend whose release takes two steps (SQL session mode:
+            # count, then unlock) answered from the same count: neither unlocked.
+            while (give_back := self._attempt_starts()) is not None:
+                await wait_done(give_back)
             try:
-                remaining = await self._client._backend.release(self.name, self._token)
-            except BaseException as exc:
-                self._unanswered(math.inf)
-                return exc, generation, last
-            if remaining is None:
-                return _GONE, generation, last
-            uncounted = 0
-            if generation == self._generation and self._count:
-                # Else another user of this object ended the hold while this release was
-                # in flight (a loss given up): this answer is older than that end, and
-                # must not revive the hold, nor count a fresh one taken since.
-                # In the count's turn no re-entry of this object is in flight: entries
-                # that the backend has beyond this object's count were entered by
-                # re-entries cut off in flight, applied after their callers were told
-                # they failed. Nobody holds them (kept, the hold was renewed for good
-                # after its holders left it): the last release gives them back.
-                left = min(self._count - 1, remaining)
-                if remaining > left:
-                    self._uncounted_entries(remaining - left)
-                    if not left:
-                        uncounted = remaining
-                        with self._sharing:
-                            self._to_give_back = max(self._to_give_back, uncounted)
-                            self._count = 0
-                self._count = left
-                if not left:
-                    if not last:
-                        self._client._renewer.discard(self)
-                    self._client._let_go(self)
-                    if self._changed is not None:
-                        self._wake_sharers()
-            return uncounted, generation, last
+                try:
+                    remaining = await self._client._backend.release(self.name, self._token)
+                except BaseException as exc:
+                    self._unanswered(math.inf)
+                    return exc, generation, last
+                if remaining is None:
+                    return _GONE, generation, last
+                if generation == self._generation and self._count:
+                    self._count_released(remaining, last)
+                return None, generation, last
+            finally:
+                # A give-back left meanwhile goes now, once the count is this answer's.
+                self._attempt_ends()
         finally:
             self._client._call_ends(call)
+
+    def _count_released(self, remaining: int, last: bool) -> None:
+        """Count a release's answer (``remaining`` entries on the backend), unless
+        another user of this object ended the hold while it was in flight (a loss given
+        up): that answer is older than the end, and must not revive the hold, nor count
+        a fresh one taken since (the caller checks).
+
+        In the count's turn no re-entry of this object is in flight: entries that the
+        backend has beyond this object's count were entered by re-entries cut off in
+        flight, applied after their callers were told they failed. Nobody holds them
+        (kept, the hold was renewed for good after its holders left it): the last
+        release gives them back, counted to give back as the hold ends (see _abandon)."""
+        left = min(self._count - 1, remaining)
+        if remaining > left:
+            self._uncounted_entries(remaining - left)
+            if not left:
+                with self._sharing:
+                    self._to_give_back = max(self._to_give_back, remaining)
+                    self._count = 0
+        self._count = left
+        if not left:
+            if not last:
+                self._client._renewer.discard(self)
+            self._client._let_go(self)
+            if self._changed is not None:
+                self._wake_sharers()
 
     def _release_failed(self, generation: int, last: bool) -> None:
         """A release of hold ``generation`` failed or was cut off: that ends the whole
