@@ -1056,7 +1056,11 @@ class ServerSQLBackend(Backend):
                 self._exempt_from_idle_timeout(conn)
         except BackendError as exc:
             if self._is_lock_timeout(exc.__cause__ or exc):
-                self._give(conn)
+                # PostgreSQL may grant the lock just as the timeout ends the wait, and a
+                # session lock outlives the statement that failed: pooled so, the
+                # connection held the lock for nobody, and every later acquire made
+                # on it stacked a level that its release left (a chaos helper's run).
+                self._unlock_and_give(conn, key)
                 return None
             self._drop(conn)
             if isinstance(exc, BackendUnavailable) and conn.uses > 0:
@@ -1093,19 +1097,22 @@ class ServerSQLBackend(Backend):
 
     def _unpark(self, token: str) -> None:
         parked = self._parked.pop(token, None)
-        if parked is None:
-            return
+        if parked is not None:
+            self._unlock_and_give(parked.conn, parked.key)
+
+    def _unlock_and_give(self, conn: Conn, key: Any) -> None:
+        """Let go of the session lock ``key`` that ``conn`` holds or may hold, and pool
+        the connection; closed instead if that fails, or is cut off by a second
+        interrupt or cancellation (the lock may still be on the connection, which would
+        go back to the pool holding it; closing it frees the lock)."""
         try:
-            self._run(parked.conn, self._sql["session_unlock"], {"key": parked.key})
+            self._run(conn, self._sql["session_unlock"], {"key": key})
         except BaseException as exc:
-            # Failed, or cut off by a second interrupt or cancellation: the lock may
-            # still be on the connection, which would go back to the pool holding it.
-            # Closing it frees the lock.
-            self._drop(parked.conn)
+            self._drop(conn)
             if not isinstance(exc, BackendError):
                 raise
             return
-        self._give(parked.conn)
+        self._give(conn)
 
     @contextmanager
     def waiter(self, name: str, token: str) -> Iterator[Waiter]:
