@@ -925,6 +925,33 @@ def test_redlock_leaves_out_a_silent_master_while_the_others_decide(
             resumed.close()
 
 
+def test_redlock_asks_a_left_out_master_when_the_others_answer_no_quorum(
+    own_masters: list[RedisServer],
+) -> None:
+    """A master left out (silent lately, answering again) is asked when the others
+    cannot decide a call by themselves. A try on a held lock, one master left out and
+    another paused, raised BackendUnavailable ("only 1 of 3 masters answered"): the
+    one that answered said busy, and the left-out one, not asked, counted as failed (a
+    chaos helper's run). Asked, it says busy too: the try returns False."""
+    url = make_redlock_url(own_masters)
+    left_out, _, paused = own_masters
+    name = unique()
+    with dlock.connect(url) as client, dlock.connect(url) as rival:
+        left_out.pause()
+        try:
+            assert client.lock(unique(), ttl=5).acquire(timeout=0)  # it times out there
+        finally:
+            left_out.resume()
+        holder = rival.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        paused.pause()
+        try:
+            assert client.lock(name, ttl=5).acquire(timeout=0) is False
+        finally:
+            paused.resume()
+        holder.release()
+
+
 def test_redlock_does_not_call_lost_a_lease_that_silent_masters_may_hold(
     own_masters: list[RedisServer],
 ) -> None:

@@ -269,8 +269,14 @@ class RedlockBackend(Backend):
         return Busy(retry_after=min(known) if known and len(known) == len(waits) else None)
 
     def _acquire_decided(self, results: list[Any]) -> bool:
+        """Granted by a quorum; or no quorum can grant it, and a quorum answered (busy),
+        so the answer is busy. With fewer answers (another master down too), a master
+        left out is asked: its answer may make busy of what would be an error."""
         granted = sum(isinstance(result, Acquired) for result in results)
-        return granted >= self._quorum or granted + self._pending(results) < self._quorum
+        answered = sum(isinstance(result, (Acquired, Busy)) for result in results)
+        if granted >= self._quorum:
+            return True
+        return granted + self._pending(results) < self._quorum and answered >= self._quorum
 
     def _reentered(
         self,
