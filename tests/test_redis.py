@@ -1018,6 +1018,40 @@ def test_a_redlock_waiter_granted_a_minority_is_woken_by_the_holders_release(
         waiter.release()
 
 
+def test_a_redlock_waiter_is_woken_where_it_listens_after_that_master_lost_its_queue(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """The master waiters listen to (the first by address) lost its queue (restarted
+    without persistence; played by deleting it): the holder's release there woke no one,
+    and the releases that woke the waiter were on the other masters, where it does not
+    listen. Every contended hand-off then waited out the fallback timer, 2 s, for as
+    long as the contention lasted (a chaos helper's run, 5 of 5). The release now wakes
+    there the waiter it woke elsewhere."""
+    listened = min(redlock_servers, key=lambda master: master.port)
+    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
+    slow_timer = dlock.Backoff(notify_fallback=60)
+    with dlock.connect(url) as holders, dlock.connect(url, backoff=slow_timer) as waiters:
+        holder = holders.lock(unique(), ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = waiters.lock(holder.name, ttl=30)
+        got: list[bool] = []
+        waiting = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+        waiting.start()
+        time.sleep(0.5)  # queued on every master, and waiting
+        keys = Keys(b"dlock", holder.name)
+        raw = redis.Redis(port=listened.port)
+        try:
+            assert raw.delete(keys.queue, keys.qexp, keys.info) == 3
+        finally:
+            raw.close()
+        released = time.monotonic()
+        holder.release()
+        waiting.join(25)
+        assert got == [True]
+        assert time.monotonic() - released < 5, "the waiter was not woken by the release"
+        waiter.release()
+
+
 def test_a_redlock_renewal_keeps_the_drift_allowance_on_every_master(
     redlock_servers: list[RedisServer],
 ) -> None:

@@ -114,7 +114,10 @@ local function hand_on(lease, fence, queue, qexp, info, wake, hand_over, release
     if not head then return end
     local entry = redis.call('HGET', info, head)
     if hand_over ~= '1' or not entry then
-        if head ~= releaser then redis.pcall('PUBLISH', wake .. head, '') end
+        if head ~= releaser then
+            redis.pcall('PUBLISH', wake .. head, '')
+            return head
+        end
         return
     end
     local ttl_ms, attempt, holder = string.match(entry, '^(%d+) (%d+) (.*)$')
@@ -214,17 +217,24 @@ return {1, grant(lease, fence, token, ARGV[2], ARGV[3]), 1, left_queue}
 RELEASE = Script(
     """
 local lease, queue, token = KEYS[1], KEYS[3], ARGV[1]
+-- ARGV[4] = '1' (Redlock): answer {left, the waiter woken (or false)}, see
+-- AsyncRedlockBackend.release.
+local function answer(left, woke)
+    if ARGV[4] == '1' then return {left, woke or false} end
+    return left
+end
 local value = redis.call('GET', lease)
 if not value or string.sub(value, 1, #token + 1) ~= token .. ' ' then
-    return -1
+    return answer(-1)
 end
 local count, rest = string.match(value, '^(%d+) (.*)$', #token + 2)
 count = tonumber(count)
 if count > 1 then
     redis.call('SET', lease, token .. ' ' .. (count - 1) .. ' ' .. rest, 'KEEPTTL')
-    return count - 1
+    return answer(count - 1)
 end
 redis.call('DEL', lease)
+local woke
 -- Every waiter queues before it waits, so with nobody queued there is nobody to wake.
 if redis.call('EXISTS', queue) == 1 then
 """
@@ -232,20 +242,9 @@ if redis.call('EXISTS', queue) == 1 then
     + _QUEUE
     + """
     redis.call('HDEL', KEYS[5], token)  -- a hand-over's record, if it was handed the lease
-    hand_on(lease, KEYS[2], queue, KEYS[4], KEYS[5], ARGV[2], ARGV[3], token)
+    woke = hand_on(lease, KEYS[2], queue, KEYS[4], KEYS[5], ARGV[2], ARGV[3], token)
 end
-return 0
-"""
-)
-
-#: KEYS queue qexp info. Redlock (see AsyncRedlockBackend.release): the token at the
-#: head of the queue, its lapsed places pruned first; nil if none.
-QUEUE_HEAD = Script(
-    _MINT
-    + _QUEUE
-    + """
-prune(KEYS[1], KEYS[2], KEYS[3])
-return redis.call('ZRANGE', KEYS[1], 0, 0)[1] or false
+return answer(0, woke)
 """
 )
 

@@ -39,6 +39,11 @@ LEFT_OUT_FIRST = 2.0
 LEFT_OUT_LONGEST = 10.0
 
 
+def _released(answer: Any) -> bool:
+    """A master's release_waking answer: released there (held, entries counted)."""
+    return isinstance(answer, tuple) and answer[0] is not None
+
+
 class _LeftOut(BackendUnavailable):
     """A master not asked: it did not answer lately, and the others decided without it."""
 
@@ -334,11 +339,13 @@ class AsyncRedlockBackend(AsyncBackend):
         return sorted(counts, reverse=True)[self._quorum - 1]
 
     async def release(self, name: str, token: str) -> int | None:
-        results = await self._each(
-            lambda m: m.release(name, token),
+        answers = await self._each(
+            lambda m: m.release_waking(name, token),
             waking_last=True,
-            decided=lambda results: sum(isinstance(r, int) for r in results) >= self._quorum,
+            decided=lambda answers: sum(_released(a) for a in answers) >= self._quorum,
         )
+        results = [a[0] if isinstance(a, tuple) else a for a in answers]
+        woken = [a[1] if isinstance(a, tuple) else None for a in answers]
         counts = [r for r in results if isinstance(r, int)]
         if len(counts) >= self._quorum:
             on_majority = self._majority_count(counts)
@@ -352,8 +359,8 @@ class AsyncRedlockBackend(AsyncBackend):
             for master, count in zip(self._masters, results, strict=True):
                 if isinstance(count, int):
                     await self._release_all(master, name, token, count)
-            if results[0] is None and left <= 0:
-                await self._wake_head_where_it_listens(name, token, results)
+            if left <= 0 and woken[0] is None and isinstance(answers[0], tuple):
+                await self._wake_where_it_listens(name, woken)
             # Freed on a majority while the caller still had entries (entries missed on
             # different masters): another client may take it now, so it is lost.
             return 0 if left <= 0 else None
@@ -364,17 +371,16 @@ class AsyncRedlockBackend(AsyncBackend):
             raise self._unsure(results, "release", len(counts))
         return None
 
-    async def _wake_head_where_it_listens(self, name: str, token: str, results: list[Any]) -> None:
-        """A release that freed the name on a majority but had no lease on the master
-        waiters listen to (``masters[0]``): its releases woke the head of the queue on
-        the others, where it does not listen. A split vote does this: the head was
-        granted ``masters[0]`` alone (by itself, with nobody queued there, so it left
-        no place there), gave it back, and sat until its fallback timer (2 s). Woken
-        there now, as the head of the queue on a master this release freed."""
-        freed = [m for m, r in zip(self._masters, results, strict=True) if isinstance(r, int)]
-        with suppress(BackendError):
-            head = await freed[0].queue_head(name)
-            if head is not None and head != token:
+    async def _wake_where_it_listens(self, name: str, woken: list[str | None]) -> None:
+        """A release that freed the name on a majority woke no waiter on the master that
+        waiters listen to (``masters[0]``), but woke one on another: there it does not
+        listen, and it sat until its fallback timer (2 s). Two ways: a split vote gave
+        that master alone to the waiter (free there, with nobody queued, so it kept no
+        place there), which gave it back; or the master lost its queue (restarted).
+        Woken there too now."""
+        head = next((head for head in woken[1:] if head is not None), None)
+        if head is not None:
+            with suppress(BackendError):
                 await self._masters[0].wake(name, head)
 
     @staticmethod

@@ -1064,11 +1064,13 @@ class RedisBackend(Backend):
         left = int(self._call(scripts.RELEASE, k.queued(), args))
         return None if left < 0 else left
 
-    def queue_head(self, name: str) -> str | None:
-        """The token at the head of ``name``'s queue here, if any (for Redlock)."""
+    def release_waking(self, name: str, token: str) -> tuple[int | None, str | None]:
+        """release(), and the waiter its release woke here, if any (for Redlock)."""
         k = self._keys(name)
-        head = self._call(scripts.QUEUE_HEAD, (k.queue, k.qexp, k.info), ())
-        return None if head is None else head.decode() if isinstance(head, bytes) else str(head)
+        args = (token, k.wake, self._hand_over_flag(), "1")
+        left, woke = self._call(scripts.RELEASE, k.queued(), args)
+        head = woke.decode() if isinstance(woke, bytes) else woke if isinstance(woke, str) else None
+        return (None if int(left) < 0 else int(left)), head
 
     def wake(self, name: str, token: str) -> None:
         """Wake ``token``'s waiter on ``name`` here, where it listens (for Redlock)."""
