@@ -1958,6 +1958,24 @@ def test_a_hold_counts_one_entry_per_reentry_whatever_the_backend_applied(
         rival.release()
 
 
+@contextlib.asynccontextmanager
+async def _held_twice(
+    tmp_path: Path, on_lost: Callable[[Any], object] | None = None
+) -> AsyncIterator[tuple[dlock.aio.AsyncClient, dlock.aio.AsyncLock]]:
+    """A reentrant lock object (SQLite, asyncio) holding "job" with two entries, as two
+    users of it would. As the block ends, another client must get the lock within 5 s:
+    nothing of the object's is left on the backend."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+        lock = client.lock("job", ttl=30, reentrant=True, on_lost=on_lost)
+        assert await lock.acquire(timeout=0)
+        assert await lock.acquire(timeout=0)
+        yield client, lock
+        rival = other.lock("job", ttl=5)
+        assert await rival.acquire(timeout=5), "an entry was left on the backend"
+        await rival.release()
+
+
 def test_a_release_cancelled_while_a_sharers_reentry_has_the_turn_ends_the_hold(
     tmp_path: Path,
 ) -> None:
@@ -1967,14 +1985,10 @@ def test_a_release_cancelled_while_a_sharers_reentry_has_the_turn_ends_the_hold(
     other users' releases the object still held the lock, renewed for good (a helper's
     chaos run, Redis 4 of 4). As any release cut off, it now ends the whole hold: told
     lost, given back, every other entry's release raising LockLost."""
-    url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            told: list[object] = []
-            lock = client.lock("job", ttl=30, reentrant=True, on_lost=told.append)
-            assert await lock.acquire(timeout=0)
-            assert await lock.acquire(timeout=0)
+        told: list[object] = []
+        async with _held_twice(tmp_path, on_lost=told.append) as (client, lock):
             real_acquire = client._backend.acquire
             in_flight, go_on = asyncio.Event(), asyncio.Event()
 
@@ -2000,9 +2014,6 @@ def test_a_release_cancelled_while_a_sharers_reentry_has_the_turn_ends_the_hold(
                 await reentry
             with pytest.raises(dlock.LockLost):
                 await lock.release()
-            rival = other.lock("job", ttl=5)
-            assert await rival.acquire(timeout=5), "the hold was left on the backend"
-            await rival.release()
             assert await lock.acquire(timeout=0), "the lock object is stuck"
             await lock.release()
 
@@ -2018,13 +2029,9 @@ def test_a_reentry_cut_off_after_its_hold_was_ended_is_given_back_with_it(
     loss, as here): its entry was counted only for a later release of the hold, which
     never comes, and the give-back left it: the lease stayed, held by nobody, until
     its TTL (a helper's chaos run, 7 of 7 backends). It is given back too."""
-    url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            lock = client.lock("job", ttl=30, reentrant=True)
-            assert await lock.acquire(timeout=0)
-            assert await lock.acquire(timeout=0)
+        async with _held_twice(tmp_path) as (client, lock):
             real_acquire = client._backend.acquire
             applied = asyncio.Event()
 
@@ -2048,9 +2055,6 @@ def test_a_reentry_cut_off_after_its_hold_was_ended_is_given_back_with_it(
             with pytest.raises(asyncio.CancelledError):
                 await reentry
             client._backend.acquire = real_acquire  # type: ignore[method-assign]
-            rival = other.lock("job", ttl=5)
-            assert await rival.acquire(timeout=5), "an entry was left on the backend"
-            await rival.release()
 
     asyncio.run(main())
 
@@ -2062,13 +2066,9 @@ def test_a_give_back_waits_for_another_users_release_in_flight(tmp_path: Path) -
     count, so neither unlocked, and the lock stayed held by nobody until its TTL (a
     helper's chaos run, MariaDB and PostgreSQL). The give-back waits for the release
     in flight, as it does for an attempt."""
-    url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
-        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
-            lock = client.lock("job", ttl=30, reentrant=True)
-            assert await lock.acquire(timeout=0)
-            assert await lock.acquire(timeout=0)
+        async with _held_twice(tmp_path) as (client, lock):
             real_release = client._backend.release
             in_flight, go_on = asyncio.Event(), asyncio.Event()
             order: list[str] = []
@@ -2095,10 +2095,8 @@ def test_a_give_back_waits_for_another_users_release_in_flight(tmp_path: Path) -
             assert order == ["sent"], "the give-back went out alongside the release"
             go_on.set()
             await releasing
-            rival = other.lock("job", ttl=5)
-            assert await rival.acquire(timeout=5), "an entry was left on the backend"
-            await rival.release()
-            assert order[:3] == ["sent", "answered 1", "sent"]
+        # The give-back freed the lock (checked as the block ended), after the release.
+        assert order[:3] == ["sent", "answered 1", "sent"]
 
     asyncio.run(main())
 
