@@ -627,6 +627,9 @@ class AsyncLock:
                 # the caller's error is due now.
                 if isinstance(exc, BackendUnavailable) or not isinstance(exc, LockError):
                     self._unanswered(self.ttl)
+                    # Sent, it may also reach the backend after its give-back, or after
+                    # the last release of the hold it re-entered.
+                    self._client._retrier.look_again(self, self._token)
                     if not reentry:
                         self._give_back_later(1)
                     else:

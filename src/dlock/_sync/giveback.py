@@ -5,6 +5,10 @@ A release, or the give-back of an acquire cut off in flight, that fails in an ou
 would otherwise leave its lease to end by its TTL, and keep the lock from everyone
 until then: 30 s by default, and on etcd a TTL that starts afresh whenever a member
 becomes leader, so a restart made it longer still.
+
+So too, once, a give-back that answered: an acquire cut off in flight may reach the
+backend after its give-back (held up in the network, or run on by MariaDB after its
+connection was closed), and take a lease that nobody holds.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ CLOSE_JOIN = 1.0
 #: A give-back that went unanswered for this long waited out a timeout: its backend
 #: hangs, rather than refused or cut the connection (see close).
 HUNG = 0.25
+#: An acquire cut off in flight is given back once more this long after it was cut off
+#: (see look_again): a request later than that is left to its lease's TTL.
+LOOK_AGAIN_AFTER = 1.0
 
 #: A lease to give back: the lock object, how many entries, its owner token.
 GiveBack = tuple["Lock", int, str]
@@ -79,6 +86,15 @@ class _Left:
     waited: float
 
 
+@dataclass
+class _Look:
+    """A give-back to ask once more later (see look_again)."""
+
+    entries: int
+    #: When to ask (the client's clock).
+    due: float
+
+
 class GiveBackRetrier:
     """Asks again, in the background, the give-backs that got no answer, until one does.
 
@@ -95,6 +111,7 @@ class GiveBackRetrier:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._left: dict[tuple[Lock, str], _Left] = {}
+        self._looks: dict[tuple[Lock, str], _Look] = {}
         self._delay = RETRY_FIRST
         self._wakeup = WakeupEvent()
         self._runner: Any = None
@@ -105,7 +122,8 @@ class GiveBackRetrier:
 
     def _forget_parent(self) -> None:
         """In a forked child: what is left is the parent's to give back."""
-        self._left, self._runner, self._guard = {}, None, threading.Lock()
+        self._left, self._looks, self._runner = {}, {}, None
+        self._guard = threading.Lock()
 
     def add(
         self, lock: Lock, token: str, entries: int, waited: float = 0.0, start: bool = True
@@ -128,6 +146,27 @@ class GiveBackRetrier:
             if start:
                 self._start()
 
+    def look_again(self, lock: Lock, token: str) -> None:
+        """An acquire of ``lock`` under ``token`` (a fresh one, or a re-entry) was cut off
+        in flight: once ``lock`` no longer uses that token, give back an entry under it
+        once more, a little later, whatever its give-back answered meanwhile. The request
+        may reach the backend after that give-back, or after the hold's last release,
+        and would leave a lease that nobody holds until its TTL.
+
+        Dropped if ``lock`` then holds the lock under the token: that hold's release
+        gives back the entries that the backend counts beyond it (its own answer says)."""
+        self._follow_fork()
+        with self._guard:
+            if self._closed:
+                return
+            key, due = (lock, token), self._clock() + LOOK_AGAIN_AFTER
+            known = self._looks.get(key)
+            if known is None:
+                self._looks[key] = _Look(1, due)
+            else:
+                known.entries, known.due = known.entries + 1, due
+            self._start()
+
     def keep(self, lock: Lock, token: str, entries: int) -> None:
         """As :meth:`add`, for a give-back cut off as its event loop ends: a task
         started now would never run, so it is asked from the next loop (see
@@ -138,7 +177,7 @@ class GiveBackRetrier:
         """Start asking again where give-backs are left and nothing asks them here (the
         task that did ended with its event loop). Called as each call of a lock starts."""
         self._follow_fork()
-        if self._left and can_spawn():
+        if (self._left or self._looks) and can_spawn():
             with self._guard:
                 if not self._closed:
                     self._start()
@@ -153,10 +192,13 @@ class GiveBackRetrier:
     def _run(self) -> None:
         while True:
             with self._guard:
-                if self._closed or not self._left:
+                if self._closed or not (self._left or self._looks):
                     self._runner = None
                     return
-                delay = self._delay * random.uniform(0.5, 1.0)
+                delay = self._delay * random.uniform(0.5, 1.0) if self._left else math.inf
+                if self._looks:
+                    first = min(look.due for look in self._looks.values())
+                    delay = max(0.0, min(delay, first - self._clock()))
             self._wakeup.wait(delay)
             if self._closed:
                 return
@@ -173,6 +215,10 @@ class GiveBackRetrier:
             for key, left in list(self._left.items()):
                 if left.until <= now:
                     del self._left[key]
+            for key, look in list(self._looks.items()):
+                if look.due <= now:
+                    del self._looks[key]
+                    self._asked_again(key, look.entries, now)
             keys = list(self._left)
         for lock, token in keys:
             free = lock._retire_token(token)
@@ -202,6 +248,14 @@ class GiveBackRetrier:
         if self._closed:
             return True
         return self._give_back(holds[1:])
+
+    def _asked_again(self, key: tuple[Lock, str], entries: int, now: float) -> None:
+        """Under _guard: a look that is due joins the give-backs to ask."""
+        known = self._left.get(key)
+        if known is None:
+            self._left[key] = _Left(entries, now + RETRY_FOR, now, 0.0)
+        else:
+            known.entries += entries
 
     def _give_back(self, holds: Sequence[GiveBack]) -> bool:
         """Kept in the table while asked: a close meanwhile gives them back itself."""
@@ -234,7 +288,10 @@ class GiveBackRetrier:
         if serving(runner):
             join(runner, timeout=CLOSE_JOIN)
         with self._guard:
-            left, self._left = self._left, {}
+            now = self._clock()
+            for key, look in self._looks.items():
+                self._asked_again(key, look.entries, now)
+            left, self._left, self._looks = self._left, {}, {}
         return [
             (lock, item.entries, token)
             for (lock, token), item in left.items()

@@ -38,7 +38,7 @@ from dlock._async.backend import AsyncWaiter
 from dlock._types import Acquired, Lease
 from tests.conformance._async.worker import STUCK_AFTER, observe_waits
 from tests.conformance.helpers import ask, finish, load_records, read_line, start_worker
-from tests.servers import Outage
+from tests.servers import Outage, Partitioned
 
 FACE = "_async"
 #: What cuts a call short: a task's cancellation, a thread's Ctrl-C.
@@ -1239,6 +1239,48 @@ async def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
         await assert_held_by(other, name, lock)
         assert await other.lock(name, ttl=5).acquire(timeout=0) is False
         await lock.release()
+
+
+@pytest.mark.parametrize("reentry", [False, True], ids=["fresh", "re-entry"])
+async def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
+    outage: Outage, name: str, reentry: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An acquire whose request the network holds up gets no answer in time; then its
+    give-back (a fresh acquire's) or the hold's last release (a re-entry's), sent on a
+    new connection, ends what is there; then the request reaches the backend, and
+    takes a lease under the lock object's owner token, which nobody holds. Left at
+    that, it kept the lock from everyone until its TTL (30 s); given back once more a
+    moment after the cut-off, it is freed within seconds. (SQL session mode's late
+    lock ends with its connection.)"""
+    if not isinstance(outage, Partitioned):
+        pytest.skip("needs relays that hold requests up")
+    if reentry and "mode=session" in outage.url:
+        pytest.skip("a session lock's re-entry takes no lock: it renews the hold and counts")
+    look_after = 2.0  # time enough for the late request to land first
+    monkeypatch.setattr(giveback, "LOOK_AGAIN_AFTER", look_after)
+    async with dlock.aio.connect(outage.url) as client, dlock.aio.connect(outage.url) as other:
+        lock = client.lock(name, ttl=30, reentrant=reentry)
+        assert await lock.acquire(timeout=0)  # connected, the table made
+        if not reentry:
+            await lock.release()
+        for partition in outage.partitions:
+            partition.hold()  # the connections made so far; new ones pass
+        with pytest.raises(dlock.BackendUnavailable):
+            await lock.acquire(timeout=0)
+        cut_off = time.monotonic()
+        if reentry:
+            assert lock.owned()
+            await lock.release()
+            assert not lock.owned()
+        if lock._give_back is not None:
+            await wait_done(lock._give_back)
+        assert await other.inspect(name) is None, "the request held up was not held up"
+        assert elapsed_since(cut_off) < look_after - 1, "too slow to show it"
+        for partition in outage.partitions:
+            partition.deliver()
+        await sleep(0.5)  # for it to land
+        assert await other.lock(name, ttl=5).acquire(timeout=10), "a late acquire kept it"
+        assert elapsed_since(cut_off) < look_after + 3
 
 
 async def test_close_gives_back_what_an_outage_left(
