@@ -987,7 +987,7 @@ def test_redlock_does_not_call_lost_a_lease_that_silent_masters_may_hold(
 def _redlock_hand_off(
     redlock_servers: list[RedisServer],
     before_waiting: Callable[[redis.Redis, Keys], object],
-    before_release: Callable[[redis.Redis, Keys], object],
+    before_release: Callable[[redis.Redis, Keys, dlock.Lock], object],
 ) -> float:
     """A holder releases a Redlock lock that a waiter waits for: how long the waiter
     took to get it from then. ``before_waiting`` and ``before_release`` meddle with the
@@ -1011,7 +1011,7 @@ def _redlock_hand_off(
         waiting = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
         waiting.start()
         time.sleep(0.5)  # its attempts made, it waits
-        before_release(raw, keys)
+        before_release(raw, keys, holder)
         released = time.monotonic()
         holder.release()
         waiting.join(25)
@@ -1049,10 +1049,32 @@ def test_a_redlock_waiter_is_woken_where_it_listens_after_that_master_lost_its_q
     contention lasted (a chaos helper's run, 5 of 5). The release now wakes there the
     waiter it woke elsewhere."""
 
-    def queue_lost_there(raw: redis.Redis, keys: Keys) -> None:
+    def queue_lost_there(raw: redis.Redis, keys: Keys, holder: dlock.Lock) -> None:
         assert raw.delete(keys.queue, keys.qexp, keys.info) == 3
 
     took = _redlock_hand_off(redlock_servers, lambda *_: None, queue_lost_there)
+    assert took < 5, "the waiter was not woken by the release"
+
+
+def test_a_redlock_waiter_is_woken_where_it_listens_while_the_holder_leaves_that_master_out(
+    own_masters: list[RedisServer],
+) -> None:
+    """The master waiters listen to was paused a moment: the holder's client, whose
+    call it did not answer, leaves it out of calls the others decide (2 s, then longer).
+    Its releases in that while woke nobody where waiters listen, and each contended
+    hand-off waited out the fallback timer (2 s), for seconds after the master came
+    back (a chaos helper's run). The release now wakes the waiter there too, in the
+    background."""
+    listened = min(own_masters, key=lambda master: master.port)
+
+    def left_out_by_the_holder(raw: redis.Redis, keys: Keys, holder: dlock.Lock) -> None:
+        listened.pause()
+        try:
+            holder.extend()  # a majority renews; the paused master times out
+        finally:
+            listened.resume()
+
+    took = _redlock_hand_off(own_masters, lambda *_: None, left_out_by_the_holder)
     assert took < 5, "the waiter was not woken by the release"
 
 

@@ -98,6 +98,10 @@ class AsyncRedlockBackend(AsyncBackend):
         self._silences = [_Silence() for _ in self._masters]
         #: The leaves of cancelled waiters, going on by themselves (see waiter).
         self._leaves: set[Any] = set()
+        #: A wake-up on the listened-to master left out of a release (see
+        #: _wake_on_left_out), going on by itself: one at a time.
+        self._wakes: set[Any] = set()
+        self._waking = False
         #: The entries of each lease held here, (name, token) -> count, as the caller
         #: made them. Masters that missed a call (failed there) disagree with each other
         #: in either direction, and no count among theirs need be the caller's.
@@ -359,7 +363,9 @@ class AsyncRedlockBackend(AsyncBackend):
             for master, count in zip(self._masters, results, strict=True):
                 if isinstance(count, int):
                     await self._release_all(master, name, token, count)
-            if left <= 0 and woken[0] is None and isinstance(answers[0], tuple):
+            if left <= 0 and isinstance(answers[0], _LeftOut):
+                self._wake_on_left_out(name, woken)
+            elif left <= 0 and woken[0] is None and isinstance(answers[0], tuple):
                 await self._wake_where_it_listens(name, woken)
             # Freed on a majority while the caller still had entries (entries missed on
             # different masters): another client may take it now, so it is lost.
@@ -382,6 +388,24 @@ class AsyncRedlockBackend(AsyncBackend):
         if head is not None:
             with suppress(BackendError):
                 await self._masters[0].wake(name, head)
+
+    def _wake_on_left_out(self, name: str, woken: list[str | None]) -> None:
+        """The same when the listened-to master was left out of the release (silent
+        lately, perhaps answering again): its waiters heard of no release until their
+        timer (2 s), for as long as it was left out, 2 to 10 s after it came back (a
+        chaos helper's run). In the background, one at a time: it may still be down,
+        and the caller must not wait out its timeout. Answered, it is asked again."""
+        head = next((head for head in woken[1:] if head is not None), None)
+        if head is None or self._waking:
+            return
+        self._waking = True
+        run_detached(partial(self._wake_there, name, head), self._wakes, "dlock-wake")
+
+    async def _wake_there(self, name: str, head: str) -> None:
+        try:
+            await self._ask(0, lambda master: master.wake(name, head))
+        finally:
+            self._waking = False
 
     @staticmethod
     async def _release_all(master: AsyncRedisBackend, name: str, token: str, count: int) -> None:
