@@ -1624,6 +1624,46 @@ async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_o
         server.process.resume()
 
 
+async def test_a_turnstile_wait_the_server_has_not_read_yet_takes_nothing_later(
+    mariadb_server: SQLServer, name: str
+) -> None:
+    """A lease waiter cancelled after it sent its turnstile wait, which the server had
+    not read yet (held up in the network; under load, not yet run, or between its
+    statements): the clean-up saw no wait running, took it as ended, and gave back
+    once. Then the wait ran in the dead session and took the lease under the cancelled
+    lock's token, held by nobody until its TTL (a chaos run, 2 of 2 within 150 s). The
+    clean-up now kills the session itself, and waits for its end."""
+    server = mariadb_server
+    relay = Partition(server.port)
+    url = server.url("timeout=1&connect_timeout=1")
+    url = url.replace(f":{server.port}/", f":{relay.port}/")
+    try:
+        async with (
+            dlock.aio.connect(server.url()) as holding,
+            dlock.aio.connect(url) as behind,
+            dlock.aio.connect(server.url()) as other,
+        ):
+            holder = holding.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            relay.hold_on(b"GET_LOCK")
+            waiting = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=30))
+            deadline = time.monotonic() + 5
+            while not relay.marked.is_set():
+                assert time.monotonic() < deadline, "the waiter never sent its turnstile wait"
+                await asyncio.sleep(0.01)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            clean_ups = list(cast(Any, behind._backend)._clean_ups.values())
+            await asyncio.wait_for(asyncio.gather(*clean_ups), 10)
+            await holder.release()
+            relay.deliver()
+            await asyncio.sleep(0.5)  # for the late wait to run, if it still can
+            assert await other.inspect(name) is None, "the late wait took the lease"
+    finally:
+        relay.close()
+
+
 @contextlib.asynccontextmanager
 async def _queued_through_a_relay(
     server: SQLServer, name: str

@@ -234,6 +234,10 @@ class Partition:
         self._links: list[tuple[threading.Event, list[threading.Thread]]] = []
         #: Set while the connections relayed before ``hold`` pass nothing on.
         self._held: list[threading.Event] = []
+        #: Bytes that hold the connection whose request carries them (see hold_on);
+        #: ``marked`` is set once one did.
+        self._marker: bytes | None = None
+        self.marked = threading.Event()
         self._links_lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._listener.settimeout(0.1)
@@ -252,8 +256,10 @@ class Partition:
                 continue
             dropped, held = threading.Event(), threading.Event()
             threads = [
-                threading.Thread(target=self._pipe, args=(source, sink, dropped, held), daemon=True)
-                for source, sink in ((client, server), (server, client))
+                threading.Thread(
+                    target=self._pipe, args=(source, sink, dropped, held, up), daemon=True
+                )
+                for source, sink, up in ((client, server, True), (server, client, False))
             ]
             for thread in threads:
                 thread.start()
@@ -268,6 +274,7 @@ class Partition:
         sink: socket.socket,
         dropped: threading.Event,
         held: threading.Event,
+        up: bool,
     ) -> None:
         source.settimeout(0.05)
         with source, sink:
@@ -291,6 +298,8 @@ class Partition:
                     return
                 if not chunk:
                     return
+                if up:
+                    self._hold_if_marked(chunk, held)
                 # Read just as the cut began: held back with the rest.
                 while (self.cut.is_set() or held.is_set()) and not (
                     dropped.is_set() or self._closed.is_set()
@@ -310,6 +319,20 @@ class Partition:
         with self._links_lock:
             for held in self._held:
                 held.set()
+
+    def hold_on(self, marker: bytes) -> None:
+        """Hold the first connection that sends a request carrying ``marker`` from then
+        on, that request included, as ``hold`` does; the others are relayed as before."""
+        self.marked.clear()
+        self._marker = marker
+
+    def _hold_if_marked(self, chunk: bytes, held: threading.Event) -> None:
+        with self._links_lock:
+            if self._marker is not None and self._marker in chunk:
+                self._marker = None
+                held.set()
+                self._held.append(held)
+                self.marked.set()
 
     def deliver(self) -> None:
         """Pass on what the connections held by ``hold`` kept back, in order, late."""

@@ -81,6 +81,9 @@ class Conn:
     raw: Any
     #: The database's id of this session (backend pid, connection id).
     session_id: int | None = None
+    #: Where the server sees this session come from (MySQL: host and port), which tells
+    #: it apart from a later session of the same id (the server restarted).
+    session_address: str | None = None
     #: How many times it went back to the pool: a reused one may have died meanwhile.
     uses: int = 0
     #: The server's idle timeout is off for this session (it held a lock or waited).

@@ -545,11 +545,12 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         return named_lock_key(self._table + ":turnstile", name)
 
     async def _queue_sql(self, waiter: TurnstileWaiter, wait: float) -> tuple[str, dict[str, Any]]:
-        if waiter.conn.session_id is None:
+        conn = waiter.conn
+        if conn.session_id is None:
             # Asked of the server, once per waiting connection: the handshake's thread id
             # is a proxy's where one stands between (``_end_cut_off_wait``).
-            rows = (await self._run(waiter.conn, "SELECT CONNECTION_ID()", {})).rows
-            waiter.conn.session_id = int(rows[0][0])
+            rows = (await self._run(conn, self._sql["session_identity"], {})).rows
+            conn.session_id, conn.session_address = int(rows[0][0]), str(rows[0][1])
         return self._sql["turnstile_take"], {**waiter.params, "wait": wait}
 
     def _hang_up(self, conn: Conn) -> None:
@@ -563,19 +564,26 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
     async def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> bool:
         """Closing the connection ends a ``GET_LOCK`` wait only once the server notices
         (MariaDB 10.11: about half a second later); a turnstile handed over before
-        then still goes to the dead session, which takes the lease. So the query is
-        killed, and the server asked until it has ended. Only a session still running
-        this wait is killed: after a restart its id may be another's."""
-        session = waiter.conn.session_id
-        if session is None:
+        then still goes to the dead session, which takes the lease. Nor does a wait
+        not seen running show that it will not run: the server may not have read it
+        yet, or be between its statements (the take after the ``GET_LOCK``): a chaos
+        run's lease held by nobody until its TTL, found so. So the session itself is
+        killed, and the server asked until it has ended: what it ran by then is given
+        back after. Only the session still there from the same address (host and
+        port): after a restart its id may be another's. Over a Unix socket (no port)
+        only the session seen running this wait is killed, its query alone; else it
+        is waited for."""
+        session, address = waiter.conn.session_id, waiter.conn.session_address
+        if session is None or address is None:
             return False
-        params = {"id": session, "statement": f"%{waiter.key}%"}
+        own_address = ":" in address
+        params = {"id": session, "address": address, "statement": f"%{waiter.key}%"}
         deadline = time.monotonic() + self._settings.timeout
         killed = False
-        while (await self._call("session_running", params)).rows:
-            if not killed:
+        while rows := (await self._call("session_state", params)).rows:
+            if not killed and (own_address or rows[0][0]):
                 killed = True
-                if not await self._kill(session, "kill_query"):
+                if not await self._kill(session, "kill" if own_address else "kill_query"):
                     return True  # it ended meanwhile
             elif time.monotonic() >= deadline:
                 return False
