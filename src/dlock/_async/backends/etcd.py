@@ -98,6 +98,8 @@ AUTH_FAILED = "authentication failed"
 #: What it answers an authentication when authentication is not enabled.
 AUTH_DISABLED = "authentication is not enabled"
 PERMISSION_DENIED = "permission denied"
+#: A request refused for a lease that has ended (revoked, or run out).
+LEASE_NOT_FOUND = "lease not found"
 #: Rounds of a compare-and-write that lost to a write of the same owner token (another
 #: user of the lock object) before giving up.
 ROUNDS = 20
@@ -677,7 +679,7 @@ class AsyncEtcdBackend(AsyncBackend):
         try:
             await self._post("/v3/lease/revoke", {"ID": str(lease)}, resend=self._resend_after())
         except BackendError as exc:
-            if "lease not found" in str(exc):
+            if LEASE_NOT_FOUND in str(exc):
                 return False
             raise
         return True
@@ -828,10 +830,18 @@ class AsyncEtcdBackend(AsyncBackend):
                     asked,
                     sent + ttl,
                 )
-            except BackendError:
+            except BackendError as exc:
                 if not reentrant:
                     # Ours alone: if the put went through, this revokes it (a give-back).
                     await self._revoke_quietly(lease)
+                if LEASE_NOT_FOUND in str(exc) and not isinstance(exc, BackendUnavailable):
+                    # The lease granted for this attempt ran out before its put came:
+                    # etcd or this client stalled longer than the TTL. Nothing was put,
+                    # and a stall is worth waiting out, as a grant that comes too late.
+                    raise BackendUnavailable(
+                        f"{exc}: the lease granted for this acquire ended before its"
+                        f" put reached etcd ({asked} s; a stall that long)"
+                    ) from exc
                 raise
 
     async def _acquire(
