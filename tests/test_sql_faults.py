@@ -1624,6 +1624,13 @@ async def test_a_waiter_cancelled_in_the_turnstile_of_a_paused_server_stops_at_o
         server.process.resume()
 
 
+def _relayed(server: SQLServer) -> tuple[Partition, str]:
+    """A relay to ``server``, and a URL through it with timeouts of 1 s."""
+    relay = Partition(server.port)
+    url = server.url("timeout=1&connect_timeout=1")
+    return relay, url.replace(f":{server.port}/", f":{relay.port}/")
+
+
 async def test_a_turnstile_wait_the_server_has_not_read_yet_takes_nothing_later(
     mariadb_server: SQLServer, name: str
 ) -> None:
@@ -1634,9 +1641,7 @@ async def test_a_turnstile_wait_the_server_has_not_read_yet_takes_nothing_later(
     lock's token, held by nobody until its TTL (a chaos run, 2 of 2 within 150 s). The
     clean-up now kills the session itself, and waits for its end."""
     server = mariadb_server
-    relay = Partition(server.port)
-    url = server.url("timeout=1&connect_timeout=1")
-    url = url.replace(f":{server.port}/", f":{relay.port}/")
+    relay, url = _relayed(server)
     try:
         async with (
             dlock.aio.connect(server.url()) as holding,
@@ -1670,9 +1675,7 @@ async def _queued_through_a_relay(
 ) -> AsyncIterator[tuple[_Queue, Partition, dlock.aio.AsyncClient]]:
     """As _queue_up, the second waiter reaching the server through a relay (timeouts
     of 1 s); with the relay, and another client that reaches the server directly."""
-    relay = Partition(server.port)
-    url = server.url("timeout=1&connect_timeout=1")
-    url = url.replace(f":{server.port}/", f":{relay.port}/")
+    relay, url = _relayed(server)
     try:
         async with (
             dlock.aio.connect(server.url()) as holding,
