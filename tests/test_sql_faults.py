@@ -25,6 +25,7 @@ import pytest
 from pymysql.constants import CLIENT
 
 import dlock
+import dlock._sync.backends._server_sql
 import dlock._sync.lock
 import dlock.aio
 from dlock._sql import DEFAULT_TABLES, MYSQL, advisory_key, named_lock_key
@@ -111,6 +112,50 @@ def kill_other_sessions(server: SQLServer) -> None:
     while killed & {int(session) for (session,) in run(query, ())}:
         assert time.monotonic() < deadline, "killed sessions did not end"
         time.sleep(0.01)
+
+
+def test_a_session_waiter_whose_session_is_killed_waits_on(
+    server: SQLServer, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session-mode waiter whose wait's session the server ends (an administrator's
+    kill): nothing is held, and the acquire waits on, on a new session, as it did when
+    its connection had been pooled. On a connection opened for the wait (none idle in
+    the pool: a burst), it raised BackendUnavailable instead (PostgreSQL's
+    "terminating connection due to administrator command", a chaos helper's run)."""
+    monkeypatch.setattr(dlock._sync.backends._server_sql, "POOL_SIZE", 0)
+    waits = (
+        "SELECT pid FROM pg_stat_activity WHERE state = 'active'"
+        " AND query LIKE '%%pg_advisory_lock(%%' AND pid <> pg_backend_pid()"
+        if server.scheme == "postgresql"
+        else "SELECT id FROM information_schema.processlist"
+        " WHERE info LIKE '%%GET_LOCK(%%' AND id <> CONNECTION_ID()"
+    )
+    kill = "SELECT pg_terminate_backend(%s)" if server.scheme == "postgresql" else "KILL %s"
+    run = admin(server)
+    url = server.url("mode=session")
+    with dlock.connect(url) as holding, dlock.connect(url) as waiting:
+        holder = holding.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        got: list[bool | BaseException] = []
+
+        def wait() -> None:
+            try:
+                got.append(waiting.lock(name, ttl=30).acquire(timeout=20))
+            except BaseException as exc:
+                got.append(exc)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        deadline = time.monotonic() + 5
+        while not (sessions := run(waits, ())):
+            assert time.monotonic() < deadline, "the waiter never waited in the server"
+            time.sleep(0.01)
+        for (session,) in sessions:
+            run(kill, (int(session),))
+        time.sleep(0.5)  # the waiter learns its session ended
+        holder.release()
+        waiter.join(25)
+        assert got == [True]
 
 
 def test_session_lock_freed_at_once_when_its_connection_is_killed(

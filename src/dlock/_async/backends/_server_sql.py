@@ -1071,8 +1071,11 @@ class AsyncServerSQLBackend(AsyncBackend):
                 await self._unlock_and_give(conn, key)
                 return None
             await self._drop(conn)
-            if isinstance(exc, BackendUnavailable) and conn.uses > 0:
-                return None  # a pooled connection died while idle; the core tries again
+            if isinstance(exc, BackendUnavailable) and (conn.uses > 0 or self._session_ended(exc)):
+                # A pooled connection that died while idle, or a session the server
+                # ended under the wait (killed): nothing is held, and the core tries
+                # again, which tells a server that is down.
+                return None
             raise
         except BaseException:
             # Closing the session frees any lock it may have taken.
