@@ -796,6 +796,41 @@ def test_a_lock_file_deleted_or_replaced_while_held_is_a_loss(tmp_path: Path, ho
         other.release()
 
 
+def test_a_lock_file_deleted_alone_while_open_elsewhere_is_unavailable_until_closed(
+    tmp_path: Path,
+) -> None:
+    """The file deleted without its -wal and -shm, which another process has open: SQLite
+    finds those by path, and a new file at the path cannot be used through them ("disk
+    I/O error") until that process closes the old one. That said BackendError, the class
+    for what waiting does not mend (`dlock run` exited 76, a chaos helper's run):
+    BackendUnavailable now, with the likely cause, and the file is usable once the
+    other process has closed it."""
+    path = tmp_path / "locks.db"
+    url = f"sqlite://{path}"
+    script = (
+        "import dlock, sys, time\n"
+        "client = dlock.connect(sys.argv[1])\n"
+        "client.inspect('x')\n"
+        "print('open', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    ) as other:
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == "open"
+            path.unlink()
+            with (
+                dlock.connect(url) as client,
+                pytest.raises(dlock.BackendUnavailable, match="deleted or replaced"),
+            ):
+                client.lock("x", ttl=5).acquire(timeout=0)
+        finally:
+            other.kill()
+    with dlock.connect(url) as client:
+        assert client.lock("x", ttl=5).acquire(timeout=0)
+
+
 def test_a_token_is_read_from_the_clock_once_the_write_lock_is_had(tmp_path: Path) -> None:
     """A grant's token starts from the clock as the grant is made, not as the call
     began: read before a wait of up to busy_timeout for the file's write lock, it lagged

@@ -137,6 +137,14 @@ def _boot_and_now() -> tuple[str, float]:
 
 #: SQLITE_BUSY, SQLITE_LOCKED: another connection holds the lock the statement needs.
 BUSY_CODES = (5, 6)
+#: SQLITE_IOERR: reading or writing the file failed.
+IO_ERROR = 10
+#: What a failed read or write may come from besides the disk.
+IO_ERROR_HINT = (
+    " (if the lock file was deleted or replaced while other processes had it open, its"
+    " -wal and -shm files at the path are still theirs, and the new file cannot be used"
+    " until they close it: see docs/sqlite.md)"
+)
 
 
 def _busy(exc: sqlite3.Error) -> bool:
@@ -144,6 +152,15 @@ def _busy(exc: sqlite3.Error) -> bool:
     if code is not None:
         return (code & 0xFF) in BUSY_CODES
     return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _io_failed(exc: sqlite3.Error) -> bool:
+    """A failed read or write of the file: worth retrying, as it may pass (a file
+    deleted or replaced in use, until the processes that had it open close it)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return bool((code & 0xFF) == IO_ERROR)
+    return "disk I/O error" in str(exc)
 
 
 class AsyncSQLiteBackend(AsyncBackend):
@@ -252,6 +269,8 @@ class AsyncSQLiteBackend(AsyncBackend):
             message = f"cannot open SQLite database {self._path!r}: {exc}"
             if isinstance(exc, sqlite3.Error) and _busy(exc):
                 raise BackendUnavailable(message) from exc
+            if isinstance(exc, sqlite3.Error) and _io_failed(exc):
+                raise BackendUnavailable(message + IO_ERROR_HINT) from exc
             raise BackendError(message + self._unwritable_directory()) from exc
         return conn
 
@@ -354,6 +373,10 @@ class AsyncSQLiteBackend(AsyncBackend):
                     # not answering in time, like a hung server, and worth retrying.
                     raise BackendUnavailable(
                         f"SQLite {self._path!r}: {exc} for busy_timeout={self._busy_timeout:g} s"
+                    ) from exc
+                if _io_failed(exc):
+                    raise BackendUnavailable(
+                        f"SQLite {self._path!r}: {exc}{IO_ERROR_HINT}"
                     ) from exc
                 raise BackendError(f"SQLite {self._path!r}: {exc}") from exc
 
