@@ -179,11 +179,17 @@ def start_mariadb(durable: bool = False, tls: Certificates | None = None) -> SQL
     mariadbd = require_binary("mariadbd", "mariadb-server")
     root = private_dir("mariadb")
     data = root / "data"
+    # A temporary directory of its own: in the shared /tmp, two servers bootstrapping
+    # at once (xdist workers) ran into each other's temporary tables, and one failed
+    # ("Could not remove temporary table ... Unknown table 'mysql.tmp_user_sys'").
+    tmp = root / "tmp"
+    tmp.mkdir()
     subprocess.run(
         [
             install,
             "--no-defaults",
             f"--datadir={data}",
+            f"--tmpdir={tmp}",
             "--user=root",
             "--auth-root-authentication-method=normal",
             "--skip-test-db",
@@ -196,6 +202,7 @@ def start_mariadb(durable: bool = False, tls: Certificates | None = None) -> SQL
         mariadbd,
         "--no-defaults",
         f"--datadir={data}",
+        f"--tmpdir={tmp}",
         "--user=root",
         f"--port={port}",
         "--bind-address=127.0.0.1",
