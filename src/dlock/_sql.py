@@ -881,9 +881,11 @@ def mysql_statements(table: str) -> dict[str, str]:
         # session has ended, and its locks go only as it ends.
         "session_lock_kept": "SELECT IS_USED_LOCK(%(key)s) = %(session)s",
         "kill_query": "KILL QUERY %(id)s",
-        # A session's own id and address, as the server sees them (past a proxy).
+        # A session's own id and address, as the server sees them (past a proxy); one
+        # row, whatever the processlist shows.
         "session_identity": """
-            SELECT id, host FROM information_schema.processlist WHERE id = CONNECTION_ID()""",
+            SELECT CONNECTION_ID(),
+                (SELECT host FROM information_schema.processlist WHERE id = CONNECTION_ID())""",
         # Whether a session is still there (from where it was), and runs a statement.
         "session_state": """
             SELECT info LIKE %(statement)s FROM information_schema.processlist

@@ -547,8 +547,9 @@ class MySQLBackend(ServerSQLBackend):
         if conn.session_id is None:
             # Asked of the server, once per waiting connection: the handshake's thread id
             # is a proxy's where one stands between (``_end_cut_off_wait``).
-            rows = (self._run(conn, self._sql["session_identity"], {})).rows
-            conn.session_id, conn.session_address = int(rows[0][0]), str(rows[0][1])
+            (session, address), *_ = (self._run(conn, self._sql["session_identity"], {})).rows
+            conn.session_id = int(session)
+            conn.session_address = None if address is None else str(address)
         return self._sql["turnstile_take"], {**waiter.params, "wait": wait}
 
     def _hang_up(self, conn: Conn) -> None:
