@@ -1056,6 +1056,52 @@ def test_a_redlock_waiter_is_woken_where_it_listens_after_that_master_lost_its_q
     assert took < 5, "the waiter was not woken by the release"
 
 
+def test_a_redlock_waiter_is_woken_where_it_listens_when_another_heads_the_queue_there(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """The master waiters listen to has another waiter at the head of its queue than the
+    others have: it lost the first one's place (a restart keeps only the waiters that
+    queued since). The holder's release woke that other one there, which found the lock
+    busy on the majority, and the first, which a majority grants, only where it does
+    not listen: it sat until its timer (2 s by default, the timeout here; a chaos
+    helper: after 14 of 18 restarts of that master). The release now wakes there too
+    the waiter that the other masters woke."""
+    listened = min(redlock_servers, key=lambda master: master.port)
+    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
+    slow_timer = dlock.Backoff(notify_fallback=60)
+    got: dict[str, float] = {}
+    with (
+        redis.Redis(port=listened.port) as raw,
+        dlock.connect(url) as holders,
+        dlock.connect(url, backoff=slow_timer) as firsts,
+        dlock.connect(url, backoff=slow_timer) as seconds,
+    ):
+        holder = holders.lock(unique(), ttl=30)
+        assert holder.acquire(timeout=0)
+        keys = Keys(b"dlock", holder.name)
+
+        def wait(who: str, client: dlock.Client) -> None:
+            lock = client.lock(holder.name, ttl=30)
+            if lock.acquire(timeout=20):
+                got[who] = time.monotonic()
+                lock.release()
+
+        waiting = []
+        for who, client in (("first", firsts), ("second", seconds)):
+            waiting.append(threading.Thread(target=wait, args=(who, client)))
+            waiting[-1].start()
+            time.sleep(0.5)  # its attempts made, it waits
+        first = raw.zrange(keys.queue, 0, 0)[0]
+        assert raw.zrem(keys.queue, first) == 1 and raw.zrem(keys.qexp, first) == 1
+        raw.hdel(keys.info, first)
+        released = time.monotonic()
+        holder.release()
+        for thread in waiting:
+            thread.join(25)
+        assert set(got) == {"first", "second"}, "a waiter was not woken by the release"
+        assert got["first"] - released < 5, "the first waiter was not woken where it listens"
+
+
 def test_a_redlock_waiter_is_woken_where_it_listens_while_the_holder_leaves_that_master_out(
     own_masters: list[RedisServer],
 ) -> None:
