@@ -504,7 +504,14 @@ class MySQLBackend(ServerSQLBackend):
                 return Busy()
             if waiter.in_front:
                 # On the connection holding the turnstile: a free lease is kept for it.
-                result = self._run(waiter.conn, self._sql["acquire_front"], params)
+                try:
+                    result = self._run(waiter.conn, self._sql["acquire_front"], params)
+                except BaseException:
+                    # Cut off, it may still run in the waiter's session, and take the
+                    # lease for nobody after every give-back (a chaos helper: a client
+                    # closed at once, 5 of 228): the clean-up ends that session first.
+                    waiter.cut_off = True
+                    raise
             else:
                 result = self._call(statement, params)
         if result.rowcount > 0:
