@@ -1676,6 +1676,27 @@ def _relayed(server: SQLServer) -> tuple[Partition, str]:
     return relay, url.replace(f":{server.port}/", f":{relay.port}/")
 
 
+async def _cancel_held_up(relay: Partition, waiting: asyncio.Task[bool], what: str) -> None:
+    """Once the relay holds up ``waiting``'s request (see ``Partition.hold_on``), cancel
+    it, cut off in flight."""
+    deadline = time.monotonic() + 5
+    while not relay.marked.is_set():
+        assert time.monotonic() < deadline, f"the waiter never sent its {what}"
+        await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def _late_request_takes_nothing(
+    relay: Partition, other: dlock.aio.AsyncClient, name: str, what: str
+) -> None:
+    """Deliver what the relay held up: ``name`` must stay free."""
+    relay.deliver()
+    await asyncio.sleep(0.5)  # for the late request to run, if it still can
+    assert await other.inspect(name) is None, f"the late {what} took the lease"
+
+
 async def test_a_turnstile_wait_the_server_has_not_read_yet_takes_nothing_later(
     mariadb_server: SQLServer, name: str
 ) -> None:
@@ -1697,19 +1718,11 @@ async def test_a_turnstile_wait_the_server_has_not_read_yet_takes_nothing_later(
             assert await holder.acquire(timeout=0)
             relay.hold_on(b"GET_LOCK")
             waiting = asyncio.create_task(behind.lock(name, ttl=30).acquire(timeout=30))
-            deadline = time.monotonic() + 5
-            while not relay.marked.is_set():
-                assert time.monotonic() < deadline, "the waiter never sent its turnstile wait"
-                await asyncio.sleep(0.01)
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
+            await _cancel_held_up(relay, waiting, "turnstile wait")
             clean_ups = list(cast(Any, behind._backend)._clean_ups.values())
             await asyncio.wait_for(asyncio.gather(*clean_ups), 10)
             await holder.release()
-            relay.deliver()
-            await asyncio.sleep(0.5)  # for the late wait to run, if it still can
-            assert await other.inspect(name) is None, "the late wait took the lease"
+            await _late_request_takes_nothing(relay, other, name, "turnstile wait")
     finally:
         relay.close()
 
@@ -1738,17 +1751,10 @@ async def test_a_poll_in_front_of_the_turnstile_cut_off_takes_nothing_later(
                 assert time.monotonic() < deadline, "the waiter never got in front"
                 await asyncio.sleep(0.01)
             relay.hold_on(b"= CONNECTION_ID()")  # its next poll
-            while not relay.marked.is_set():
-                assert time.monotonic() < deadline, "the waiter in front never polled"
-                await asyncio.sleep(0.01)
+            await _cancel_held_up(relay, waiting, "poll")
             await holder.release()
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
             await behind.aclose()
-            relay.deliver()
-            await asyncio.sleep(0.5)  # for the late poll to run, if it still can
-            assert await other.inspect(name) is None, "the late poll took the lease"
+            await _late_request_takes_nothing(relay, other, name, "poll")
     finally:
         relay.close()
 
