@@ -123,13 +123,23 @@ def test_a_session_waiter_whose_session_is_killed_waits_on(
     the pool: a burst), it raised BackendUnavailable instead (PostgreSQL's
     "terminating connection due to administrator command", a chaos helper's run)."""
     monkeypatch.setattr(dlock._sync.backends._server_sql, "POOL_SIZE", 0)
-    waits = (
-        "SELECT pid FROM pg_stat_activity WHERE state = 'active'"
-        " AND query LIKE '%%pg_advisory_lock(%%' AND pid <> pg_backend_pid()"
-        if server.scheme == "postgresql"
-        else "SELECT id FROM information_schema.processlist"
-        " WHERE info LIKE '%%GET_LOCK(%%' AND id <> CONNECTION_ID()"
-    )
+    # Only the blocking wait: the waiter's first, non-blocking try runs on a connection
+    # of its own, closed as it ends (no pool), and a kill that found it gone failed
+    # (MariaDB: "Unknown thread id"; its try names GET_LOCK inside an INSERT).
+    if server.scheme == "postgresql":
+        waits = (
+            "SELECT pid FROM pg_stat_activity WHERE state = 'active'"
+            " AND query LIKE '%%pg_advisory_lock(%%' AND pid <> pg_backend_pid()"
+        )
+        waits_params: tuple[Any, ...] = ()
+    else:
+        waits = (
+            "SELECT id FROM information_schema.processlist"
+            " WHERE info LIKE %s AND id <> CONNECTION_ID()"
+        )
+        table = f"{server.database}.{DEFAULT_TABLES['session']}"
+        key = named_lock_key(table, name)
+        waits_params = (f"%SELECT GET_LOCK('{key}'%",)
     kill = "SELECT pg_terminate_backend(%s)" if server.scheme == "postgresql" else "KILL %s"
     run = admin(server)
     url = server.url("mode=session")
@@ -147,7 +157,7 @@ def test_a_session_waiter_whose_session_is_killed_waits_on(
         waiter = threading.Thread(target=wait)
         waiter.start()
         deadline = time.monotonic() + 5
-        while not (sessions := run(waits, ())):
+        while not (sessions := run(waits, waits_params)):
             assert time.monotonic() < deadline, "the waiter never waited in the server"
             time.sleep(0.01)
         for (session,) in sessions:
