@@ -33,7 +33,7 @@ from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.cancelling import cancel_a_parked_waiter
 from tests.forking import answer_in_a_child
-from tests.servers import stop_every
+from tests.servers import Partition, stop_every
 from tests.servers.redis import (
     RedisCluster,
     RedisServer,
@@ -1122,6 +1122,112 @@ def test_a_redlock_waiter_is_woken_where_it_listens_while_the_holder_leaves_that
 
     took = _redlock_hand_off(own_masters, lambda *_: None, left_out_by_the_holder)
     assert took < 5, "the waiter was not woken by the release"
+
+
+def test_a_redlock_waiter_is_woken_where_it_listens_when_the_head_leaves_while_held_there(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """The head of the queue is cancelled while the lock is free on a majority of
+    masters but not on the one waiters listen to (the holder's release, which frees
+    that one last, not there yet; or a lease lost on the others, played here by
+    deleting it). Its leaves woke the next waiter only on the free masters, where it
+    does not listen, and it sat until its timer (2 s by default, the timeout here; a
+    chaos helper's run with cancellations). The leave now wakes it there too, as a
+    release does."""
+    listened = min(redlock_servers, key=lambda master: master.port)
+    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
+    slow_timer = dlock.Backoff(notify_fallback=60)
+
+    async def scenario() -> float:
+        async with (
+            dlock.aio.connect(url) as holders,
+            dlock.aio.connect(url, backoff=slow_timer) as firsts,
+            dlock.aio.connect(url, backoff=slow_timer) as seconds,
+        ):
+            holder = holders.lock(unique(), ttl=30, auto_renew=False)
+            assert await holder.acquire(timeout=0)
+            keys = Keys(b"dlock", holder.name)
+            first = asyncio.create_task(firsts.lock(holder.name, ttl=30).acquire(timeout=20))
+            await asyncio.sleep(0.5)  # its attempt made, it waits at the head
+            second_lock = seconds.lock(holder.name, ttl=30)
+            second = asyncio.create_task(second_lock.acquire(timeout=20))
+            await asyncio.sleep(0.5)
+            for master in redlock_servers:
+                if master is not listened:
+                    with redis.Redis(port=master.port) as raw:
+                        assert raw.delete(keys.lease) == 1
+            first.cancel()
+            left = time.monotonic()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert await second, "the next waiter was not woken where it listens"
+            took = time.monotonic() - left
+            await second_lock.release()
+            return took
+
+    assert asyncio.run(scenario()) < 5, "the next waiter was not woken where it listens"
+
+
+def test_a_redlock_waiter_is_woken_where_it_listens_once_the_head_left_every_master(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """The head of the queue is cancelled while the lock is free. Its leave of the
+    master waiters listen to went first and woke the next waiter there, whose attempt
+    could reach the other masters before the head's leaves did (played here by holding
+    the head's requests to them up): refused there, as the head still queued first, it
+    waited again, and their leaves woke it only where it does not listen; it sat until
+    its timer (2 s by default, the timeout here). The leave of that master now goes
+    last, as a release's does."""
+    masters = sorted(redlock_servers, key=lambda master: master.port)
+    # The head's client reaches the masters through relays, which must sort as the
+    # masters do: Redlock takes the first by address as the one waiters listen to.
+    relays = sorted((Partition(master.port) for master in masters), key=lambda r: r.port)
+    for relay, master in zip(relays, masters, strict=True):
+        relay.target = master.port
+    relayed = "redis+redlock://" + ",".join(f"127.0.0.1:{relay.port}" for relay in relays)
+    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
+    slow_timer = dlock.Backoff(notify_fallback=60)
+
+    async def scenario() -> float:
+        async with (
+            dlock.aio.connect(url) as holders,
+            # Its requests wait for an answer longer than the test holds them up.
+            dlock.aio.connect(
+                f"{relayed}?queue_ttl=90&socket_timeout=5", backoff=slow_timer
+            ) as firsts,
+            dlock.aio.connect(url, backoff=slow_timer) as seconds,
+        ):
+            holder = holders.lock(unique(), ttl=30, auto_renew=False)
+            assert await holder.acquire(timeout=0)
+            keys = Keys(b"dlock", holder.name)
+            first = asyncio.create_task(firsts.lock(holder.name, ttl=30).acquire(timeout=20))
+            await asyncio.sleep(0.5)  # its attempt made, it waits at the head
+            second_lock = seconds.lock(holder.name, ttl=30)
+            second = asyncio.create_task(second_lock.acquire(timeout=20))
+            await asyncio.sleep(0.5)
+            for master in masters:  # free, nobody woken
+                with redis.Redis(port=master.port) as raw:
+                    assert raw.delete(keys.lease) == 1
+            for relay in relays[1:]:
+                relay.hold()
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await asyncio.sleep(1)  # the next waiter woken, if it was, has tried
+            for relay in relays[1:]:
+                relay.deliver()
+            delivered = time.monotonic()
+            assert await second, "the next waiter was not woken where it listens"
+            took = time.monotonic() - delivered
+            await second_lock.release()
+            return took
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        for relay in relays:
+            relay.close()
+    assert took < 5, "the next waiter was not woken where it listens"
 
 
 def test_a_redlock_renewal_keeps_the_drift_allowance_on_every_master(

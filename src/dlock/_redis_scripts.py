@@ -269,7 +269,8 @@ return 0
 #: of the queue while the lock is free hands the turn on, or the next waiter would sit
 #: until its timer fires. Only the lease handed for this wait (its latest ``attempt``,
 #: the fence of that grant): a leave that got no answer may still arrive after the
-#: token's next hold was granted, which is not its to give back.
+#: token's next hold was granted, which is not its to give back. Returns the waiter it
+#: woke without handing it the lease (Redlock's masters), or nil.
 DEQUEUE = Script(
     _MINT
     + _PARSE
@@ -288,9 +289,8 @@ if ARGV[3] == '1' and owner == token and handed == 'h ' .. ARGV[4] .. ' ' .. f t
     owner = nil
 end
 if not owner and (head == token or ARGV[3] == '1') then
-    hand_on(lease, fence, queue, qexp, info, ARGV[2], ARGV[3])
+    return hand_on(lease, fence, queue, qexp, info, ARGV[2], ARGV[3])
 end
-return 1
 """
 )
 

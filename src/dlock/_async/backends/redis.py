@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis_client
@@ -207,6 +207,11 @@ def _ms(seconds: float) -> int:
 
 def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def _text(value: Any) -> str | None:
+    """A script's string reply (bytes, or str with decoded responses); None for nil."""
+    return value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else None
 
 
 def split_url(url: str) -> SplitResult:
@@ -424,6 +429,14 @@ class Keys:
 def _keys(prefix: bytes, name: str) -> Keys:
     """Keys of recently used names, so a hot lock does not re-encode its name each time."""
     return Keys(prefix, name)
+
+
+class Left(NamedTuple):
+    """A leave's outcome: whether the server answered, and the waiter the leave woke
+    there without handing it the lease (Redlock's masters; None: nobody)."""
+
+    answered: bool
+    woke: str | None = None
 
 
 @dataclass
@@ -1070,8 +1083,7 @@ class AsyncRedisBackend(AsyncBackend):
         k = self._keys(name)
         args = (token, k.wake, self._hand_over_flag(), "1")
         left, woke = await self._call(scripts.RELEASE, k.queued(), args)
-        head = woke.decode() if isinstance(woke, bytes) else woke if isinstance(woke, str) else None
-        return (None if int(left) < 0 else int(left)), head
+        return (None if int(left) < 0 else int(left)), _text(woke)
 
     async def wake(self, name: str, token: str) -> None:
         """Wake ``token``'s waiter on ``name`` here, where it listens (for Redlock)."""
@@ -1235,10 +1247,11 @@ class AsyncRedisBackend(AsyncBackend):
 
     async def _leave(
         self, name: str, token: str, left: WakeupEvent, attempt: int, unanswered: bool
-    ) -> bool:
-        """DEQUEUE; True if the server answered. ``attempt``, the wait's latest, names
-        the only hand-over it may give back: one that arrives late (after it got no
-        answer, and the token held the lock again) must leave that hold alone.
+    ) -> Left:
+        """DEQUEUE: whether the server answered, and whom it woke. ``attempt``, the
+        wait's latest, names the only hand-over it may give back: one that arrives late
+        (after it got no answer, and the token held the lock again) must leave that hold
+        alone.
 
         After an attempt that got no answer (``unanswered``: the server paused, hung or
         cut off) the caller waits for the leave only briefly: it is on its way to an
@@ -1250,20 +1263,21 @@ class AsyncRedisBackend(AsyncBackend):
         send = partial(self._send_leave, name, token, left, attempt)
         if not unanswered:
             return await send()
-        return (await concurrently([send], LEAVE_AFTER_SILENCE))[0] is True
+        outcome = (await concurrently([send], LEAVE_AFTER_SILENCE))[0]
+        return outcome if isinstance(outcome, Left) else Left(answered=False)
 
-    async def _send_leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> bool:
+    async def _send_leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> Left:
         k = self._keys(name)
         try:
             args = (token, k.wake, self._hand_over_flag(), attempt)
-            await call_with_timeout(
+            woke = await call_with_timeout(
                 self._call(scripts.DEQUEUE, k.queued(), args), self._queue_ttl_ms / 1000
             )
         except (BackendError, TimeoutError):
-            return False
+            return Left(answered=False)
         finally:
             self._end_leaving(token, left)
-        return True
+        return Left(answered=True, woke=_text(woke))
 
     @asynccontextmanager
     async def subscription(self, name: str, token: str) -> AsyncIterator[AsyncWaiter]:

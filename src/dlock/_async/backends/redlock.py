@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
@@ -45,8 +45,20 @@ def _released(answer: Any) -> bool:
     return isinstance(answer, tuple) and answer[0] is not None
 
 
+#: How the master waiters listen to took part in a release or leave: it answered, it
+#: was left out (silent lately: not asked), or it failed.
+Listened = Literal["answered", "left out", "failed"]
+
+
 class _LeftOut(BackendUnavailable):
     """A master not asked: it did not answer lately, and the others decided without it."""
+
+
+def _listened(answer: Any) -> Listened:
+    """How the master waiters listen to took part in a release, from its answer."""
+    if isinstance(answer, _LeftOut):
+        return "left out"
+    return "answered" if isinstance(answer, tuple) else "failed"
 
 
 class _Silence:
@@ -365,7 +377,7 @@ class AsyncRedlockBackend(AsyncBackend):
                 if isinstance(count, int):
                     await self._release_all(master, name, token, count)
             if left <= 0:
-                await self._wake_where_it_listens(name, answers[0], woken)
+                await self._wake_where_it_listens(name, _listened(answers[0]), woken)
             # Freed on a majority while the caller still had entries (entries missed on
             # different masters): another client may take it now, so it is lost.
             return 0 if left <= 0 else None
@@ -377,11 +389,12 @@ class AsyncRedlockBackend(AsyncBackend):
         return None
 
     async def _wake_where_it_listens(
-        self, name: str, listened: Any, woken: list[str | None]
+        self, name: str, listened: Listened, woken: list[str | None]
     ) -> None:
-        """A release that freed the name on a majority must wake, on the master waiters
-        listen to (``masters[0]``), the waiter that the others woke: the head of their
-        queues, which a majority grants. It did not, and that waiter sat until its
+        """A release that freed the name on a majority (or a leave of the head of the
+        queues, see _dequeue_everywhere) must wake, on the master waiters listen to
+        (``masters[0]``), the waiter that the others woke: the head of their queues,
+        which a majority grants. It did not, and that waiter sat until its
         fallback timer (2 s), when that master woke nobody (a split vote gave it the
         master alone, free with nobody queued, and it gave it back; or the master lost
         its queue in a restart), woke another (its queue differs from theirs: a restart
@@ -396,11 +409,11 @@ class AsyncRedlockBackend(AsyncBackend):
         head = Counter(heads).most_common(1)[0][0]
         if woken[0] == head:
             return
-        if isinstance(listened, _LeftOut):
+        if listened == "left out":
             if not self._waking:
                 self._waking = True
                 run_detached(partial(self._wake_there, name, head), self._wakes, "dlock-wake")
-        elif isinstance(listened, tuple):
+        elif listened == "answered":
             with suppress(BackendError):
                 await self._masters[0].wake(name, head)
 
@@ -509,15 +522,34 @@ class AsyncRedlockBackend(AsyncBackend):
         """Leave the queue on every master (each leave started, see waiter); the number
         of masters. A leave never sent (this run itself cut off, its event loop ending)
         still ends, or the token's next attempt on that master would wait for it. A
-        master left out (silent lately) is not asked: its place lapses by itself."""
+        master left out (silent lately) is not asked: its place lapses by itself.
+
+        A waiter that leaves at the head of the queues of a free lock (woken, then
+        cancelled or timed out) wakes the next on each master, as a release does, and as
+        for a release the master waiters listen to goes last and must wake the waiter
+        the others woke: its leave first, the next waiter could try while this one still
+        headed the others' queues, be refused, and hear their wake-ups nowhere; not free
+        there (the holder's release not there yet), it woke nobody where the next one
+        listens. Either way the next waiter sat until its fallback timer (2 s; chaos
+        helpers saw ~1.8 s stalls with cancellations)."""
+        woken: list[str | None] = [None] * len(leaves)
+        listened: Listened = "failed"
         try:
-            for (master, leaving), silence in zip(leaves, self._silences, strict=True):
-                if leaving is not None and not silence.left_out():
-                    await master._leave(name, token, *leaving)
+            for i in [*range(1, len(leaves)), 0]:
+                master, leaving = leaves[i]
+                if leaving is None:
+                    continue
+                if self._silences[i].left_out():
+                    listened = "left out" if i == 0 else listened
+                    continue
+                answered, woken[i] = await master._leave(name, token, *leaving)
+                if i == 0 and answered:
+                    listened = "answered"
         finally:
             for master, leaving in leaves:
                 if leaving is not None:
                     master._end_leaving(token, leaving[0])
+        await self._wake_where_it_listens(name, listened, woken)
         return len(leaves)
 
     def _agreed(self, infos: list[LockInfo]) -> LockInfo | None:

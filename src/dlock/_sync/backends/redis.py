@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
 import redis as redis_client
@@ -208,6 +208,11 @@ def _ms(seconds: float) -> int:
 
 def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def _text(value: Any) -> str | None:
+    """A script's string reply (bytes, or str with decoded responses); None for nil."""
+    return value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else None
 
 
 def split_url(url: str) -> SplitResult:
@@ -425,6 +430,14 @@ class Keys:
 def _keys(prefix: bytes, name: str) -> Keys:
     """Keys of recently used names, so a hot lock does not re-encode its name each time."""
     return Keys(prefix, name)
+
+
+class Left(NamedTuple):
+    """A leave's outcome: whether the server answered, and the waiter the leave woke
+    there without handing it the lease (Redlock's masters; None: nobody)."""
+
+    answered: bool
+    woke: str | None = None
 
 
 @dataclass
@@ -1069,8 +1082,7 @@ class RedisBackend(Backend):
         k = self._keys(name)
         args = (token, k.wake, self._hand_over_flag(), "1")
         left, woke = self._call(scripts.RELEASE, k.queued(), args)
-        head = woke.decode() if isinstance(woke, bytes) else woke if isinstance(woke, str) else None
-        return (None if int(left) < 0 else int(left)), head
+        return (None if int(left) < 0 else int(left)), _text(woke)
 
     def wake(self, name: str, token: str) -> None:
         """Wake ``token``'s waiter on ``name`` here, where it listens (for Redlock)."""
@@ -1232,10 +1244,11 @@ class RedisBackend(Backend):
 
     def _leave(
         self, name: str, token: str, left: WakeupEvent, attempt: int, unanswered: bool
-    ) -> bool:
-        """DEQUEUE; True if the server answered. ``attempt``, the wait's latest, names
-        the only hand-over it may give back: one that arrives late (after it got no
-        answer, and the token held the lock again) must leave that hold alone.
+    ) -> Left:
+        """DEQUEUE: whether the server answered, and whom it woke. ``attempt``, the
+        wait's latest, names the only hand-over it may give back: one that arrives late
+        (after it got no answer, and the token held the lock again) must leave that hold
+        alone.
 
         After an attempt that got no answer (``unanswered``: the server paused, hung or
         cut off) the caller waits for the leave only briefly: it is on its way to an
@@ -1247,20 +1260,21 @@ class RedisBackend(Backend):
         send = partial(self._send_leave, name, token, left, attempt)
         if not unanswered:
             return send()
-        return (concurrently([send], LEAVE_AFTER_SILENCE))[0] is True
+        outcome = (concurrently([send], LEAVE_AFTER_SILENCE))[0]
+        return outcome if isinstance(outcome, Left) else Left(answered=False)
 
-    def _send_leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> bool:
+    def _send_leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> Left:
         k = self._keys(name)
         try:
             args = (token, k.wake, self._hand_over_flag(), attempt)
-            call_with_timeout(
+            woke = call_with_timeout(
                 self._call(scripts.DEQUEUE, k.queued(), args), self._queue_ttl_ms / 1000
             )
         except (BackendError, TimeoutError):
-            return False
+            return Left(answered=False)
         finally:
             self._end_leaving(token, left)
-        return True
+        return Left(answered=True, woke=_text(woke))
 
     @contextmanager
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:
