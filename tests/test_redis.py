@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -1124,6 +1124,54 @@ def test_a_redlock_waiter_is_woken_where_it_listens_while_the_holder_leaves_that
     assert took < 5, "the waiter was not woken by the release"
 
 
+def _redlock_head_cancelled(
+    redlock_servers: list[RedisServer],
+    free_on: list[RedisServer],
+    head_url: str | None = None,
+    holding_up: Sequence[Partition] = (),
+) -> float:
+    """Two waiters queue behind a holder of a Redlock lock; its lease is deleted on
+    ``free_on`` (free there, nobody woken), and the head of the queue is cancelled,
+    what it sends through the relays ``holding_up`` held up for a second. How long the
+    next waiter took to get the lock from then. The waiters' timers are put off past
+    their timeout (20 s): only a wake-up lets the next one in sooner."""
+    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
+    slow_timer = dlock.Backoff(notify_fallback=60)
+
+    async def scenario() -> float:
+        async with (
+            dlock.aio.connect(url) as holders,
+            dlock.aio.connect(head_url or url, backoff=slow_timer) as heads,
+            dlock.aio.connect(url, backoff=slow_timer) as nexts,
+        ):
+            holder = holders.lock(unique(), ttl=30, auto_renew=False)
+            assert await holder.acquire(timeout=0)
+            head = asyncio.create_task(heads.lock(holder.name, ttl=30).acquire(timeout=20))
+            await asyncio.sleep(0.5)  # its attempt made, it waits at the head
+            next_lock = nexts.lock(holder.name, ttl=30)
+            waiting = asyncio.create_task(next_lock.acquire(timeout=20))
+            await asyncio.sleep(0.5)
+            for master in free_on:
+                with redis.Redis(port=master.port) as raw:
+                    assert raw.delete(Keys(b"dlock", holder.name).lease) == 1
+            for relay in holding_up:
+                relay.hold()
+            head.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await head
+            if holding_up:
+                await asyncio.sleep(1)  # the next waiter woken, if it was, has tried
+                for relay in holding_up:
+                    relay.deliver()
+            left = time.monotonic()
+            assert await waiting, "the next waiter was not woken where it listens"
+            took = time.monotonic() - left
+            await next_lock.release()
+            return took
+
+    return asyncio.run(scenario())
+
+
 def test_a_redlock_waiter_is_woken_where_it_listens_when_the_head_leaves_while_held_there(
     redlock_servers: list[RedisServer],
 ) -> None:
@@ -1135,37 +1183,9 @@ def test_a_redlock_waiter_is_woken_where_it_listens_when_the_head_leaves_while_h
     chaos helper's run with cancellations). The leave now wakes it there too, as a
     release does."""
     listened = min(redlock_servers, key=lambda master: master.port)
-    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
-    slow_timer = dlock.Backoff(notify_fallback=60)
-
-    async def scenario() -> float:
-        async with (
-            dlock.aio.connect(url) as holders,
-            dlock.aio.connect(url, backoff=slow_timer) as firsts,
-            dlock.aio.connect(url, backoff=slow_timer) as seconds,
-        ):
-            holder = holders.lock(unique(), ttl=30, auto_renew=False)
-            assert await holder.acquire(timeout=0)
-            keys = Keys(b"dlock", holder.name)
-            first = asyncio.create_task(firsts.lock(holder.name, ttl=30).acquire(timeout=20))
-            await asyncio.sleep(0.5)  # its attempt made, it waits at the head
-            second_lock = seconds.lock(holder.name, ttl=30)
-            second = asyncio.create_task(second_lock.acquire(timeout=20))
-            await asyncio.sleep(0.5)
-            for master in redlock_servers:
-                if master is not listened:
-                    with redis.Redis(port=master.port) as raw:
-                        assert raw.delete(keys.lease) == 1
-            first.cancel()
-            left = time.monotonic()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            assert await second, "the next waiter was not woken where it listens"
-            took = time.monotonic() - left
-            await second_lock.release()
-            return took
-
-    assert asyncio.run(scenario()) < 5, "the next waiter was not woken where it listens"
+    others = [master for master in redlock_servers if master is not listened]
+    took = _redlock_head_cancelled(redlock_servers, free_on=others)
+    assert took < 5, "the next waiter was not woken where it listens"
 
 
 def test_a_redlock_waiter_is_woken_where_it_listens_once_the_head_left_every_master(
@@ -1184,46 +1204,16 @@ def test_a_redlock_waiter_is_woken_where_it_listens_once_the_head_left_every_mas
     relays = sorted((Partition(master.port) for master in masters), key=lambda r: r.port)
     for relay, master in zip(relays, masters, strict=True):
         relay.target = master.port
-    relayed = "redis+redlock://" + ",".join(f"127.0.0.1:{relay.port}" for relay in relays)
-    url = f"{make_redlock_url(redlock_servers)}?queue_ttl=90"
-    slow_timer = dlock.Backoff(notify_fallback=60)
-
-    async def scenario() -> float:
-        async with (
-            dlock.aio.connect(url) as holders,
-            # Its requests wait for an answer longer than the test holds them up.
-            dlock.aio.connect(
-                f"{relayed}?queue_ttl=90&socket_timeout=5", backoff=slow_timer
-            ) as firsts,
-            dlock.aio.connect(url, backoff=slow_timer) as seconds,
-        ):
-            holder = holders.lock(unique(), ttl=30, auto_renew=False)
-            assert await holder.acquire(timeout=0)
-            keys = Keys(b"dlock", holder.name)
-            first = asyncio.create_task(firsts.lock(holder.name, ttl=30).acquire(timeout=20))
-            await asyncio.sleep(0.5)  # its attempt made, it waits at the head
-            second_lock = seconds.lock(holder.name, ttl=30)
-            second = asyncio.create_task(second_lock.acquire(timeout=20))
-            await asyncio.sleep(0.5)
-            for master in masters:  # free, nobody woken
-                with redis.Redis(port=master.port) as raw:
-                    assert raw.delete(keys.lease) == 1
-            for relay in relays[1:]:
-                relay.hold()
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
-            await asyncio.sleep(1)  # the next waiter woken, if it was, has tried
-            for relay in relays[1:]:
-                relay.deliver()
-            delivered = time.monotonic()
-            assert await second, "the next waiter was not woken where it listens"
-            took = time.monotonic() - delivered
-            await second_lock.release()
-            return took
-
+    # Its requests wait for an answer longer than the test holds them up.
+    head_url = (
+        "redis+redlock://"
+        + ",".join(f"127.0.0.1:{relay.port}" for relay in relays)
+        + "?queue_ttl=90&socket_timeout=5"
+    )
     try:
-        took = asyncio.run(scenario())
+        took = _redlock_head_cancelled(
+            redlock_servers, free_on=masters, head_url=head_url, holding_up=relays[1:]
+        )
     finally:
         for relay in relays:
             relay.close()
