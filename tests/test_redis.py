@@ -1124,6 +1124,28 @@ def test_a_redlock_waiter_is_woken_where_it_listens_while_the_holder_leaves_that
     assert took < 5, "the waiter was not woken by the release"
 
 
+def test_a_redlock_waiter_is_woken_where_it_listens_once_that_master_is_back(
+    own_masters: list[RedisServer],
+) -> None:
+    """The master waiters listen to is paused, and the holder's client leaves it out:
+    the release sends its wake-up there in the background. Sent once, it timed out and
+    was lost, and the waiter sat until its timer though the master came back a moment
+    later (a chaos helper's repro: 28 s with a 30 s timer, 3 of 3). It is now sent
+    again until that master answers."""
+    listened = min(own_masters, key=lambda master: master.port)
+
+    def paused_through_the_release(raw: redis.Redis, keys: Keys, holder: dlock.Lock) -> None:
+        listened.pause()
+        holder.extend()  # a majority renews; the paused master times out
+        threading.Timer(1.5, listened.resume).start()  # 1 s after the wake-up timed out
+
+    try:
+        took = _redlock_hand_off(own_masters, lambda *_: None, paused_through_the_release)
+    finally:
+        listened.resume()
+    assert took < 5, "the waiter was not woken once the master was back"
+
+
 def _redlock_head_cancelled(
     redlock_servers: list[RedisServer],
     free_on: list[RedisServer],

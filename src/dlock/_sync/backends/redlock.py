@@ -11,17 +11,27 @@ in at least one master, whose counter is already that high, so tokens keep incre
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from functools import partial
+from operator import methodcaller
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError, InvalidTTL
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
-from .._primitives import Cancelled, WakeupEvent, join, run_detached, serving, shielded
+from .._primitives import (
+    Cancelled,
+    WakeupEvent,
+    join,
+    run_detached,
+    serving,
+    shielded,
+    sleep,
+)
 from ..backend import Backend, Waiter
 from .redis import RedisBackend
 
@@ -39,6 +49,11 @@ MASTER_TIMEOUT = 0.5
 #: decide alone; doubled each time it is asked again and still fails, up to the longest.
 LEFT_OUT_FIRST = 2.0
 LEFT_OUT_LONGEST = 10.0
+#: How long a wake-up that the master waiters listen to did not answer is sent again
+#: (see _wake_there), and the least time between two sends (a refused connection fails
+#: at once).
+WAKE_AGAIN_FOR = LEFT_OUT_LONGEST
+WAKE_AGAIN_EVERY = 0.2
 
 
 def _released(answer: Any) -> bool:
@@ -112,10 +127,14 @@ class RedlockBackend(Backend):
         self._silences = [_Silence() for _ in self._masters]
         #: The leaves of cancelled waiters, going on by themselves (see waiter).
         self._leaves: set[Any] = set()
-        #: A wake-up on the listened-to master left out of a release (see
-        #: _wake_where_it_listens), going on by itself: one at a time.
+        #: Wake-ups on the listened-to master left out of a release (see
+        #: _wake_where_it_listens), name -> waiter, sent by one run of _wake_there going
+        #: on by itself (kept in _wakes), under _wake_guard (the sync face's threads).
+        self._to_wake: dict[str, str] = {}
         self._wakes: set[Any] = set()
         self._waking = False
+        self._wake_guard = threading.Lock()
+        self._closing = False
         #: The entries of each lease held here, (name, token) -> count, as the caller
         #: made them. Masters that missed a call (failed there) disagree with each other
         #: in either direction, and no count among theirs need be the caller's.
@@ -411,19 +430,39 @@ class RedlockBackend(Backend):
         if woken[0] == head:
             return
         if listened == "left out":
-            if not self._waking:
+            with self._wake_guard:
+                self._to_wake[name] = head
+                if self._waking or self._closing:
+                    return
                 self._waking = True
-                run_detached(partial(self._wake_there, name, head), self._wakes, "dlock-wake")
+            run_detached(self._wake_there, self._wakes, "dlock-wake")
         elif listened == "answered":
             with suppress(BackendError):
                 self._masters[0].wake(name, head)
 
-    def _wake_there(self, name: str, head: str) -> None:
-        """Wake ``head`` on a master left out; its answer ends the leaving out."""
-        try:
-            self._ask(0, lambda master: master.wake(name, head))
-        finally:
-            self._waking = False
+    def _wake_there(self) -> None:
+        """Send the wake-ups in ``_to_wake`` to the master waiters listen to, left out,
+        one at a time; its answer ends the leaving out. While it does not answer (still
+        paused, restarting), each is sent again, for WAKE_AGAIN_FOR seconds at most:
+        one sent once and timed out was lost, and its waiter sat until its own timer
+        though the master came back meanwhile (a chaos helper's repro: 28 s with a 30 s
+        timer, 3 of 3; up to 1.5 s with the default 2 s)."""
+        until = time.monotonic() + WAKE_AGAIN_FOR
+        while True:
+            with self._wake_guard:
+                if self._closing or not self._to_wake or time.monotonic() >= until:
+                    self._to_wake.clear()
+                    self._waking = False
+                    return
+                name, head = next(iter(self._to_wake.items()))
+            sent = time.monotonic()
+            answer = self._ask(0, methodcaller("wake", name, head))
+            unanswered = isinstance(answer, BackendUnavailable)
+            with self._wake_guard:
+                if not unanswered and self._to_wake.get(name) == head:
+                    del self._to_wake[name]
+            if unanswered:
+                sleep(max(0.0, sent + WAKE_AGAIN_EVERY - time.monotonic()))
 
     @staticmethod
     def _release_all(master: RedisBackend, name: str, token: str, count: int) -> None:
@@ -622,6 +661,8 @@ class RedlockBackend(Backend):
     def close(self) -> None:
         # A wake-up still going on is cut off: it would use a master closed under it,
         # and leave that connection open.
+        with self._wake_guard:
+            self._closing = True
         for wake in list(self._wakes):
             if serving(wake):
                 join(wake, MASTER_TIMEOUT)
