@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -3460,3 +3461,25 @@ def test_a_release_in_flight_as_the_client_closes_ends_cleanly(tmp_path: Path) -
         assert not errors
         assert not lock.owned() and not lock.lost
         assert admin.inspect("job") is None
+
+
+@pytest.mark.parametrize("auto_renew", [True, False])
+def test_a_lock_object_dropped_while_held(tmp_path: Path, auto_renew: bool) -> None:
+    """Dropping a held lock object does not release it. Renewed, it stays held until
+    its client closes, which gives it back: a program that runs a job after
+    ``client.lock(name).acquire()`` keeps the lock though it kept no reference (the
+    README once said its lease ended by its TTL: a chaos helper found it renewed).
+    Not renewed, nothing keeps it, and its lease ends by its TTL."""
+    url = f"sqlite://{tmp_path}/locks.db"
+    with dlock.connect(url) as holding, dlock.connect(url) as other:
+        assert holding.lock("job", ttl=1, auto_renew=auto_renew).acquire(timeout=0)
+        gc.collect()
+        time.sleep(2)  # twice the TTL
+        if not auto_renew:
+            assert other.inspect("job") is None
+            return
+        info = other.inspect("job")
+        assert info is not None and info.expires_in > 0
+        assert not other.lock("job", ttl=1).acquire(timeout=0)
+        holding.close()
+        assert other.inspect("job") is None
