@@ -3479,7 +3479,7 @@ def test_a_lock_object_dropped_while_held(tmp_path: Path, auto_renew: bool) -> N
             assert other.inspect("job") is None
             return
         info = other.inspect("job")
-        assert info is not None and info.expires_in > 0
+        assert info is not None and info.expires_in is not None and info.expires_in > 0
         assert not other.lock("job", ttl=1).acquire(timeout=0)
         holding.close()
         assert other.inspect("job") is None
