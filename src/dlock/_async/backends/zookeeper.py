@@ -123,6 +123,12 @@ AUTH_ANSWER, AUTH_XID = "Received AUTH", -4
 SESSION_CREATED = "Session created"
 #: Where kazoo starts a connection: requests sent on the one before get no answer.
 CONNECTING = "Connecting to"
+#: A create whose reply was lost and that a search did not find may be applied later
+#: all the same (sent on a connection that dropped, it can go on through the ensemble):
+#: its node is searched for again every LOST_CREATE_EVERY seconds, until
+#: LOST_CREATE_WATCH seconds after that search or after the connection last came back.
+LOST_CREATE_EVERY = 1.0
+LOST_CREATE_WATCH = 30.0
 #: Lock nodes known to exist, so their first-use create is skipped (a bounded cache).
 MAX_KNOWN_PARENTS = 10_000
 #: Encoded node data kept for reuse (one per holder and TTL in use).
@@ -448,9 +454,10 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: Creates whose reply was lost: the node may exist; found by its token prefix.
         self._pending: set[tuple[str, str]] = set()
-        #: Those of them that their give-back could not look for (the server did not
-        #: answer): the reaper looks for them, and deletes them, once it answers again.
-        self._lost_creates: set[tuple[str, str]] = set()
+        #: Those of them looked for in vain, or that their give-back could not look for
+        #: (the server did not answer), with when to stop looking (the monotonic
+        #: clock): the reaper looks for them again, and deletes them once found.
+        self._lost_creates: dict[tuple[str, str], float] = {}
         #: Nodes we gave up but did not delete yet, by path, with their lock's key and
         #: their czxid: the reaper deletes them (only them: see _delete_orphan).
         self._orphans: dict[str, tuple[tuple[str, str], int]] = {}
@@ -713,6 +720,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     self._end_session(self._session_id)
                     self._renew_now()
                 self._session_id = session
+                # A create of the session that ended can no longer be applied.
+                self._lost_creates.clear()
+            # Back: a create sent before the connection dropped may be applied now.
+            until = time.monotonic() + LOST_CREATE_WATCH
+            for key in list(self._lost_creates):
+                self._lost_creates[key] = until
             if self._orphans or self._lost_creates:
                 # Not _start_reaper: an asyncio reaper can only be started in its loop,
                 # and it runs already (orphans started it).
@@ -939,7 +952,9 @@ class AsyncZooKeeperBackend(AsyncBackend):
             # was lost left a node whose name starts with our token. Adopt it.
             found = await self._find_own(zk, parent, token)
             self._pending.discard(key)
-            if found is not None:
+            if found is None:
+                self._watch_lost_create(key)
+            else:
                 path, stat = found
                 node = _Node(path, stat.ephemeralOwner, stat.czxid, data)
                 if node.session == session:
@@ -1051,21 +1066,23 @@ class AsyncZooKeeperBackend(AsyncBackend):
             raise _missing_chroot(zk)
 
     async def _find_own(
-        self, zk: KazooClient, parent: str, token: str
+        self, zk: KazooClient, parent: str, token: str, besides: str | None = None
     ) -> tuple[str, ZnodeStat] | None:
         """Our node whose create's reply was lost, if the create went through.
 
         The reply may have been lost with the connection, and the server we are on
         now may not have applied that create yet: catch up first. A node of ours we
-        gave up (waiting for the reaper) carries our token too, but is not this one.
+        gave up (waiting for the reaper) carries our token too, but is not this one;
+        nor is ``besides`` (the node the token holds or queues in now).
         """
         await self._catch_up(zk)
         try:
             children = await self._call(zk.get_children_async(parent))
         except NoNodeError:
             return None
+        skip = {*self._orphans, besides}
         for child in children:
-            if child.startswith(f"{token}-") and f"{parent}/{child}" not in self._orphans:
+            if child.startswith(f"{token}-") and f"{parent}/{child}" not in skip:
                 stat = await self._call(zk.exists_async(f"{parent}/{child}"))
                 if stat is not None:
                     return f"{parent}/{child}", stat
@@ -1328,8 +1345,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                     # The server may yet apply that create, once it answers again: a
                     # node nobody knows of would then head the queue for as long as the
                     # session lives. The reaper looks for it then.
-                    self._lost_creates.add(key)
-                    self._start_reaper(orphans=True)
+                    self._watch_lost_create(key)
                     raise
                 return None
             if node.held and not node.gone and node.session == self._session_id:
@@ -1518,24 +1534,38 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self._follow_fork()
         return await self._extend_all(list(leases))
 
+    def _watch_lost_create(self, key: tuple[str, str]) -> None:
+        """Have the reaper look for the node of a lost create, from now for
+        LOST_CREATE_WATCH seconds (not longer for each search in vain)."""
+        if key not in self._lost_creates:
+            self._lost_creates[key] = time.monotonic() + LOST_CREATE_WATCH
+            self._start_reaper(orphans=True)
+
     async def _drop_lost_create(self, zk: KazooClient, key: tuple[str, str]) -> None:
-        """Delete the node of a create whose reply was lost, if it went through."""
+        """Delete the node of a create whose reply was lost, if it went through (the
+        caller holds the key's stripe); if none is found, it may come yet: watched.
+        Not the node the key holds or queues in (a retry that created anew)."""
         name, token = key
-        found = await self._find_own(zk, self._parent(name), token)
+        node = self._nodes.get(key)
+        found = await self._find_own(
+            zk, self._parent(name), token, besides=None if node is None else node.path
+        )
         self._pending.discard(key)
-        self._lost_creates.discard(key)
-        if found is not None:
-            with suppress(NoNodeError):
-                await self._call(zk.delete_async(found[0]))
+        if found is None:
+            self._watch_lost_create(key)
+            return
+        self._lost_creates.pop(key, None)
+        with suppress(NoNodeError):
+            await self._call(zk.delete_async(found[0]))
 
     async def _delete_lost_creates(self, zk: KazooClient) -> None:
-        """Delete the nodes of lost creates whose give-back failed (see _release);
-        those that fail stay for the next try."""
-        for key in list(self._lost_creates):
+        """Look again for the nodes of lost creates (see _drop_lost_create), and delete
+        those found; stop looking once their watch is over."""
+        for key, until in list(self._lost_creates.items()):
             async with self._stripe(key):
-                if key not in self._pending or key in self._nodes:
-                    # An attempt under that token looked for it meanwhile (and took it).
-                    self._lost_creates.discard(key)
+                if time.monotonic() >= until:
+                    if self._lost_creates.get(key) == until:
+                        del self._lost_creates[key]
                     continue
                 with suppress(*CLIENT_ERRORS):
                     await self._drop_lost_create(zk, key)
@@ -1638,9 +1668,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
             )
             wait = deadline - time.monotonic()
             if self._orphans or self._lost_creates:
-                # Some could not be deleted: try again after a while.
+                # Some could not be deleted, or may come yet: try again after a while.
                 self._orphans_due = True
                 wait = min(wait, self._op_timeout)
+                if self._lost_creates:
+                    wait = min(wait, LOST_CREATE_EVERY)
             self._reaper_next = deadline
             await self._reaper_wakeup.wait(max(0.001, wait) if wait != float("inf") else None)
 
