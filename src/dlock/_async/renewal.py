@@ -279,7 +279,12 @@ class AsyncRenewer:
             elif ok:
                 lock._lease_renewed(started, ttl, cap)
             else:
-                reason = "the backend no longer had the lease when renewing"
+                # Not only "gone": ZooKeeper refuses too once the session's grace is
+                # over (no answer for too long), whether or not the server ended it.
+                reason = (
+                    "renewing it, the backend no longer had the lease, or could no longer"
+                    " vouch for it (a session that may have ended)"
+                )
                 lock._declare_lost(reason, watchdog=True, generation=generation)
         if unasked:
             logger.warning(
