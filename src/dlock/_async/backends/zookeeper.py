@@ -1565,7 +1565,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
             async with self._stripe(key):
                 if time.monotonic() >= until:
                     if self._lost_creates.get(key) == until:
-                        del self._lost_creates[key]
+                        # Not del: kazoo's thread may clear them meanwhile (see _on_state).
+                        self._lost_creates.pop(key, None)
                     continue
                 with suppress(*CLIENT_ERRORS):
                     await self._drop_lost_create(zk, key)
