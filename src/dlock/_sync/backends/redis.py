@@ -405,6 +405,19 @@ def _close_quietly(closable: Any) -> bool:
     return True
 
 
+def _disconnect_node_pools(client: Any) -> None:
+    """Close the connections of a closed cluster client's nodes. redis-py's sync cluster
+    closes each node's client, not the pool it gave that client, whose sockets stayed
+    open until the collector or the process's exit found them (with a ResourceWarning
+    each). Its asyncio cluster closes them itself: its nodes have no such client."""
+    nodes = getattr(getattr(client, "nodes_manager", None), "nodes_cache", {})
+    for node in list(nodes.values()):
+        node_client = getattr(node, "redis_connection", None)
+        if node_client is not None:
+            with suppress(*ERRORS, OSError):
+                node_client.connection_pool.disconnect()
+
+
 class Keys:
     """The keys and the wake-up channel of one lock name, all in one hash slot."""
 
@@ -1488,6 +1501,7 @@ class RedisBackend(Backend):
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
             self._aclose_quietly(client)
+            _disconnect_node_pools(client)
 
 
 BACKEND = RedisBackend
