@@ -1972,6 +1972,81 @@ def test_a_blocking_acquire_rides_out_a_move_of_the_names_slot(own_cluster: Redi
         move.close()
 
 
+def test_a_waiters_timeout_holds_while_the_names_slot_moves(own_cluster: RedisCluster) -> None:
+    """A waiter that times out while the name's slot is moving leaves the line, and its
+    leave, refused (TRYAGAIN), was ridden out in the foreground for up to the read
+    timeout (5 s): acquire(timeout=0.5) returned after 5.9-6.9 s (a chaos helper's
+    repro, every time). It now returns in time, the leave sent again in the background
+    until the move is over, and nothing of it stays in the line."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    try:
+        with (
+            dlock.connect(own_cluster.url) as holders,
+            dlock.connect(own_cluster.url) as waiters,
+        ):
+            holder = holders.lock(name, ttl=30)
+            assert holder.acquire(timeout=0)
+            move.begin()
+            started = time.monotonic()
+            assert not waiters.lock(name, ttl=30).acquire(timeout=0.5)
+            took = time.monotonic() - started
+            move.finish()
+            time.sleep(1)  # the leave, sent again, has run
+            holder.release()
+            assert holders.lock(name, ttl=30).acquire(timeout=0), "a place stayed in line"
+    finally:
+        move.close()
+    assert took < 2, f"acquire(timeout=0.5) took {took:.2f} s"
+
+
+def test_a_leave_refused_by_a_cluster_that_is_down_is_sent_again(
+    own_cluster: RedisCluster,
+) -> None:
+    """A waiter cancelled while another node's failure has the whole cluster answer
+    CLUSTERDOWN: its leave was refused, before running, and dropped. Its place stayed
+    in the line, the next release handed it the lease, and the name stayed free for
+    nobody until the place lapsed (a chaos helper's run: 3.5-4.8 s, on names of
+    healthy nodes). The leave is now sent again until the cluster serves."""
+    name = unique()
+    url = f"{own_cluster.url}?queue_ttl=30"
+    with redis.RedisCluster(host="127.0.0.1", port=own_cluster.nodes[0].port) as mapped:
+        serving = mapped.get_node_from_key(Keys(b"dlock", name).lease).port
+    other = next(node for node in own_cluster.nodes if node.port != serving)
+
+    def state() -> str:
+        with redis.Redis(port=serving, decode_responses=True) as admin:
+            return str(admin.cluster("INFO")["cluster_state"])
+
+    async def scenario() -> bool:
+        async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as waiters:
+            holder = holders.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            waiting = asyncio.create_task(waiters.lock(name, ttl=30).acquire(timeout=60))
+            await asyncio.sleep(0.5)  # its attempt made, it waits in line
+            other.pause()
+            try:
+                deadline = time.monotonic() + 20
+                while state() != "fail":
+                    assert time.monotonic() < deadline, "the cluster did not go down"
+                    await asyncio.sleep(0.1)
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                await asyncio.sleep(0.5)  # its leave refused
+            finally:
+                other.resume()
+            deadline = time.monotonic() + 20
+            while state() != "ok":
+                assert time.monotonic() < deadline, "the cluster did not come back"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.5)  # the leave, sent again, has run
+            await holder.release()
+            return await holders.lock(name, ttl=30).acquire(timeout=0)
+
+    assert asyncio.run(scenario()), "the cancelled waiter's place stayed in line"
+
+
 def test_a_release_cut_short_by_a_slot_move_is_unavailable(own_cluster: RedisCluster) -> None:
     """A script whose keys all exist when a slot starts moving runs on the node it is
     leaving; a key it deletes and then writes again is then served elsewhere, and the

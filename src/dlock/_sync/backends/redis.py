@@ -192,6 +192,13 @@ def moving(exc: BaseException | None) -> bool:
     ) and not _after_a_lost_reply(exc)
 
 
+def _refused_before_running(exc: BaseException | None) -> bool:
+    """A cluster refused a call before running it: moving the name's slot (``moving``),
+    or down (CLUSTERDOWN: a node failed, and the others serve no slot until it is
+    replaced), not while handling a lost reply."""
+    return moving(exc) or (isinstance(exc, ClusterDownError) and not _after_a_lost_reply(exc))
+
+
 def _after_a_lost_reply(exc: BaseException | None) -> bool:
     """``exc`` was raised while handling a lost connection or a timeout."""
     seen = 0
@@ -1277,17 +1284,57 @@ class RedisBackend(Backend):
         return outcome if isinstance(outcome, Left) else Left(answered=False)
 
     def _send_leave(self, name: str, token: str, left: WakeupEvent, attempt: int) -> Left:
+        """Send DEQUEUE once. A cluster that refuses it before running it (down, or
+        moving the name's slot) gets it again in the background (``_leave_once_served``)
+        while the caller goes on: ridden out here, a waiter's timeout was overrun by up
+        to the read timeout (5 s) during a slot move; and a leave refused and dropped
+        left the place in the line, which the next release handed the lease to, and
+        the name stayed free for nobody until the place lapsed (queue_ttl; a chaos
+        helper's run: 3.5-4.8 s on names of healthy masters, while another master's
+        failure had the whole cluster answer CLUSTERDOWN)."""
         k = self._keys(name)
+        args = (token, k.wake, self._hand_over_flag(), attempt)
+        until = time.monotonic() + self._queue_ttl_ms / 1000
+        again = False
         try:
-            args = (token, k.wake, self._hand_over_flag(), attempt)
             woke = call_with_timeout(
-                self._call(scripts.DEQUEUE, k.queued(), args), self._queue_ttl_ms / 1000
+                self._call(scripts.DEQUEUE, k.queued(), args, ride_out=False),
+                self._queue_ttl_ms / 1000,
             )
-        except (BackendError, TimeoutError):
+        except (BackendError, TimeoutError) as exc:
+            again = self._cluster and _refused_before_running(exc.__cause__)
+            if again:
+                leave = partial(self._leave_once_served, k, token, args, left, until)
+                run_detached(leave, self._leaves, "dlock-leave")
             return Left(answered=False)
         finally:
-            self._end_leaving(token, left)
+            if not again:
+                self._end_leaving(token, left)
         return Left(answered=True, woke=_text(woke))
+
+    def _leave_once_served(
+        self, k: Keys, token: str, args: Sequence[Any], left: WakeupEvent, until: float
+    ) -> None:
+        """Send a leave that the cluster refused before running it again, after a short
+        wait (``moving_delay``), until it runs, or is refused otherwise, or its place
+        has lapsed anyway (``until``). The token's next attempt waits for it meanwhile
+        (see acquire): sent after that attempt, it would take the place of its wait."""
+        refusals = 1
+        try:
+            while (delay := moving_delay(refusals)) < until - time.monotonic():
+                sleep(delay)
+                try:
+                    call_with_timeout(
+                        self._call(scripts.DEQUEUE, k.queued(), args, ride_out=False),
+                        max(0.0, until - time.monotonic()),
+                    )
+                    return
+                except (BackendError, TimeoutError) as exc:
+                    if not _refused_before_running(exc.__cause__):
+                        return
+                refusals += 1
+        finally:
+            self._end_leaving(token, left)
 
     @contextmanager
     def subscription(self, name: str, token: str) -> Iterator[Waiter]:
