@@ -21,6 +21,7 @@ from urllib.parse import urlencode
 import pytest
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
+from kazoo.protocol.connection import ConnectionHandler
 from kazoo.security import make_acl
 
 import dlock
@@ -1005,6 +1006,40 @@ def test_a_create_applied_after_the_search_for_it_is_deleted_all_the_same(
         if held is not None:
             assert zk.exists(held) is not None, "the held node was deleted"
             assert backend.release(name, token) == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_client_whose_kazoo_connection_thread_died_connects_anew(
+    zookeeper_server: ZooKeeperEnsemble, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kazoo's connection thread dies of an error reading a reply ("xids do not match",
+    kazoo issue 254; 3 of 8 chaos runs with leaders killed and paused): the caller of
+    the request got that RuntimeError raw, and the client, its thread gone for good,
+    failed every later call (ConnectionClosedError) until it was closed. The error is
+    now BackendUnavailable, and the next call connects a new kazoo client."""
+    name = f"dead-thread-{time.monotonic_ns()}"
+    with dlock.connect(zookeeper_server.url(session_timeout=4)) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=5)
+        lock.release()
+        original = ConnectionHandler._read_response
+        armed = [True]
+
+        def dying(self: Any, header: Any, buffer: Any, offset: Any) -> Any:
+            if armed[0] and header.xid > 0:  # an operation's reply, not a ping's
+                armed[0] = False
+                raise RuntimeError("xids do not match, expected %r received %r", 1, 2)
+            return original(self, header, buffer, offset)
+
+        monkeypatch.setattr(ConnectionHandler, "_read_response", dying)
+        try:
+            if lock.acquire(timeout=1):
+                lock.release()
+        except dlock.BackendUnavailable:
+            pass
+        assert not armed[0], "the reply was never read"
+        assert lock.acquire(timeout=10), "the client did not recover"
+        lock.release()
 
 
 def test_a_lost_reply_never_adopts_a_node_given_up(zookeeper_server: ZooKeeperEnsemble) -> None:

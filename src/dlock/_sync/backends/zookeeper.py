@@ -40,6 +40,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import (
     AuthFailedError,
     BadArgumentsError,
+    ConnectionClosedError,
     ConnectionLoss,
     InvalidACLError,
     KazooException,
@@ -55,7 +56,7 @@ from kazoo.exceptions import (
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
 from kazoo.hosts import collect_hosts
 from kazoo.protocol.serialization import Create2
-from kazoo.protocol.states import EventType, KazooState, WatchedEvent, ZnodeStat
+from kazoo.protocol.states import EventType, KazooState, KeeperState, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
@@ -565,6 +566,21 @@ class ZooKeeperBackend(Backend):
         with self._start_lock:
             if self._closed:
                 raise BackendError("the ZooKeeper backend is closed")
+            zk = self._zk
+            if (
+                zk is not None
+                and self._owns_client
+                and self._session_id
+                and zk.client_state == KeeperState.CLOSED
+            ):
+                # kazoo's connection thread ended by itself (an error in it: see _call),
+                # and a client cannot start again: a new one, with a new session (the
+                # old one's end was told as the thread ended: LOST).
+                self._zk = None
+                zk.remove_listener(self._on_state)
+                self._stop_quietly(zk)
+                self._end_session(self._session_id)
+                self._session_id = 0
             if self._zk is None and not self._owns_client:
                 raise ConfigurationError(
                     "the ZooKeeper client given as client= was made before os.fork(): its "
@@ -792,6 +808,11 @@ class ZooKeeperBackend(Backend):
         except SERVER_REPLIES:
             self._answered_at = time.monotonic()
             raise
+        except RuntimeError as exc:
+            # kazoo's connection thread died reading a reply ("xids do not match", its
+            # issue 254) and handed its error to the request: the connection is gone
+            # for good (see _connect).
+            raise ConnectionClosedError(f"kazoo's connection failed: {exc!r}") from exc
         self._answered_at = time.monotonic()
         return value
 
