@@ -2000,6 +2000,30 @@ def test_a_waiters_timeout_holds_while_the_names_slot_moves(own_cluster: RedisCl
     assert took < 2, f"acquire(timeout=0.5) took {took:.2f} s"
 
 
+def test_a_cluster_error_names_the_node_serving_the_name(own_cluster: RedisCluster) -> None:
+    """An error of a call on a name names the node that serves the name's slot, not
+    only the seed the URL gave: the seed's address alone pointed whoever was on call
+    at a node that was fine while another was paused (a chaos helper's reading)."""
+    seed = own_cluster.nodes[0]
+    with redis.RedisCluster(host="127.0.0.1", port=seed.port) as mapped:
+
+        def serving(name: str) -> int:
+            return int(mapped.get_node_from_key(Keys(b"dlock", name).lease).port)
+
+        name = next(name for name in (unique() for _ in range(100)) if serving(name) != seed.port)
+        node = next(node for node in own_cluster.nodes if node.port == serving(name))
+    with dlock.connect(f"{own_cluster.url}?socket_timeout=0.5") as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        node.pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable) as raised:
+                lock.release()
+        finally:
+            node.resume()
+    assert f"127.0.0.1:{node.port}" in str(raised.value)
+
+
 def test_a_leave_refused_by_a_cluster_that_is_down_is_sent_again(
     own_cluster: RedisCluster,
 ) -> None:

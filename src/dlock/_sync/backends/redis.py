@@ -864,7 +864,19 @@ class RedisBackend(Backend):
                 if refusals == 1:
                     deadline = time.monotonic() + self._ride_out_bound()
                 if not (ride_out and self._rode_out(exc, refusals, deadline)):
-                    raise wrap(exc, self._where) from exc
+                    raise wrap(exc, self._where_for(client, keys)) from exc
+
+    def _where_for(self, client: Any, keys: Sequence[bytes]) -> str:
+        """Where a call on ``keys`` went: on a cluster, the node that serves their slot
+        as the client maps it now, after the seed. The seed alone named a node that may
+        be fine while another was paused or down (a chaos helper's reading)."""
+        if not self._cluster or not keys:
+            return self._where
+        try:
+            node = client.get_node_from_key(keys[0]).name
+        except ERRORS:
+            return self._where
+        return f"{self._where} (the node serving the name: {node})"
 
     def _ride_out_bound(self) -> float:
         """Seconds a call may spend riding out a slot move: the read timeout that already
@@ -1148,20 +1160,20 @@ class RedisBackend(Backend):
                 groups.setdefault(node, []).append(i)
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
-        sent = [indices for node, indices in groups.items() if node is not None]
+        nodes = [node for node in groups if node is not None]
+        batches = [[calls[i] for i in groups[node]] for node in nodes]
         answers = concurrently(
-            [
-                partial(self._call_many, scripts.EXTEND, [calls[i] for i in indices], deadline)
-                for indices in sent
-            ],
+            [partial(self._call_many, scripts.EXTEND, batch, deadline) for batch in batches],
             max(0.0, deadline - time.monotonic()),
         )
         results: list[bool | None] = [None] * len(calls)
         failure: BackendError | None = None
-        for indices, answer in zip(sent, answers, strict=True):
+        for node, answer in zip(nodes, answers, strict=True):
+            indices = groups[node]
             if answer is None:  # no answer in time
                 failure = failure or BackendUnavailable(
-                    f"Redis {self._where}: no answer to the renewal within {wait:.3f} s"
+                    f"Redis {self._where} (node {node}): no answer to the renewal within"
+                    f" {wait:.3f} s"
                 )
             elif isinstance(answer, BackendUnavailable):
                 failure = answer
