@@ -34,7 +34,7 @@ from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.cancelling import cancel_a_parked_waiter
 from tests.forking import answer_in_a_child
-from tests.servers import Partition, stop_every
+from tests.servers import Partition, free_port, stop_every
 from tests.servers.redis import (
     RedisCluster,
     RedisServer,
@@ -1539,6 +1539,60 @@ def test_the_cluster_option_is_a_checked_flag() -> None:
         dlock.connect("redis://h:1?cluster=treu")
     with pytest.raises(dlock.ConfigurationError, match="contradicts"):
         dlock.connect("redis+cluster://h:1?cluster=off")
+
+
+def test_a_url_names_several_hosts_only_as_a_clusters_seeds() -> None:
+    """Several hosts are a cluster's seeds; a plain server's URL naming more than one
+    would lock on only one of them, so it is refused, as are an empty seed, one with a
+    bad port and one with a port but no host (once read as localhost:6379)."""
+    backend = RedisBackend.from_url("redis+cluster://u:p@a:1,b, [::1]:3", {})
+    assert backend._seeds == [("b", 6379), ("::1", 3)]
+    assert backend._where == "a:1,b:6379,[::1]:3"
+    assert RedisBackend.from_url("redis://a:1,b:2?cluster=true", {})._seeds == [("b", 2)]
+    for url, message in (
+        ("redis://a:1,b:2", "a redis:// URL names one server"),
+        ("rediss://a:1,b:2/0", "a redis:// URL names one server"),
+        ("redis+cluster://a:1,,b:2", "an empty host"),
+        ("redis+cluster://a:1,", "an empty host"),
+        ("redis+cluster://a:1,b:x", "(?i)'b:x'.*port"),
+        ("redis+cluster://a:1,b:70000", "(?i)'b:70000'.*port"),
+        ("redis://:6380", "names no host"),
+    ):
+        with pytest.raises(dlock.ConfigurationError, match=message):
+            dlock.connect(url)
+        with pytest.raises(dlock.ConfigurationError, match=message):
+            dlock.aio.connect(url)
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_cluster_url_with_a_seed_down_connects_through_the_next(
+    redis_cluster: RedisCluster, face: str
+) -> None:
+    """A cluster's client maps the slots from a seed node that answers: with the first
+    seed of the URL down, new clients still connect through the next. Every seed down
+    is BackendUnavailable naming them all."""
+    name, dead = unique(), free_port()
+    url = f"redis+cluster://127.0.0.1:{dead},{redis_cluster.nodes[1].address}"
+    down = f"redis+cluster://127.0.0.1:{dead},127.0.0.1:{free_port()}"
+
+    async def use(url: str) -> bool:
+        async with dlock.aio.connect(url) as client:
+            lock = client.lock(name, ttl=5)
+            taken = await lock.acquire(timeout=0)
+            await lock.release()
+            return taken
+
+    def use_sync(url: str) -> bool:
+        with dlock.connect(url) as client:
+            lock = client.lock(name, ttl=5)
+            taken = lock.acquire(timeout=0)
+            lock.release()
+            return taken
+
+    run = use_sync if face == "sync" else lambda url: asyncio.run(use(url))
+    assert run(url) is True
+    with pytest.raises(dlock.BackendUnavailable, match=f"127.0.0.1:{dead},127.0.0.1:"):
+        run(down)
 
 
 def test_the_database_number_is_checked(redis_server: RedisServer) -> None:

@@ -31,6 +31,7 @@ from urllib.parse import SplitResult, urlencode, urlsplit, urlunsplit
 
 import redis as redis_client
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode as _ClusterNode
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.exceptions import (
     AskError,
@@ -98,6 +99,9 @@ CLIENT_OPTIONS = {
     "db",
     "protocol",
 }
+#: A cluster's startup node (the sync face's class has no type hints).
+ClusterNode: Any = _ClusterNode
+
 #: What the sync face's RedisCluster drops without a word: refused with a cluster.
 NOT_FOR_CLUSTERS = {"ssl_ciphers", "ssl_min_version"}
 #: How long a waiter's place in the queue lasts unless refreshed by its next attempt;
@@ -223,14 +227,12 @@ def _text(value: Any) -> str | None:
 
 
 def split_url(url: str) -> SplitResult:
-    """``urlsplit``, with a port that is not a number from 0 to 65535 refused now rather
-    than as a bare ValueError wherever the port is first read."""
+    """``urlsplit``, whose ValueError (an unclosed IPv6 bracket) becomes ours. Ports
+    are read, and checked, host by host (``_host_and_port``)."""
     try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - reading it is the check
+        return urlsplit(url)
     except ValueError as exc:
         raise ConfigurationError(f"bad Redis URL: {exc}") from None
-    return parts
 
 
 def _with_server(url: str, host: str, port: int) -> str:
@@ -265,6 +267,36 @@ def _check_database(path: str, db: str | None, cluster: bool) -> None:
 
 #: What still applies to a client given with ``client=``: dlock's own key layout.
 GIVEN_CLIENT_OPTIONS = {"client", "prefix", "queue_ttl"}
+
+
+def _seed_addresses(hosts: str, cluster: bool) -> list[str]:
+    """The URL's ``host:port`` list: several only for a cluster, whose client maps its
+    slots from the first of them that answers (one seed down must not keep new clients
+    out)."""
+    addresses = [address.strip() for address in hosts.split(",")]
+    if len(addresses) > 1 and not cluster:
+        raise ConfigurationError(
+            "several hosts are a cluster's seeds (redis+cluster://) or Redlock's masters "
+            "(redis+redlock://); a redis:// URL names one server"
+        )
+    if not all(addresses):
+        raise ConfigurationError(f"an empty host in the cluster's seeds {hosts!r}")
+    return addresses
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
+    parts = urlsplit(f"//{address}")
+    try:
+        port = parts.port or 6379
+    except ValueError as exc:
+        raise ConfigurationError(f"bad Redis URL: {address!r}: {exc}") from None
+    if not parts.hostname:
+        raise ConfigurationError(f"bad Redis URL: {address!r} names no host")
+    return parts.hostname, port
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _check_given_client_url(parts: SplitResult, options: set[str]) -> None:
@@ -631,6 +663,7 @@ class RedisBackend(Backend):
         prefix: str = "dlock",
         client_options: dict[str, Any] | None = None,
         queue_ttl: float = QUEUE_TTL,
+        seeds: Sequence[tuple[str, int]] = (),
     ) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ConfigurationError("prefix must be non-empty and contain no '{' or '}'")
@@ -646,6 +679,8 @@ class RedisBackend(Backend):
             )
         self._url = url
         self._cluster = cluster or isinstance(client, redis_client.RedisCluster)
+        #: A cluster's seed nodes after the URL's first: any one answering maps the slots.
+        self._seeds = list(seeds)
         self._client: Any = client
         self._connections = None if client is None else _own_connections(client)
         self._owns_client = client is None
@@ -690,7 +725,8 @@ class RedisBackend(Backend):
         if self._url is None:
             return "(given client)"
         parts = urlsplit(self._url)
-        return f"{parts.hostname}:{parts.port or 6379}"
+        first = (parts.hostname or "localhost", parts.port or 6379)
+        return ",".join(_address(host, port) for host, port in [first, *self._seeds])
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> RedisBackend:
@@ -724,10 +760,10 @@ class RedisBackend(Backend):
             if key in settings
         }
         queue_ttl = bounded_seconds(settings.get("queue_ttl", QUEUE_TTL), "queue_ttl")
-        netloc = parts.netloc
-        if not parts.hostname:
-            auth, at, _ = netloc.rpartition("@")
-            netloc = f"{auth}{at}localhost:6379"
+        auth, at, hosts = parts.netloc.rpartition("@")
+        addresses = _seed_addresses(hosts, cluster) if hosts else ["localhost:6379"]
+        seeds = [_host_and_port(address) for address in addresses]
+        netloc = f"{auth}{at}{addresses[0]}"
         clean = urlunsplit((base_scheme, netloc, parts.path, urlencode(query), ""))
         return cls(
             clean if settings.get("client") is None else None,
@@ -736,6 +772,7 @@ class RedisBackend(Backend):
             prefix=str(settings.get("prefix", "dlock")),
             client_options=client_options,
             queue_ttl=queue_ttl,
+            seeds=seeds[1:],
         )
 
     def _connection_options(self) -> dict[str, Any]:
@@ -818,7 +855,9 @@ class RedisBackend(Backend):
             try:
                 if self._cluster:
                     return redis_client.RedisCluster.from_url(
-                        self._url, **self._connection_options()
+                        self._url,
+                        startup_nodes=[ClusterNode(host, port) for host, port in self._seeds],
+                        **self._connection_options(),
                     )
                 return redis_client.Redis.from_url(self._url, **self._connection_options())
             except ERRORS as exc:
