@@ -19,13 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import Outage, Partitioned, WriteLocked, free_port
+from tests.servers import Outage, Partitioned, SharedRelays, WriteLocked, free_port
 from tests.servers.etcd import etcd_cluster, etcd_server  # noqa: F401
 from tests.servers.redis import (  # noqa: F401
+    RedisCluster,
     redis_cluster,
     redis_server,
     redlock_servers,
     redlock_url,
+    relayed_cluster,
 )
 from tests.servers.sql import SQLServer, mariadb_server, postgresql_server  # noqa: F401
 from tests.servers.zookeeper import zookeeper_ensemble, zookeeper_server  # noqa: F401
@@ -72,9 +74,8 @@ class BackendUnderTest:
     #: the ResourceWarning fails whichever later test of the worker the collector runs in.
     leaves_sockets: bool = False
     #: For the outage tests: the backend with requests that time out within about a
-    #: second, which a test may cut off. None where the suite does not: a Redis Cluster
-    #: (its redirects go around a relay) and ZooKeeper (its lock ends with the session
-    #: that an outage expires).
+    #: second, which a test may cut off. None where the suite does not: ZooKeeper (its
+    #: lock ends with the session that an outage expires).
     outage: Callable[[pytest.FixtureRequest, Path], Outage] | None = None
 
 
@@ -94,6 +95,12 @@ def _sql_outage(fixture: str, query: str) -> Callable[[pytest.FixtureRequest, Pa
         )
 
     return outage
+
+
+def _cluster_outage(cluster: RedisCluster) -> Outage:
+    """Every node of a cluster cut off: its nodes announce their relays, so clients
+    follow redirects and slot maps through them too."""
+    return SharedRelays(cluster.relays, f"{cluster.url}?socket_timeout=0.5")
 
 
 def _sql(fixture: str, query: str) -> BackendUnderTest:
@@ -138,6 +145,7 @@ BACKENDS: dict[str, BackendUnderTest] = {
         url=lambda request, tmp: request.getfixturevalue("redis_cluster").url,
         unreachable_url=lambda request, tmp: f"redis+cluster://127.0.0.1:{free_port()}",
         leaves_sockets=True,
+        outage=lambda request, tmp: _cluster_outage(request.getfixturevalue("relayed_cluster")),
     ),
     "redlock": BackendUnderTest(
         url=lambda request, tmp: redlock_url(request.getfixturevalue("redlock_servers")),
@@ -220,6 +228,10 @@ def outage(
         yield outage
     finally:
         outage.close()
+        if backend.leaves_sockets:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                gc.collect()
 
 
 @pytest.fixture(params=["mariadb", "postgresql"])

@@ -399,6 +399,18 @@ class Partitioned(Outage):
             partition.close()
 
 
+class SharedRelays(Partitioned):
+    """Partitioned through relays that outlive the test (a session's cluster, whose
+    nodes announce them): closing ends the outage and leaves the relays."""
+
+    def __init__(self, partitions: list[Partition], url: str) -> None:
+        self.partitions = partitions
+        self.url = url
+
+    def close(self) -> None:
+        self.end()
+
+
 class WriteLocked(Outage):
     """An SQLite file that another connection keeps write-locked (``BEGIN EXCLUSIVE``)
     past the client's short ``busy_timeout``."""

@@ -10,12 +10,13 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from tests.servers import (
+    Partition,
     ServerProcess,
     free_port,
     private_dir,
@@ -79,10 +80,19 @@ class RedisServer(ServerProcess):
 @dataclass
 class RedisCluster:
     nodes: list[RedisServer]
+    #: With ``start_cluster(relayed=True)``: each node's relay, in the order of ``nodes``.
+    relays: list[Partition] = field(default_factory=list)
 
     @property
     def url(self) -> str:
+        if self.relays:
+            return f"redis+cluster://127.0.0.1:{self.relays[0].port}"
         return f"redis+cluster://{self.nodes[0].address}"
+
+    def remove(self) -> None:
+        stop_every(self.nodes, RedisServer.remove)
+        for relay in self.relays:
+            relay.close()
 
 
 def start_single(name: str = "redis") -> RedisServer:
@@ -97,23 +107,39 @@ def start_masters(count: int = 3) -> list[RedisServer]:
     return masters
 
 
-def start_cluster(masters: int = 3) -> RedisCluster:
-    nodes = [
-        RedisServer(
-            f"cluster{i}",
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            "2000",
-            # A bus port of its own: the default, port + 10000, may be anyone's (another
-            # test worker's server, or a client connection's local port).
-            "--cluster-port",
-            str(free_port()),
+def start_cluster(masters: int = 3, relayed: bool = False) -> RedisCluster:
+    """``relayed``: each node announces a relay (a ``Partition``) as its address, so
+    that clients reach every node, redirects and slot maps included, through relays a
+    test may cut; the nodes' own bus between them is not relayed."""
+    nodes, relays = [], []
+    for i in range(masters):
+        # A bus port of its own: the default, port + 10000, may be anyone's (another
+        # test worker's server, or a client connection's local port).
+        port, bus = free_port(), free_port()
+        announced: tuple[str, ...] = ()
+        if relayed:
+            relays.append(Partition(port))
+            announced = (
+                "--cluster-announce-port",
+                str(relays[-1].port),
+                "--cluster-announce-bus-port",
+                str(bus),
+            )
+        nodes.append(
+            RedisServer(
+                f"cluster{i}",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-port",
+                str(bus),
+                *announced,
+                port=port,
+            )
         )
-        for i in range(masters)
-    ]
 
     def form_cluster() -> None:
         _cli(
@@ -132,7 +158,7 @@ def start_cluster(masters: int = 3) -> RedisCluster:
             time.sleep(0.05)
 
     start_all(nodes, form_cluster)
-    return RedisCluster(nodes)
+    return RedisCluster(nodes, relays)
 
 
 @pytest.fixture(scope="session")
@@ -153,7 +179,15 @@ def redlock_servers() -> Iterator[list[RedisServer]]:
 def redis_cluster() -> Iterator[RedisCluster]:
     cluster = start_cluster()
     yield cluster
-    stop_every(cluster.nodes, RedisServer.remove)
+    cluster.remove()
+
+
+@pytest.fixture(scope="session")
+def relayed_cluster() -> Iterator[RedisCluster]:
+    """A cluster whose clients reach it through relays only (the outage tests')."""
+    cluster = start_cluster(relayed=True)
+    yield cluster
+    cluster.remove()
 
 
 def redlock_url(servers: list[RedisServer]) -> str:
