@@ -28,6 +28,7 @@ from dlock._async._primitives import (
     WakeupEvent,
     cancel_requests,
     cancel_task,
+    concurrently,
     current_task,
     run_blocking,
     sleep,
@@ -1728,6 +1729,36 @@ async def test_two_users_of_a_lock_object_waiting_at_once_hold_it_in_turn(
         if outcome is True:
             assert seen.tokens[first][0] != seen.tokens[second][0], "one grant told to both"
         assert await other.inspect(name) is None
+
+
+async def test_more_waiters_at_once_than_a_connection_pool_holds_all_get_their_locks(
+    url: str, name: str
+) -> None:
+    """120 users of one client (tasks; threads on the sync face), each with a lock
+    object of its own, wait at once for names another client holds, then get them as
+    it lets go: more calls in flight and waiters listening at once than the 100
+    connections a redis-py pool lends by default. Past them, the calls failed at once
+    with BackendUnavailable (a MaxConnectionsError) though the server was fine."""
+    count = 120
+    async with dlock.aio.connect(url) as holder, dlock.aio.connect(url) as client:
+        held = [holder.lock(f"{name}-{i}", ttl=30) for i in range(count)]
+        for lock in held:
+            assert await lock.acquire(timeout=0)
+        locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(count)]
+
+        async def user(i: int) -> bool:
+            if i < count:
+                return await locks[i].acquire(timeout=30)
+            await sleep(1.0)  # the holder lets go once the others wait
+            for lock in held:
+                await lock.release()
+            return True
+
+        results = await concurrently([partial(user, i) for i in range(count + 1)], timeout=60)
+        failed = [result for result in results if result is not True]
+        assert not failed, f"{len(failed)} of {count} did not get their lock: {failed[:3]}"
+        for lock in locks:
+            await lock.release()
 
 
 async def test_two_users_of_a_lock_object_trying_at_once_get_it_once(url: str, name: str) -> None:

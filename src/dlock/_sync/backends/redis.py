@@ -99,6 +99,13 @@ CLIENT_OPTIONS = {
     "db",
     "protocol",
 }
+#: Connections a client's pool lends at once (on a cluster, per node). redis-py's pools
+#: refuse one past their cap, 100 by default, rather than wait: a client with more calls
+#: in flight and waiters listening at once (tasks, threads: each holds a connection)
+#: failed the rest with BackendUnavailable though the server was fine. The server's
+#: ``maxclients`` (10,000 by default) is the bound that matters.
+MAX_CONNECTIONS = 2**31 - 1
+
 #: A cluster's startup node (the sync face's class has no type hints).
 ClusterNode: Any = _ClusterNode
 
@@ -782,6 +789,7 @@ class RedisBackend(Backend):
             "socket_connect_timeout": 2.0,
             "socket_timeout": SOCKET_TIMEOUT,
             "retry": Retry(NoBackoff(), 0),
+            "max_connections": MAX_CONNECTIONS,
             **self._client_options,
         }
 
