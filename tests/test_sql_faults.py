@@ -1873,6 +1873,36 @@ async def test_a_statement_cancelled_on_a_paused_server_ends_within_a_second(
         assert await other.lock(name, ttl=30).acquire(timeout=10)
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_server_that_accepts_but_does_not_answer_is_unavailable_within_connect_timeout(
+    server: SQLServer, name: str, face: str
+) -> None:
+    """A paused server's kernel still accepts connections, and the login then gets no
+    answer: connect_timeout bounds that, not the statements' timeout (PyMySQL read the
+    handshake under its read timeout: 6 s here, for a 1 s connect_timeout)."""
+    url = server.url("connect_timeout=1&timeout=6")
+
+    async def inspect_async() -> None:
+        async with dlock.aio.connect(url) as client:
+            await client.inspect(name)
+
+    def inspect() -> None:
+        if face == "asyncio":
+            asyncio.run(inspect_async())
+            return
+        with dlock.connect(url) as client:
+            client.inspect(name)
+
+    server.process.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(dlock.BackendUnavailable):
+            inspect()
+        assert time.monotonic() - started < 3, "the login waited out the statements' timeout"
+    finally:
+        server.process.resume()
+
+
 @pytest.mark.parametrize("table", ["order", "public.order", "Public.Dlock_Locks"])
 def test_printed_schema_of_a_reserved_word_table_runs(
     postgresql_server: SQLServer, table: str

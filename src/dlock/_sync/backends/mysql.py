@@ -240,16 +240,21 @@ class MySQLBackend(ServerSQLBackend):
         if IS_ASYNC:
             kwargs["db"] = s.database
         else:
+            # The threaded driver reads the handshake under its read timeout: a server
+            # that accepts but does not answer (paused) cost the statements' timeout,
+            # not connect_timeout. Set to theirs once connected.
             kwargs.update(
                 database=s.database,
-                read_timeout=s.timeout,
-                write_timeout=s.timeout,
+                read_timeout=s.connect_timeout,
+                write_timeout=s.connect_timeout,
                 ssl_disabled=self._ssl is None,
             )
         try:
             raw = _Connection(**kwargs)
             if IS_ASYNC:
                 raw._connect()  # the threaded driver connects as it is made
+            else:
+                raw._read_timeout = raw._write_timeout = s.timeout
         except _TLSNotOffered:
             raise BackendError(
                 f"{self._settings.address}: refused: TLS was asked for, but the server "
