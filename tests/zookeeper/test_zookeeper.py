@@ -1008,6 +1008,27 @@ def test_a_create_applied_after_the_search_for_it_is_deleted_all_the_same(
             assert backend.release(name, token) == 0
 
 
+def test_a_server_that_accepts_but_does_not_answer_fails_a_connect_in_connect_timeout(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A paused server's kernel accepts the connection and nothing answers: the client
+    gives up at connect_timeout. It then waited for kazoo's stop, which waits for the
+    handshake's read to time out: 10 s for a 5 s connect_timeout, 2 s past a 1 s one
+    here. And the message said "a TLS port needs tls=1", which a time-out is not."""
+    url = zookeeper_server.url(connect_timeout=1)
+    zookeeper_server.nodes[0].pause()
+    try:
+        started = time.monotonic()
+        with dlock.connect(url) as client, pytest.raises(dlock.BackendUnavailable) as caught:
+            client.inspect("anything")
+        elapsed = time.monotonic() - started
+    finally:
+        zookeeper_server.nodes[0].resume()
+    assert elapsed < 1 + 1.0, f"gave up after {elapsed:.1f} s"
+    assert "tls=1" not in str(caught.value)
+    assert "no session in 1 s" in str(caught.value)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_client_whose_kazoo_connection_thread_died_connects_anew(
     zookeeper_server: ZooKeeperEnsemble, monkeypatch: pytest.MonkeyPatch

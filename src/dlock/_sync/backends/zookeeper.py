@@ -41,6 +41,7 @@ from kazoo.exceptions import (
     AuthFailedError,
     BadArgumentsError,
     ConnectionClosedError,
+    ConnectionDropped,
     ConnectionLoss,
     InvalidACLError,
     KazooException,
@@ -641,8 +642,7 @@ class ZooKeeperBackend(Backend):
             remaining = deadline - time.monotonic()
             refused = diagnosis is not None and diagnosis.refused_everywhere()
             if remaining <= 0 or refused:
-                zk.stop()
-                zk.close()
+                _stop_in_background(zk)
                 raise self._no_session(refused)
             live.wait(min(POLL, remaining))
 
@@ -658,6 +658,9 @@ class ZooKeeperBackend(Backend):
             message += f": {diagnosis}"
             if not self._tls and diagnosis.closed_by_server():
                 message += " (closed by the server: a TLS port needs tls=1)"
+        elif diagnosis is not None:
+            # No attempt failed yet: one is still waiting for an answer.
+            message += ": no server answered in time"
         return BackendUnavailable(message)
 
     def watch_leases(self, renew_now: Callable[[], None]) -> bool:
@@ -1940,14 +1943,29 @@ class _Diagnosis:
         return bool(self.servers) and self.servers <= self.refused
 
     def closed_by_server(self) -> bool:
-        """Some server accepted the connection and then closed it without a word."""
-        return any(_cause(error) is None for error in self.errors.values())
+        """Some server accepted the connection and then closed it without a word (or
+        answered nonsense): not one that said nothing in time (paused), whose
+        time-out kazoo raises as a KazooTimeoutError."""
+        return any(
+            isinstance(error, ConnectionDropped) and _cause(error) is None
+            for error in self.errors.values()
+        )
 
     def __str__(self) -> str:
         return "; ".join(
             f"{host}:{port}: {_cause(error) or error}"
             for (host, port), error in sorted(self.errors.items())
         )
+
+
+def _stop_in_background(zk: KazooClient) -> None:
+    """Stop and close a client that got no session, without waiting for it: its
+    connection thread may be reading a handshake that only the read's own time-out
+    ends (a server that accepts and then says nothing: paused), and ``stop`` waits for
+    that thread, which cost a connect another connect_timeout."""
+    threading.Thread(
+        target=lambda: (zk.stop(), zk.close()), name="dlock-zookeeper-stop", daemon=True
+    ).start()
 
 
 def _cause(error: BaseException) -> BaseException | None:
