@@ -1542,10 +1542,14 @@ def test_a_short_server_pause_does_not_lose_an_idle_lease(
         time.sleep(3.5)  # idle past the stall grace: only kazoo's pings are answered
         zookeeper_server.nodes[0].pause()
         try:
-            with pytest.raises(dlock.BackendUnavailable):
+            with pytest.raises(dlock.BackendUnavailable) as caught:
                 client.inspect(f"{name}-other")
         finally:
             zookeeper_server.nodes[0].resume()
+        # kazoo's time-out says nothing of itself (the message ended "KazooTimeoutError: ").
+        assert str(caught.value) == (
+            f"ZooKeeper {zookeeper_server.hosts!r}: KazooTimeoutError (no answer within 1 s)"
+        )
         time.sleep(0.5)
         assert not lock.lost and lock.owned()
         info = client.inspect(name)

@@ -904,6 +904,24 @@ class ZooKeeperBackend(Backend):
                 logger.debug("dlock: could not delete a node after close", exc_info=True)
         raise BackendError("the ZooKeeper backend is closed")
 
+    def _wrap(self, exc: BaseException) -> BackendError:
+        """kazoo's error as dlock's, naming the servers (kazoo's time-outs and lost
+        connections say nothing more of themselves than their class)."""
+        if isinstance(exc, BackendError):
+            return exc
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if isinstance(exc, KazooTimeoutError) and not str(exc):
+            detail += f" (no answer within {self._op_timeout:g} s)"
+        where = f"ZooKeeper {self._hosts!r}"
+        if isinstance(exc, REFUSALS):
+            hint = (
+                " (wrong or missing user:password for the root?)"
+                if isinstance(exc, NoAuthError)
+                else ""
+            )
+            return BackendError(f"{where} refused: {detail}{hint}")
+        return BackendUnavailable(f"{where}: {detail}")
+
     def _guarded(self, op: Callable[[bool], Any]) -> Any:
         """Run ``op``, again after a dropped connection, until the operation timeout.
 
@@ -923,13 +941,13 @@ class ZooKeeperBackend(Backend):
                 # session at once (what a session held is lost, and told as such).
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not run_blocking(self._connected.wait, remaining):
-                    raise _wrap(exc) from exc
+                    raise self._wrap(exc) from exc
                 retrying = True
                 continue
             except CLIENT_ERRORS as exc:
                 if isinstance(exc, KazooTimeoutError):
                     self._stalled()
-                raise _wrap(exc) from exc
+                raise self._wrap(exc) from exc
             self._heard(started)
             return result
 
@@ -1527,7 +1545,7 @@ class ZooKeeperBackend(Backend):
             except CLIENT_ERRORS as exc:
                 if isinstance(exc, KazooTimeoutError):
                     self._stalled()
-                raise _wrap(exc) from exc
+                raise self._wrap(exc) from exc
             if stat is None or stat.ephemeralOwner != node.session or not self._session_alive(node):
                 self._give_up(key, node)
                 continue
@@ -2212,19 +2230,6 @@ def _info(name: str, entries: list[tuple[bytes, ZnodeStat]]) -> LockInfo:
         count=count if isinstance(count, int) else 1,
         waiters=tuple(Holder.from_json(waiting) for waiting, _ in entries[1:]),
     )
-
-
-def _wrap(exc: BaseException) -> BackendError:
-    if isinstance(exc, BackendError):
-        return exc
-    if isinstance(exc, REFUSALS):
-        hint = (
-            " (wrong or missing user:password for the root?)"
-            if isinstance(exc, NoAuthError)
-            else ""
-        )
-        return BackendError(f"ZooKeeper refused: {type(exc).__name__}: {exc}{hint}")
-    return BackendUnavailable(f"ZooKeeper: {type(exc).__name__}: {exc}")
 
 
 def _missing_chroot(zk: KazooClient) -> BackendError:
