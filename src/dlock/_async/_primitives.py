@@ -163,15 +163,21 @@ def _settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-async def shielded(awaitable: Awaitable[T]) -> T:
+async def shielded(
+    awaitable: Awaitable[T], abandoned: Callable[[T], Awaitable[object]] | None = None
+) -> T:
     """Run ``awaitable`` to its end even if the caller is cancelled meanwhile (the
     caller still sees the cancellation), as a call in a worker thread would run on:
-    for clean-up that must not be cut short by a second cancellation."""
+    for clean-up that must not be cut short by a second cancellation, and for requests
+    that a client library cannot have cut off (httpx's pool kept a connection whose
+    request was cancelled while it was being made). ``abandoned`` is given the result
+    that the cancelled caller will not use (a response to close)."""
     task = asyncio.ensure_future(awaitable)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.add_done_callback(_retrieve)
+        done = _retrieve if abandoned is None else functools.partial(_dispose, abandoned)
+        task.add_done_callback(done)
         raise
 
 
@@ -188,6 +194,23 @@ def run_detached(func: Callable[[], Awaitable[Any]], keep: set[Any], name: str) 
 
     task = asyncio.get_running_loop().create_task(run(), name=name)
     keep.add(task)
+
+
+#: Disposals of abandoned results under way (asyncio keeps only weak references).
+_disposals: set[asyncio.Task[Any]] = set()
+
+
+def _dispose(abandoned: Callable[[T], Awaitable[object]], task: asyncio.Future[T]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+
+    async def dispose() -> None:
+        await abandoned(task.result())
+
+    disposal = task.get_loop().create_task(dispose(), name="dlock-dispose")
+    _disposals.add(disposal)
+    disposal.add_done_callback(_disposals.discard)
+    disposal.add_done_callback(_retrieve)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

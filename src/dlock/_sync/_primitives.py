@@ -82,7 +82,7 @@ def wait_result(result: Any, timeout: float) -> Any:
     return result.get(timeout=timeout)
 
 
-def shielded(value: T) -> T:
+def shielded(value: T, abandoned: Callable[[T], object] | None = None) -> T:
     # The call has already run to its end: a thread cannot be cancelled.
     return value
 

@@ -223,6 +223,19 @@ class _Value:
             return cls("", 1, math.inf, {})
 
 
+#: No cap on the connections a client makes at once: each waiter's watch holds one, and
+#: httpx's pool (100 by default) queued the rest, which waited out their pool timeout
+#: behind watches that last as long as their waits (PoolTimeout, with etcd fine).
+LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+
+
+def _closed(response: httpx.Response) -> httpx.Response:
+    """``response``, closed: a streamed one read no further (or by nobody, its caller
+    cancelled) must give its connection back."""
+    response.close()
+    return response
+
+
 def _waiter_holder(kv: dict[str, Any]) -> Holder:
     """The holder a queue key records (see ``_take_place``)."""
     try:
@@ -430,6 +443,7 @@ class EtcdBackend(Backend):
                         timeout=self._timeout,
                         verify=self._tls if self._tls is not None else True,
                         trust_env=False,
+                        limits=LIMITS,
                     )
                 client = self._client
         return client
@@ -490,12 +504,15 @@ class EtcdBackend(Backend):
             used = self._current
             base = self._endpoints[used]
             try:
+                # Shielded: see _stream.
                 if isinstance(body, bytes):
-                    response = client.post(
-                        base + path, content=body, headers=headers, timeout=limit
+                    response = shielded(
+                        client.post(base + path, content=body, headers=headers, timeout=limit)
                     )
                 else:
-                    response = client.post(base + path, json=body, headers=headers, timeout=limit)
+                    response = shielded(
+                        client.post(base + path, json=body, headers=headers, timeout=limit)
+                    )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if certificate_refused(exc):
                     raise self._fail(exc) from exc
@@ -1333,12 +1350,15 @@ class EtcdBackend(Backend):
         base = self._endpoints[used]
         limit = httpx.Timeout(self._timeout.read, connect=self._timeout.connect, read=timeout)
         try:
-            with client.stream(
-                "POST",
-                base + "/v3/watch",
-                json={"create_request": request},
-                headers={"Authorization": auth} if auth else {},
-                timeout=limit,
+            with self._stream(
+                client,
+                client.build_request(
+                    "POST",
+                    base + "/v3/watch",
+                    json={"create_request": request},
+                    headers={"Authorization": auth} if auth else {},
+                    timeout=limit,
+                ),
             ) as response:
                 if response.status_code != 200:
                     content = response.read()
@@ -1368,6 +1388,21 @@ class EtcdBackend(Backend):
             self._left(used, exc)
             raise
         return True
+
+    @staticmethod
+    @contextmanager
+    def _stream(client: httpx.Client, request: httpx.Request) -> Iterator[httpx.Response]:
+        """``client.stream``, whose request runs to its answer even if the caller is
+        cancelled meanwhile (its response then closed unread), as every request here
+        does: httpx's pool (httpcore, its issue 1093) kept a connection whose request
+        was cancelled while it was being made, neither usable nor ever reclaimed, until
+        every call of the client failed with PoolTimeout. The response is closed, also
+        when the caller is cancelled again as it closes."""
+        response = shielded(client.send(request, stream=True), _closed)
+        try:
+            yield response
+        finally:
+            shielded(_closed(response))
 
     @staticmethod
     def _created_after(message: dict[str, Any], start: int) -> bool:
