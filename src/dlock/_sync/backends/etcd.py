@@ -225,8 +225,11 @@ class _Value:
 
 #: No cap on the connections a client makes at once: each waiter's watch holds one, and
 #: httpx's pool (100 by default) queued the rest, which waited out their pool timeout
-#: behind watches that last as long as their waits (PoolTimeout, with etcd fine).
-LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+#: behind watches that last as long as their waits (PoolTimeout, with etcd fine). Nor
+#: on those it keeps idle (they close after 5 s idle): past 20, httpcore closed idle
+#: ones, one of them at times just lent to a thread that had not begun its request
+#: yet, whose read then failed (EBADF) with etcd fine.
+LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
 
 def _closed(response: httpx.Response) -> httpx.Response:
@@ -851,12 +854,15 @@ class EtcdBackend(Backend):
                     # Ours alone: if the put went through, this revokes it (a give-back).
                     self._revoke_quietly(lease)
                 if LEASE_NOT_FOUND in str(exc) and not isinstance(exc, BackendUnavailable):
-                    # The lease granted for this attempt ran out before its put came:
-                    # etcd or this client stalled longer than the TTL. Nothing was put,
-                    # and a stall is worth waiting out, as a grant that comes too late.
+                    # A lease granted for this attempt (the lock's, or its place's in
+                    # the queue) ran out before its put came: etcd or this client
+                    # stalled longer than its TTL. Nothing was put, and a stall is
+                    # worth waiting out, as a grant that comes too late.
+                    queued = lease_seconds(self._queue_ttl)
                     raise BackendUnavailable(
-                        f"{exc}: the lease granted for this acquire ended before its"
-                        f" put reached etcd ({asked} s; a stall that long)"
+                        f"{exc}: a lease granted for this acquire ended before its put"
+                        f" reached etcd (the lock's of {asked} s, or its place's in the"
+                        f" queue of {queued} s: a stall that long)"
                     ) from exc
                 raise
 
