@@ -33,6 +33,7 @@ import pytest
 
 import dlock
 import dlock.aio
+from dlock._async.backends.etcd import lease_seconds
 from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
 from tests.servers import free_port
@@ -1229,6 +1230,36 @@ def test_a_killed_waiter_at_the_head_holds_up_the_next_for_at_most_queue_ttl(
         assert token_of(successor) > old
         assert queue_keys(etcd_server, scene.path) == []
         successor.release()
+
+
+async def test_a_place_whose_lease_ran_out_before_its_put_is_granted_again(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A waiter's place lease that runs out before its queue key's put reaches etcd
+    (the client or etcd stalled past queue_ttl: seen with hundreds of waiters on an
+    overloaded machine) put nothing: the lease is granted again, once, rather than the
+    acquire failing. Played by revoking the place's first lease before its put."""
+    url = etcd_server.url(prefix())
+    async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+        holder = other.lock(name, ttl=30)
+        assert await holder.acquire(timeout=0)
+        backend: Any = client._backend
+        grant = backend._grant
+        ran_out: list[int] = []
+
+        async def grant_then_lose_the_first_place(ttl: int) -> tuple[int, int]:
+            lease, granted = await grant(ttl)
+            if ttl == lease_seconds(backend._queue_ttl) and not ran_out:
+                ran_out.append(lease)
+                await backend._revoke(lease)
+            return lease, granted
+
+        backend._grant = grant_then_lose_the_first_place
+        waiter = asyncio.create_task(client.lock(name, ttl=30).acquire(timeout=10))
+        await asyncio.sleep(0.5)
+        assert ran_out, "no place was taken"
+        await holder.release()
+        assert await waiter is True
 
 
 async def test_cancelled_acquires_leave_no_connection_behind(

@@ -222,13 +222,17 @@ class _Value:
             return cls("", 1, math.inf, {})
 
 
-#: No cap on the connections a client makes at once: each waiter's watch holds one, and
-#: httpx's pool (100 by default) queued the rest, which waited out their pool timeout
-#: behind watches that last as long as their waits (PoolTimeout, with etcd fine). Nor
-#: on those it keeps idle (they close after 5 s idle): past 20, httpcore closed idle
-#: ones, one of them at times just lent to a thread that had not begun its request
-#: yet, whose read then failed (EBADF) with etcd fine.
-LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+#: Requests share a few connections: httpx's pool matches every request against
+#: every connection it has, and every idle one against all of them (httpcore 1.0), so
+#: each request cost CPU in proportion to the square of the connections a burst had
+#: opened. Those past the cap wait their turn (within the request timeout), never
+#: failed: a request is short. Idle ones are not capped apart: past that cap httpcore
+#: closed idle connections, at times one just lent to a thread that had not begun its
+#: request yet, whose read then failed (EBADF) with etcd fine.
+REQUEST_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=None)
+#: Watches are not capped: each holds a connection for as long as its wait, and a cap
+#: left the rest waiting out their pool timeout (PoolTimeout, with etcd fine).
+WATCH_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
 
 async def _closed(response: httpx.Response) -> httpx.Response:
@@ -333,6 +337,8 @@ class AsyncEtcdBackend(AsyncBackend):
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self._queue_ttl = queue_ttl
         self._client: httpx.AsyncClient | None = None
+        #: Watches apart, not capped (see REQUEST_LIMITS and WATCH_LIMITS).
+        self._watcher: httpx.AsyncClient | None = None
         self._loop: Any = None
         self._closed = False
         self._creating = threading.Lock()
@@ -411,7 +417,7 @@ class AsyncEtcdBackend(AsyncBackend):
     def _forget_parent(self) -> None:
         """A forked child neither uses the parent's connections nor renews or revokes
         its leases: they are the parent's."""
-        self._client = None
+        self._client = self._watcher = None
         self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
         self._emptied, self._unrevoked, self._revoke_at = [], {}, math.inf
         self._reaper = None
@@ -427,27 +433,32 @@ class AsyncEtcdBackend(AsyncBackend):
         loop = None if task is None else task.get_loop()
         if loop is not self._loop:
             with self._creating:
-                self._client = None
+                self._client = self._watcher = None
                 self._loop = loop
                 self._authenticating = Mutex()
 
-    def _http(self) -> httpx.AsyncClient:
+    def _http(self, watch: bool = False) -> httpx.AsyncClient:
+        """The HTTP client for requests, or for watches (``watch``)."""
         if self._closed:
             raise BackendError(f"etcd {self._where}: the client is closed")
         self._follow_fork()
         self._follow_loop()
-        client = self._client
+        client = self._watcher if watch else self._client
         if client is None:
             with self._creating:
-                if self._client is None:
+                client = self._watcher if watch else self._client
+                if client is None:
                     # trust_env off: no proxy from the environment between us and etcd.
-                    self._client = httpx.AsyncClient(
+                    client = httpx.AsyncClient(
                         timeout=self._timeout,
                         verify=self._tls if self._tls is not None else True,
                         trust_env=False,
-                        limits=LIMITS,
+                        limits=WATCH_LIMITS if watch else REQUEST_LIMITS,
                     )
-                client = self._client
+                    if watch:
+                        self._watcher = client
+                    else:
+                        self._client = client
         return client
 
     def _fail(self, exc: BaseException) -> BackendError:
@@ -997,46 +1008,64 @@ class AsyncEtcdBackend(AsyncBackend):
             return True
         return False
 
+    async def _put_place(
+        self, ident: tuple[str, str], value: _Value, mine: str
+    ) -> tuple[_Place, dict[str, Any]]:
+        """Grant a waiter lease and put our queue key on it. A lease that ran out before
+        its put came (this client or etcd stalled past queue_ttl: seen on a machine
+        overloaded by hundreds of waiters) put nothing; granted anew once, rather than
+        fail the acquire."""
+        name, token = ident
+        record = json.dumps({"token": token, "holder": value.holder}, separators=(",", ":"))
+        granted_again = False
+        while True:
+            sent = time.monotonic()
+            lease, _ = await self._grant(lease_seconds(self._queue_ttl))
+            # Noted before the put: a waiter cut off meanwhile (cancelled) revokes it as
+            # it leaves, rather than leave a place holding up the queue until it ends.
+            place = self._places[ident] = _Place(lease, 0, sent, "", 0)
+            try:
+                answer = await self._txn(
+                    [],
+                    [
+                        {
+                            "request_put": {
+                                "key": mine,
+                                "value": b64(record.encode("utf-8")),
+                                "lease": str(lease),
+                            }
+                        },
+                        {"request_range": {"key": b64(self._key(name))}},
+                        # The newest two of the queue (a transaction reads its own writes).
+                        {
+                            "request_range": {
+                                **self._queue_range(name),
+                                "sort_order": "DESCEND",
+                                "sort_target": "CREATE",
+                                "limit": "2",
+                            }
+                        },
+                    ],
+                )
+            except BackendError as exc:
+                self._places.pop(ident, None)
+                ran_out = LEASE_NOT_FOUND in str(exc) and not isinstance(exc, BackendUnavailable)
+                if not ran_out:
+                    await self._revoke_quietly(lease)
+                if granted_again or not ran_out:
+                    raise
+                granted_again = True
+                continue
+            return place, answer
+
     async def _take_place(
         self, ident: tuple[str, str], value: _Value
     ) -> tuple[_Place, int, dict[str, Any] | None, dict[str, Any] | None]:
         """Put our key at the back of the name's queue, on a waiter lease of its own;
         return the place, the revision then, the lock key and the key just ahead."""
         name, token = ident
-        sent = time.monotonic()
-        lease, _ = await self._grant(lease_seconds(self._queue_ttl))
-        record = json.dumps({"token": token, "holder": value.holder}, separators=(",", ":"))
         mine = self._place_key(name, token)
-        # Noted before the put: a waiter cut off meanwhile (cancelled) revokes it as it
-        # leaves, rather than leave a place holding up the queue until the lease ends.
-        place = self._places[ident] = _Place(lease, 0, sent, "", 0)
-        try:
-            answer = await self._txn(
-                [],
-                [
-                    {
-                        "request_put": {
-                            "key": mine,
-                            "value": b64(record.encode("utf-8")),
-                            "lease": str(lease),
-                        }
-                    },
-                    {"request_range": {"key": b64(self._key(name))}},
-                    # The newest two of the queue (a transaction reads its own writes).
-                    {
-                        "request_range": {
-                            **self._queue_range(name),
-                            "sort_order": "DESCEND",
-                            "sort_target": "CREATE",
-                            "limit": "2",
-                        }
-                    },
-                ],
-            )
-        except BackendError:
-            self._places.pop(ident, None)
-            await self._revoke_quietly(lease)
-            raise
+        place, answer = await self._put_place(ident, value, mine)
         revision = place.rank = self._revision(answer)
         responses = answer.get("responses") or []
         newest = (responses[2].get("response_range", {}).get("kvs") or []) + [None, None]
@@ -1348,7 +1377,7 @@ class AsyncEtcdBackend(AsyncBackend):
         When the watch was created after other writes, the key is read once more, with
         the watch in place: gone, or created anew, it was deleted."""
         request: dict[str, Any] = {"key": key}
-        client = self._http()
+        client = self._http(watch=True)
         auth = await self._token()
         deadline = time.monotonic() + timeout
         used = self._current
@@ -1604,10 +1633,12 @@ class AsyncEtcdBackend(AsyncBackend):
                 pass
         self._closed = True
         self._reaper_wakeup.set()
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(httpx.HTTPError, OSError):
-                await client.aclose()
+        clients = [self._client, self._watcher]
+        self._client = self._watcher = None
+        for client in clients:
+            if client is not None:
+                with contextlib.suppress(httpx.HTTPError, OSError):
+                    await client.aclose()
 
 
 BACKEND = AsyncEtcdBackend
