@@ -1279,9 +1279,15 @@ async def test_cancelled_acquires_leave_no_connection_behind(
         for i in range(150):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(client.lock(name, ttl=10).acquire(), 0.002 * (i % 10))
-        await asyncio.sleep(2)  # what the cancels left in flight ends
-        pool = client._backend._client._transport._pool  # type: ignore[attr-defined]
-        stuck = [c for c in pool.connections if not (c.is_idle() or c.is_closed())]
+        backend: Any = client._backend
+        pools = [http._transport._pool for http in (backend._client, backend._watcher) if http]
+        deadline = time.monotonic() + 10  # what the cancels left in flight ends
+        while stuck := [
+            c for pool in pools for c in pool.connections if not (c.is_idle() or c.is_closed())
+        ]:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         assert not stuck, f"{len(stuck)} connections kept busy with no request: {stuck[:3]}"
         await holder.release()
         lock = client.lock(name, ttl=10)
