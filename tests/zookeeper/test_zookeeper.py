@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -1527,6 +1528,31 @@ def test_requests_answered_unlogged_leave_nothing_behind(
             assert backend._zk.exists(f"/missing-{i}") is None
         client.inspect("after")  # an answer logged: those sent before it are done
         assert len(backend._diagnosis._sent) == 0
+
+
+@pytest.mark.parametrize("holding", [True, False], ids=["holding", "holding-nothing"])
+def test_a_stalled_request_warns_that_held_locks_may_be_lost_only_if_some_are(
+    zookeeper_server: ZooKeeperEnsemble, caplog: pytest.LogCaptureFixture, holding: bool
+) -> None:
+    """A request that times out warns that the server does not answer, and that held
+    locks may be lost: said to a waiter holding nothing (``dlock run`` prints it on
+    stderr), that was wrong."""
+    name = f"stall-warning-{time.monotonic_ns()}"
+    url = zookeeper_server.url(session_timeout=4, operation_timeout=1)
+    with dlock.connect(url) as client:
+        lock = client.lock(name, ttl=60)
+        assert lock.acquire(timeout=5)
+        if not holding:
+            lock.release()
+        zookeeper_server.nodes[0].pause()
+        try:
+            with caplog.at_level(logging.WARNING, "dlock"), pytest.raises(dlock.BackendUnavailable):
+                client.inspect(f"{name}-other")
+        finally:
+            zookeeper_server.nodes[0].resume()
+    warned = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert warned, "no warning"
+    assert all(("held locks may be lost" in w) is holding for w in warned), warned
 
 
 def test_a_short_server_pause_does_not_lose_an_idle_lease(

@@ -722,7 +722,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._connected.clear()
         if state == KazooState.SUSPENDED:
             self._suspended_at = time.monotonic()
-            logger.warning("dlock: ZooKeeper connection suspended; held locks may be lost")
+            logger.warning(f"dlock: ZooKeeper connection suspended{self._at_stake()}")
             self._renew_at_grace_end()
         elif state == KazooState.LOST:
             self._suspended_at = None
@@ -779,6 +779,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
             self._heard_at = since
         self._stalled_since = None
 
+    def _at_stake(self) -> str:
+        """What a warning of a failing connection adds: that held locks may be lost, if
+        this client holds any (a waiter alone, as under ``dlock run``, holds nothing)."""
+        held = any(node.held for node in list(self._nodes.values()))
+        return "; held locks may be lost" if held else ""
+
     def _stalled(self) -> None:
         """A request timed out although kazoo reports a connection.
 
@@ -791,7 +797,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if self._stalled_since is not None:
             return
         self._stalled_since = self._heard_at
-        logger.warning("dlock: ZooKeeper does not answer; held locks may be lost")
+        logger.warning(f"dlock: ZooKeeper does not answer{self._at_stake()}")
         self._renew_at_grace_end()
 
     def _silent(self) -> bool:
