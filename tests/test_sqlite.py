@@ -129,6 +129,25 @@ def test_rows_of_an_earlier_boot_have_been_idle_since_boot(tmp_path: Path) -> No
         assert _token(client, "old") > before
 
 
+def test_a_missing_directory_in_a_named_path_is_refused_not_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every missing directory of a path was made: a typo in it (or ``sqlite:~/x.db``,
+    which is relative: a directory named ``~``) gave a lock file of its own, excluding
+    nobody, and without a word. Only dlock's default file gets its directory made."""
+    monkeypatch.chdir(tmp_path)
+    for url in (f"sqlite://{tmp_path}/typo/locks.db", "sqlite:~/locks.db"):
+        with dlock.connect(url) as client:
+            with pytest.raises(dlock.BackendError, match="does not exist") as refused:
+                client.lock("x", ttl=5).acquire(timeout=0)
+            assert not isinstance(refused.value, dlock.BackendUnavailable), refused.value
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("DLOCK_URL", raising=False)
+    with dlock.connect() as client, client.lock("x", ttl=5):
+        assert (tmp_path / "state" / "dlock" / "locks.sqlite3").is_file()
+
+
 def test_a_file_that_cannot_be_a_lock_table_is_refused_not_unavailable(tmp_path: Path) -> None:
     """Opening a file that is not a database, or a directory, fails the same way every
     time: a refusal (``BackendError``), not "down, worth retrying". A file another

@@ -23,6 +23,7 @@ from ... import _fork, _sqlite_fork
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import bounded_seconds, query_options
+from ..._registry import default_sqlite_url
 from ..._sql import (
     DEFAULT_TABLES,
     check_identifier,
@@ -38,7 +39,10 @@ T = TypeVar("T")
 
 #: Only Linux has a boot clock and a boot id: elsewhere, leases are timed by the wall clock.
 LINUX = sys.platform.startswith("linux")
-SYNCHRONOUS_MODES = ("off", "normal", "full", "extra")
+#: SQLite's ``synchronous`` settings that keep a committed grant (and so a fencing
+#: token handed out) on disk once the process is gone; ``off`` does not (a token could
+#: be handed out twice after a crash of the host), so it is refused.
+SYNCHRONOUS_MODES = ("normal", "full", "extra")
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -172,6 +176,7 @@ class SQLiteBackend(Backend):
         table: str = DEFAULT_TABLES["lease"],
         busy_timeout: float = 10.0,
         synchronous: str = "full",
+        create_directory: bool = False,
     ) -> None:
         if path.startswith("//") and not path.startswith("///"):
             # sqlite:////abs/path.db, as SQLAlchemy spells an absolute path: the same file.
@@ -191,8 +196,19 @@ class SQLiteBackend(Backend):
                 f"table {table!r}: SQLite keeps names that start with sqlite_ for itself"
             )
         if synchronous not in SYNCHRONOUS_MODES:
-            raise ConfigurationError(f"synchronous must be one of {SYNCHRONOUS_MODES}")
+            why = (
+                ": off would let a power loss undo grants, and hand a fencing token out twice"
+                if synchronous == "off"
+                else ""
+            )
+            raise ConfigurationError(
+                f"synchronous={synchronous!r}: use full (the default), normal or extra{why}"
+            )
         self._synchronous = synchronous
+        #: Only dlock's own default file (in the user's state directory) gets its
+        #: directory made: a missing directory in a path the user named is more likely
+        #: a typo, which would give a lock file of its own, excluding nobody.
+        self._create_directory = create_directory
         # SQLite takes it as an int of milliseconds: past that, it would wrap to none.
         self._busy_timeout = bounded_seconds(busy_timeout, "busy_timeout")
         self._connection: sqlite3.Connection | None = None
@@ -238,6 +254,7 @@ class SQLiteBackend(Backend):
             table=settings.get("table", DEFAULT_TABLES["lease"]),
             busy_timeout=bounded_seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
             synchronous=str(settings.get("synchronous", "full")).lower(),
+            create_directory=url == default_sqlite_url(),
         )
 
     def schema_sql(self) -> list[str]:
@@ -254,7 +271,7 @@ class SQLiteBackend(Backend):
         directory, or one this process may not open or create is refused."""
         conn: sqlite3.Connection | None = None
         try:
-            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            self._make_or_check_directory()
             conn = sqlite3.connect(
                 self._path,
                 timeout=self._busy_timeout,
@@ -274,6 +291,17 @@ class SQLiteBackend(Backend):
                 raise BackendUnavailable(message + IO_ERROR_HINT) from exc
             raise BackendError(message + self._unwritable_directory()) from exc
         return conn
+
+    def _make_or_check_directory(self) -> None:
+        directory = Path(self._path).parent
+        if self._create_directory:
+            directory.mkdir(parents=True, exist_ok=True)
+        elif not directory.is_dir():
+            raise BackendError(
+                f"cannot open SQLite database {self._path!r}: its directory {str(directory)!r}"
+                " does not exist (dlock makes only its default file's directory: create it,"
+                " or check the path)"
+            )
 
     def _unwritable_directory(self) -> str:
         """Why a writable file may still not open: SQLite's own message ("unable to open
