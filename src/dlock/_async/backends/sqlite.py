@@ -261,7 +261,9 @@ class AsyncSQLiteBackend(AsyncBackend):
         return [self._sql["schema"]]
 
     async def init(self) -> None:
-        """Create the lock table now (opening the database does)."""
+        """Create the lock table now (opening the database does), and the file's
+        directory if missing: asked for explicitly, not a typo met by a lock."""
+        self._create_directory = True
         await run_blocking(self._run, "SELECT 1", {})
 
     def _connect(self) -> sqlite3.Connection:

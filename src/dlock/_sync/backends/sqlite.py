@@ -262,7 +262,9 @@ class SQLiteBackend(Backend):
         return [self._sql["schema"]]
 
     def init(self) -> None:
-        """Create the lock table now (opening the database does)."""
+        """Create the lock table now (opening the database does), and the file's
+        directory if missing: asked for explicitly, not a typo met by a lock."""
+        self._create_directory = True
         run_blocking(self._run, "SELECT 1", {})
 
     def _connect(self) -> sqlite3.Connection:
