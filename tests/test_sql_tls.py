@@ -228,6 +228,23 @@ def test_an_unknown_mysql_ssl_verify_identity_is_refused() -> None:
         dlock.connect("mysql://dlock@127.0.0.1:1/dlock?ssl=true&ssl_verify_identity=sure")
 
 
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("ssl_verify_identity=true", "ssl_verify_identity without TLS: add ssl=true"),
+        ("ssl_verify_identity=maybe", "ssl_verify_identity must be true or false"),
+        ("ssl_key_password=secret", "ssl_key_password without TLS"),
+        ("ssl=false&ssl_ca=/etc/ssl/ca.pem", "ssl=false with ssl_ca: TLS is off"),
+        ("ssl=off&ssl_verify_identity=false", "ssl=false with ssl_verify_identity"),
+    ],
+)
+def test_mysql_tls_settings_with_tls_off_are_refused(query: str, message: str) -> None:
+    """``ssl_verify_identity`` alone (any spelling, even an unknown one) was accepted
+    and the lock went over plain text; ``ssl=false`` with a CA file turned TLS on."""
+    with pytest.raises(dlock.ConfigurationError, match=message):
+        dlock.connect(f"mysql://dlock@127.0.0.1:1/dlock?{query}")
+
+
 @pytest.mark.parametrize("value", ["true", "required"])
 def test_mysql_ssl_on_builds_a_context(value: str) -> None:
     with dlock.connect(f"mysql://dlock@127.0.0.1:1/dlock?ssl={value}") as client:

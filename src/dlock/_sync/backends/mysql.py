@@ -84,6 +84,10 @@ def _table_full(exc: BackendError) -> bool:
     return isinstance(cause, pymysql.MySQLError) and cause.args[:1] == (TABLE_FULL,)
 
 
+#: TLS settings that are not a certificate file: alone, they do not turn TLS on.
+TLS_SETTINGS = ("ssl_verify_identity", "ssl_key_password")
+
+
 def _tls_flag(extra: dict[str, str], option: str, default: str) -> bool:
     """A TLS switch: a spelling not known is refused, never read as off (libpq's
     ``ssl=require`` meant no TLS at all). ``required`` is MySQL's own word for on."""
@@ -100,12 +104,31 @@ def _tls_flag(extra: dict[str, str], option: str, default: str) -> bool:
 
 
 def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
-    """One context per backend, built once (not per connection), or None for no TLS."""
-    wanted = _tls_flag(extra, "ssl", "false")
-    if not (wanted or any(key in extra for key in ("ssl_ca", "ssl_cert", "ssl_key"))):
+    """One context per backend, built once (not per connection), or None for no TLS.
+
+    TLS is on with ``ssl=true`` or any certificate file. A TLS setting given with TLS
+    off (``ssl_verify_identity`` alone, or with ``ssl=false``) is refused: the lock
+    would go over plain text while the URL reads as if checked."""
+    files = [key for key in ("ssl_ca", "ssl_cert", "ssl_key") if key in extra]
+    verify_identity = _tls_flag(extra, "ssl_verify_identity", "true")
+    if "ssl" in extra and not _tls_flag(extra, "ssl", "false"):
+        given = [*files, *(key for key in TLS_SETTINGS if key in extra)]
+        if given:
+            raise ConfigurationError(
+                f"ssl=false with {', '.join(given)}: TLS is off, so they would do nothing;"
+                " drop them, or drop ssl=false"
+            )
+        return None
+    if "ssl" not in extra and not files:
+        given = [key for key in TLS_SETTINGS if key in extra]
+        if given:
+            raise ConfigurationError(
+                f"{', '.join(given)} without TLS: add ssl=true (or ssl_ca=...), or the lock"
+                " goes over plain text"
+            )
         return None
     context = ssl.create_default_context(cafile=extra.get("ssl_ca"))
-    context.check_hostname = _tls_flag(extra, "ssl_verify_identity", "true")
+    context.check_hostname = verify_identity
     if "ssl_cert" in extra:
         key, password = extra.get("ssl_key"), extra.get("ssl_key_password")
         check_client_key(key, password, "ssl_key_password")
