@@ -211,8 +211,9 @@ def test_a_relative_xdg_state_home_is_ignored(
         # Kept by some parsers, stripped by others: with a blank at its end, a SQLite
         # file, an etcd prefix or a ZooKeeper root was a lock space of its own.
         ("sqlite:///tmp/x.db ", "blank at its end"),
-        (" sqlite:///tmp/x.db", "blank at its end"),
+        (" sqlite:///tmp/x.db", "blank at its start"),
         ("etcd://h:2379/p\n", "control character"),
+        ("sqlite:///tmp/a\tb.db", "a control character \\('\\\\t'\\)"),
         ("zookeeper://h:2181/p\u00a0", "control character"),
         ("redis://h:6379/0\u200b", "control character"),
         # Past what a socket or a thread's wait holds: an OverflowError at first use.

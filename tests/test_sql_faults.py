@@ -911,6 +911,29 @@ def test_an_unqualified_table_with_nowhere_to_be_is_a_clear_error(
             client.lock(name, ttl=5).acquire(timeout=0)
 
 
+@pytest.mark.parametrize("mode", ["lease", "session"])
+def test_a_table_in_a_schema_that_does_not_exist_says_to_create_the_schema(
+    server: SQLServer, name: str, mode: str
+) -> None:
+    """The advice was to grant CREATE or run `dlock init`, neither of which makes a
+    schema (PostgreSQL) or database (MySQL): the error, on first use or from `dlock
+    init` (which ``create_table=false`` points to), says to create that first."""
+    missing = f"nowhere_{uuid.uuid4().hex[:8]}"
+    kind = "schema" if server.scheme == "postgresql" else "database"
+    for setup in ("true", "false"):
+        url = server.url(f"mode={mode}&table={missing}.locks&create_table={setup}")
+        with dlock.connect(url) as client, pytest.raises(dlock.BackendError) as refused:
+            if setup == "true":
+                client.lock(name, ttl=5).acquire(timeout=0)
+            else:
+                backend: Any = client._backend
+                backend.init()  # what `dlock init` runs
+        message = str(refused.value)
+        assert missing in message and f"create the {kind} first" in message, message
+        assert "grant CREATE" not in message and "dlock init" not in message, message
+        assert not isinstance(refused.value, dlock.BackendUnavailable)
+
+
 def test_a_new_clients_force_release_wakes_waiters_on_an_unqualified_table(
     server: SQLServer, name: str
 ) -> None:

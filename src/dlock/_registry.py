@@ -99,9 +99,14 @@ def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
     # An ASCII space inside (a SQLite file's directory) is plain to see, and kept.
     unseen = [char for char in url if not char.isprintable()]
     if unseen or url != url.strip():
-        blank = (unseen or [url[0] if url[0].isspace() else url[-1]])[0]
+        if unseen:
+            blank, where = unseen[0], "a control character"
+        elif url[0].isspace():
+            blank, where = url[0], "a blank at its start"
+        else:
+            blank, where = url[-1], "a blank at its end"
         raise ConfigurationError(
-            f"{scheme}:// URL has a control character or a blank at its end ({blank!r}):"
+            f"{scheme}:// URL has {where} ({blank!r}):"
             f" write it percent-encoded ({quote(blank)}), or drop it"
         )
     if split_url(url).fragment:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
-from ._errors import ConfigurationError
+from ._errors import BackendError, ConfigurationError
 from ._options import bounded_seconds, flag, query_options
 from ._types import Holder, LockInfo
 from ._validation import name_bytes, name_from_bytes
@@ -105,6 +105,12 @@ def named_lock_key(table: str, name: str) -> str:
 def notify_channel(table: str, name: str) -> str:
     """A LISTEN/NOTIFY channel per lock name: a plain identifier, safe to interpolate."""
     return "dlock_" + _digest(table, name).hex()[:40]
+
+
+class NoSuchSchema(BackendError):
+    """The schema (PostgreSQL) or database (MySQL) that the lock table is named in, or
+    that the URL names, does not exist: neither the table's creation nor `dlock init`
+    can make it, so the advice to grant CREATE or run `dlock init` is not given."""
 
 
 @dataclass(frozen=True)

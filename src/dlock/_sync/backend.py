@@ -108,6 +108,12 @@ class Backend(ABC):
         """
         return False
 
+    #: Why a renewal the backend refused means a lost lease, as its holder is told.
+    refused_renewal = (
+        "renewing it, the backend no longer had the lease (taken after it ran out,"
+        " released by force, or lost by the server)"
+    )
+
     #: :meth:`lease_lost` may turn true while nobody calls ``renew_now`` (a session
     #: lock's connection found closed by the server): the renewer then asks it about
     #: every held lease each time it wakes, at least once a second while it holds any.

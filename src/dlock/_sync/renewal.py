@@ -280,12 +280,7 @@ class Renewer:
             elif ok:
                 lock._lease_renewed(started, ttl, cap)
             else:
-                # Not only "gone": ZooKeeper refuses too once the session's grace is
-                # over (no answer for too long), whether or not the server ended it.
-                reason = (
-                    "renewing it, the backend no longer had the lease, or could no longer"
-                    " vouch for it (a session that may have ended)"
-                )
+                reason = self._backend.refused_renewal
                 lock._declare_lost(reason, watchdog=True, generation=generation)
         if unasked:
             logger.warning(

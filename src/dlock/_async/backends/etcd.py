@@ -265,7 +265,8 @@ def _parse_hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
                 # Else "::1" was host "::" and port 1, and "fe80::1" an invalid URL to
                 # httpx at the first request to that member (a failover's, perhaps).
                 raise ConfigurationError(
-                    f"etcd host {item!r}: an IPv6 address is written in brackets, [::1]:2379"
+                    f"etcd host {item!r} is not host:port (an IPv6 address is written in"
+                    " brackets, [::1]:2379)"
                 )
         if not host:
             raise ConfigurationError(f"empty host in etcd URL host list {netloc!r}")

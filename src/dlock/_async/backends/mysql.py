@@ -30,6 +30,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag
 from ..._sql import (
     MYSQL,
+    NoSuchSchema,
     ServerSettings,
     check_client_key,
     encode_name,
@@ -74,6 +75,8 @@ READ_ONLY = {1290, 1792, 1836}
 WAITS = ("turnstile_take", "session_wait", "session_wait_and_record")
 #: ER_NO_SUCH_TABLE.
 NO_SUCH_TABLE = 1146
+#: ER_BAD_DB_ERROR: the database the URL or the table names does not exist.
+NO_SUCH_DATABASE = 1049
 #: ``create_row``'s insert id for a name whose row exists and is held (a new row's is
 #: its fence, the clock in microseconds; a free row's is 0).
 HELD_ROW = 1
@@ -424,6 +427,11 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
             return BackendError(f"refused: ({code}) {text}")
         if code in READ_ONLY:
             return BackendError(f"the server is read-only (a replica?): {text}")
+        if code == NO_SUCH_DATABASE:
+            return NoSuchSchema(
+                f"({code}) {text}: create the database first (CREATE DATABASE), or name one"
+                " that exists"
+            )
         if code == NO_SUCH_TABLE:
             return self._missing_table(text)
         if (

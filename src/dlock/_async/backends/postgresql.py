@@ -29,6 +29,7 @@ from ..._sql import (
     POSTGRESQL,
     POSTGRESQL_FIND_TABLE,
     POSTGRESQL_QUOTE_TABLE,
+    NoSuchSchema,
     ServerSettings,
     advisory_key,
     check_client_key,
@@ -409,6 +410,11 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             )
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
             return BackendError(f"missing privilege: {exc}")
+        if isinstance(exc, psycopg.errors.InvalidSchemaName):
+            return NoSuchSchema(
+                f"{str(exc).splitlines()[0]}: create the schema first (CREATE SCHEMA), or"
+                " name the table in one that exists"
+            )
         if isinstance(exc, psycopg.errors.UndefinedTable):
             return self._missing_table(str(exc).splitlines()[0])
         if isinstance(exc, psycopg.errors.SerializationFailure):

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
-from ..._sql import ServerSettings, encode_name, lock_info
+from ..._sql import NoSuchSchema, ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import SHORTEST_PRUNE_AGE
 from .._primitives import (
@@ -490,6 +490,8 @@ class ServerSQLBackend(Backend):
         try:
             self._run(conn, self._schema, {})
         except BackendError as exc:
+            if isinstance(exc, NoSuchSchema):
+                raise
             # Without CREATE privilege the table may still exist (made by `dlock init`).
             try:
                 self._run(conn, f"SELECT 1 FROM {self._table} WHERE 1 = 0", {})

@@ -30,6 +30,7 @@ from ..._sql import (
     POSTGRESQL,
     POSTGRESQL_FIND_TABLE,
     POSTGRESQL_QUOTE_TABLE,
+    NoSuchSchema,
     ServerSettings,
     advisory_key,
     check_client_key,
@@ -406,6 +407,11 @@ class PostgreSQLBackend(ServerSQLBackend):
             )
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
             return BackendError(f"missing privilege: {exc}")
+        if isinstance(exc, psycopg.errors.InvalidSchemaName):
+            return NoSuchSchema(
+                f"{str(exc).splitlines()[0]}: create the schema first (CREATE SCHEMA), or"
+                " name the table in one that exists"
+            )
         if isinstance(exc, psycopg.errors.UndefinedTable):
             return self._missing_table(str(exc).splitlines()[0])
         if isinstance(exc, psycopg.errors.SerializationFailure):

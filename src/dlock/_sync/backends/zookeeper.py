@@ -663,6 +663,13 @@ class ZooKeeperBackend(Backend):
             message += ": no server answered in time"
         return BackendUnavailable(message)
 
+    # Not only "gone": a renewal is refused too once the session's grace is over (no
+    # answer for too long), whether or not the server ended the session.
+    refused_renewal = (
+        "renewing it, ZooKeeper no longer had the lock's node, or could no longer vouch"
+        " for it (its session may have ended)"
+    )
+
     def watch_leases(self, renew_now: Callable[[], None]) -> bool:
         self._renew_now = renew_now
         return True
