@@ -1127,6 +1127,22 @@ def test_help(command: list[str]) -> None:
     if command == ["run"]:  # every exit status the README gives
         for status in ("75", "69", "76", "128+N"):
             assert status in result.stdout, status
+        for variable in ("DLOCK_NAME", "DLOCK_FENCING_TOKEN", "DLOCK_TTL", "DLOCK_RUN_ID"):
+            assert variable in result.stdout, variable
+    elif command:  # how a command that cannot do its work ends, which scripts act on
+        for status in ("69", "76", "74"):
+            assert status in result.stdout, (command, status)
+
+
+def test_prune_and_init_say_a_backend_without_rows_has_nothing_to_do(
+    redis_server: RedisServer,
+) -> None:
+    """``prune`` said "0 idle names removed" on Redis, as if it had looked."""
+    url = f"redis://{redis_server.address}/0"
+    for command in ("prune", "init"):
+        result = dlock_cmd(url, command)
+        assert result.returncode == 0 and "nothing to do" in result.stderr, result
+        assert result.stdout == "", result.stdout
 
 
 def test_help_names_the_default_file(tmp_path: Path) -> None:
@@ -1167,8 +1183,9 @@ def test_a_client_librarys_own_warnings_stay_out_of_stderr(command: list[str]) -
 
 
 def test_bad_input_and_unreachable_backend(db: str) -> None:
+    # Named as the command line has them, not as the library's arguments.
     bad_ttl = dlock_cmd(db, "run", "--ttl", "0", "x", "--", "true")
-    assert bad_ttl.returncode == 2 and "ttl" in bad_ttl.stderr
+    assert bad_ttl.returncode == 2 and "--ttl must be" in bad_ttl.stderr
     empty = dlock_cmd(db, "status", "")
     assert empty.returncode == 2 and "empty" in empty.stderr
     unknown = dlock_cmd("nosuch://x", "status", "x")
@@ -1179,7 +1196,11 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     down = dlock_cmd(nobody_there, "run", "x", "--", "true")
     assert down.returncode == 69 and "backend error" in down.stderr, down.stderr
     negative_wait = dlock_cmd(db, "run", "-w", "-1", "x", "--", "true")
-    assert negative_wait.returncode == 2 and "timeout" in negative_wait.stderr
+    assert negative_wait.returncode == 2 and "--wait must be >= 0" in negative_wait.stderr
+    assert "None" not in negative_wait.stderr, negative_wait.stderr
+    for option, value in (("--older-than", "5"), ("--batch", "0")):
+        bad_prune = dlock_cmd(db, "prune", option, value)
+        assert bad_prune.returncode == 2 and f"{option} must be" in bad_prune.stderr
     negative_grace = dlock_cmd(db, "run", "--grace", "-1", "x", "--", "true")
     assert negative_grace.returncode == 2 and "--grace" in negative_grace.stderr
     no_command = dlock_cmd(db, "run", "x")

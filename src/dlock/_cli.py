@@ -31,7 +31,14 @@ from ._registry import default_sqlite_url
 from ._sync.client import DEFAULT_TTL, Client, connect
 from ._sync.lock import LOST_MESSAGE, Lock
 from ._types import LockInfo
-from ._validation import DEFAULT_PRUNE_AGE, SHORTEST_PRUNE_AGE, check_timeout
+from ._validation import (
+    DEFAULT_PRUNE_AGE,
+    SHORTEST_PRUNE_AGE,
+    check_batch,
+    check_prune_age,
+    check_timeout,
+    check_ttl,
+)
 
 #: Exit statuses of our own (the child's status passes through ``run`` unchanged).
 EXIT_CONFLICT = 1  # flock's default; -E changes it
@@ -132,6 +139,15 @@ def exit_status(text: str) -> int:
     return code
 
 
+#: How every command but ``run`` (which says its own) ends when it cannot do its work.
+FAILURE_STATUSES = (
+    f"On failure: {EXIT_USAGE} for a bad argument, {EXIT_UNAVAILABLE} if the backend could "
+    f"not be reached, {EXIT_REFUSED} if it refused or failed (credentials, privileges, a "
+    f"read-only replica), {EXIT_IOERR} if the output could not be written, {EXIT_SOFTWARE} "
+    "on an internal error (a bug)."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # argparse formats help with %: a quoted path's own % must be doubled.
     fallback = default_sqlite_url().replace("%", "%%")
@@ -153,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command while holding a lock",
         description=(
             "Run COMMAND while holding the lock NAME, renewing its lease. The command "
-            "sees DLOCK_NAME and DLOCK_FENCING_TOKEN in its environment. It runs in a "
+            "sees DLOCK_NAME, DLOCK_FENCING_TOKEN, DLOCK_TTL and DLOCK_RUN_ID in its "
+            "environment. It runs in a "
             "process group of its own: signals to dlock are passed to the whole group, and "
             "the lock is released only once no process of the group is left (what the "
             "command leaves running is stopped: TERM, then KILL after --grace). Exit "
@@ -213,8 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="show who holds a lock",
         description=(
-            f"Show the holder of NAME. Exit status 0 if held, 1 if free, {EXIT_IOERR} if "
-            "the output could not be written."
+            f"Show the holder of NAME. Exit status 0 if held, 1 if free. {FAILURE_STATUSES}"
         ),
     )
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -226,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="list held locks",
         description=(
-            "List held locks whose names start with PREFIX (default: all). Exit status 0, "
-            f"or {EXIT_IOERR} if the output could not be written."
+            "List held locks whose names start with PREFIX (default: all). Exit status 0. "
+            f"{FAILURE_STATUSES}"
         ),
     )
     listing.add_argument("--json", action="store_true", help="print JSON")
@@ -240,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="force-release a lock held by someone else",
         description=(
             "Free NAME whoever holds it. The evicted holder learns at its next renewal "
-            "that its lease is lost. Exit status 0 if it was held, 1 if it was free."
+            "that its lease is lost. Exit status 0 if it was held, 1 if it was free. "
+            f"{FAILURE_STATUSES}"
         ),
     )
     release.add_argument("--force", action="store_true", required=True, help="required")
@@ -253,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the lock table (SQL backends)",
         description=(
             "Create the lock table now, for teams that manage schema changes themselves "
-            "(dlock otherwise creates it on first use). --print shows the SQL instead."
+            "(dlock otherwise creates it on first use). --print shows the SQL instead. "
+            f"Exit status 0. {FAILURE_STATUSES}"
         ),
     )
     init.add_argument("--print", action="store_true", help="print the SQL, change nothing")
@@ -267,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Delete the lock table's rows of names nobody has held for SECONDS (by the "
             "server's clock). Every name used keeps a row (its fencing counter), so "
             "per-entity names grow the table; run this from a scheduler. Names made again "
-            "later still get larger fencing tokens."
+            "later still get larger fencing tokens. Other backends keep no such rows: "
+            f"nothing to do. Exit status 0. {FAILURE_STATUSES}"
         ),
     )
     prune.add_argument(
@@ -315,6 +334,12 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if not math.isfinite(args.grace) or args.grace < 0:
         note(f"dlock run: --grace must be >= 0 seconds, not {args.grace}")
+        return EXIT_USAGE
+    try:  # named as the command line has them, not as the library's arguments
+        check_ttl(args.ttl, "--ttl")
+        check_timeout(args.wait, "--wait")
+    except LockError as exc:
+        note(f"dlock run: {exc}")
         return EXIT_USAGE
     lost = threading.Event()
     done = threading.Event()
@@ -536,6 +561,15 @@ def cmd_init(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_prune(client: Client, args: argparse.Namespace) -> int:
+    try:
+        check_prune_age(args.older_than, "--older-than")
+        check_batch(args.batch, "--batch")
+    except LockError as exc:
+        note(f"dlock prune: {exc}")
+        return EXIT_USAGE
+    if getattr(client._backend, "schema_sql", None) is None:
+        note("dlock prune: this backend keeps no row per name; nothing to do")
+        return 0
     removed = client.prune(args.older_than, batch=args.batch)
     print(f"dlock prune: {removed} idle names removed")
     return 0

@@ -99,48 +99,51 @@ def _number(value: object) -> float | None:
         return math.inf if value > 0 else -math.inf
 
 
-def check_ttl(ttl: object) -> float:
+def check_ttl(ttl: object, what: str = "ttl") -> float:
+    """``what``: the argument's name as the caller wrote it (the command line's option)."""
     seconds = _number(ttl)
     if seconds is None:
-        raise InvalidTTL(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+        raise InvalidTTL(f"{what} must be a number of seconds, not {type(ttl).__name__}")
     if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidTTL(f"ttl must be a positive, finite number of seconds, not {ttl!r}")
+        raise InvalidTTL(f"{what} must be a positive, finite number of seconds, not {ttl!r}")
     if seconds < MIN_TTL:
-        raise InvalidTTL(f"ttl is {ttl!r} seconds; the shortest is {MIN_TTL:g} (a millisecond)")
+        raise InvalidTTL(f"{what} is {ttl!r} seconds; the shortest is {MIN_TTL:g} (a millisecond)")
     if seconds > MAX_TTL:
-        raise InvalidTTL(f"ttl is {ttl!r} seconds; the limit is {MAX_TTL:g} (about 31 years)")
+        raise InvalidTTL(f"{what} is {ttl!r} seconds; the limit is {MAX_TTL:g} (about 31 years)")
     return seconds
 
 
-def check_timeout(timeout: object) -> float | None:
+def check_timeout(timeout: object, what: str = "timeout") -> float | None:
     """Return the timeout in seconds, or None for "wait forever" (None or +inf)."""
     if timeout is None:
         return None
+    # A command line's option has no None: it is left out instead.
+    none = "" if what.startswith("-") else "None or "
     seconds = _number(timeout)
     if seconds is None:
         raise InvalidTimeout(
-            f"timeout must be None or a number of seconds, not {type(timeout).__name__}"
+            f"{what} must be {none}a number of seconds, not {type(timeout).__name__}"
         )
     if math.isnan(seconds) or seconds < 0:
-        raise InvalidTimeout(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+        raise InvalidTimeout(f"{what} must be {none}>= 0 seconds, not {timeout!r}")
     return None if math.isinf(seconds) else seconds
 
 
-def check_batch(batch: object) -> int:
+def check_batch(batch: object, what: str = "batch") -> int:
     if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
-        raise InvalidArgument(f"batch must be an int from 1 to {MAX_BATCH}, not {batch!r}")
+        raise InvalidArgument(f"{what} must be an int from 1 to {MAX_BATCH}, not {batch!r}")
     return batch
 
 
-def check_prune_age(older_than: object) -> float:
+def check_prune_age(older_than: object, what: str = "older_than") -> float:
     seconds = _number(older_than)
     if seconds is None:
         raise InvalidArgument(
-            f"older_than must be a number of seconds, not {type(older_than).__name__}"
+            f"{what} must be a number of seconds, not {type(older_than).__name__}"
         )
     if not math.isfinite(seconds) or seconds < SHORTEST_PRUNE_AGE:
         raise InvalidArgument(
-            f"older_than must be a finite number of seconds >= {SHORTEST_PRUNE_AGE:g},"
+            f"{what} must be a finite number of seconds >= {SHORTEST_PRUNE_AGE:g},"
             f" not {older_than!r}"
         )
     return seconds
