@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import shutil
 import time
 import uuid
@@ -243,6 +244,24 @@ def test_mysql_tls_settings_with_tls_off_are_refused(query: str, message: str) -
     and the lock went over plain text; ``ssl=false`` with a CA file turned TLS on."""
     with pytest.raises(dlock.ConfigurationError, match=message):
         dlock.connect(f"mysql://dlock@127.0.0.1:1/dlock?{query}")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "mysql://dlock@127.0.0.1:1/dlock?ssl_ca={missing}",
+        "mysql://dlock@127.0.0.1:1/dlock?ssl=true&ssl_cert={missing}",
+        "postgresql://dlock@127.0.0.1:1/dlock?sslrootcert={missing}",
+        "postgresql://dlock@127.0.0.1:1/dlock?sslcert={missing}",
+        "postgresql://dlock@127.0.0.1:1/dlock?sslmode=require&sslcrl={missing}",
+    ],
+)
+def test_a_tls_file_that_is_not_there_is_named(query: str, tmp_path: Path) -> None:
+    """libpq took a missing sslrootcert as given, and then said that the server does
+    not support SSL (when that came first); PyMySQL's error named no file."""
+    missing = str(tmp_path / "nowhere.pem")
+    with pytest.raises(dlock.ConfigurationError, match=f"={re.escape(repr(missing))}: no such"):
+        dlock.connect(query.format(missing=missing))
 
 
 @pytest.mark.parametrize("value", ["true", "required"])

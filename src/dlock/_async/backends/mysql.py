@@ -33,6 +33,7 @@ from ..._sql import (
     NoSuchSchema,
     ServerSettings,
     check_client_key,
+    check_tls_files,
     encode_name,
     mysql_statements,
     named_lock_key,
@@ -113,6 +114,7 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     off (``ssl_verify_identity`` alone, or with ``ssl=false``) is refused: the lock
     would go over plain text while the URL reads as if checked."""
     files = [key for key in ("ssl_ca", "ssl_cert", "ssl_key") if key in extra]
+    check_tls_files(extra, files)
     verify_identity = _tls_flag(extra, "ssl_verify_identity", "true")
     if "ssl" in extra and not _tls_flag(extra, "ssl", "false"):
         given = [*files, *(key for key in TLS_SETTINGS if key in extra)]
@@ -140,7 +142,7 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
             context.load_cert_chain(extra["ssl_cert"], key, password=password or "")
         except (OSError, ValueError) as exc:
             raise ConfigurationError(
-                f"TLS options: cannot load ssl_cert {extra['ssl_cert']!r} with ssl_key "
+                f"cannot load ssl_cert {extra['ssl_cert']!r} with ssl_key "
                 f"{key!r} (a wrong ssl_key_password?): {exc}"
             ) from exc
     return context
@@ -217,6 +219,8 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
                 ) from None
         try:
             self._ssl = _ssl_context(settings.extra)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"TLS options: {exc}") from None
         except (OSError, ValueError) as exc:
             raise ConfigurationError(f"TLS options: {exc}") from exc
 

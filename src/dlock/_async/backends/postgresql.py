@@ -33,6 +33,7 @@ from ..._sql import (
     ServerSettings,
     advisory_key,
     check_client_key,
+    check_tls_files,
     encode_name,
     notify_channel,
     parse_server_url,
@@ -245,6 +246,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             settings = dataclasses.replace(settings, table=settings.table.lower())
         super().__init__(settings)
         _check_libpq_values(settings.extra)
+        check_tls_files(
+            settings.extra, ("sslrootcert", "sslcert", "sslkey", "sslcrl"), keywords=("system",)
+        )
         check_client_key(
             settings.extra.get("sslkey"), settings.extra.get("sslpassword"), "sslpassword"
         )

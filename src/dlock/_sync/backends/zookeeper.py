@@ -392,7 +392,9 @@ class ZooKeeperBackend(Backend):
         client: KazooClient | None = None,
     ) -> None:
         if on_suspend not in SUSPEND_POLICIES:
-            raise ConfigurationError(f"on_suspend must be one of {SUSPEND_POLICIES}")
+            raise ConfigurationError(
+                f"on_suspend must be {' or '.join(SUSPEND_POLICIES)}, not {on_suspend!r}"
+            )
         for label, value in [
             ("session_timeout", session_timeout),
             ("connect_timeout", connect_timeout),
