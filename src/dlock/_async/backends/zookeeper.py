@@ -223,13 +223,20 @@ def _check_root(root: str) -> None:
 def _check_hosts(hosts: str) -> None:
     """kazoo reads the host list only when connecting, and says what is wrong with it
     by a bare ValueError then."""
-    try:
-        collect_hosts(hosts)
-        for host in hosts.split(","):
+    for host in hosts.split(","):
+        try:
             # kazoo takes port 0 and an empty port for the default, 2181.
             port = urlsplit(f"//{host}").port
             if port == 0 or (port is None and host.rstrip().endswith(":")):
-                raise ValueError(f"bad port in {host!r}")
+                raise ValueError
+        except ValueError:
+            unbracketed = host.count(":") > 1 and "[" not in host
+            hint = " (an IPv6 address is written in brackets, [::1]:2181)" if unbracketed else ""
+            raise ConfigurationError(
+                f"bad ZooKeeper host list {hosts!r}: bad port in {host!r}{hint}"
+            ) from None
+    try:
+        collect_hosts(hosts)
     except ValueError as exc:
         raise ConfigurationError(f"bad ZooKeeper host list {hosts!r}: {exc}") from exc
 
