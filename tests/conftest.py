@@ -74,8 +74,7 @@ class BackendUnderTest:
     #: the ResourceWarning fails whichever later test of the worker the collector runs in.
     leaves_sockets: bool = False
     #: For the outage tests: the backend with requests that time out within about a
-    #: second, which a test may cut off. None where the suite does not: ZooKeeper (its
-    #: lock ends with the session that an outage expires).
+    #: second, which a test may cut off. None where the suite does not.
     outage: Callable[[pytest.FixtureRequest, Path], Outage] | None = None
 
 
@@ -101,6 +100,30 @@ def _cluster_outage(cluster: RedisCluster) -> Outage:
     """Every node of a cluster cut off: its nodes announce their relays, so clients
     follow redirects and slot maps through them too."""
     return SharedRelays(cluster.relays, f"{cluster.url}?socket_timeout=0.5")
+
+
+#: The session of the ZooKeeper outage tests: longer than any of their outages (a few
+#: seconds), so that it lives through the cut, and its nodes with it. Were it to expire,
+#: the ensemble would delete them itself, and a test would pass without dlock giving
+#: anything back. Held locks are declared lost 3/4 of it after the last answer.
+ZOOKEEPER_OUTAGE_SESSION = 20.0
+
+
+def _zookeeper_outage(request: pytest.FixtureRequest) -> Outage:
+    """The ensemble, each member through a relay of its own: requests time out within a
+    second, while the session outlives the cut (kazoo drops a silent connection only
+    after 2/3 of it; the outage's end resets it, and kazoo is back on the session)."""
+    ensemble = request.getfixturevalue("zookeeper_ensemble")
+    return Partitioned(
+        lambda ports: (
+            "zookeeper://"
+            + ",".join(f"127.0.0.1:{port}" for port in ports)
+            + f"/dlock-{uuid.uuid4().hex[:8]}"
+            + f"?session_timeout={ZOOKEEPER_OUTAGE_SESSION:g}&operation_timeout=1"
+            + "&connect_timeout=5"
+        ),
+        list(ensemble.client_ports),
+    )
 
 
 def _sql(fixture: str, query: str) -> BackendUnderTest:
@@ -177,6 +200,7 @@ BACKENDS: dict[str, BackendUnderTest] = {
         unreachable_url=lambda request, tmp: (
             f"zookeeper://127.0.0.1:{free_port()}/dlock?connect_timeout=0.5"
         ),
+        outage=lambda request, tmp: _zookeeper_outage(request),
     ),
     # A prefix per test: keys of one test never meet another's. Leases are granted in
     # whole seconds (at least this server's 1 s minimum), and a live holder gives its

@@ -1639,6 +1639,8 @@ def test_client_options_wrong_for_good_are_configuration_errors(
         ("rediss://h:1?ssl_ca_certs=/nonexistent/ca.pem", "ssl_ca_certs"),
         ("rediss://h:1?ssl_certfile=/nonexistent/c.pem", "ssl_certfile"),
         ("rediss://h:1?ssl_ca_path=/nonexistent", "ssl_ca_path"),
+        # The scheme first: fixing the file, the user met the scheme's refusal next.
+        ("redis://h:1?ssl_ca_certs=/nonexistent/ca.pem", "need a rediss:// URL"),
         ("redis://h:1?protocol=9", "protocol"),
         ("rediss://h:1?ssl_cert_reqs=requird", "ssl_cert_reqs must be"),
         ("rediss://h:1?ssl_min_version=TLSv1_9", "ssl_min_version"),

@@ -276,7 +276,10 @@ class Partition:
         held: threading.Event,
         up: bool,
     ) -> None:
-        source.settimeout(0.05)
+        try:
+            source.settimeout(0.05)
+        except OSError:
+            return  # the other direction's thread ended the connection, and closed both
         with source, sink:
             while not self._closed.is_set():
                 if dropped.is_set():

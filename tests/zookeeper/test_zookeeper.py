@@ -63,6 +63,9 @@ def test_url_options_and_client_option(zookeeper_server: ZooKeeperEnsemble) -> N
         # They would be ignored: the nodes would be open to everyone.
         with pytest.raises(dlock.ConfigurationError, match="credentials"):
             dlock.connect("zookeeper://alice:s3cret@/dlock-existing", client=existing)
+        # One ensemble named, the client's used: refused, not ignored.
+        with pytest.raises(dlock.ConfigurationError, match=r"hosts .* would be ignored"):
+            dlock.connect("zookeeper://zk.example:2181/dlock-existing", client=existing)
         with (
             dlock.connect("zookeeper:///dlock-existing", client=existing) as client,
             client.lock("shared", ttl=5) as lock,

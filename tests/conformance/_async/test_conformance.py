@@ -1257,6 +1257,11 @@ async def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
         pytest.skip("needs relays that hold requests up")
     if reentry and "mode=session" in outage.url:
         pytest.skip("a session lock's re-entry takes no lock: it renews the hold and counts")
+    if outage.url.startswith("zookeeper:"):
+        pytest.skip(
+            "a ZooKeeper client has one connection, its session's: the give-back goes on"
+            " the held one, behind the request it would overtake, in order"
+        )
     look_after = 2.0  # time enough for the late request to land first
     monkeypatch.setattr(giveback, "LOOK_AGAIN_AFTER", look_after)
     async with dlock.aio.connect(outage.url) as client, dlock.aio.connect(outage.url) as other:
@@ -1304,14 +1309,22 @@ async def test_close_gives_back_what_an_outage_left(
         assert await other.inspect(name) is None
 
 
-def count_releases(client: dlock.aio.AsyncClient, sent: list[str]) -> None:
-    """Append to ``sent`` the name of every release that ``client``'s backend is asked."""
+def count_releases(
+    client: dlock.aio.AsyncClient, sent: list[str], took: list[float] | None = None
+) -> None:
+    """Append to ``sent`` the name of every release that ``client``'s backend is asked,
+    and to ``took`` how long each took to answer or fail."""
     backend: Any = client._backend
     release = backend.release
 
     async def counted(name: str, token: str) -> Any:
         sent.append(name)
-        return await release(name, token)
+        started = time.monotonic()
+        try:
+            return await release(name, token)
+        finally:
+            if took is not None:
+                took.append(elapsed_since(started))
 
     backend.release = counted
 
@@ -1349,15 +1362,27 @@ async def test_a_close_after_a_release_cut_off_asks_its_give_back_once(
     (a helper saw 16-31 s). Two requests now: the release and its give-back."""
     client = dlock.aio.connect(outage.url)
     sent: list[str] = []
+    took: list[float] = []
     try:
         lock = client.lock(name, ttl=30)
         assert await lock.acquire(timeout=0)
         outage.begin()
-        count_releases(client, sent)
+        count_releases(client, sent, took)
         with pytest.raises(dlock.BackendUnavailable):
             await lock.release()
+        closing = time.monotonic()
         await client.aclose()
-        assert len(sent) == 2, f"{len(sent)} releases sent"
+        if outage.url.startswith("zookeeper:"):
+            # Once a request went unanswered, ZooKeeper's backend sends no release: it
+            # hands the node to its reaper, to delete once the server answers, else it
+            # goes with the session. The give-back fails at once then, and close() asks
+            # it once more, which finds nothing left to send. The release alone waited
+            # out the timeout (1 s), and the close nothing.
+            waited = [seconds >= giveback.HUNG for seconds in took]
+            assert waited == [True, False, False], f"release calls took {took} s"
+            assert elapsed_since(closing) < 0.5, "the close waited out a timeout"
+        else:
+            assert len(sent) == 2, f"{len(sent)} releases sent"
     finally:
         outage.end()
         await client.aclose()

@@ -1248,6 +1248,11 @@ def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
         pytest.skip("needs relays that hold requests up")
     if reentry and "mode=session" in outage.url:
         pytest.skip("a session lock's re-entry takes no lock: it renews the hold and counts")
+    if outage.url.startswith("zookeeper:"):
+        pytest.skip(
+            "a ZooKeeper client has one connection, its session's: the give-back goes on"
+            " the held one, behind the request it would overtake, in order"
+        )
     look_after = 2.0  # time enough for the late request to land first
     monkeypatch.setattr(giveback, "LOOK_AGAIN_AFTER", look_after)
     with dlock.connect(outage.url) as client, dlock.connect(outage.url) as other:
@@ -1295,14 +1300,20 @@ def test_close_gives_back_what_an_outage_left(
         assert other.inspect(name) is None
 
 
-def count_releases(client: dlock.Client, sent: list[str]) -> None:
-    """Append to ``sent`` the name of every release that ``client``'s backend is asked."""
+def count_releases(client: dlock.Client, sent: list[str], took: list[float] | None = None) -> None:
+    """Append to ``sent`` the name of every release that ``client``'s backend is asked,
+    and to ``took`` how long each took to answer or fail."""
     backend: Any = client._backend
     release = backend.release
 
     def counted(name: str, token: str) -> Any:
         sent.append(name)
-        return release(name, token)
+        started = time.monotonic()
+        try:
+            return release(name, token)
+        finally:
+            if took is not None:
+                took.append(elapsed_since(started))
 
     backend.release = counted
 
@@ -1338,15 +1349,27 @@ def test_a_close_after_a_release_cut_off_asks_its_give_back_once(outage: Outage,
     (a helper saw 16-31 s). Two requests now: the release and its give-back."""
     client = dlock.connect(outage.url)
     sent: list[str] = []
+    took: list[float] = []
     try:
         lock = client.lock(name, ttl=30)
         assert lock.acquire(timeout=0)
         outage.begin()
-        count_releases(client, sent)
+        count_releases(client, sent, took)
         with pytest.raises(dlock.BackendUnavailable):
             lock.release()
+        closing = time.monotonic()
         client.close()
-        assert len(sent) == 2, f"{len(sent)} releases sent"
+        if outage.url.startswith("zookeeper:"):
+            # Once a request went unanswered, ZooKeeper's backend sends no release: it
+            # hands the node to its reaper, to delete once the server answers, else it
+            # goes with the session. The give-back fails at once then, and close() asks
+            # it once more, which finds nothing left to send. The release alone waited
+            # out the timeout (1 s), and the close nothing.
+            waited = [seconds >= giveback.HUNG for seconds in took]
+            assert waited == [True, False, False], f"release calls took {took} s"
+            assert elapsed_since(closing) < 0.5, "the close waited out a timeout"
+        else:
+            assert len(sent) == 2, f"{len(sent)} releases sent"
     finally:
         outage.end()
         client.close()

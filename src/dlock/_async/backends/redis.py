@@ -759,9 +759,10 @@ class AsyncRedisBackend(AsyncBackend):
         if settings.get("client") is not None:
             _check_given_client_url(parts, set(settings) | set(query))
         _check_database(parts.path, query.get("db"), cluster)
-        _check_client_options(query, cluster)
+        # First: the files of options that would not be used are no matter.
         if base_scheme == "redis" and any(key.startswith("ssl_") for key in query):
             raise ConfigurationError("ssl_* options need a rediss:// URL")
+        _check_client_options(query, cluster)
         client_options: dict[str, Any] = {
             key: bounded_seconds(settings[key], key)
             for key in ("socket_timeout", "socket_connect_timeout")

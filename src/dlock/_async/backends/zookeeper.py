@@ -75,6 +75,7 @@ from .._primitives import (
     run_detached,
     serving,
     shielded,
+    sleep,
     spawn,
     wait_result,
 )
@@ -543,6 +544,12 @@ class AsyncZooKeeperBackend(AsyncBackend):
             raise ConfigurationError("client= must be a kazoo.client.KazooClient")
         if client is not None and tls:
             raise ConfigurationError("with client=, TLS is the kazoo client's own setting")
+        if client is not None and netloc:
+            # One ensemble named, another used, without a word.
+            raise ConfigurationError(
+                f"with client=, the ensemble is the kazoo client's own: the URL's hosts"
+                f" ({netloc!r}) would be ignored; write it zookeeper:///{parts.path.lstrip('/')}"
+            )
         return cls(
             netloc,
             # "/" (a trailing slash) names the default root, as on etcd; "/locks/" is
@@ -1850,6 +1857,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         zk = self._zk
         if zk is None:
             return
+        if self._owns_client:
+            await self._delete_orphans_before_stop()
         zk.remove_listener(self._on_state)
         if self._owns_client:
             # Ending the session makes the ensemble delete every node it made. kazoo's
@@ -1865,6 +1874,22 @@ class AsyncZooKeeperBackend(AsyncBackend):
             await run_blocking(stopping.join, 0.0 if self._silent() else self._op_timeout)
         else:
             await self._delete_own_nodes(zk)
+
+    async def _delete_orphans_before_stop(self) -> None:
+        """Delete the given-up nodes (releases cut off by an outage) before the session
+        ends, the connection given up to an operation timeout to come back (not into
+        a silence: see _silent). Ending the session deletes them only if its close
+        reaches the server: kazoo's stop on a connection just dropped (an outage that
+        ends resets it), or while it reconnects, gives the session up instead, and
+        they kept their locks until it expired, though the server answers again."""
+        deadline = time.monotonic() + self._op_timeout
+        while self._orphans and not self._silent():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await run_blocking(self._connected.wait, remaining):
+                return
+            await self._delete_orphans()
+            if self._orphans:
+                await sleep(POLL)  # a request failed on the dropped connection
 
     async def _delete_own_nodes(self, zk: KazooClient) -> None:
         """The caller's session outlives us: delete our nodes ourselves (best effort),
