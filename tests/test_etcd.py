@@ -1470,6 +1470,42 @@ def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_fails(
         rival.release()
 
 
+def test_a_queued_acquire_ends_near_its_timeout_when_the_cluster_stops_answering(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """A waiter's place was kept alive as its last wait began, a moment before its
+    timeout: with the whole cluster hung then, the keepalive went round the members
+    (a fifth of the request timeout each but the last, which gets all of it), and the
+    leave after it too: a chaos helper saw the acquire return three request timeouts
+    past its own. Now the last wait sends no keepalive that the place does not need,
+    and a leave after a failure goes on by itself: past the timeout, one round at
+    most (README: 1.4 request timeouts with three members)."""
+    request_timeout, timeout = 2.0, 2.2
+    path = prefix()
+    url = etcd_cluster.url(path, timeout=request_timeout)
+    for hang_at in (1.96, 2.04, 2.12):  # as the waiter's last wait begins
+        with dlock.connect(url) as holding, dlock.connect(url) as waiting:
+            holder = holding.lock(name, ttl=30)
+            assert holder.acquire(timeout=0)
+            hang = threading.Timer(
+                hang_at, lambda: [member.pause() for member in etcd_cluster.members]
+            )
+            started = time.monotonic()
+            hang.start()
+            try:
+                with contextlib.suppress(dlock.BackendUnavailable):
+                    assert not waiting.lock(name, ttl=5).acquire(timeout=timeout)
+                took = time.monotonic() - started
+            finally:
+                hang.join()
+                for member in etcd_cluster.members:
+                    member.resume()
+            assert took < timeout + 1.4 * request_timeout + 1.0, (
+                f"hung at {hang_at} s: returned after {took:.2f} s"
+            )
+            holder.release()
+
+
 def test_inspection_asks_the_next_member_when_one_hangs(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

@@ -53,7 +53,6 @@ from ..._tls import certificate_refused
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
-    Cancelled,
     Mutex,
     WakeupEvent,
     current_task,
@@ -1281,11 +1280,13 @@ class AsyncEtcdBackend(AsyncBackend):
     async def waiter(self, name: str, token: str) -> AsyncIterator[AsyncEtcdWaiter]:
         ident = (name, token)
         self._waiting.add(ident)
-        cancelled = False
+        cut_short = False
         try:
             yield AsyncEtcdWaiter(self, name, token)
-        except Cancelled:
-            cancelled = True
+        except BaseException:
+            # Cancelled, or failed (the cluster does not answer): the leave would add a
+            # request timeout of its own to what the caller waited already.
+            cut_short = True
             raise
         finally:
             self._waiting.discard(ident)
@@ -1296,10 +1297,10 @@ class AsyncEtcdBackend(AsyncBackend):
                 with self._lock:
                     self._emptied.append(place.lease)
                 self._start_reaper(-math.inf)
-            elif place is not None and cancelled:
-                # The caller sees its cancellation at once: the leave goes on by itself
-                # (awaited, it held the cancellation up for a whole request timeout on
-                # a server that does not answer).
+            elif place is not None and cut_short:
+                # The caller sees its cancellation or failure at once: the leave goes on
+                # by itself (awaited, it held the caller up for a whole request timeout
+                # on a server that does not answer).
                 leave = partial(self._revoke_quietly, place.lease)
                 run_detached(leave, self._leaves, "dlock-leave")
             elif place is not None:
@@ -1338,7 +1339,16 @@ class AsyncEtcdBackend(AsyncBackend):
                 await self._watch_deletion(lock_key, None, left)
                 return
             # A third of the lease granted (whole seconds), not of a sub-second queue_ttl.
-            renew_in = place.renewed + lease_seconds(self._queue_ttl) / 3 - time.monotonic()
+            lease = lease_seconds(self._queue_ttl)
+            now = time.monotonic()
+            renew_in = place.renewed + lease / 3 - now
+            if renew_in <= 0 and place.renewed + lease - now > left + lease / 3 + 1:
+                # Due, but the place outlives the rest of this wait with room for a
+                # keepalive after it: none now. One sent as an acquire's last wait ends
+                # held the acquire up past its timeout by its whole round of the members
+                # while the cluster did not answer (then the leave's: a chaos helper
+                # saw three request timeouts).
+                renew_in = left
             if renew_in <= 0:
                 sent = time.monotonic()
                 # Sent again to the next member if one hangs (see _send): left to the
