@@ -876,6 +876,18 @@ class EtcdBackend(Backend):
                         f" queue of {queued} s: a stall that long)"
                     ) from exc
                 raise
+            except BaseException:
+                # Cut off (cancelled) with its put perhaps in flight, which runs on to
+                # its answer (shielded) and may take the lock for nobody after the
+                # core's give-back found nothing to release: the name stayed held until
+                # the give-back looked again, a second later. Revoking the put's lease
+                # ends it whichever lands first: a put on a revoked lease is refused,
+                # and a revoke deletes the key the put made. By itself: the caller sees
+                # its cancellation at once.
+                if not reentrant:
+                    leave = partial(self._revoke_quietly, lease)
+                    run_detached(leave, self._leaves, "dlock-give-back")
+                raise
 
     def _acquire(
         self,
