@@ -1347,7 +1347,8 @@ async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
         assert await holder.acquire(timeout=0)
         old = holder.fencing_token
         assert old is not None
-        times_out = asyncio.create_task(clients[0].lock(name, ttl=30).acquire(timeout=1.5))
+        # Long enough for the others to queue behind it on a loaded machine.
+        times_out = asyncio.create_task(clients[0].lock(name, ttl=30).acquire(timeout=3.0))
 
         async def queued(count: int) -> None:
             deadline = time.monotonic() + 10

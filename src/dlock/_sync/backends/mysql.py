@@ -114,7 +114,6 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
     off (``ssl_verify_identity`` alone, or with ``ssl=false``) is refused: the lock
     would go over plain text while the URL reads as if checked."""
     files = [key for key in ("ssl_ca", "ssl_cert", "ssl_key") if key in extra]
-    check_tls_files(extra, files)
     verify_identity = _tls_flag(extra, "ssl_verify_identity", "true")
     if "ssl" in extra and not _tls_flag(extra, "ssl", "false"):
         given = [*files, *(key for key in TLS_SETTINGS if key in extra)]
@@ -132,6 +131,8 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
                 " goes over plain text"
             )
         return None
+    # After the checks above: a file's absence is no matter where TLS is refused.
+    check_tls_files(extra, files)
     context = ssl.create_default_context(cafile=extra.get("ssl_ca"))
     context.check_hostname = verify_identity
     if "ssl_cert" in extra:
