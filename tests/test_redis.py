@@ -98,6 +98,45 @@ def _connections_to(ports: set[int]) -> int:
     return count
 
 
+async def test_connections_a_cluster_client_closes_under_calls_are_lost_connections(
+    redis_cluster: RedisCluster,
+) -> None:
+    """redis-py's asyncio cluster client answers CLUSTERDOWN (a master failing over) by
+    closing every node's connections, those in use by other calls too: a call then
+    failed with a raw AttributeError ("'NoneType' object has no attribute
+    'writelines'"), not a dlock error (a chaos helper, killing a master). Here the
+    client is closed under 30 users' calls as that does: every failure they see is
+    dlock's, and the client goes on."""
+    async with dlock.aio.connect(redis_cluster.url) as client:
+        await client.inspect("warm-up")
+        cluster_client: Any = client._backend._get_client()  # type: ignore[attr-defined]
+        raw: list[BaseException] = []
+        until = time.monotonic() + 2.0
+
+        async def user(i: int) -> None:
+            while time.monotonic() < until:
+                lock = client.lock(f"torn-{i % 12}", ttl=2)
+                try:
+                    if await lock.acquire(timeout=0.2):
+                        await asyncio.sleep(0.002)
+                        await lock.release()
+                except dlock.LockError:
+                    pass  # BackendUnavailable: the connection lost, as it was
+                except Exception as exc:
+                    raw.append(exc)
+
+        async def close_under_them() -> None:
+            while time.monotonic() < until:
+                await asyncio.sleep(0.02)
+                await cluster_client.aclose()
+
+        await asyncio.gather(close_under_them(), *(user(i) for i in range(30)))
+        assert not raw, f"{len(raw)} failures not dlock's: {raw[:3]!r}"
+        lock = client.lock("torn-after", ttl=5)
+        assert await lock.acquire(timeout=5)
+        await lock.release()
+
+
 def test_a_closed_cluster_client_leaves_no_connection_open(redis_cluster: RedisCluster) -> None:
     """redis-py's sync cluster closes each node's client but not the pool it was given,
     whose sockets stayed open until the collector found them, or the process exited

@@ -14,6 +14,7 @@ next attempt finds the lease already under the waiter's token.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -654,6 +655,24 @@ def _own_connections(client: Any) -> _Connections | None:
     return None
 
 
+@contextlib.contextmanager
+def torn_connections_lost() -> Iterator[None]:
+    """redis-py's asyncio cluster client answers a CLUSTERDOWN (a failover under
+    way) by closing every node's connections, those that other calls are using
+    too: a call mid-connect or mid-send then fails on the stream taken from under
+    it ("'NoneType' object has no attribute 'writelines'"), an AttributeError that
+    reached dlock's caller raw (a chaos helper, killing a master). That is a
+    connection lost under the call, after which a script may have run."""
+    try:
+        yield
+    except AttributeError as exc:
+        if "'NoneType' object has no attribute" not in str(exc):
+            raise
+        raise RedisConnectionError(
+            f"connection closed under the call by the cluster client ({exc})"
+        ) from exc
+
+
 class RedisBackend(Backend):
     """One Redis server or one Redis Cluster, reached through redis-py."""
 
@@ -1007,7 +1026,8 @@ class RedisBackend(Backend):
         if IS_ASYNC:
             client.initialize()  # the sync face's client maps slots as it is made
         node = client.get_node_from_key(command[3])
-        return client.execute_command(*command, target_nodes=node)
+        with torn_connections_lost():
+            return client.execute_command(*command, target_nodes=node)
 
     def _call_many(
         self,
@@ -1065,7 +1085,8 @@ class RedisBackend(Backend):
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
             pipe.execute_command(command, script, len(keys), *keys, *args)
-        return list(pipe.execute(raise_on_error=False))
+        with torn_connections_lost():
+            return list(pipe.execute(raise_on_error=False))
 
     def acquire(
         self,
