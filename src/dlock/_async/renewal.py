@@ -310,7 +310,7 @@ class AsyncRenewer:
                 continue
             generation = lock._generation
             if self._backend.lease_lost(lock.name, lock._token):
-                reason = "the backend reported the lease's session gone"
+                reason = self._backend.reported_lost
                 lock._declare_lost(reason, watchdog=True, generation=generation)
 
     def _declare_overdue(self) -> float | None:

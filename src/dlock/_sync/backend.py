@@ -114,6 +114,9 @@ class Backend(ABC):
         " released by force, or lost by the server)"
     )
 
+    #: Why a lease that :meth:`lease_lost` reports is lost, as its holder is told.
+    reported_lost = "the backend reported the lease's session gone"
+
     #: :meth:`lease_lost` may turn true while nobody calls ``renew_now`` (a session
     #: lock's connection found closed by the server): the renewer then asks it about
     #: every held lease each time it wakes, at least once a second while it holds any.

@@ -685,6 +685,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
         " for it (its session may have ended)"
     )
 
+    # Not only ended: a session cut off for longer than it surely lives is given up
+    # too, whether or not the ensemble has ended it yet (see _session_alive).
+    reported_lost = (
+        "the ZooKeeper session holding it ended, or was cut off for longer than it surely"
+        " lives (the suspension grace)"
+    )
+
     def watch_leases(self, renew_now: Callable[[], None]) -> bool:
         self._renew_now = renew_now
         return True
