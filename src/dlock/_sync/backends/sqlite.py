@@ -39,9 +39,9 @@ T = TypeVar("T")
 
 #: Only Linux has a boot clock and a boot id: elsewhere, leases are timed by the wall clock.
 LINUX = sys.platform.startswith("linux")
-#: SQLite's ``synchronous`` settings that keep a committed grant (and so a fencing
-#: token handed out) on disk once the process is gone; ``off`` does not (a token could
-#: be handed out twice after a crash of the host), so it is refused.
+#: SQLite's ``synchronous`` settings that dlock takes: ``normal`` may lose the last
+#: grants to a power loss (the docs' trade for speed); ``off`` syncs nothing, and a
+#: crash of the host or a power loss can corrupt the file, so it is refused.
 SYNCHRONOUS_MODES = ("normal", "full", "extra")
 
 
@@ -197,7 +197,7 @@ class SQLiteBackend(Backend):
             )
         if synchronous not in SYNCHRONOUS_MODES:
             why = (
-                ": off would let a power loss undo grants, and hand a fencing token out twice"
+                ": off syncs nothing, and a crash of the host can corrupt the lock file"
                 if synchronous == "off"
                 else ""
             )
