@@ -544,18 +544,23 @@ def cmd_release(client: Client, args: argparse.Namespace) -> int:
     return 1
 
 
+def keeps_a_table(client: Client) -> bool:
+    """Only the table-keeping backends (SQLite, MySQL, PostgreSQL) have a schema to make
+    and a row per name to prune."""
+    backend = client._backend
+    return hasattr(backend, "schema_sql") and hasattr(backend, "init")
+
+
 def cmd_init(client: Client, args: argparse.Namespace) -> int:
-    # Only the table-keeping backends (SQLite, MySQL, PostgreSQL) have a schema.
-    schema_sql = getattr(client._backend, "schema_sql", None)
-    init = getattr(client._backend, "init", None)
-    if schema_sql is None or init is None:
+    if not keeps_a_table(client):
         note("dlock init: this backend keeps no schema; nothing to do")
         return 0
+    backend: Any = client._backend
     if args.print:
-        for statement in schema_sql():
+        for statement in backend.schema_sql():
             print(textwrap.dedent(statement).strip() + ";")
         return 0
-    init()
+    backend.init()
     print("dlock init: lock table ready")
     return 0
 
@@ -567,7 +572,7 @@ def cmd_prune(client: Client, args: argparse.Namespace) -> int:
     except LockError as exc:
         note(f"dlock prune: {exc}")
         return EXIT_USAGE
-    if getattr(client._backend, "schema_sql", None) is None:
+    if not keeps_a_table(client):
         note("dlock prune: this backend keeps no row per name; nothing to do")
         return 0
     removed = client.prune(args.older_than, batch=args.batch)
