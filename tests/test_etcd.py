@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1544,6 +1545,72 @@ def test_a_queued_acquire_ends_near_its_timeout_when_the_cluster_stops_answering
                 f"hung at {hang_at} s: returned after {took:.2f} s"
             )
             holder.release()
+
+
+def test_a_list_shows_no_queue_of_a_client_whose_prefix_is_below_its_own(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A client on ``/app`` lists the keys of one on ``/app/locks`` too (as lock names
+    ``locks/...``), and listed that client's queue keys as locks held by ``?``, pid 0.
+    No lock name has the byte 0xFF, which every queue key has after its prefix."""
+    outer = prefix()
+    with (
+        dlock.connect(etcd_server.url(outer)) as listing,
+        dlock.connect(etcd_server.url(f"{outer}/locks")) as holding,
+        dlock.connect(etcd_server.url(f"{outer}/locks")) as waiting,
+    ):
+        holder = holding.lock(name, ttl=10)
+        assert holder.acquire(timeout=0)
+        queued = threading.Thread(target=waiting.lock(name, ttl=10).acquire, args=(1.5,))
+        queued.start()
+        try:
+            deadline = time.monotonic() + 5
+            while not (info := holding.inspect(name)) or not info.waiters:
+                assert time.monotonic() < deadline, "the waiter did not queue"
+                time.sleep(0.02)
+            assert [info.name for info in listing.list("")] == [f"locks/{name}"]
+        finally:
+            queued.join()
+            holder.release()
+
+
+def test_a_host_that_drops_connects_is_left_within_connect_timeout(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """The first host takes no connection (its listen queue full: the SYN is dropped, as
+    by a host that is down behind a firewall). Reads, lease grants (so every acquire)
+    and keepalives, which may go to the next host when one hangs, waited out their
+    resend time (a fifth of the request timeout: 6 s here) instead of connect_timeout
+    before moving on; writes did not."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filling = []
+    try:
+        for _ in range(4):  # the queue's room taken: further connects get no answer
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            filling.append(sock)
+        time.sleep(0.2)
+        url = f"etcd://127.0.0.1:{port},{etcd_server.address}{prefix()}"
+        for call in ("acquire", "inspect"):
+            with dlock.connect(f"{url}?timeout=30&connect_timeout=0.5") as client:
+                started = time.monotonic()
+                if call == "acquire":
+                    lock = client.lock(name, ttl=5)
+                    assert lock.acquire(timeout=0)
+                    lock.release()
+                else:
+                    assert client.inspect(name) is None
+                took = time.monotonic() - started
+                assert took < 3.0, f"{call} took {took:.2f} s with connect_timeout=0.5"
+    finally:
+        for sock in filling:
+            sock.close()
+        listener.close()
 
 
 def test_inspection_asks_the_next_member_when_one_hangs(

@@ -53,8 +53,8 @@ class LockInfo:
     expires_in: float | None
     #: How many times the holder has entered a reentrant lock.
     count: int = 1
-    #: Holders waiting in line, in order, where the backend keeps a queue (ZooKeeper,
-    #: Redis).
+    #: Holders waiting in line, in order, where the backend keeps a queue it can list
+    #: (Redis, Redlock, ZooKeeper, etcd; the SQL backends' waiters queue in the server).
     waiters: tuple[Holder, ...] = ()
 
 

@@ -335,6 +335,7 @@ class AsyncEtcdBackend(AsyncBackend):
         self._prefix = prefix
         self._tls = tls
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self._connect_timeout = connect_timeout
         self._queue_ttl = queue_ttl
         self._client: httpx.AsyncClient | None = None
         #: Watches apart, not capped (see REQUEST_LIMITS and WATCH_LIMITS).
@@ -512,8 +513,11 @@ class AsyncEtcdBackend(AsyncBackend):
         headers = {"Authorization": token} if token else {}
         last: BaseException | None = None
         for tried in range(len(self._endpoints)):
-            more = resend is not None and tried < len(self._endpoints) - 1
-            limit = httpx.Timeout(resend) if more else self._timeout
+            limit = self._timeout
+            if resend is not None and tried < len(self._endpoints) - 1:
+                # A host that does not answer the connect is left within connect_timeout
+                # here too, not within the resend's whole time.
+                limit = httpx.Timeout(resend, connect=min(resend, self._connect_timeout))
             used = self._current
             base = self._endpoints[used]
             try:
@@ -1612,7 +1616,12 @@ class AsyncEtcdBackend(AsyncBackend):
                 queues.setdefault(queue, []).append(entry)
         infos = []
         for kv in kvs:
-            name = name_from_bytes(unb64(kv["key"])[len(self._prefix) :])
+            key = unb64(kv["key"])[len(self._prefix) :]
+            if b"\xff" in key:
+                # No lock name has it (UTF-8): a queue key of a client whose prefix is
+                # below this one's, not a lock.
+                continue
+            name = name_from_bytes(key)
             info = await self._info(kv, queues.get(self._queue(name), ()))
             if info is not None:
                 infos.append(info)
