@@ -1003,6 +1003,8 @@ class AsyncLock:
             raise self._not_owner()
         if self.lost:
             raise await self._give_up_lost(told=True)
+        if cancel_requests():
+            await self._cancel_pending_before_release()
         cancels = cancel_requests()
         if self.reentrant:
             generation = self._generation
@@ -1039,6 +1041,23 @@ class AsyncLock:
         if cancel_requests() > cancels:
             # Released, and the caller's cancellation lost by a client library meanwhile.
             await lost_cancel()
+
+    async def _cancel_pending_before_release(self) -> None:
+        """A cancellation requested while the task was ready to run (``cancel()`` then
+        ``release()`` in one step, or in a body that ends its ``async with``): let it
+        stop the release here. Sent on, a client library may drop it (redis-py's
+        ``wait_for`` before Python 3.12), and the task ran on as if never cancelled (a
+        helper's audit). Stopped here, the release is cut off before it is sent, and as
+        any release cut off it ends the hold, given back in the background. (Nothing
+        happens for one that was delivered already: a cleanup in ``except
+        CancelledError`` releases as usual.)"""
+        generation = self._generation
+        try:
+            await sleep(0)
+        except BaseException:
+            if generation == self._generation and self._count:
+                self._release_failed(generation, self._count == 1)
+            raise
 
     async def _release_counted(self) -> tuple[Any, int, bool]:
         """release()'s round trip and count, in the count's turn for a reentrant lock:
@@ -1143,6 +1162,8 @@ class AsyncLock:
         generation = self._generation
         if self.lost:
             raise self._lost_error("the lease ran out before it could be extended", generation)
+        if cancel_requests():
+            await sleep(0)  # one pending stops us here: see _cancel_pending_before_release
         started = self._client._clock()
         write = self._write_started(started, seconds)
         cancels = cancel_requests()
@@ -1429,18 +1450,29 @@ class AsyncLock:
         entered = self._leave_block(task)
         cancelled_by_us = task in self._cancelled
         self._cancelled.discard(task)
+        # Our cancellation of the body is undone whether the body let it end the block
+        # or caught it: left counted, an enclosing asyncio.timeout() took a timeout of
+        # its own for a cancellation from outside. A cancellation of the program's own
+        # goes on as it came (the loss is told by on_lost and ``lost``): turned into
+        # LockLost, the task ended with an error instead of cancelled, and a TaskGroup
+        # or timeout() around it could not tell.
+        raise_loss = cancelled_by_us or not isinstance(exc, Cancelled)
         if entered is not None and entered != self._generation:
             # The block's hold was lost and given up, and another user of this object
             # has taken a fresh one since: that hold is theirs to leave.
-            if cancelled_by_us and isinstance(exc, Cancelled):
+            if cancelled_by_us:
                 uncancel(task)
+            if not raise_loss:
+                return
             raise LockLost(
                 f"lock {self.name!r} was lost: its hold ended while the block ran"
             ) from exc
         if self.lost:
             lost = await self._give_up_lost(told=True)
-            if cancelled_by_us and isinstance(exc, Cancelled):
+            if cancelled_by_us:
                 uncancel(task)
+            if not raise_loss:
+                return
             raise lost from exc
         await self.release()
 
