@@ -40,7 +40,7 @@ from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
 from tests.servers import Partition, free_port
 from tests.servers.etcd import EtcdCluster, EtcdServer, EtcdUser
-from tests.servers.tls import Certificates, make_certificates
+from tests.servers.tls import CLIENT_KEY_PASSWORD, Certificates, make_certificates
 from tests.test_cli import dlock_cmd
 
 
@@ -470,6 +470,38 @@ def test_a_client_certificate_is_sent_when_asked(
         ),
         name,
     )
+
+
+def test_an_encrypted_client_key_takes_its_password_and_never_asks(
+    mtls_etcd: EtcdServer, certificates: Certificates, name: str
+) -> None:
+    """An encrypted keyfile made connect() ask for its passphrase on the terminal (and
+    wait there), and there was no option to give it. keyfile_password gives it; without
+    it, a ConfigurationError that says so. Run without a terminal here: OpenSSL's
+    prompt would read a closed stdin, so a prompt shows as an error too."""
+    encrypted = {
+        "ca": certificates.ca,
+        "certfile": certificates.client_cert,
+        "keyfile": certificates.client_key_encrypted,
+    }
+    use_lock(mtls_etcd.url(prefix(), keyfile_password=CLIENT_KEY_PASSWORD, **encrypted), name)
+    script = (
+        "import sys, dlock\n"
+        "try:\n"
+        "    dlock.connect(sys.argv[1])\n"
+        "except dlock.ConfigurationError as exc:\n"
+        "    print(exc)\n"
+    )
+    asked = subprocess.run(
+        [sys.executable, "-c", script, mtls_etcd.url(prefix(), **encrypted)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert "keyfile_password" in asked.stdout, asked
+    assert "pass phrase" not in asked.stdout + asked.stderr, asked
 
 
 @pytest.mark.parametrize("ca", ["other", "system"])

@@ -68,10 +68,8 @@ DEFAULT_PREFIX = "/dlock"
 #: Seconds one request may take (connecting, then waiting for the answer).
 TIMEOUT = 5.0
 CONNECT_TIMEOUT = 2.0
-OPTIONS = frozenset(
-    {"timeout", "connect_timeout", "ca", "certfile", "keyfile", "verify_certs", "queue_ttl"}
-)
-TLS_OPTIONS = ("ca", "certfile", "keyfile", "verify_certs")
+TLS_OPTIONS = ("ca", "certfile", "keyfile", "keyfile_password", "verify_certs")
+OPTIONS = frozenset({"timeout", "connect_timeout", "queue_ttl", *TLS_OPTIONS})
 #: Seconds a waiter's place in a queue outlives its last keepalive (as Redis's).
 QUEUE_TTL = 6.0
 #: What follows the prefix in the queues' keys: no lock key has it there, as lock names
@@ -280,18 +278,31 @@ def _parse_hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
 
 
 def _ssl_context(settings: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS context, its files named in any error. A key is always loaded with a
+    password (an empty one if none is given): without one, OpenSSL asks for an encrypted
+    key's passphrase on the terminal, and ``connect()`` waited there."""
     verify = flag(settings.get("verify_certs", True), "verify_certs")
+    certfile, keyfile = settings.get("certfile"), settings.get("keyfile")
+    password = settings.get("keyfile_password")
+    if not certfile and (keyfile or password):
+        raise ConfigurationError("etcd TLS settings: keyfile and keyfile_password need certfile")
+    ca = settings.get("ca")
     try:
-        context = ssl.create_default_context(cafile=settings.get("ca"))
-        if not verify:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if settings.get("certfile"):
-            context.load_cert_chain(settings["certfile"], settings.get("keyfile"))
-        elif settings.get("keyfile"):
-            raise ConfigurationError("keyfile needs certfile")
+        context = ssl.create_default_context(cafile=ca)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigurationError(f"etcd TLS settings cannot be used: {exc}") from None
+        raise ConfigurationError(f"etcd TLS settings: ca {ca!r} cannot be used: {exc}") from None
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if certfile:
+        try:
+            context.load_cert_chain(certfile, keyfile, password=str(password or ""))
+        except (OSError, ssl.SSLError) as exc:
+            hint = " (a wrong keyfile_password?)" if password else " (encrypted? keyfile_password)"
+            raise ConfigurationError(
+                f"etcd TLS settings: certfile {certfile!r} with keyfile {keyfile!r} cannot be"
+                f" used{hint}: {exc}"
+            ) from None
     return context
 
 
