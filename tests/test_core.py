@@ -157,6 +157,26 @@ def test_a_relative_xdg_state_home_is_ignored(
 
 
 @pytest.mark.parametrize(
+    "url",
+    [
+        "etcd://locker:s3cr/t@etcd1:2379/locks",
+        "etcd://locker:s3cr?t@etcd1/locks",
+        "etcd://locker:123/45@etcd1/locks",
+        "postgresql://dlock:s3cr/t@db1/app",
+        "redis://:s3cr?t@cache1:6379/0",
+        "zookeeper://locker:s3cr/t@zk1:2181/locks",
+    ],
+)
+def test_a_password_with_an_unencoded_slash_or_question_mark_is_not_quoted(url: str) -> None:
+    """The host part ended at the password's '/' or '?': the rest went to the path or
+    an option's name, and the errors that followed quoted it ("bad port 's3cr'", "option
+    't@etcd1/locks' is empty"), or the URL was taken with another host and port."""
+    with pytest.raises(dlock.ConfigurationError, match="an '@' after its host") as refused:
+        dlock.connect(url)
+    assert "s3cr" not in str(refused.value) and "45" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
     ("url", "message"),
     [
         ("nosuch://host", "unknown URL scheme 'nosuch'"),

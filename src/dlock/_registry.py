@@ -87,6 +87,19 @@ def split_url(url: str) -> SplitResult:
         raise ConfigurationError(f"{shown_url(url)!r} cannot be parsed as a URL: {exc}") from None
 
 
+def _password_spilled(url: str) -> bool:
+    """A password with an unencoded '/' or '?' ends the host part there: the rest of
+    the password and the real host land in the path (``//user:s3cr/t@host/db``) or in
+    an option's name (``//user:s3cr?t@host/db``), and the errors that followed quoted
+    them. No path or option name of a server URL has an '@' of its own (SQLite's
+    file names may, and have no host)."""
+    parts = split_url(url)
+    if parts.scheme.lower() == "sqlite" or "@" in parts.netloc:
+        return False
+    names = (item.partition("=")[0] for item in parts.query.split("&"))
+    return "@" in parts.path or any("@" in name for name in names)
+
+
 def scheme_of(url: str) -> str:
     return split_url(url).scheme.lower()
 
@@ -108,6 +121,12 @@ def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
         raise ConfigurationError(
             f"{scheme}:// URL has {where} ({blank!r}):"
             f" write it percent-encoded ({quote(blank)}), or drop it"
+        )
+    if _password_spilled(url):
+        # Not shown: what follows the break is the rest of a password.
+        raise ConfigurationError(
+            f"{scheme}:// URL has an '@' after its host: a password's '/', '?' or '#'"
+            " is written percent-encoded (%2F, %3F, %23), and an '@' elsewhere too (%40)"
         )
     if split_url(url).fragment:
         raise ConfigurationError(
