@@ -1628,9 +1628,10 @@ class AsyncEtcdBackend(AsyncBackend):
         infos = []
         for kv in kvs:
             key = unb64(kv["key"])[len(self._prefix) :]
-            if b"\xff" in key:
-                # No lock name has it (UTF-8): a queue key of a client whose prefix is
-                # below this one's, not a lock.
+            if QUEUE_MARK in key:
+                # No lock name of dlock's has it (UTF-8 has no 0xFF): a queue key of a
+                # client whose prefix is below this one's, not a lock. (A name another
+                # program wrote may have the byte, and is listed, escaped.)
                 continue
             name = name_from_bytes(key)
             info = await self._info(kv, queues.get(self._queue(name), ()))
