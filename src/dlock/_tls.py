@@ -25,3 +25,16 @@ def certificate_refused(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def whose_certificate(error: BaseException) -> str:
+    """Which side of a refused handshake (see ``certificate_refused``) refused whose
+    certificate, in words that say what to check: OpenSSL's own name the alert alone."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return "the server's certificate is not trusted (check the CA given)"
+        current = current.__cause__ or current.__context__
+    return "the server refused this client's certificate, or its lack of one"

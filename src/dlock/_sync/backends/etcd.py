@@ -50,7 +50,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
 from ..._options import bounded_seconds, flag, query_options
 from ..._registry import split_url
-from ..._tls import certificate_refused
+from ..._tls import certificate_refused, whose_certificate
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
@@ -476,7 +476,10 @@ class EtcdBackend(Backend):
 
     def _fail(self, exc: BaseException) -> BackendError:
         if certificate_refused(exc):
-            return BackendError(f"etcd {self._where}: TLS certificate refused: {exc}")
+            return BackendError(
+                f"etcd {self._where}: TLS certificate refused: {whose_certificate(exc)}"
+                f" (ca, certfile, keyfile): {exc}"
+            )
         return BackendUnavailable(f"etcd {self._where}: {type(exc).__name__}: {exc}")
 
     def _post(
