@@ -1,19 +1,29 @@
-"""What the backends share about TLS failures."""
+"""What the backends share about TLS: their client files, and their failures."""
 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Iterator
+
+from ._errors import ConfigurationError
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and its causes, each once. Drivers wrap the ``ssl`` error in their own
+    connection error, hence the chain."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 def certificate_refused(error: BaseException) -> bool:
     """A TLS handshake failed over a certificate, somewhere in ``error``'s chain: ours
     refused the server's (wrong CA, name or date), or the server refused ours (missing,
-    unknown CA, ...). Waiting will not change that, so it is no BackendUnavailable.
-    Drivers wrap the ``ssl`` error in their own connection error, hence the chain."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    unknown CA, ...). Waiting will not change that, so it is no BackendUnavailable."""
+    for current in _chain(error):
         if isinstance(current, ssl.SSLCertVerificationError):
             return True
         reason = getattr(current, "reason", None)
@@ -23,18 +33,39 @@ def certificate_refused(error: BaseException) -> bool:
             and ("CERTIFICATE" in reason or reason.endswith("UNKNOWN_CA"))
         ):
             return True
-        current = current.__cause__ or current.__context__
     return False
 
 
 def whose_certificate(error: BaseException) -> str:
     """Which side of a refused handshake (see ``certificate_refused``) refused whose
     certificate, in words that say what to check: OpenSSL's own name the alert alone."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, ssl.SSLCertVerificationError):
-            return "the server's certificate is not trusted (check the CA given)"
-        current = current.__cause__ or current.__context__
+    if any(isinstance(current, ssl.SSLCertVerificationError) for current in _chain(error)):
+        return "the server's certificate is not trusted (check the CA given)"
     return "the server refused this client's certificate, or its lack of one"
+
+
+def load_client_files(
+    context: ssl.SSLContext,
+    backend: str,
+    *,
+    ca: str | None,
+    certfile: str | None,
+    keyfile: str | None,
+    password: str | None,
+) -> None:
+    """Load the CA to trust and the client's certificate into ``context``, naming the
+    file in any error. A key is always loaded with a password (an empty one if none is
+    given): without one, OpenSSL asks on the terminal for an encrypted key's
+    passphrase, and the caller waited there."""
+    what = f"ca {ca!r}"
+    try:
+        if ca:
+            context.load_verify_locations(ca)
+        if certfile:
+            what = f"certfile {certfile!r} with keyfile {keyfile!r}"
+            context.load_cert_chain(certfile, keyfile, str(password or ""))
+    except OSError as exc:  # ssl.SSLError is one too
+        hint = ""
+        if isinstance(exc, ssl.SSLError):
+            hint = " (wrong keyfile_password?)" if password else " (encrypted: keyfile_password?)"
+        raise ConfigurationError(f"{backend} TLS: cannot load {what}: {exc}{hint}") from exc

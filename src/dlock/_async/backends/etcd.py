@@ -49,7 +49,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
 from ..._options import bounded_seconds, flag, query_options
 from ..._registry import split_url
-from ..._tls import certificate_refused, whose_certificate
+from ..._tls import certificate_refused, load_client_files, whose_certificate
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
@@ -278,31 +278,19 @@ def _parse_hosts(netloc: str, default_port: int) -> list[tuple[str, int]]:
 
 
 def _ssl_context(settings: dict[str, Any]) -> ssl.SSLContext:
-    """The TLS context, its files named in any error. A key is always loaded with a
-    password (an empty one if none is given): without one, OpenSSL asks for an encrypted
-    key's passphrase on the terminal, and ``connect()`` waited there."""
     verify = flag(settings.get("verify_certs", True), "verify_certs")
     certfile, keyfile = settings.get("certfile"), settings.get("keyfile")
     password = settings.get("keyfile_password")
     if not certfile and (keyfile or password):
-        raise ConfigurationError("etcd TLS settings: keyfile and keyfile_password need certfile")
+        raise ConfigurationError("etcd TLS: keyfile and keyfile_password need certfile")
     ca = settings.get("ca")
-    try:
-        context = ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigurationError(f"etcd TLS settings: ca {ca!r} cannot be used: {exc}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if not ca:
+        context.load_default_certs()  # given a CA, only that one is trusted
+    load_client_files(context, "etcd", ca=ca, certfile=certfile, keyfile=keyfile, password=password)
     if not verify:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    if certfile:
-        try:
-            context.load_cert_chain(certfile, keyfile, password=str(password or ""))
-        except (OSError, ssl.SSLError) as exc:
-            hint = " (a wrong keyfile_password?)" if password else " (encrypted? keyfile_password)"
-            raise ConfigurationError(
-                f"etcd TLS settings: certfile {certfile!r} with keyfile {keyfile!r} cannot be"
-                f" used{hint}: {exc}"
-            ) from None
     return context
 
 

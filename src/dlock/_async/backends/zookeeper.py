@@ -62,7 +62,7 @@ from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
 from ..._options import bounded_seconds, flag, query_options
-from ..._tls import certificate_refused
+from ..._tls import certificate_refused, load_client_files
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import (
     Cancelled,
@@ -181,21 +181,16 @@ def _tls_settings(settings: dict[str, Any]) -> dict[str, Any]:
     password = settings.get("keyfile_password")
     if password is not None and "certfile" not in files:
         raise ConfigurationError("keyfile_password needs certfile (the client certificate)")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    what = f"ca {files.get('ca')!r}"
-    try:
-        if "ca" in files:
-            context.load_verify_locations(files["ca"])
-        if "certfile" in files:
-            what = f"certfile {files['certfile']!r} with keyfile {files['keyfile']!r}"
-            # Never None: OpenSSL would then ask for an encrypted key's password on the
-            # terminal.
-            context.load_cert_chain(files["certfile"], files["keyfile"], str(password or ""))
-    except OSError as exc:  # ssl.SSLError is one too
-        hint = ""
-        if isinstance(exc, ssl.SSLError):
-            hint = " (wrong keyfile_password?)" if password else " (encrypted: keyfile_password?)"
-        raise ConfigurationError(f"zookeeper TLS: cannot load {what}: {exc}{hint}") from exc
+    # Loaded once now (into a context of no use after), to refuse a file now rather
+    # than at every connection.
+    load_client_files(
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT),
+        "zookeeper",
+        ca=files.get("ca"),
+        certfile=files.get("certfile"),
+        keyfile=files.get("keyfile"),
+        password=None if password is None else str(password),
+    )
     tls: dict[str, Any] = {
         "use_ssl": True,
         "verify_certs": verify_certs,
