@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -140,23 +138,6 @@ class ServerSettings:
     def address(self) -> str:
         """Where the server is, for error messages."""
         return self.socket or f"{self.host}:{self.port or 'default'}"
-
-
-def check_tls_files(
-    extra: dict[str, str], options: Sequence[str], keywords: Sequence[str] = ()
-) -> None:
-    """Refuse a certificate, key or CRL file that is not there to read, naming it: the
-    driver would say so only as it connects, if at all in words that name it (libpq
-    says that the server does not support SSL, when that comes first). ``keywords``:
-    values that name no file (libpq's ``sslrootcert=system``)."""
-    for option in options:
-        path = extra.get(option)
-        if path is None or path in keywords:
-            continue
-        if not os.path.exists(path):
-            raise ConfigurationError(f"{option}={path!r}: no such file")
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise ConfigurationError(f"{option}={path!r}: not a file this process can read")
 
 
 def check_client_key(key_file: str | None, password: str | None, password_option: str) -> None:

@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import ssl
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 from ._errors import ConfigurationError
+
+
+def check_tls_files(
+    settings: Mapping[str, str],
+    options: Sequence[str],
+    keywords: Sequence[str] = (),
+    directories: Sequence[str] = (),
+) -> None:
+    """Refuse a certificate, key or CRL file (a CA directory among ``directories``) that
+    is not there to read, naming it: the driver would say so only as it connects, if at
+    all in words that name it (libpq says that the server does not support SSL, when
+    that comes first; redis-py raises a ConnectionError, retryable). ``keywords``:
+    values that name no file (libpq's ``sslrootcert=system``)."""
+    for option in (*options, *directories):
+        path = settings.get(option)
+        if path is None or path in keywords:
+            continue
+        if not os.path.exists(path):
+            raise ConfigurationError(f"{option}={path!r}: no such file or directory")
+        right_kind = os.path.isdir(path) if option in directories else os.path.isfile(path)
+        if not right_kind or not os.access(path, os.R_OK):
+            kind = "directory" if option in directories else "file"
+            raise ConfigurationError(f"{option}={path!r}: not a {kind} this process can read")
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:

@@ -33,14 +33,13 @@ from ..._sql import (
     NoSuchSchema,
     ServerSettings,
     check_client_key,
-    check_tls_files,
     encode_name,
     mysql_statements,
     named_lock_key,
     parse_server_url,
     quote_mysql_identifier,
 )
-from ..._tls import certificate_refused
+from ..._tls import certificate_refused, check_tls_files
 from ..._types import Acquired, Busy, Holder, Lease
 from .._primitives import IS_ASYNC, call_with_timeout, sleep
 from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter

@@ -33,12 +33,12 @@ from ..._sql import (
     ServerSettings,
     advisory_key,
     check_client_key,
-    check_tls_files,
     encode_name,
     notify_channel,
     parse_server_url,
     postgresql_statements,
 )
+from ..._tls import check_tls_files
 from ..._types import Acquired, Busy, Holder, Lease
 from ._server_sql import AsyncServerSQLBackend, Conn, Result, TurnstileWaiter
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import random
 import re
 import ssl
@@ -59,7 +58,7 @@ from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
 from ..._options import bounded_seconds, flag, query_options
-from ..._tls import certificate_refused
+from ..._tls import certificate_refused, check_tls_files
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
@@ -322,22 +321,15 @@ def _check_given_client_url(parts: SplitResult, options: set[str]) -> None:
         )
 
 
-#: TLS options naming a file (or, for ssl_ca_path, a directory) read at each connect.
-_TLS_PATHS = {
-    "ssl_ca_certs": os.path.isfile,
-    "ssl_certfile": os.path.isfile,
-    "ssl_keyfile": os.path.isfile,
-    "ssl_ca_path": os.path.isdir,
-}
+#: TLS options naming a file, read at each connect.
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 def _check_client_options(query: dict[str, str], cluster: bool) -> None:
     """What redis-py would only find wrong at the first connect, and then report as a
     ConnectionError, which dlock would have to call BackendUnavailable (retryable).
     ``ssl_min_version`` is rewritten as the number redis-py reads."""
-    for key, exists in _TLS_PATHS.items():
-        if key in query and not exists(query[key]):
-            raise ConfigurationError(f"{key}: no such file or directory: {query[key]!r}")
+    check_tls_files(query, _TLS_FILES, directories=("ssl_ca_path",))
     if query.get("protocol", "2") not in ("2", "3"):
         raise ConfigurationError(f"protocol must be 2 or 3, not {query['protocol']!r}")
     if query.get("ssl_cert_reqs", "required") not in ("none", "optional", "required"):
