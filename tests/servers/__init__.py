@@ -261,10 +261,12 @@ class Partition:
                 )
                 for source, sink, up in ((client, server, True), (server, client, False))
             ]
-            for thread in threads:
-                thread.start()
-            # Once started: drop() joins them.
+            # Known to hold() before a byte passes up (the client's first answer waits for
+            # the lock): a connection left out, once this thread was slow to add it, went
+            # on unheld. Started before drop() can see them, since it joins them.
             with self._links_lock:
+                for thread in threads:
+                    thread.start()
                 self._links.append((dropped, threads))
                 self._held.append(held)
 
