@@ -28,7 +28,6 @@ from .._errors import (
 from .._types import Acquired, Busy, Lease
 from .._validation import check_timeout, check_ttl
 from ._primitives import (
-    Cancelled,
     WakeupEvent,
     cancel_requests,
     cancel_task,
@@ -1454,8 +1453,10 @@ class Lock:
         # its own for a cancellation from outside. A cancellation of the program's own
         # goes on as it came (the loss is told by on_lost and ``lost``): turned into
         # LockLost, the task ended with an error instead of cancelled, and a TaskGroup
-        # or timeout() around it could not tell.
-        raise_loss = cancelled_by_us or not isinstance(exc, Cancelled)
+        # or timeout() around it could not tell. So do Ctrl-C, sys.exit() and a
+        # generator's close (on either face): turned into LockLost, an `except LockLost`
+        # retry loop would swallow them.
+        raise_loss = cancelled_by_us or exc is None or isinstance(exc, Exception)
         if entered is not None and entered != self._generation:
             # The block's hold was lost and given up, and another user of this object
             # has taken a fresh one since: that hold is theirs to leave.

@@ -790,6 +790,29 @@ async def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
         assert body_finished
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+async def test_an_interrupt_ends_a_lost_block_as_itself(
+    url: str, name: str, interrupt: type[BaseException]
+) -> None:
+    """Ctrl-C or sys.exit() in the body of a block whose lease was lost leaves the block
+    as itself (the loss shows in ``lost`` and ``on_lost``): turned into LockLost, the
+    usual ``except LockLost`` retry loop swallowed the user's Ctrl-C."""
+    async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        told: list[object] = []
+        lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
+        with pytest.raises(interrupt) as raised:
+            async with lock:
+                assert await admin.force_release(name) is True
+                deadline = time.monotonic() + 1.5
+                while not lock.lost and time.monotonic() < deadline:
+                    await sleep(0.1)
+                assert lock.lost, "the renewal did not find the lease gone"
+                raise interrupt
+        assert raised.type is interrupt
+        assert told == [lock] and not lock.owned()
+        assert await admin.inspect(name) is None
+
+
 async def test_force_release_and_list(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as client:
         with pytest.raises(dlock.InvalidArgument, match="prefix"):
