@@ -542,6 +542,17 @@ def test_plain_http_to_a_tls_port_is_unavailable_never_a_lock(
     assert isinstance(error, dlock.BackendUnavailable), error
 
 
+def test_tls_to_a_plain_http_port_is_unavailable_and_says_what_to_check(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """etcds:// to a port that serves plain HTTP: etcd closes the handshake without a
+    word, as a server going down may, so it stays BackendUnavailable (never a grant),
+    but the error says what the likelier mistake is."""
+    error = refusal(f"etcds://{etcd_server.address}{prefix()}", name)
+    assert isinstance(error, dlock.BackendUnavailable), error
+    assert "if it serves plain HTTP, use etcd://" in str(error), error
+
+
 # -- several hosts --------------------------------------------------------------------------
 
 

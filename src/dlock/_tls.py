@@ -68,6 +68,15 @@ def whose_certificate(error: BaseException) -> str:
     return "the server refused this client's certificate, or its lack of one"
 
 
+def handshake_cut_off(error: BaseException) -> bool:
+    """A connection closed or reset as it was made (under TLS: in the handshake), as a
+    server that does not speak TLS on that port does (etcd serving plain HTTP), and as
+    one going down may."""
+    return any(
+        isinstance(current, (ssl.SSLEOFError, ConnectionResetError)) for current in _chain(error)
+    )
+
+
 def load_client_files(
     context: ssl.SSLContext,
     backend: str,

@@ -49,7 +49,12 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
 from ..._options import bounded_seconds, flag, query_options
 from ..._registry import split_url
-from ..._tls import certificate_refused, load_client_files, whose_certificate
+from ..._tls import (
+    certificate_refused,
+    handshake_cut_off,
+    load_client_files,
+    whose_certificate,
+)
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
@@ -467,7 +472,12 @@ class AsyncEtcdBackend(AsyncBackend):
                 f"etcd {self._where}: TLS certificate refused: {whose_certificate(exc)}"
                 f" (ca, certfile, keyfile): {exc}"
             )
-        return BackendUnavailable(f"etcd {self._where}: {type(exc).__name__}: {exc}")
+        hint = ""
+        tls_cut = self._tls is not None and isinstance(exc, httpx.ConnectError)
+        if tls_cut and handshake_cut_off(exc):
+            # Unavailable still: the same cut comes from a server going down.
+            hint = " (the server cut the TLS handshake off: if it serves plain HTTP, use etcd://)"
+        return BackendUnavailable(f"etcd {self._where}: {type(exc).__name__}: {exc}{hint}")
 
     async def _post(
         self,
