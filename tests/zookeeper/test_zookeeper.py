@@ -1968,3 +1968,43 @@ def test_a_force_release_whose_reply_was_lost_leaves_the_next_holder(
         )
         assert waiting.owned()
         waiting.release()
+
+
+@pytest.mark.parametrize("given_client", [False, True], ids=["on_suspend_lost", "client"])
+def test_acquiring_works_again_after_a_short_server_pause(
+    zookeeper_server: ZooKeeperEnsemble, given_client: bool
+) -> None:
+    """One request timing out during a server pause (far shorter than the session) puts
+    the session in doubt; once the server answers again, acquisitions must succeed
+    again, not fail for good until some other operation happens to succeed."""
+    name = f"after-pause-{time.monotonic_ns()}"
+    kazoo = None
+    if given_client:
+        kazoo = KazooClient(hosts=zookeeper_server.hosts, timeout=4)
+        kazoo.start()
+        client = dlock.connect("zookeeper:///dlock?operation_timeout=0.5", client=kazoo)
+    else:
+        url = zookeeper_server.url(session_timeout=10, operation_timeout=0.5, on_suspend="lost")
+        client = dlock.connect(url)
+    try:
+        lock = client.lock(name)
+        assert lock.acquire(timeout=0)
+        lock.release()
+        if given_client:
+            time.sleep(3.2)  # dlock's own last answer is older than 3/4 of the session
+        zookeeper_server.nodes[0].pause()
+        try:
+            with pytest.raises(dlock.BackendUnavailable):
+                client.inspect(f"{name}-during")
+        finally:
+            zookeeper_server.nodes[0].resume()
+        time.sleep(0.5)
+        for attempt in range(3):
+            again = client.lock(f"{name}-{attempt}")
+            assert again.acquire(timeout=2)
+            again.release()
+    finally:
+        client.close()
+        if kazoo is not None:
+            kazoo.stop()
+            kazoo.close()

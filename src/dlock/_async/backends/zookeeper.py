@@ -911,7 +911,13 @@ class AsyncZooKeeperBackend(AsyncBackend):
             if node is not None and node.held:
                 return await self._reenter(zk, key, node, ttl, reentrant)
             for _ in range(3):
+                sent = time.monotonic()
                 node = await self._own_node(zk, key, ttl, holder)
+                # A create answered ends a stall (see _stalled) before the queue is
+                # checked: else, with the grace at nothing (on_suspend=lost) or its end
+                # past (client=), each node is given up as it is made, and acquires
+                # failed after a short server pause until another call ended the stall.
+                self._heard(sent)
                 result = await self._check_queue(zk, key, node, ttl)
                 if self._closed:
                     await self._closed_meanwhile(zk, key)
