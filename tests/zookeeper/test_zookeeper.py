@@ -1994,10 +1994,12 @@ def test_acquiring_works_again_after_a_short_server_pause(
             time.sleep(3.2)  # dlock's own last answer is older than 3/4 of the session
         zookeeper_server.nodes[0].pause()
         try:
-            with pytest.raises(dlock.BackendUnavailable):
+            with pytest.raises(dlock.BackendUnavailable) as unavailable:
                 client.inspect(f"{name}-during")
         finally:
             zookeeper_server.nodes[0].resume()
+        # It names the ensemble, the client='s too (it said ZooKeeper '').
+        assert zookeeper_server.hosts.split(",")[0] in str(unavailable.value)
         time.sleep(0.5)
         for attempt in range(3):
             again = client.lock(f"{name}-{attempt}")

@@ -429,6 +429,9 @@ class ZooKeeperBackend(Backend):
             asked = getattr(client, "_session_timeout", None)  # kazoo keeps it in ms
             if isinstance(asked, (int, float)) and asked > 0:
                 session_timeout = min(session_timeout, asked / 1000)
+            # The URL names none (refused above): errors name the client's ensemble.
+            with suppress(AttributeError, TypeError, ValueError):
+                hosts = ",".join(f"{host}:{port}" for host, port in client.hosts)
         self._root = "" if root == "/" else root
         self._hosts = hosts
         self._session_timeout = session_timeout
