@@ -1033,6 +1033,17 @@ def test_a_server_that_accepts_but_does_not_answer_fails_a_connect_in_connect_ti
     assert "no session in 1 s" in str(caught.value)
 
 
+def test_a_host_that_does_not_resolve_is_named_with_why() -> None:
+    """kazoo skips a host name with no address, and only logs it: the error said "no
+    server answered in time", as if one had been reached and stayed silent."""
+    url = "zookeeper://no-such-host.invalid:2181/dlock?connect_timeout=1"
+    with dlock.connect(url) as client, pytest.raises(dlock.BackendUnavailable) as caught:
+        client.inspect("anything")
+    message = str(caught.value)
+    assert "no server answered" not in message
+    assert "no-such-host.invalid:2181: " in message, message
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_client_whose_kazoo_connection_thread_died_connects_anew(
     zookeeper_server: ZooKeeperEnsemble, monkeypatch: pytest.MonkeyPatch

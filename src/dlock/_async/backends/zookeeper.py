@@ -126,6 +126,9 @@ AUTH_ANSWER, AUTH_XID = "Received AUTH", -4
 SESSION_CREATED = "Session created"
 #: Where kazoo starts a connection: requests sent on the one before get no answer.
 CONNECTING = "Connecting to"
+#: What it warns of a host name that does not resolve (the host, then the error), before
+#: any connection attempt: that host is skipped.
+UNRESOLVED = "Cannot resolve"
 #: A create whose reply was lost and that a search did not find may be applied later
 #: all the same (sent on a connection that dropped, it can go on through the ensemble):
 #: its node is searched for again every LOST_CREATE_EVERY seconds, until
@@ -2008,6 +2011,12 @@ class _Diagnosis:
     def attempt(self, server: tuple[str, int]) -> None:
         self.current = server
 
+    def unresolved(self, host: str, error: BaseException) -> None:
+        """``host`` has no address (kazoo skips it, before any attempt names a server)."""
+        for server in self.servers:
+            if server[0] == host.strip():
+                self.errors[server] = error
+
     def failed(self, error: BaseException) -> None:
         server = self.current
         if server is None:
@@ -2088,6 +2097,13 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
                     diagnosis.negotiated = float(args[2]) / 1000  # type: ignore[arg-type]
         elif msg.startswith(CONNECTING):
             diagnosis.connecting()
+        elif (
+            msg.startswith(UNRESOLVED)
+            and len(args) > 1
+            and isinstance(args[0], str)
+            and isinstance(args[1], BaseException)
+        ):
+            diagnosis.unresolved(args[0], args[1])
 
 
 class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]
