@@ -1508,6 +1508,15 @@ def test_urls_and_options() -> None:
         dlock.connect("redis+redlock://", client=object())
     with pytest.raises(dlock.ConfigurationError, match="names no Redis masters"):
         dlock.connect("redis+redlock://")
+    with pytest.raises(dlock.ConfigurationError, match="ssl_check_hostname must be true or false"):
+        dlock.connect("rediss://localhost?ssl_check_hostname=maybe")
+    relaxed = RedisBackend.from_url("rediss://localhost?ssl_check_hostname=off", {})
+    assert relaxed._url is not None  # redis-py read "off" as true
+    assert redis.connection.parse_url(relaxed._url)["ssl_check_hostname"] is False  # type: ignore[no-untyped-call]
+    # One master fewer than the user counted (was taken as a, b, c; a, b).
+    for typo in ("redis+redlock://a:1,,b:2,c:3", "redis+redlock://a:1,b:2,"):
+        with pytest.raises(dlock.ConfigurationError, match="an empty host"):
+            dlock.connect(typo)
 
 
 def test_keys_share_one_slot_for_awkward_names() -> None:
@@ -3583,3 +3592,38 @@ def test_inspect_names_the_waiters_in_line(request: pytest.FixtureRequest, flavo
 def _waiters(client: dlock.Client, name: str) -> tuple[dlock.Holder, ...]:
     info = client.inspect(name)
     return () if info is None else info.waiters
+
+
+def test_tls_files_openssl_cannot_load_are_refused_by_connect(tmp_path: Path) -> None:
+    """A certificate that is not PEM, a wrong ssl_password, an encrypted key without one:
+    refused by connect(), not a retryable BackendUnavailable at the first call (nor, for
+    the encrypted key, OpenSSL's passphrase prompt on the terminal, where it hung)."""
+    from tests.servers.tls import CLIENT_KEY_PASSWORD, make_certificates
+
+    c = make_certificates(tmp_path)
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    base = f"rediss://127.0.0.1:1?ssl_ca_certs={c.ca}"
+    key = f"&ssl_certfile={c.client_cert}&ssl_keyfile={c.client_key_encrypted}"
+    for url, message in (
+        (f"rediss://127.0.0.1:1?ssl_ca_certs={garbage}", "ssl_ca_certs"),
+        (f"{base}&ssl_certfile={garbage}&ssl_keyfile={c.client_key}", "ssl_certfile"),
+        (f"{base}{key}", "encrypted: no ssl_password"),
+        (f"{base}{key}&ssl_password=wrong", "wrong ssl_password"),
+    ):
+        with pytest.raises(dlock.ConfigurationError, match=message):
+            dlock.connect(url)
+    with dlock.connect(f"{base}{key}&ssl_password={CLIENT_KEY_PASSWORD}"):
+        pass
+
+
+def test_redlock_refuses_two_given_clients_of_one_server() -> None:
+    """As the URL's check does: one server counted twice would be a majority alone."""
+    with pytest.raises(dlock.ConfigurationError, match="more than once"):
+        dlock.connect(
+            "redis+redlock://",
+            client=[redis.Redis(port=1), redis.Redis(port=1), redis.Redis(port=2)],
+        )
+    dlock.connect(
+        "redis+redlock://", client=[redis.Redis(port=1), redis.Redis(port=2), redis.Redis(port=3)]
+    ).close()

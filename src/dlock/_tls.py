@@ -77,6 +77,10 @@ def handshake_cut_off(error: BaseException) -> bool:
     )
 
 
+#: What etcd's and ZooKeeper's URLs call the CA, certificate, key and key password.
+CLIENT_FILE_OPTIONS = ("ca", "certfile", "keyfile", "keyfile_password")
+
+
 def load_client_files(
     context: ssl.SSLContext,
     backend: str,
@@ -85,20 +89,24 @@ def load_client_files(
     certfile: str | None,
     keyfile: str | None,
     password: str | None,
+    options: tuple[str, str, str, str] = CLIENT_FILE_OPTIONS,
 ) -> None:
     """Load the CA to trust and the client's certificate into ``context``, naming the
     file in any error. A key is always loaded with a password (an empty one if none is
     given): without one, OpenSSL asks on the terminal for an encrypted key's
-    passphrase, and the caller waited there."""
-    what = f"ca {ca!r}"
+    passphrase, and the caller waited there. ``options``: what the URL calls the four,
+    for the error."""
+    ca_option, cert_option, key_option, password_option = options
+    what, hint = f"{ca_option}={ca!r}", ""
     try:
         if ca:
             context.load_verify_locations(ca)
         if certfile:
-            what = f"certfile {certfile!r} with keyfile {keyfile!r}"
+            what = f"{cert_option}={certfile!r} with {key_option}={keyfile!r}"
+            missing = "wrong" if password else "encrypted: no"
+            hint = f" ({missing} {password_option}?)"
             context.load_cert_chain(certfile, keyfile, str(password or ""))
     except OSError as exc:  # ssl.SSLError is one too
-        hint = ""
-        if isinstance(exc, ssl.SSLError):
-            hint = " (wrong keyfile_password?)" if password else " (encrypted: keyfile_password?)"
+        if not isinstance(exc, ssl.SSLError):
+            hint = ""
         raise ConfigurationError(f"{backend} TLS: cannot load {what}: {exc}{hint}") from exc

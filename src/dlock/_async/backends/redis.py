@@ -57,7 +57,7 @@ from ... import _redis_scripts as scripts
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
 from ..._options import bounded_seconds, flag, query_options
-from ..._tls import certificate_refused, check_tls_files
+from ..._tls import certificate_refused, check_tls_files, load_client_files
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
@@ -339,6 +339,10 @@ def _check_client_options(query: dict[str, str], cluster: bool) -> None:
         raise ConfigurationError(f"redis-py's cluster client ignores {', '.join(dropped)}")
     if "ssl_min_version" in query:
         query["ssl_min_version"] = str(_tls_version(query["ssl_min_version"]))
+    if "ssl_check_hostname" in query:
+        # redis-py reads any word but its few false ones as true ("maybe", and "off").
+        checked = flag(query["ssl_check_hostname"], "ssl_check_hostname")
+        query["ssl_check_hostname"] = "true" if checked else "false"
     for key in query.keys() & URL_QUERY_ARGUMENT_PARSERS.keys():
         parse: Any = URL_QUERY_ARGUMENT_PARSERS[key]  # the sync face's is typed loosely
         try:
@@ -353,6 +357,18 @@ def _check_client_options(query: dict[str, str], cluster: bool) -> None:
             context.load_verify_locations(cadata=query["ssl_ca_data"])
     except (ssl.SSLError, ValueError) as exc:
         raise ConfigurationError(f"TLS options: {exc}") from None
+    # As redis-py will at each connect, where a file OpenSSL cannot take (not PEM, a
+    # wrong ssl_password) was a ConnectionError, and an encrypted key without
+    # ssl_password made OpenSSL ask for its passphrase on the terminal, and wait.
+    load_client_files(
+        context,
+        "Redis",
+        ca=query.get("ssl_ca_certs"),
+        certfile=query.get("ssl_certfile"),
+        keyfile=query.get("ssl_keyfile") or None,
+        password=query.get("ssl_password"),
+        options=("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_password"),
+    )
 
 
 def _tls_version(value: str) -> int:

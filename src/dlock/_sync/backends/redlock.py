@@ -157,6 +157,15 @@ class RedlockBackend(Backend):
                 raise ConfigurationError("client= for Redlock is a list of redis-py clients")
             if len({id(client) for client in clients}) < len(clients):
                 raise ConfigurationError("client= for Redlock names the same client twice")
+            # Two clients of one server would count it twice, as the URL's check refuses:
+            # that server alone would then be a majority.
+            servers = [_client_address(client) for client in clients]
+            for address in servers:
+                if address != ("", 0, "") and servers.count(address) > 1:
+                    where = address[2] or f"{address[0]}:{address[1]}"
+                    raise ConfigurationError(
+                        f"client= for Redlock names master {where} more than once"
+                    )
             if parts.netloc or parts.path not in ("", "/"):
                 raise ConfigurationError(
                     "with client=, the clients' own servers apply; the URL's would be "
@@ -176,9 +185,12 @@ class RedlockBackend(Backend):
             if key not in given:
                 options[key] = MASTER_TIMEOUT
         auth, _, hosts = parts.netloc.rpartition("@")
-        addresses = [host.strip() for host in hosts.split(",") if host.strip()]
-        if not addresses:
+        addresses = [host.strip() for host in hosts.split(",")]
+        if not hosts.strip():
             raise ConfigurationError(f"{url!r} names no Redis masters")
+        if not all(addresses):
+            # Dropped, an h1,,h2 typo left one master fewer than the user counted.
+            raise ConfigurationError(f"an empty host in the Redlock masters {hosts!r}")
         prefix = f"{auth}@" if auth else ""
         masters = [
             RedisBackend.from_url(
