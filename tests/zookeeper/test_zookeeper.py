@@ -1558,15 +1558,25 @@ def test_a_stalled_request_warns_that_held_locks_may_be_lost_only_if_some_are(
         assert lock.acquire(timeout=5)
         if not holding:
             lock.release()
-        zookeeper_server.nodes[0].pause()
-        try:
-            with caplog.at_level(logging.WARNING, "dlock"), pytest.raises(dlock.BackendUnavailable):
-                client.inspect(f"{name}-other")
-        finally:
-            zookeeper_server.nodes[0].resume()
+        with caplog.at_level(logging.WARNING, "dlock"):
+            stall_by_pause(zookeeper_server, client, f"{name}-other")
     warned = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
     assert warned, "no warning"
     assert all(("held locks may be lost" in w) is holding for w in warned), warned
+
+
+def stall_by_pause(
+    server: ZooKeeperEnsemble, client: dlock.Client, name: str
+) -> dlock.BackendUnavailable:
+    """What an inspect of ``name`` raised while the (standalone) server was paused: one
+    request timed out, a stall (see the backend's _stalled)."""
+    server.nodes[0].pause()
+    try:
+        with pytest.raises(dlock.BackendUnavailable) as caught:
+            client.inspect(name)
+    finally:
+        server.nodes[0].resume()
+    return caught.value
 
 
 def test_a_short_server_pause_does_not_lose_an_idle_lease(
@@ -1580,14 +1590,8 @@ def test_a_short_server_pause_does_not_lose_an_idle_lease(
         lock = client.lock(name, ttl=60)
         assert lock.acquire(timeout=5)
         time.sleep(3.5)  # idle past the stall grace: only kazoo's pings are answered
-        zookeeper_server.nodes[0].pause()
-        try:
-            with pytest.raises(dlock.BackendUnavailable) as caught:
-                client.inspect(f"{name}-other")
-        finally:
-            zookeeper_server.nodes[0].resume()
+        message = str(stall_by_pause(zookeeper_server, client, f"{name}-other"))
         # kazoo's time-out says nothing of itself (the message ended "KazooTimeoutError: ").
-        message = str(caught.value)
         assert message.startswith(f"ZooKeeper {zookeeper_server.hosts!r}: "), message
         if "KazooTimeoutError" in message:
             assert message.endswith("KazooTimeoutError (no answer within 1 s)"), message
@@ -2003,14 +2007,9 @@ def test_acquiring_works_again_after_a_short_server_pause(
         lock.release()
         if given_client:
             time.sleep(3.2)  # dlock's own last answer is older than 3/4 of the session
-        zookeeper_server.nodes[0].pause()
-        try:
-            with pytest.raises(dlock.BackendUnavailable) as unavailable:
-                client.inspect(f"{name}-during")
-        finally:
-            zookeeper_server.nodes[0].resume()
+        unavailable = stall_by_pause(zookeeper_server, client, f"{name}-during")
         # It names the ensemble, the client='s too (it said ZooKeeper '').
-        assert zookeeper_server.hosts.split(",")[0] in str(unavailable.value)
+        assert zookeeper_server.hosts.split(",")[0] in str(unavailable)
         time.sleep(0.5)
         for attempt in range(3):
             again = client.lock(f"{name}-{attempt}")
