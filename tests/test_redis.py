@@ -3627,3 +3627,83 @@ def test_redlock_refuses_two_given_clients_of_one_server() -> None:
     dlock.connect(
         "redis+redlock://", client=[redis.Redis(port=1), redis.Redis(port=2), redis.Redis(port=3)]
     ).close()
+
+
+async def test_moved_replies_do_not_close_connections_under_other_calls(
+    own_cluster: RedisCluster,
+) -> None:
+    """A resharding answers calls on a moved name MOVED. redis-py's asyncio cluster
+    client, on each 5th (its default ``reinitialize_steps``), maps the slots again by
+    closing every node's connections, those other calls are reading from too: a call on
+    another name, on a node the move never touched, failed with BackendUnavailable
+    ("Connection closed by server"; a chaos run: blocking acquires and releases of
+    waiters and holders, while slots moved). dlock's client patches the moved slot."""
+    from redis.crc import key_slot
+
+    admins = [redis.Redis(port=node.port, decode_responses=True) for node in own_cluster.nodes]
+    ids = [admin.cluster("MYID") for admin in admins]
+    with redis.RedisCluster(host="127.0.0.1", port=own_cluster.nodes[0].port) as mapped:
+
+        def serving(name: str) -> int:
+            port = int(mapped.get_node_from_key(Keys(b"dlock", name).lease).port)
+            return next(i for i, node in enumerate(own_cluster.nodes) if node.port == port)
+
+        moved = next(name for name in (unique() for _ in range(200)) if serving(name) == 0)
+        paused = next(name for name in (unique() for _ in range(200)) if serving(name) == 2)
+    slot = key_slot(Keys(b"dlock", moved).lease)
+    try:
+        async with dlock.aio.connect(own_cluster.url) as client:
+            await client.inspect(moved)  # maps the slots
+            admins[2].client_pause(1500, all=False)  # writes wait
+            in_flight = asyncio.ensure_future(client.lock(paused, ttl=30).acquire(timeout=10))
+            await asyncio.sleep(0.2)
+            for i in range(1, 7):  # the name's slot to node 1, 0, 1, ...: a MOVED each
+                source, target = admins[(i + 1) % 2], own_cluster.nodes[i % 2].port
+                admins[i % 2].cluster("SETSLOT", slot, "IMPORTING", ids[(i + 1) % 2])
+                source.cluster("SETSLOT", slot, "MIGRATING", ids[i % 2])
+                for key in source.cluster("GETKEYSINSLOT", slot, 100):
+                    source.migrate("127.0.0.1", target, key, 0, 5000)
+                for admin in (admins[i % 2], source, admins[2]):
+                    admin.cluster("SETSLOT", slot, "NODE", ids[i % 2])
+                lock = client.lock(moved, ttl=30)
+                assert await lock.acquire(timeout=5)
+                await lock.release()
+            assert await in_flight
+    finally:
+        admins[2].client_unpause()
+        for admin in admins:
+            admin.close()
+
+
+@pytest.mark.parametrize("moved", [0, 1])
+def test_a_waiters_timeout_is_not_overrun_by_redis_pys_retries_of_a_move(
+    own_cluster: RedisCluster, moved: int
+) -> None:
+    """While the name's slot is MIGRATING (none or some of its keys moved), a waiter's
+    script is answered TRYAGAIN, which redis-py sent again 16 times, the last 8 after
+    50 ms each: one attempt took ~0.45 s, and acquire(timeout=0.2) returned after
+    0.8 s, acquire(timeout=0.5) after 1.25 s (a chaos run, both faces). dlock rides
+    the move out itself, within the waiter's timeout."""
+    name = unique()
+    move = _SlotMove(own_cluster, name)
+    try:
+        with (
+            dlock.connect(own_cluster.url) as holders,
+            dlock.connect(own_cluster.url) as waiters,
+        ):
+            holder = holders.lock(name, ttl=30)
+            assert holder.acquire(timeout=0)
+            move.begin()
+            if moved:
+                source, port = move.admins[move.source], own_cluster.nodes[move.target].port
+                key = source.cluster("GETKEYSINSLOT", move.slot, 100)[0]
+                source.migrate("127.0.0.1", port, key, 0, 5000)
+            waiters.inspect("warm-up")
+            started = time.monotonic()
+            assert not waiters.lock(name, ttl=30).acquire(timeout=0.2)
+            took = time.monotonic() - started
+            move.finish()
+            holder.release()
+    finally:
+        move.close()
+    assert took < 0.45, f"acquire(timeout=0.2) took {took:.2f} s"

@@ -157,6 +157,9 @@ CUT_SHORT_BY_THE_CLUSTER = (
 #: less up to half of it at random, so that waiters do not retry in lockstep.
 MOVING_RETRY = 0.05
 MOVING_RETRY_MAX = 0.5
+#: Tries redis-py's cluster client makes of one command (its default 16): enough to
+#: follow a MOVED and an ASK; a TRYAGAIN past them is dlock's to ride out (``moving``).
+CLUSTER_REQUEST_TTL = 4
 _JITTER = random.SystemRandom()
 #: Seconds a call rides out a cluster moving the name's slot, when the backend has no
 #: read timeout of its own (a client given with ``client=``): redis-py's default-less
@@ -890,11 +893,23 @@ class RedisBackend(Backend):
         while True:
             try:
                 if self._cluster:
-                    return redis_client.RedisCluster.from_url(
+                    cluster = redis_client.RedisCluster.from_url(
                         self._url,
                         startup_nodes=[ClusterNode(host, port) for host, port in self._seeds],
+                        # On every 5th MOVED (its default), redis-py's asyncio client
+                        # maps the slots again by closing every node's connections,
+                        # those other calls are reading from too: a plain resharding
+                        # then failed their acquires and releases ("Connection closed
+                        # by server"). Patching the moved slot alone closes nothing.
+                        reinitialize_steps=0,
                         **self._connection_options(),
                     )
+                    # redis-py answers TRYAGAIN by sending again, 16 times in all, the
+                    # last 8 after 50 ms each: one attempt of a waiter took ~0.45 s,
+                    # past the waiter's timeout. dlock rides a move out itself, within
+                    # the caller's bound; redis-py keeps a few tries, for MOVED and ASK.
+                    cluster.RedisClusterRequestTTL = CLUSTER_REQUEST_TTL
+                    return cluster
                 return redis_client.Redis.from_url(self._url, **self._connection_options())
             except ERRORS as exc:
                 refusals += 1
