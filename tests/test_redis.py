@@ -3707,3 +3707,31 @@ def test_a_waiters_timeout_is_not_overrun_by_redis_pys_retries_of_a_move(
     finally:
         move.close()
     assert took < 0.45, f"acquire(timeout=0.2) took {took:.2f} s"
+
+
+def test_no_number_reaches_hiredis_where_a_ctrl_c_would_crash_the_interpreter(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hiredis.pack_command converts int and float arguments in C, and a KeyboardInterrupt
+    landing during that conversion crashes CPython (SIGSEGV, hiredis 3.5): a
+    Ctrl-C in an acquire or release killed the process and left its lease to its TTL.
+    dlock hands redis-py only bytes, which hiredis copies without converting."""
+    hiredis = pytest.importorskip("hiredis")
+    packed: list[tuple[Any, ...]] = []
+    real = hiredis.pack_command
+
+    def pack_command(args: tuple[Any, ...]) -> Any:
+        packed.append(args)
+        return real(args)
+
+    monkeypatch.setattr(hiredis, "pack_command", pack_command)
+    with dlock.connect(url_of(redis_server)) as client:
+        lock = client.lock(unique(), ttl=5, reentrant=True)
+        with lock, lock:
+            lock.extend(7.5)
+        assert client.inspect(lock.name) is None
+    assert packed, "redis-py did not use hiredis"
+    # Not redis-py's own handshake (HELLO 3), which dlock does not send.
+    sent = [args for args in packed if args[0] != b"HELLO"]
+    numbers = [args for args in sent if any(isinstance(a, int | float) for a in args)]
+    assert not numbers

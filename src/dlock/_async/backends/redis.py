@@ -475,6 +475,17 @@ def _disconnect_node_pools(client: Any) -> None:
                 node_client.connection_pool.disconnect()
 
 
+def _wire(command: Sequence[Any]) -> tuple[Any, ...]:
+    """A command with its numbers (``int``, ``float``) encoded as redis-py's Encoder would
+    (``repr``, as ASCII bytes). With hiredis installed, redis-py hands the arguments to
+    ``hiredis.pack_command`` as they are, which converts numbers in C and crashes the
+    interpreter (SIGSEGV) when a signal's KeyboardInterrupt lands during that conversion:
+    a Ctrl-C at the wrong moment of an acquire or release killed the process, its lease
+    left to its TTL. Encoded here, in Python, a Ctrl-C is just a KeyboardInterrupt.
+    Strings stay strings: a cluster client reads the command's name as one."""
+    return tuple(repr(part).encode() if isinstance(part, int | float) else part for part in command)
+
+
 class Keys:
     """The keys and the wake-up channel of one lock name, all in one hash slot."""
 
@@ -1024,7 +1035,7 @@ class AsyncRedisBackend(AsyncBackend):
             return await self._execute(client, *command)
         connection = await connections.take()
         try:
-            await connection.send_command(*command)
+            await connection.send_command(*_wire(command))
             return await connection.read_response()
         except ResponseError:
             raise  # a whole reply was read: the connection is in a known state
@@ -1046,12 +1057,12 @@ class AsyncRedisBackend(AsyncBackend):
         again whose first reply was lost), while it still follows MOVED and ASK, which
         no script ran before."""
         if not self._cluster:
-            return await client.execute_command(*command)
+            return await client.execute_command(*_wire(command))
         if IS_ASYNC:
             await client.initialize()  # the sync face's client maps slots as it is made
         node = client.get_node_from_key(command[3])
         with torn_connections_lost():
-            return await client.execute_command(*command, target_nodes=node)
+            return await client.execute_command(*_wire(command), target_nodes=node)
 
     async def _call_many(
         self,
@@ -1108,7 +1119,7 @@ class AsyncRedisBackend(AsyncBackend):
     ) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
-            pipe.execute_command(command, script, len(keys), *keys, *args)
+            pipe.execute_command(*_wire((command, script, len(keys), *keys, *args)))
         with torn_connections_lost():
             return list(await pipe.execute(raise_on_error=False))
 

@@ -476,6 +476,17 @@ def _disconnect_node_pools(client: Any) -> None:
                 node_client.connection_pool.disconnect()
 
 
+def _wire(command: Sequence[Any]) -> tuple[Any, ...]:
+    """A command with its numbers (``int``, ``float``) encoded as redis-py's Encoder would
+    (``repr``, as ASCII bytes). With hiredis installed, redis-py hands the arguments to
+    ``hiredis.pack_command`` as they are, which converts numbers in C and crashes the
+    interpreter (SIGSEGV) when a signal's KeyboardInterrupt lands during that conversion:
+    a Ctrl-C at the wrong moment of an acquire or release killed the process, its lease
+    left to its TTL. Encoded here, in Python, a Ctrl-C is just a KeyboardInterrupt.
+    Strings stay strings: a cluster client reads the command's name as one."""
+    return tuple(repr(part).encode() if isinstance(part, int | float) else part for part in command)
+
+
 class Keys:
     """The keys and the wake-up channel of one lock name, all in one hash slot."""
 
@@ -1023,7 +1034,7 @@ class RedisBackend(Backend):
             return self._execute(client, *command)
         connection = connections.take()
         try:
-            connection.send_command(*command)
+            connection.send_command(*_wire(command))
             return connection.read_response()
         except ResponseError:
             raise  # a whole reply was read: the connection is in a known state
@@ -1045,12 +1056,12 @@ class RedisBackend(Backend):
         again whose first reply was lost), while it still follows MOVED and ASK, which
         no script ran before."""
         if not self._cluster:
-            return client.execute_command(*command)
+            return client.execute_command(*_wire(command))
         if IS_ASYNC:
             client.initialize()  # the sync face's client maps slots as it is made
         node = client.get_node_from_key(command[3])
         with torn_connections_lost():
-            return client.execute_command(*command, target_nodes=node)
+            return client.execute_command(*_wire(command), target_nodes=node)
 
     def _call_many(
         self,
@@ -1107,7 +1118,7 @@ class RedisBackend(Backend):
     ) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
-            pipe.execute_command(command, script, len(keys), *keys, *args)
+            pipe.execute_command(*_wire((command, script, len(keys), *keys, *args)))
         with torn_connections_lost():
             return list(pipe.execute(raise_on_error=False))
 
