@@ -1747,7 +1747,7 @@ def test_a_given_client_refuses_url_settings_it_would_ignore(redis_server: Redis
             dlock.connect(url, client=given)
     with pytest.raises(dlock.ConfigurationError, match="would be ignored"):
         dlock.connect("redis://", client=given, socket_timeout=0.1)
-    others = [redis.Redis(port=redis_server.port), redis.Redis(port=1)]
+    others = [redis.Redis(port=1), redis.Redis(port=2)]  # one server each: none twice
     for url in ("redis+redlock://a:1,b:2,c:3", "redis+redlock://?db=2"):
         with pytest.raises(dlock.ConfigurationError, match="would be ignored"):
             dlock.connect(url, client=[given, *others])
