@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import os
 import socket
 import ssl
 import time
@@ -146,6 +147,17 @@ def _ssl_context(extra: dict[str, str]) -> ssl.SSLContext | None:
                 f"{key!r} (a wrong ssl_key_password?): {exc}"
             ) from exc
     return context
+
+
+def _shut_down(sock: Any) -> None:
+    """Shut down both directions of a stream's socket, as the event loop hands it out
+    (``get_extra_info("socket")``), through a duplicate of its file descriptor: the
+    loop's object need not forward ``shutdown()`` (uvloop's PseudoSocket refuses it with
+    a TypeError), and a shutdown acts on the connection, whichever descriptor asks."""
+    if sock is None:
+        return
+    with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+        dup.shutdown(socket.SHUT_RDWR)
 
 
 class _QuietCursor(aiomysql.cursors.Cursor):  # type: ignore[misc]
@@ -378,10 +390,8 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         if writer is None:
             return
         transport = writer.transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            _shut_down(transport.get_extra_info("socket"))
         with contextlib.suppress(RuntimeError):
             transport.close()
         own = getattr(transport, "_sock", None)
@@ -607,7 +617,7 @@ class AsyncMySQLBackend(AsyncServerSQLBackend):
         # sync face's clean-up thread closes it at once.
         if IS_ASYNC:
             with contextlib.suppress(Exception):
-                conn.raw._writer.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+                _shut_down(conn.raw._writer.get_extra_info("socket"))
 
     async def _end_cut_off_wait(self, waiter: TurnstileWaiter) -> bool:
         """Closing the connection ends a ``GET_LOCK`` wait only once the server notices

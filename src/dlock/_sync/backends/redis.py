@@ -687,12 +687,22 @@ def torn_connections_lost() -> Iterator[None]:
     connection lost under the call, after which a script may have run."""
     try:
         yield
-    except AttributeError as exc:
-        if "'NoneType' object has no attribute" not in str(exc):
+    except (AttributeError, RuntimeError) as exc:
+        if not _closed_under_the_call(exc):
             raise
         raise RedisConnectionError(
             f"connection closed under the call by the cluster client ({exc})"
         ) from exc
+
+
+def _closed_under_the_call(exc: BaseException) -> bool:
+    """The stock event loop's symptom (the stream already dropped: an AttributeError on
+    None), or uvloop's: its transports refuse a write once closed, with a RuntimeError
+    ("unable to perform operation on <TCPTransport closed=True ...>; the handler is
+    closed") where the stock loop drops the data silently."""
+    if isinstance(exc, AttributeError):
+        return "'NoneType' object has no attribute" in str(exc)
+    return "the handler is closed" in str(exc)
 
 
 class RedisBackend(Backend):
