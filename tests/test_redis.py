@@ -948,6 +948,22 @@ def test_redlock_survives_one_dead_master_not_two(own_masters: list[RedisServer]
             own_masters[1].resume()
 
 
+def test_redlock_grant_after_its_validity_is_unavailable_not_busy(
+    redlock_servers: list[RedisServer],
+) -> None:
+    """A majority's grant that comes back after its validity (the TTL less the drift
+    allowance) ran out is given back and BackendUnavailable, as any backend's late
+    grant is. It was answered busy, so a TTL too short for the masters' round trips
+    (2.05 ms here: 0.03 ms left after the drift) was asked again until the timeout,
+    and for ever without one, on a lock nobody held."""
+    url = make_redlock_url(redlock_servers)
+    with dlock.connect(url) as client:
+        started = time.monotonic()
+        with pytest.raises(dlock.BackendUnavailable, match="after its validity ran out"):
+            client.lock(unique(), ttl=0.00205).acquire(timeout=5)
+        assert time.monotonic() - started < 2, "asked again as if busy"
+
+
 def test_redlock_master_paused_during_hold(own_masters: list[RedisServer]) -> None:
     url = make_redlock_url(own_masters)
     with dlock.connect(url) as client, dlock.connect(url) as other:

@@ -291,6 +291,7 @@ class AsyncRedlockBackend(AsyncBackend):
         reentered = [(master, result) for master, result in granted if result.count > 1]
         if len(reentered) >= self._quorum:
             return await self._reentered(name, token, ttl, started, granted, reentered)
+        too_late: float | None = None
         if len(granted) >= self._quorum:
             fence = max(result.fencing_token for _, result in granted)
             lifted = await self._lift(name, token, fence, granted)
@@ -303,6 +304,8 @@ class AsyncRedlockBackend(AsyncBackend):
                 # time, so that the holder's clock does not outlast masters' fast clocks.
                 self._entries[(name, token)] = 1
                 return Acquired(fencing_token=fence, count=1, ttl=ttl - _drift(ttl))
+            if lifted:
+                too_late = time.monotonic() - started
         # No majority in time: give back what we got, so others are not blocked; on a
         # master that failed too, as the call may have reached it and been granted. Not
         # on a re-entry, though (whatever the masters that answered said): there a
@@ -313,6 +316,15 @@ class AsyncRedlockBackend(AsyncBackend):
             if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentrant):
                 with suppress(BackendError):
                     await master.release(name, token)
+        if too_late is not None:
+            # Granted by a majority only after its validity ran out: as any backend's
+            # grant that comes back after its lease ended, unavailable (answered busy, a
+            # TTL too short for the masters' round trips was asked again for ever).
+            raise BackendUnavailable(
+                f"Redlock: a majority granted {name!r} only after its validity ran out "
+                f"({too_late * 1000:.1f} ms for a ttl of {ttl * 1000:g} ms, less "
+                f"{_drift(ttl) * 1000:g} ms of drift allowance); given back"
+            )
         failed = sum(isinstance(r, BackendError) for r in results)
         if len(results) - failed < self._quorum:
             raise self._no_quorum(results, "acquire")
