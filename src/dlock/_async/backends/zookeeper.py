@@ -614,7 +614,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                         make_acl("world", "anyone", read=True),
                     ]
                 self._diagnosis = diagnosis = _Diagnosis()
-                self._zk = KazooClient(
+                self._zk = _KazooClient(
                     handler=KazooHandler(diagnosis),
                     logger=_KazooLog(diagnosis),
                     hosts=self._hosts,
@@ -2251,6 +2251,31 @@ class _CreateContainer(Create2):  # type: ignore[misc]
 
 #: CreateMode.CONTAINER
 CONTAINER = 4
+
+
+class _KazooClient(KazooClient):  # type: ignore[misc]
+    """kazoo's client, but a Ctrl-C stays a Ctrl-C: kazoo's ``_call`` wakes its
+    connection thread under a bare ``except:``, so a KeyboardInterrupt raised there (a
+    SIGINT handled as the wake-up's send returns) was swallowed and the request failed
+    with ConnectionClosedError instead: an acquire went on (retried) and took the lock,
+    an ``extend()`` raised BackendUnavailable, a ``release()`` returned. Here only an
+    Exception fails the request; anything else leaves it queued (sent with the next
+    wake-up or ping, as a request cut off in flight) and goes on out to the caller."""
+
+    def _call(self, request: Any, async_object: Any) -> Any:
+        if self._state in (
+            KeeperState.AUTH_FAILED,
+            KeeperState.CLOSED,
+            KeeperState.EXPIRED_SESSION,
+        ):
+            return super()._call(request, async_object)
+        self._queue.append((request, async_object))
+        write_sock = self._connection._write_sock
+        try:
+            write_sock.send(b"\0")
+        except Exception:
+            async_object.set_exception(ConnectionClosedError("Connection has been closed"))
+        return None
 
 
 def _create_container(zk: KazooClient, path: str) -> AsyncResult:

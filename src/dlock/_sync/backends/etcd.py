@@ -40,7 +40,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 from urllib.parse import unquote
 
@@ -359,6 +358,9 @@ class EtcdBackend(Backend):
         self._waiting: set[tuple[str, str]] = set()
         #: Leaves of waiters cancelled, going on by themselves (kept from the collector).
         self._leaves: set[Any] = set()
+        #: Leases that a leave or give-back running by itself (see run_detached) has
+        #: not yet revoked: the close revokes them, as it does not wait for those.
+        self._cut_off: set[int] = set()
         self._reaper: Any = None
         self._reaper_wakeup = WakeupEvent()
         self._reaper_next = math.inf
@@ -730,6 +732,21 @@ class EtcdBackend(Backend):
             raise
         return True
 
+    def _revoke_by_itself(self, lease: int, name: str) -> None:
+        """Revoke the lease of a caller cut off (a cancellation, a Ctrl-C) by itself,
+        noted until that has run, so that a close meanwhile revokes it (else a process
+        that closes and exits at once left a waiter's place, or a lock put for nobody,
+        to hold up the others until its lease ran out)."""
+        self._cut_off.add(lease)
+
+        def revoke() -> None:
+            try:
+                self._revoke_quietly(lease)
+            finally:
+                self._cut_off.discard(lease)
+
+        run_detached(revoke, self._leaves, name)
+
     def _revoke_quietly(self, lease: int) -> bool:
         """Revoke a lease of ours that no key of ours needs; False if the cluster did
         not answer. Such a revoke is asked again by the reaper (see
@@ -901,8 +918,7 @@ class EtcdBackend(Backend):
                 # and a revoke deletes the key the put made. By itself: the caller sees
                 # its cancellation at once.
                 if not reentrant:
-                    leave = partial(self._revoke_quietly, lease)
-                    run_detached(leave, self._leaves, "dlock-give-back")
+                    self._revoke_by_itself(lease, "dlock-give-back")
                 raise
 
     def _acquire(
@@ -1330,8 +1346,7 @@ class EtcdBackend(Backend):
                 # The caller sees its cancellation or failure at once: the leave goes on
                 # by itself (awaited, it held the caller up for a whole request timeout
                 # on a server that does not answer).
-                leave = partial(self._revoke_quietly, place.lease)
-                run_detached(leave, self._leaves, "dlock-leave")
+                self._revoke_by_itself(place.lease, "dlock-leave")
             elif place is not None:
                 # Leave the queue: run to its end even if cancelled again, else the
                 # place holds up the waiters behind it until its lease runs out.
@@ -1660,11 +1675,12 @@ class EtcdBackend(Backend):
         with self._lock:
             emptied, self._emptied = self._emptied, []
             unrevoked, self._unrevoked = builtins.list(self._unrevoked), {}
+        cut_off, self._cut_off = builtins.list(self._cut_off), set()
         if time.monotonic() < self._unanswered_at + (self._timeout.read or TIMEOUT):
             unrevoked = []  # one went unanswered within a timeout: so would these
         # Once each, the unanswered ones too (the reaper ends with the client), until
         # the cluster leaves one unanswered: each of the rest would wait as long.
-        for lease in [place.lease for place in leaving] + emptied + unrevoked:
+        for lease in [place.lease for place in leaving] + cut_off + emptied + unrevoked:
             try:
                 self._revoke(lease)
             except BackendUnavailable:

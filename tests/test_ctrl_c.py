@@ -1,0 +1,118 @@
+"""A Ctrl-C (or a cancellation) that cuts a call short on etcd or ZooKeeper stays what
+it is, and the close that follows leaves nothing in the others' way."""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+import dlock
+import dlock.aio
+from tests.servers.etcd import EtcdServer
+from tests.servers.zookeeper import ZooKeeperEnsemble
+
+
+def _wait_listed(client: Any, name: str) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        info = client.inspect(name)
+        if info is not None and info.waiters:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the waiter never got in line")
+
+
+def _free_within(url: str, name: str) -> float:
+    with dlock.connect(url) as third:
+        started = time.monotonic()
+        lock = third.lock(name, ttl=5)
+        assert lock.acquire(timeout=10)
+        lock.release()
+        return time.monotonic() - started
+
+
+def test_etcd_waiter_interrupted_then_closed_leaves_its_place(etcd_server: EtcdServer) -> None:
+    """README: the close waits for the give-back of an acquire cut off; a waiter's place
+    left behind held up the next acquire for queue_ttl (6 s)."""
+    url, name = etcd_server.url("/ctrl-c"), f"w-{uuid.uuid4().hex}"
+    with dlock.connect(url) as holder:
+        held = holder.lock(name, ttl=5)
+        held.acquire()
+        client = dlock.connect(url)
+
+        def interrupt() -> None:
+            _wait_listed(holder, name)
+            _thread.interrupt_main()  # what Ctrl-C does
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            client.lock(name, ttl=5).acquire()
+        client.close()
+        held.release()
+    assert _free_within(url, name) < 1.5
+
+
+async def test_etcd_waiter_cancelled_then_closed_leaves_its_place(etcd_server: EtcdServer) -> None:
+    url, name = etcd_server.url("/ctrl-c"), f"w-{uuid.uuid4().hex}"
+    with dlock.connect(url) as holder:
+        held = holder.lock(name, ttl=5)
+        held.acquire()
+        client = dlock.aio.connect(url)
+        waiter = asyncio.create_task(client.lock(name, ttl=5).acquire())
+        await asyncio.to_thread(_wait_listed, holder, name)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await client.aclose()
+        held.release()
+    assert await asyncio.to_thread(_free_within, url, name) < 1.5
+
+
+class _InterruptOnce:
+    """kazoo's wake-up socket: its next send goes out, then raises KeyboardInterrupt,
+    as a SIGINT handled as the send returns does."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock, self.armed = sock, True
+
+    def send(self, data: bytes) -> int:
+        sent = int(self.sock.send(data))
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return sent
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.sock, attr)
+
+
+@pytest.mark.parametrize("call", ["acquire", "extend", "release"])
+def test_zookeeper_ctrl_c_in_kazoo_wakeup_stays_keyboard_interrupt(
+    zookeeper_server: ZooKeeperEnsemble, call: str
+) -> None:
+    """kazoo's bare except swallowed it: acquire took the lock and returned, extend
+    raised BackendUnavailable (ConnectionClosedError), release returned."""
+    url, name = zookeeper_server.url("/ctrl-c"), f"k-{uuid.uuid4().hex}"
+    with dlock.connect(url) as client:
+        client.inspect("warm-up")
+        lock = client.lock(name, ttl=5)
+        if call != "acquire":
+            lock.acquire()
+        zk = client._backend._zk  # type: ignore[attr-defined]
+        wake = _InterruptOnce(zk._connection._write_sock)
+        zk._connection._write_sock = wake
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                getattr(lock, call)(*([5] if call == "extend" else []))
+        finally:
+            zk._connection._write_sock = wake.sock
+        assert not wake.armed
+        if lock.owned():
+            lock.release()
+    assert _free_within(url, name) < 1.5
