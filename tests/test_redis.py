@@ -3723,13 +3723,15 @@ async def test_moved_replies_do_not_close_connections_under_other_calls(
             admin.close()
 
 
+@pytest.mark.parametrize("deployment", ["redis_server", "redis_cluster"])
 def test_no_number_reaches_hiredis_where_a_ctrl_c_would_crash_the_interpreter(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+    deployment: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """hiredis.pack_command converts int and float arguments in C, and a KeyboardInterrupt
     landing during that conversion crashes CPython (SIGSEGV, hiredis 3.5): a
-    Ctrl-C in an acquire or release killed the process and left its lease to its TTL.
-    dlock hands redis-py only bytes, which hiredis copies without converting."""
+    Ctrl-C in an acquire, a release or a listing killed the process and left its leases
+    to their TTL. dlock hands redis-py only bytes, which hiredis copies without
+    converting."""
     hiredis = pytest.importorskip("hiredis")
     packed: list[tuple[Any, ...]] = []
     real = hiredis.pack_command
@@ -3738,11 +3740,14 @@ def test_no_number_reaches_hiredis_where_a_ctrl_c_would_crash_the_interpreter(
         packed.append(args)
         return real(args)
 
+    server = request.getfixturevalue(deployment)
+    url = server.url if deployment == "redis_cluster" else url_of(server)
     monkeypatch.setattr(hiredis, "pack_command", pack_command)
-    with dlock.connect(url_of(redis_server)) as client:
+    with dlock.connect(url) as client:
         lock = client.lock(unique(), ttl=5, reentrant=True)
         with lock, lock:
             lock.extend(7.5)
+            assert [info.name for info in client.list(lock.name)] == [lock.name]
         assert client.inspect(lock.name) is None
     assert packed, "redis-py did not use hiredis"
     # Not redis-py's own handshake (HELLO 3), which dlock does not send.

@@ -1630,8 +1630,7 @@ class AsyncRedisBackend(AsyncBackend):
         while True:
             names: set[str] = set()
             try:
-                client = self._get_client()
-                async for key in client.scan_iter(match=escaped + b"*" + tail, count=1000):
+                for key in await self._scan(self._get_client(), escaped + b"*" + tail):
                     raw = _bytes(key)
                     if raw.startswith(head) and raw.endswith(tail):
                         names.add(name_from_bytes(raw[len(head) : -len(tail)]))
@@ -1640,6 +1639,33 @@ class AsyncRedisBackend(AsyncBackend):
                 refusals += 1
                 if not await self._rode_out(exc, refusals, deadline):
                     raise wrap(exc, self._where) from exc
+
+    async def _scan(self, client: Any, match: bytes) -> list[Any]:
+        """The keys matching ``match``, by SCAN on each master. Not redis-py's
+        ``scan_iter``: it sends the cursor and count as ints, which hiredis converts in C,
+        where a Ctrl-C crashes the interpreter (see ``_wire``)."""
+        if not self._cluster:
+            return await self._scan_node(client, match, {})
+        if IS_ASYNC:
+            await client.initialize()  # the sync face's client maps slots as it is made
+        keys: list[Any] = []
+        with torn_connections_lost():
+            for node in client.get_primaries():
+                keys += await self._scan_node(client, match, {"target_nodes": node})
+        return keys
+
+    @staticmethod
+    async def _scan_node(client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
+        keys: list[Any] = []
+        cursor: Any = 0
+        while True:
+            wired_cursor, wired_match, count = _wire((cursor, match, 1000))
+            cursor, batch = await client.scan(wired_cursor, wired_match, count, **where)
+            if isinstance(cursor, dict):  # a cluster client's answer, by node name
+                (cursor,) = cursor.values()
+            keys += batch
+            if cursor == 0:
+                return keys
 
     async def list(self, prefix: str) -> list[LockInfo]:
         # One bound for the whole call, as for any other: its SCAN and its INSPECTs.

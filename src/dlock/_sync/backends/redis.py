@@ -1625,8 +1625,7 @@ class RedisBackend(Backend):
         while True:
             names: set[str] = set()
             try:
-                client = self._get_client()
-                for key in client.scan_iter(match=escaped + b"*" + tail, count=1000):
+                for key in self._scan(self._get_client(), escaped + b"*" + tail):
                     raw = _bytes(key)
                     if raw.startswith(head) and raw.endswith(tail):
                         names.add(name_from_bytes(raw[len(head) : -len(tail)]))
@@ -1635,6 +1634,33 @@ class RedisBackend(Backend):
                 refusals += 1
                 if not self._rode_out(exc, refusals, deadline):
                     raise wrap(exc, self._where) from exc
+
+    def _scan(self, client: Any, match: bytes) -> list[Any]:
+        """The keys matching ``match``, by SCAN on each master. Not redis-py's
+        ``scan_iter``: it sends the cursor and count as ints, which hiredis converts in C,
+        where a Ctrl-C crashes the interpreter (see ``_wire``)."""
+        if not self._cluster:
+            return self._scan_node(client, match, {})
+        if IS_ASYNC:
+            client.initialize()  # the sync face's client maps slots as it is made
+        keys: list[Any] = []
+        with torn_connections_lost():
+            for node in client.get_primaries():
+                keys += self._scan_node(client, match, {"target_nodes": node})
+        return keys
+
+    @staticmethod
+    def _scan_node(client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
+        keys: list[Any] = []
+        cursor: Any = 0
+        while True:
+            wired_cursor, wired_match, count = _wire((cursor, match, 1000))
+            cursor, batch = client.scan(wired_cursor, wired_match, count, **where)
+            if isinstance(cursor, dict):  # a cluster client's answer, by node name
+                (cursor,) = cursor.values()
+            keys += batch
+            if cursor == 0:
+                return keys
 
     def list(self, prefix: str) -> list[LockInfo]:
         # One bound for the whole call, as for any other: its SCAN and its INSPECTs.
