@@ -447,7 +447,7 @@ class AsyncEtcdBackend(AsyncBackend):
     def _http(self, watch: bool = False) -> httpx.AsyncClient:
         """The HTTP client for requests, or for watches (``watch``)."""
         if self._closed:
-            raise BackendError(f"etcd {self._where}: the client is closed")
+            raise self._closed_error()
         self._follow_fork()
         self._follow_loop()
         client = self._watcher if watch else self._client
@@ -467,6 +467,9 @@ class AsyncEtcdBackend(AsyncBackend):
                     else:
                         self._client = client
         return client
+
+    def _closed_error(self) -> BackendError:
+        return BackendError(f"etcd {self._where}: the client is closed")
 
     def _fail(self, exc: BaseException) -> BackendError:
         if certificate_refused(exc):
@@ -544,6 +547,12 @@ class AsyncEtcdBackend(AsyncBackend):
                     response = await shielded(
                         client.post(base + path, json=body, headers=headers, timeout=limit)
                     )
+            except RuntimeError as exc:
+                # httpx's "the client has been closed": a close() came between taking
+                # the client and sending (a cut-off caller's revoke, in the background).
+                if not self._closed:
+                    raise
+                raise self._closed_error() from exc
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if certificate_refused(exc):
                     raise self._fail(exc) from exc
@@ -1466,9 +1475,11 @@ class AsyncEtcdBackend(AsyncBackend):
                         return False
         except httpx.ReadTimeout:
             return False
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError) as exc:
             if self._closed:
-                raise BackendError(f"etcd {self._where}: the client is closed") from exc
+                raise self._closed_error() from exc
+            if isinstance(exc, RuntimeError):
+                raise
             raise self._left(used, self._fail(exc)) from exc
         except BackendUnavailable as exc:
             # Said by the member in the stream: one that is stopping ends its watches
