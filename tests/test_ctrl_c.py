@@ -29,6 +29,18 @@ def _wait_listed(client: Any, name: str) -> None:
     raise AssertionError("the waiter never got in line")
 
 
+def _acquire_interrupted_in_line(client: Any, holder: Any, name: str) -> None:
+    """``client`` waits for ``name`` (held by ``holder``'s client), and is interrupted
+    as Ctrl-C does once it is in line."""
+
+    def interrupt() -> None:
+        _wait_listed(holder, name)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    client.lock(name, ttl=5).acquire()
+
+
 def _free_within(url: str, name: str) -> float:
     with dlock.connect(url) as third:
         started = time.monotonic()
@@ -47,13 +59,8 @@ def test_etcd_waiter_interrupted_then_closed_leaves_its_place(etcd_server: EtcdS
         held.acquire()
         client = dlock.connect(url)
 
-        def interrupt() -> None:
-            _wait_listed(holder, name)
-            _thread.interrupt_main()  # what Ctrl-C does
-
-        threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
-            client.lock(name, ttl=5).acquire()
+            _acquire_interrupted_in_line(client, holder, name)
         client.close()
         held.release()
     assert _free_within(url, name) < 1.5
@@ -105,13 +112,8 @@ def test_etcd_revoke_of_a_cut_off_waiter_that_meets_the_closed_client_says_nothi
 
         monkeypatch.setattr(backend, "_http", held_up_http)
 
-        def interrupt() -> None:
-            _wait_listed(holder, name)
-            _thread.interrupt_main()  # what Ctrl-C does
-
-        threading.Thread(target=interrupt, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
-            client.lock(name, ttl=5).acquire()
+            _acquire_interrupted_in_line(client, holder, name)
         client.close()
         closed.set()
         assert revoked.wait(10), "the waiter's place was never revoked in a thread"
