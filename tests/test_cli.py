@@ -115,13 +115,18 @@ def dlock_cmd(
 
 
 def test_run_passes_name_token_and_exit_status(db: str, name: str) -> None:
+    """DLOCK_TTL is written as given: a whole number of seconds without ".0", which
+    shell arithmetic (``$((DLOCK_TTL - 5))``) refused."""
     script = 'echo "$DLOCK_NAME $DLOCK_FENCING_TOKEN $DLOCK_TTL"; exit 3'
     first = dlock_cmd(db, "run", "--ttl", "7", name, "--", "sh", "-c", script)
     assert first.returncode == 3, first.stderr
     shown_name, token, ttl = first.stdout.split()
-    assert (shown_name, ttl) == (name, "7.0") and int(token) > 0, first.stdout
+    assert (shown_name, ttl) == (name, "7") and int(token) > 0, first.stdout
     second = dlock_cmd(db, "run", name, "--", "sh", "-c", script)
     assert int(second.stdout.split()[1]) > int(token), "each run is a new acquisition"
+    assert second.stdout.split()[2] == "30", "the default TTL"
+    third = dlock_cmd(db, "run", "--ttl", "2.5", name, "--", "sh", "-c", script)
+    assert third.stdout.split()[2] == "2.5"
     with dlock.connect(db) as client:
         assert client.inspect(name) is None, "the lock is released when the command ends"
 
@@ -541,13 +546,23 @@ def test_a_guard_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) -> 
     guard.done()  # told nothing, closes nothing
 
 
-def test_a_dlock_killed_as_it_stops_its_command_sends_no_second_term(
-    db: str, name: str, tmp_path: Path, spawn: Spawn
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ("lease lost", "dlock killed"),
+        ("TERM passed on", "dlock killed"),
+        ("TERM passed on", "lease lost"),
+    ],
+)
+def test_a_command_stopped_twice_gets_one_term_and_one_grace_period(
+    db: str, name: str, tmp_path: Path, spawn: Spawn, first: str, then: str
 ) -> None:
-    """dlock killed in the grace period of stopping its command (its lease lost): the
-    guard sent TERM again and started the grace period over; a program that takes a
-    second TERM for "quit now" skipped its clean-up. It sends KILL at the end of
-    dlock's grace period instead."""
+    """The group's first TERM, dlock's own (its lease lost) or one it passed on
+    (``timeout -k 5 60 dlock run ...``, a supervisor's KILL after its TERM), counts for
+    what stops the command next: dlock killed, which leaves it to the guard, or the
+    lease lost. Each sent TERM again and started the grace period over, so a program
+    that takes a second TERM for "quit now" skipped its clean-up. KILL comes at the end
+    of the grace period run from the first TERM instead."""
     pidfile, terms = tmp_path / "command.pid", tmp_path / "terms"
     script = (
         f"trap 'echo TERM >>{terms}' TERM; echo $$ >{pidfile}.tmp; mv {pidfile}.tmp {pidfile};"
@@ -556,24 +571,38 @@ def test_a_dlock_killed_as_it_stops_its_command_sends_no_second_term(
     env = {**os.environ, "DLOCK_URL": db}
     with killing(pidfile):
         process = spawn(
-            [DLOCK, "run", "--ttl", "30", "--grace", "2", name, "--", "sh", "-c", script],
+            [DLOCK, "run", "--ttl", "3", "--grace", "2", name, "--", "sh", "-c", script],
             stderr=subprocess.DEVNULL,
             env=env,
         )
+
+        def lose_the_lease() -> None:
+            with dlock.connect(db) as client:
+                assert client.force_release(name)
+
+        def kill_dlock() -> None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+        steps = {
+            "lease lost": lose_the_lease,
+            "TERM passed on": lambda: process.send_signal(signal.SIGTERM),
+            "dlock killed": kill_dlock,
+        }
         command = wait_for_pid(pidfile, process)
-        with dlock.connect(db) as client:
-            assert client.force_release(name)
+        steps[first]()
         deadline = time.monotonic() + 10
         while not terms.exists():
             assert time.monotonic() < deadline, "the command was never sent TERM"
             time.sleep(0.02)
         termed = time.monotonic()
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait(10)
+        time.sleep(0.3)
+        steps[then]()
         while not ended(command):
             assert time.monotonic() < termed + 4, "the command outlived the grace period"
             time.sleep(0.05)
-        assert time.monotonic() - termed < 3, "the grace period started over"
+        took = time.monotonic() - termed
+        assert 1.5 < took < 3, f"killed {took:.2f} s after its TERM, with a grace of 2 s"
         assert terms.read_text().split() == ["TERM"]
 
 

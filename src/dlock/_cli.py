@@ -377,7 +377,8 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             **os.environ,
             "DLOCK_NAME": args.name,
             "DLOCK_FENCING_TOKEN": str(lock.fencing_token),
-            "DLOCK_TTL": str(args.ttl),
+            # "30", not "30.0": shell arithmetic takes whole numbers only.
+            "DLOCK_TTL": str(int(args.ttl)) if args.ttl.is_integer() else repr(args.ttl),
         }
         if forwarder.pending:
             # Since the wait: not a signal for a command that has not started (which

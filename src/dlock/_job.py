@@ -83,6 +83,8 @@ class Job:
         self.ended = threading.Event()
         #: The group is being ended: its stops are undone rather than passed on.
         self.stopping = False
+        #: When the group got its first TERM (``time.monotonic()``), if it got one.
+        self.termed_at: float | None = None
         self.terminal = controlling_terminal()
         self.pgrp = os.getpgrp()  # dlock's own group
         threading.Thread(target=self.watch, daemon=True, name="dlock-run-waiter").start()
@@ -121,6 +123,13 @@ class Job:
             os.killpg(self.pgid, signum)
 
     def forward(self, signum: int) -> None:
+        if signum == signal.SIGTERM and self.termed_at is None:
+            # The group's first TERM, passed on or dlock's own: the grace period runs
+            # from it, for the guard (told first, in case dlock is killed next, as
+            # ``timeout -k`` and supervisors do) and for ``stop``, and neither sends
+            # another (a program may take a second TERM for "quit now").
+            self.termed_at = time.monotonic()
+            self.guard.stopping()
         self.signal(signum)
         if signum in ENDING_SIGNALS:
             self.signal(signal.SIGCONT)
@@ -156,12 +165,16 @@ class Job:
             pause = min(pause * 2, 0.1)
 
     def stop(self, grace: float) -> None:
-        """End every process of the group: TERM, then KILL after ``grace`` seconds.
-        Returns once none is left."""
+        """End every process of the group: TERM, then KILL ``grace`` seconds later. A
+        TERM the group already got counts, as in the guard: no second one, and the
+        grace period runs from it. Returns once none is left."""
         self.stopping = True
-        self.guard.stopping()
-        self.forward(signal.SIGTERM)
-        if not self.wait_gone(grace):
+        if self.termed_at is None:
+            self.forward(signal.SIGTERM)
+        else:
+            self.signal(signal.SIGCONT)  # a stopped process acts on the TERM it got
+        assert self.termed_at is not None
+        if not self.wait_gone(max(0.0, self.termed_at + grace - time.monotonic())):
             self.signal(signal.SIGKILL)
             self.wait_gone(None)
 
