@@ -2892,6 +2892,25 @@ def test_the_next_acquire_waits_for_the_give_back_of_a_cut_off_one(
         lock.release()
 
 
+def test_a_try_lock_takes_a_session_lock_whose_lease_ran_out(server: SQLServer, name: str) -> None:
+    """A holder that stops renewing keeps the database's lock until an acquirer finds
+    its lease run out and ends its session, "so it behaves like an expired lease". A
+    try-lock ended the holder and answered busy: the lock went to whoever asked next,
+    and `dlock status` said "free" while `dlock run -n` said "busy"."""
+    url = server.url("mode=session")
+    with dlock.connect(url) as holders, dlock.connect(url) as other:
+        paused = holders.lock(name, ttl=0.5, auto_renew=False)
+        assert paused.acquire(timeout=0)
+        time.sleep(0.8)  # its lease has run out; its session still holds the lock
+        taker = other.lock(name, ttl=30)
+        assert taker.acquire(timeout=0), "a lock whose lease ran out is free to take"
+        info = other.inspect(name)
+        assert info is not None and info.fencing_token == taker.fencing_token
+        taker.release()
+        with pytest.raises(dlock.LockLost):
+            paused.release()
+
+
 def test_an_eviction_spares_a_holder_whose_renewal_commits_meanwhile(
     postgresql_server: SQLServer, name: str
 ) -> None:
@@ -2947,3 +2966,42 @@ def test_an_eviction_spares_a_holder_whose_renewal_commits_meanwhile(
             holder.release()
         else:
             assert len(renewed) == 1 and isinstance(renewed[0], dlock.LockLost)
+
+
+def test_a_force_release_without_the_right_to_end_the_session_changes_nothing(
+    server: SQLServer, name: str
+) -> None:
+    """Ending another user's session needs a privilege (PostgreSQL: pg_signal_backend,
+    a superuser's: superuser; MariaDB: CONNECTION ADMIN). A force release refused for
+    it is an error that says so, and leaves the holder's lock as it was: MariaDB's
+    cleared the holder's row before its KILL was refused, so `dlock status` said "free"
+    while the lock was held, and the holder's next renewal declared it lost."""
+    pg = server.scheme == "postgresql"
+    table = f"fr_{uuid.uuid4().hex[:8]}"
+    user = f"nokill_{uuid.uuid4().hex[:8]}"
+    url = server.url("mode=session")
+    run = admin(server)
+    with dlock.connect(url, table=table) as holders:
+        holder = holders.lock(name, ttl=30, auto_renew=False)
+        assert holder.acquire(timeout=0)
+        if pg:
+            run(f"CREATE ROLE {user} LOGIN", ())
+            run(f"GRANT ALL ON {table} TO {user}", ())
+        else:
+            run(f"CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'", ())
+            run(f"GRANT SELECT, INSERT, UPDATE, DELETE ON dlock.* TO '{user}'@'%'", ())
+        other_url = f"{server.scheme}://{user}:pw@127.0.0.1:{server.port}/{server.database}"
+        try:
+            with dlock.connect(other_url, mode="session", table=table) as other:
+                with pytest.raises(dlock.BackendError, match="privilege") as raised:
+                    other.force_release(name)
+                assert not isinstance(raised.value, dlock.BackendUnavailable)
+                assert not other.lock(name, ttl=5).acquire(timeout=0)
+            info = holders.inspect(name)
+            assert info is not None and info.fencing_token == holder.fencing_token
+            holder.extend()  # still its own
+            holder.release()
+        finally:
+            if pg:
+                run(f"DROP OWNED BY {user}", ())
+            run(f"DROP {'ROLE' if pg else 'USER'} {user}", ())

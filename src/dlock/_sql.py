@@ -660,11 +660,12 @@ def postgresql_statements(table: str) -> dict[str, str]:
                 WHERE name = %(name)s AND expires <= {now} FOR UPDATE),
             ended AS (
                 -- CASE fixes the order: only a session that holds the lock is ended.
-                SELECT CASE WHEN {held_by("target")}
+                SELECT target.session,
+                       CASE WHEN {held_by("target")}
                             THEN pg_terminate_backend(target.session::int) ELSE false END AS ok
                 FROM target)
             UPDATE {table} SET owner = NULL, count = 0, holder = NULL
-            FROM ended WHERE name = %(name)s AND ended.ok""",
+            FROM ended WHERE name = %(name)s AND ended.ok RETURNING ended.session""",
         "session_inspect": f"""SELECT {columns} FROM {table}
             WHERE name = %(name)s AND {d.live()} AND {held}""",
         # Whether the lock is still the owner's (a release that cannot run the unlock).

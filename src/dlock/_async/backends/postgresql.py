@@ -460,8 +460,9 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             return float(result.rows[0][2])
         return None
 
-    async def _session_evict(self, name: str) -> None:
-        await self._call("session_evict", {"name": encode_name(name)})
+    async def _session_evict(self, name: str) -> int | None:
+        rows = (await self._call("session_evict", {"name": encode_name(name)})).rows
+        return int(rows[0][0]) if rows else None
 
     # -- lease mode --------------------------------------------------------------------
 

@@ -286,8 +286,9 @@ class ServerSQLBackend(Backend):
         """Seconds left on the lease of the holder of a busy session lock, if known."""
 
     @abstractmethod
-    def _session_evict(self, name: str) -> None:
-        """End the session of a holder whose lease has run out (it still holds the lock)."""
+    def _session_evict(self, name: str) -> int | None:
+        """End the session of a holder whose lease has run out (it still holds the lock);
+        the session ended, or None if there was none to end."""
 
     # -- connections -----------------------------------------------------------------
 
@@ -801,6 +802,21 @@ class ServerSQLBackend(Backend):
     def _session_acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
+        """An attempt that finds the holder's lease run out ends the holder's session,
+        waits until the server has freed its lock, and tries once more: so a try-lock
+        takes a lock whose lease has run out, as in lease mode (it used to end the
+        holder and answer busy, and the lock went to whoever asked next)."""
+        outcome = self._session_attempt(name, token, ttl, holder, reentrant)
+        if not isinstance(outcome, int):
+            return outcome
+        self._until_lock_left(name, outcome)
+        again = self._session_attempt(name, token, ttl, holder, reentrant)
+        return Busy() if isinstance(again, int) else again
+
+    def _session_attempt(
+        self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
+    ) -> Acquired | Busy | int:
+        """One attempt; an int is the session of an expired holder it ended."""
         held = self._held.get(token)
         if held is not None:
             if not reentrant:
@@ -834,8 +850,8 @@ class ServerSQLBackend(Backend):
                 self._fit_waiter(waiter, ttl)
             left = self._session_time_left(name, result)
             if left is not None and left <= 0:
-                self._session_evict(name)
-                return Busy()
+                ended = self._session_evict(name)
+                return Busy() if ended is None else ended
             return Busy(retry_after=left)
         self._held[token] = Held(conn, name, key, granted[0])
         return Acquired(granted[0], 1)

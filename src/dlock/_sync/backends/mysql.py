@@ -50,6 +50,9 @@ PASSTHROUGH = frozenset(
 )
 #: Server error codes that deserve their own message.
 ACCESS_DENIED = {1044, 1045, 1142, 1143, 1227}
+#: KILL of another user's session without CONNECTION ADMIN (MySQL 8: CONNECTION_ADMIN)
+#: or SUPER.
+NOT_THREAD_OWNER = 1095
 #: The client library's own errors (CR_*: cannot connect, server gone away, lost
 #: connection). Server errors from 3000 on (MySQL 8) and 4000 on (MariaDB) are refusals
 #: like any other: a locked account, TLS required, a statement's time limit.
@@ -435,6 +438,12 @@ class MySQLBackend(ServerSQLBackend):
         text = exc.args[1] if len(exc.args) > 1 else str(exc)
         if code in ACCESS_DENIED:
             return BackendError(f"access denied: {text}")
+        if code == NOT_THREAD_OWNER:
+            return BackendError(
+                f"missing privilege: ({code}) {text}: ending another user's session (a"
+                " force release, an eviction) needs CONNECTION ADMIN (MySQL 8:"
+                " CONNECTION_ADMIN) or SUPER, or the holder's own user"
+            )
         if certificate_refused(exc):
             return BackendError(f"refused: ({code}) {text}")
         if code in READ_ONLY:
@@ -468,15 +477,18 @@ class MySQLBackend(ServerSQLBackend):
         rows = (self._call("session_time_left", {"name": encode_name(name)})).rows
         return float(rows[0][0]) if rows else None
 
-    def _session_evict(self, name: str) -> None:
+    def _session_evict(self, name: str) -> int | None:
         """Two steps (MySQL cannot KILL from inside a statement): a holder renewing
         between them must not be killed, so the row is cleared, still expired, first."""
         key = encode_name(name)
         rows = (self._call("session_expired_holder", {"name": key})).rows
+        ended = None
         for (session,) in rows:
             params = {"name": key, "session": int(session)}
-            if (self._call("session_clear_expired", params)).rowcount > 0:
-                self._kill(int(session))
+            cleared = (self._call("session_clear_expired", params)).rowcount > 0
+            if cleared and self._kill(int(session)):
+                ended = int(session)
+        return ended
 
     def _kill(self, session: int, statement: str = "kill") -> bool:
         try:
@@ -666,9 +678,16 @@ class MySQLBackend(ServerSQLBackend):
         if not rows:
             return None
         session = int(rows[0][0])
-        # Clear the row first, so a renewal racing with the kill fails its owner check.
+        # KILL first: refused (another user's session, without CONNECTION ADMIN), it
+        # changes nothing, where a row cleared first left the lock held but shown free,
+        # and the holder's next renewal told it lost. A renewal racing with the kill
+        # fails its check that the session still holds the lock, or the next one fails
+        # its owner check on the cleared row; the holder learns of the kill within a
+        # second anyway (its socket closes).
+        if not self._kill(session):
+            return None
         self._call("session_clear", {"name": encode_name(name), "session": session})
-        return session if self._kill(session) else None
+        return session
 
     def _extend_batch(self, leases: Sequence[Lease]) -> set[tuple[bytes, str]]:
         """Per distinct TTL (usually one) an UPDATE, and only when it matched fewer rows

@@ -457,8 +457,9 @@ class PostgreSQLBackend(ServerSQLBackend):
             return float(result.rows[0][2])
         return None
 
-    def _session_evict(self, name: str) -> None:
-        self._call("session_evict", {"name": encode_name(name)})
+    def _session_evict(self, name: str) -> int | None:
+        rows = (self._call("session_evict", {"name": encode_name(name)})).rows
+        return int(rows[0][0]) if rows else None
 
     # -- lease mode --------------------------------------------------------------------
 
