@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -388,6 +389,33 @@ def test_a_killed_holder_process_frees_the_lock_within_its_lease(
         end_holder(process)
 
 
+@pytest.mark.parametrize(
+    ("ttl", "extended"),
+    [(30, 1.2), (1.1, 1.4)],
+    ids=["moved to a new lease", "renewed on its lease"],
+)
+def test_an_extended_unrenewed_hold_is_given_up_at_its_new_deadline(
+    etcd_server: EtcdServer, name: str, ttl: float, extended: float
+) -> None:
+    """A holder that does not renew gives the lock up at its own deadline, ttl, not at
+    the end of the lease's whole seconds (docs/etcd.md, "TTL: two clocks"), after an
+    extend too. The reaper's wait left the hold out while the extend used it, and
+    nothing woke it when the extend ended: the key stayed until etcd ended its lease,
+    2 s (ceil) + up to 0.5 s after the extend, not 1.2 s or 1.4 s."""
+    with dlock.connect(etcd_server.url(prefix())) as client:
+        lock = client.lock(name, ttl=ttl, auto_renew=False)
+        assert lock.acquire(timeout=0)
+        started = time.monotonic()
+        lock.extend(extended)
+        assert lease_seconds(extended) == 2
+        while client.inspect(name) is not None:
+            assert time.monotonic() - started < 4, "the key was never deleted"
+            time.sleep(0.02)
+        took = time.monotonic() - started
+        # etcd's own end of the lease comes 2 s or more after the extend.
+        assert extended - 0.05 < took < extended + 0.4, f"freed {took:.2f} s after the extend"
+
+
 # -- TLS ------------------------------------------------------------------------------------
 
 
@@ -502,6 +530,50 @@ def test_an_encrypted_client_key_takes_its_password_and_never_asks(
     )
     assert "keyfile_password" in asked.stdout, asked
     assert "pass phrase" not in asked.stdout + asked.stderr, asked
+
+
+def test_a_client_certificate_without_its_key_is_not_called_encrypted(
+    certificates: Certificates, tmp_path: Path
+) -> None:
+    """OpenSSL says "PEM lib" alike for an encrypted key without its password and for
+    no key at all: a certfile given without its keyfile was refused as "(encrypted: no
+    keyfile_password?)", and a key of another certificate said nothing of it."""
+    other_key = tmp_path / "other.key"
+    subprocess.run(
+        ["openssl", "genrsa", "-out", str(other_key), "2048"], check=True, capture_output=True
+    )
+    cases: list[tuple[dict[str, Any], str]] = [
+        (
+            {"certfile": certificates.client_cert},
+            "no private key in certfile: give the key as keyfile",
+        ),
+        (
+            {"certfile": certificates.client_cert, "keyfile": certificates.ca},
+            "no private key in keyfile",
+        ),
+        (
+            {"certfile": certificates.client_cert, "keyfile": other_key},
+            "the private key is not the one of the certificate in certfile",
+        ),
+        (
+            {"certfile": certificates.client_cert, "keyfile": certificates.client_key_encrypted},
+            "encrypted: no keyfile_password?",
+        ),
+        (
+            {
+                "certfile": certificates.client_cert,
+                "keyfile": certificates.client_key_encrypted,
+                "keyfile_password": "not-it",
+            },
+            "wrong keyfile_password?",
+        ),
+    ]
+    for files, says in cases:
+        with pytest.raises(dlock.ConfigurationError) as refused:
+            dlock.connect(f"etcds://127.0.0.1:{free_port()}/dlock", ca=certificates.ca, **files)
+        assert says in str(refused.value), (files, str(refused.value))
+        if "encrypted" not in says:
+            assert "encrypted:" not in str(refused.value), (files, str(refused.value))
 
 
 @pytest.mark.parametrize("ca", ["other", "system"])

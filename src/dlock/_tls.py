@@ -96,17 +96,43 @@ def load_client_files(
     given): without one, OpenSSL asks on the terminal for an encrypted key's
     passphrase, and the caller waited there. ``options``: what the URL calls the four,
     for the error."""
-    ca_option, cert_option, key_option, password_option = options
-    what, hint = f"{ca_option}={ca!r}", ""
+    ca_option, cert_option, key_option, _ = options
+    what = f"{ca_option}={ca!r}"
     try:
         if ca:
             context.load_verify_locations(ca)
         if certfile:
             what = f"{cert_option}={certfile!r} with {key_option}={keyfile!r}"
-            missing = "wrong" if password else "encrypted: no"
-            hint = f" ({missing} {password_option}?)"
             context.load_cert_chain(certfile, keyfile, str(password or ""))
     except OSError as exc:  # ssl.SSLError is one too
-        if not isinstance(exc, ssl.SSLError):
-            hint = ""
+        hint = ""
+        if certfile and isinstance(exc, ssl.SSLError):
+            hint = _key_hint(exc, certfile, keyfile, password, options)
         raise ConfigurationError(f"{backend} TLS: cannot load {what}: {exc}{hint}") from exc
+
+
+def _key_hint(
+    exc: ssl.SSLError,
+    certfile: str,
+    keyfile: str | None,
+    password: str | None,
+    options: tuple[str, str, str, str],
+) -> str:
+    """What to check when OpenSSL refused a client certificate and its key. It says
+    "PEM lib" alike for an encrypted key without its password and for no key at all (a
+    certfile without its key, and no keyfile): the file is looked at to tell them apart."""
+    _, cert_option, key_option, password_option = options
+    if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":
+        return f" (the private key is not the one of the certificate in {cert_option})"
+    source, option = (keyfile, key_option) if keyfile else (certfile, cert_option)
+    try:
+        with open(source, "rb") as file:
+            pem = file.read(1 << 20)
+    except OSError:
+        return ""
+    if b"ENCRYPTED" in pem:
+        return f" ({'wrong' if password else 'encrypted: no'} {password_option}?)"
+    if b"PRIVATE KEY" not in pem:
+        give = "" if keyfile else f": give the key as {key_option}"
+        return f" (no private key in {option}{give})"
+    return ""

@@ -856,8 +856,10 @@ class AsyncEtcdBackend(AsyncBackend):
             if left:
                 self._busy[ident] = left
             held = self._held.get(ident)
-        if not left and held is not None and held.deadline <= time.monotonic():
-            self._reaper_wakeup.set()
+        if not left and held is not None:
+            # The reaper's wait left this hold out while it was in use (an extend that
+            # moved or renewed it, an acquire): it counts again, with its new deadline.
+            self._start_reaper(held.deadline)
 
     @contextlib.contextmanager
     def _using(self, ident: tuple[str, str]) -> Iterator[_Held | None]:
