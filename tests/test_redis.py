@@ -657,6 +657,30 @@ def test_paused_server_is_a_timely_error(own_server: RedisServer) -> None:
         own_server.resume()
 
 
+def test_a_renewal_that_fails_after_its_lease_ran_out_does_not_promise_a_retry(
+    own_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A renewal sent into a server pause fails only at its socket timeout, which can
+    come after the lease ran out and its loss was told: its warning said "will retry
+    while they last" after `dlock run` had said "lost the lock" (helper 82). It says
+    that the leases ran out meanwhile."""
+    with dlock.connect(url_of(own_server), socket_timeout=2) as client:
+        told: list[object] = []
+        lock = client.lock(unique(), ttl=1, on_lost=told.append)
+        assert lock.acquire(timeout=0)
+        own_server.pause()
+        try:
+            deadline = time.monotonic() + 6
+            while not any("renewing" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the renewal never failed"
+                time.sleep(0.05)
+        finally:
+            own_server.resume()
+        assert told == [lock]
+        (warning,) = [r.getMessage() for r in caplog.records if "renewing" in r.getMessage()]
+        assert "they ran out meanwhile" in warning and "will retry" not in warning, warning
+
+
 @pytest.mark.parametrize("face", ["sync", "asyncio"])
 def test_a_waiter_whose_attempt_got_no_answer_fails_after_one_timeout_not_two(
     own_server: RedisServer, face: str

@@ -256,12 +256,14 @@ class Renewer:
             )
             # Say how big and how late the round was: a lease lost this way is told
             # from this line whether the backend was slow or the renewer started late.
+            left = any(lock._count > 0 and not lock.lost for lock, _ in due)
             log(
                 "dlock: renewing %d lease(s) failed after %.3f s, begun %.3f s before "
-                "the first of them ends; will retry while they last: %r",
+                "the first of them ends; %s: %r",
                 len(due),
                 self._clock() - started,
                 time_left,
+                "will retry while they last" if left else "they ran out meanwhile",
                 exc,
             )
             return
