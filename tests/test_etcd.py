@@ -1542,6 +1542,19 @@ def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
             other.join()
 
 
+def test_a_prefix_of_slashes_alone_is_refused_not_taken_for_the_root() -> None:
+    """``etcd://host//`` made the prefix "/": every key of the cluster (another
+    application's, Kubernetes' /registry/...) was a lock name to `dlock list` and to
+    `release --force`. Refused at connect; "/" and no path keep the default."""
+    base = f"etcd://127.0.0.1:{free_port()}"
+    for path in ("//", "///", "/%2F"):
+        with pytest.raises(dlock.ConfigurationError, match="root of the key space"):
+            dlock.connect(base + path)
+    for path, prefix in (("", b"/dlock/"), ("/", b"/dlock/"), ("/app//", b"/app/")):
+        with dlock.connect(base + path) as client:
+            assert getattr(client._backend, "_prefix", None) == prefix
+
+
 def test_queue_ttl_is_a_validated_option() -> None:
     """queue_ttl is taken from the URL or a keyword (no I/O: nothing listens there), and
     one that is not a positive, finite number of seconds is refused at connect."""

@@ -406,6 +406,13 @@ class AsyncEtcdBackend(AsyncBackend):
         path = unquote(parts.path) or DEFAULT_PREFIX
         if path == "/":
             path = DEFAULT_PREFIX
+        if not path.strip("/"):
+            # "//" would be the prefix "/": every key of the cluster a lock name, to
+            # list and to force-release (Kubernetes' /registry/... among them).
+            raise ConfigurationError(
+                f"etcd URL path {parts.path!r} names the root of the key space: give a"
+                f" prefix of the locks' own (default {DEFAULT_PREFIX})"
+            )
         prefix = path.rstrip("/").encode("utf-8", "surrogateescape") + b"/"
         return cls(
             hosts,
