@@ -193,6 +193,10 @@ def test_a_password_with_an_unencoded_slash_or_question_mark_is_not_quoted(url: 
         ("sqlite:///tmp/x.db?busy_timeout=soon", "busy_timeout"),
         # Each client would get a database of its own: nothing locked against another.
         ("sqlite::memory:", "in-memory"),
+        # SQLAlchemy's spelling of it (as sqlite:////path is its absolute path): not a
+        # lock file named ":memory:" in the root directory.
+        ("sqlite:///:memory:", "in-memory"),
+        ("sqlite:////:memory:", "in-memory"),
         ("sqlite:///tmp/a%00.db", "NUL"),
         # Silently the last, or the default, or another file: refused instead.
         ("sqlite:///tmp/x.db?table=a&table=b", "'table' is given twice"),

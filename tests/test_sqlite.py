@@ -148,6 +148,41 @@ def test_a_missing_directory_in_a_named_path_is_refused_not_made(
         assert (tmp_path / "state" / "dlock" / "locks.sqlite3").is_file()
 
 
+MAKE_FILES_WITH_UMASK_0 = """
+import os, sys
+import dlock
+os.umask(0)
+with dlock.connect() as client, client.lock("x", ttl=5):
+    pass
+from dlock._cli import main
+sys.exit(main(["init", "--url", "sqlite://" + sys.argv[1]]))
+"""
+
+
+def test_the_directories_dlock_makes_are_writable_by_their_creator_only(
+    tmp_path: Path,
+) -> None:
+    """The file is 0644 less the umask, even when that is 0 (SQLite's mode), but the
+    directories made for it were 0777 less the umask: with a umask of 0, every user
+    of the host could delete or replace a lock file in use (a lost lease), in a state
+    directory the README calls per user."""
+    state = tmp_path / "state"
+    named = tmp_path / "made" / "by" / "init" / "locks.db"
+    environment = {**os.environ, "XDG_STATE_HOME": str(state)}
+    environment.pop("DLOCK_URL", None)
+    subprocess.run(
+        [sys.executable, "-c", MAKE_FILES_WITH_UMASK_0, str(named)],
+        check=True,
+        env=environment,
+        timeout=60,
+    )
+    made = [state, state / "dlock", tmp_path / "made", named.parent.parent, named.parent]
+    modes = {str(path): oct(path.stat().st_mode & 0o777) for path in made}
+    assert modes == {str(path): "0o755" for path in made}
+    for file in (state / "dlock" / "locks.sqlite3", named):
+        assert oct(file.stat().st_mode & 0o777) == "0o644"
+
+
 def test_a_file_that_cannot_be_a_lock_table_is_refused_not_unavailable(tmp_path: Path) -> None:
     """Opening a file that is not a database, or a directory, fails the same way every
     time: a refusal (``BackendError``), not "down, worth retrying". A file another

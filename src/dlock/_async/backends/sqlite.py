@@ -139,6 +139,22 @@ def _boot_and_now() -> tuple[str, float]:
     return "", time.time()
 
 
+#: The directories dlock makes (its default file's, and any file's for ``dlock init``):
+#: writable by their creator only, as SQLite makes the file (0644), less the umask,
+#: even when that is 0: another user who could write in the directory could delete or
+#: replace the lock file in use (see docs/sqlite.md).
+DIRECTORY_MODE = 0o755
+
+
+def _make_directories(directory: Path) -> None:
+    """``mkdir -p`` with :data:`DIRECTORY_MODE` for every directory made: ``Path.mkdir``
+    gives the missing parents the default mode, 0777 less the umask."""
+    for path in (*reversed(directory.parents), directory):
+        if not path.is_dir():
+            with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+                os.mkdir(path, DIRECTORY_MODE)
+
+
 #: SQLITE_BUSY, SQLITE_LOCKED: another connection holds the lock the statement needs.
 BUSY_CODES = (5, 6)
 #: SQLITE_IOERR: reading or writing the file failed.
@@ -235,8 +251,9 @@ class AsyncSQLiteBackend(AsyncBackend):
         path = unquote(parts.path, errors="surrogateescape")
         if not path:
             raise ConfigurationError(f"{url!r} names no database file")
-        if path == ":memory:":
+        if path.lstrip("/") == ":memory:":
             # Every connection would get a database of its own: no exclusion at all.
+            # sqlite:///:memory: is SQLAlchemy's spelling of it, not a file in / here.
             raise ConfigurationError(
                 f"{url!r}: an in-memory SQLite database is private to one connection, so"
                 " it cannot lock anything against another client; name a file"
@@ -296,7 +313,7 @@ class AsyncSQLiteBackend(AsyncBackend):
     def _make_or_check_directory(self) -> None:
         directory = Path(self._path).parent
         if self._create_directory:
-            directory.mkdir(parents=True, exist_ok=True)
+            _make_directories(directory)
         elif not directory.is_dir():
             raise BackendError(
                 f"cannot open SQLite database {self._path!r}: its directory {str(directory)!r}"
