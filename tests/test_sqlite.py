@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -1074,3 +1075,30 @@ def test_a_give_back_waits_for_the_acquire_it_gives_back(tmp_path: Path) -> None
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_the_give_back_retrier_leaves_the_random_module_alone(tmp_path: Path) -> None:
+    """A give-back asked again drew its jitter from the random module, the
+    application's generator: seeded for a reproducible job, that job drew other numbers
+    after an outage, and workers seeded alike asked again in lockstep. The jitter is
+    the operating system's, as Backoff's is."""
+    path = tmp_path / "locks.sqlite3"
+    with dlock.connect(f"sqlite://{path}?busy_timeout=0.1") as client:
+        lock = client.lock("job", ttl=30)
+        lock.acquire()
+        blocker = sqlite3.connect(path, isolation_level=None)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")  # the file write-locked: the release fails
+            random.seed(7)
+            before = random.getstate()
+            with pytest.raises(dlock.BackendUnavailable):
+                lock.release()
+            time.sleep(0.5)  # the retrier has drawn its first delays
+            assert random.getstate() == before
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        deadline = time.monotonic() + 10
+        while client.inspect("job") is not None:  # given back once the file is free
+            assert time.monotonic() < deadline
+            time.sleep(0.05)

@@ -45,6 +45,12 @@ HUNG = 0.25
 #: (see look_again): a request later than that is left to its lease's TTL.
 LOOK_AGAIN_AFTER = 1.0
 
+#: The jitter's source: the operating system's, as dlock.Backoff's and for the same
+#: reasons: the random module's generator is the application's (a draw here would change
+#: what a seeded, reproducible job draws next, and workers seeded alike would ask again
+#: in lockstep).
+_JITTER = random.SystemRandom()
+
 #: A lease to give back: the lock object, how many entries, its owner token.
 GiveBack = tuple["Lock", int, str]
 
@@ -195,7 +201,7 @@ class GiveBackRetrier:
                 if self._closed or not (self._left or self._looks):
                     self._runner = None
                     return
-                delay = self._delay * random.uniform(0.5, 1.0) if self._left else math.inf
+                delay = self._delay * _JITTER.uniform(0.5, 1.0) if self._left else math.inf
                 if self._looks:
                     first = min(look.due for look in self._looks.values())
                     delay = max(0.0, min(delay, first - self._clock()))
