@@ -318,8 +318,8 @@ class SQLiteBackend(Backend):
         elif not directory.is_dir():
             raise BackendError(
                 f"cannot open SQLite database {self._path!r}: its directory {str(directory)!r}"
-                " does not exist (dlock makes only its default file's directory: create it,"
-                " or check the path)"
+                " does not exist (dlock makes only its default file's directory, and"
+                " `dlock init` any file's: create it, or check the path)"
             )
 
     def _unwritable_directory(self) -> str:
