@@ -100,6 +100,17 @@ def test_bad_backoffs_are_refused(settings: dict[str, Any], message: str) -> Non
         Backoff(**settings)
 
 
+@pytest.mark.parametrize("backoff", [5, 0, "fast", {"initial": 0.01}])
+def test_a_backoff_that_is_not_a_backoff_is_refused(tmp_path: Path, backoff: object) -> None:
+    """connect() took any value: a 0 stood for the defaults, anything else broke the
+    first wait with an AttributeError, not the InvalidArgument of a bad Backoff."""
+    url = f"sqlite://{tmp_path}/x.db"
+    with pytest.raises(dlock.InvalidArgument, match=r"backoff must be a dlock\.Backoff"):
+        dlock.connect(url, backoff=backoff)  # type: ignore[arg-type]
+    with pytest.raises(dlock.InvalidArgument, match=r"backoff must be a dlock\.Backoff"):
+        dlock.aio.connect(url, backoff=backoff)  # type: ignore[arg-type]
+
+
 def test_backoff_never_sleeps_past_the_current_lease() -> None:
     backoff = Backoff(initial=1.0, maximum=10.0)
     assert backoff.delay(5, retry_after=0.05, notifies=False) == pytest.approx(0.051)
@@ -3265,6 +3276,25 @@ def test_give_backs_kept_by_two_threads_at_once_are_both_waited_for(
     finally:
         stop.set()
     assert set(running) <= kept, "a give-back was dropped"
+
+
+def test_a_lease_is_renewed_a_third_of_its_ttl_in_not_a_sixth(tmp_path: Path) -> None:
+    """The renewer wakes every second while it holds locks, and each wake renewed every
+    lease due within a sixth of its TTL, as if to batch it with one due now, although
+    none was: a lone 6 s lease was renewed every second, a 30 s one every 5 s (twice
+    the writes the README's "after a third of its TTL" promises)."""
+    url = f"sqlite://{tmp_path}/locks.db"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+        lock = client.lock("job", ttl=12)
+        assert lock.acquire(timeout=0)
+        first = other.inspect("job")
+        assert first is not None and first.expires_in is not None
+        # The renewer woke every second meanwhile; a sixth is 2 s in, a third 4 s.
+        time.sleep(3)
+        info = other.inspect("job")
+        assert info is not None and info.expires_in is not None
+        assert info.expires_in < first.expires_in - 2.5, "renewed before a third of its TTL"
+        lock.release()
 
 
 def test_a_renewal_never_shortens_a_lease_the_holder_extended(tmp_path: Path) -> None:

@@ -875,6 +875,39 @@ def test_a_forked_child_does_not_share_the_parents_connections(redis_server: Red
         assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_an_asyncio_child_leaves_its_parents_connections_to_its_parent(
+    redis_server: RedisServer,
+) -> None:
+    """A forked child used its parent's asyncio client in an event loop of its own. The
+    backend dropped what the parent's loop made before it kept it as the parent's, and
+    the child's garbage collector closed those connections through the parent's loop:
+    its epoll instance, shared with the parent, stopped watching the parent's socket,
+    and the parent's next call timed out (BackendUnavailable, 5 s later)."""
+
+    async def main() -> None:
+        async with dlock.aio.connect(url_of(redis_server)) as client:
+            lock = client.lock(unique(), ttl=30)
+            assert await lock.acquire(timeout=0)
+
+            def in_the_child() -> str:
+                async def use_it() -> str:
+                    own = client.lock(unique(), ttl=5)
+                    got = await own.acquire()
+                    await own.release()
+                    gc.collect()
+                    return f"acquired {got}"
+
+                return asyncio.run(use_it())
+
+            assert answer_in_a_child(in_the_child) == "acquired True"
+            started = time.monotonic()
+            await asyncio.wait_for(lock.extend(), 10)
+            assert time.monotonic() - started < 1
+            await lock.release()
+
+    asyncio.run(main())
+
+
 def test_a_child_forked_while_a_thread_uses_the_pool_does_not_hang(
     redis_server: RedisServer,
 ) -> None:

@@ -73,6 +73,10 @@ class Client:
         backoff: Backoff | None = None,
         clock: Callable[[], float] = lease_clock,
     ) -> None:
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise InvalidArgument(
+                f"backoff must be a dlock.Backoff or None, not {type(backoff).__name__}"
+            )
         self._backend = backend
         self._label = check_label(label)
         self._holder_now = Holder.current(self._label)
@@ -80,7 +84,7 @@ class Client:
         #: Set by close() once it no longer lets releases in flight end first: a release
         #: begun since leaves its hold to the close (see Lock.release).
         self._closing_holds = False
-        self._backoff = backoff or Backoff()
+        self._backoff = Backoff() if backoff is None else backoff
         self._clock = clock
         self._renewer = Renewer(backend, clock, self._still_held)
         self._renewer.told_of_losses = backend.watch_leases(self._renewer.renew_now)

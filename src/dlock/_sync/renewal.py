@@ -209,13 +209,19 @@ class Renewer:
         elif urgent:
             self._tell_known_losses([lock for lock in self._held() if lock not in self._locks])
         due: list[tuple[Lock, int]] = []
+        early: list[tuple[Lock, int]] = []
         for lock in tuple(self._locks):
             # The generation first: a fresh hold sets its deadline before its generation.
             generation = lock._generation
             if now >= lock._deadline:
                 lock._declare_lost(LEASE_RAN_OUT, watchdog=True, generation=generation)
-            elif urgent or lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
+            elif urgent or lock._renew_at <= now:
                 due.append((lock, generation))
+            elif lock._renew_at - lock._lease_ttl * BATCH_EARLY <= now:
+                early.append((lock, generation))
+        if due:
+            # Only along with one due now: the wake-up every RESUME_CHECK is no renewal's.
+            due += early
         if not due or self._closed or self._winding_down:
             # Closed by an on_lost told just above (threads): its close gave the leases
             # back, and a call now would reopen the backend (SQLite: the file, for good).

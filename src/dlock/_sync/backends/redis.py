@@ -1145,8 +1145,8 @@ class RedisBackend(Backend):
         if self._leaving:
             # Not a leave of an earlier event loop, or of the parent process: it will
             # not end here.
+            self._follow_fork()  # first: a parent's, kept as its own (see _forget_parent)
             self._follow_loop()
-            self._follow_fork()
             if (leaving := self._leaving.get(token)) is not None:
                 # This token's earlier wait is still leaving the queue: sent after this
                 # attempt, its leave would take the place this attempt takes and give
@@ -1315,8 +1315,8 @@ class RedisBackend(Backend):
 
     def _new_pubsub(self, url: str | None) -> Any:
         """A pub/sub connection to ``url`` (see _listen_on)."""
+        self._follow_fork()  # first: a parent's, kept as its own (see _forget_parent)
         self._follow_loop()
-        self._follow_fork()
         with self._creating:
             self._check_open()
             if url is None:
@@ -1498,8 +1498,8 @@ class RedisBackend(Backend):
 
     def _take_idle(self, channel: bytes, subscribed_only: bool = False) -> tuple[Any, bytes | None]:
         """An idle pub/sub connection, preferably one still subscribed to ``channel``."""
+        self._follow_fork()  # first: a parent's, kept as its own (see _forget_parent)
         self._follow_loop()
-        self._follow_fork()
         with self._creating:
             index = next((i for i, entry in enumerate(self._idle) if entry[1] == channel), None)
             if index is None:
@@ -1525,8 +1525,8 @@ class RedisBackend(Backend):
         collecting other clients' wake-ups. Runs when a wait begins: a process that
         stops waiting keeps up to IDLE_SUBSCRIBERS subscribed until it waits again or
         closes the client."""
+        self._follow_fork()  # first: a parent's, kept as its own (see _forget_parent)
         self._follow_loop()
-        self._follow_fork()
         cutoff = time.monotonic() - LINGER
         with self._creating:
             stale = [entry for entry in self._idle if entry[1] is not None and entry[2] < cutoff]
@@ -1683,8 +1683,8 @@ class RedisBackend(Backend):
         return bool(int(self._call(scripts.FORCE_RELEASE, k.queued(), args)))
 
     def close(self) -> None:
-        self._follow_loop()  # what an earlier loop made cannot be closed in this one
-        self._follow_fork()  # nor what a parent process made, in its child
+        self._follow_fork()  # what a parent process made is not closed in its child
+        self._follow_loop()  # nor what an earlier loop made, in this one
         self._closed = True
         connections, self._connections = self._connections, None
         if connections is not None:
