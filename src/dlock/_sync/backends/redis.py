@@ -1651,6 +1651,7 @@ class RedisBackend(Backend):
 
     @staticmethod
     def _scan_node(client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
+        """SCAN one server (on a cluster, the master ``where`` names) to its cursor's end."""
         keys: list[Any] = []
         cursor: Any = 0
         while True:
