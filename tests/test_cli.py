@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import pty
+import pwd
 import re
 import select
 import shutil
@@ -1230,8 +1231,13 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     for option, value in (("--older-than", "5"), ("--batch", "0")):
         bad_prune = dlock_cmd(db, "prune", option, value)
         assert bad_prune.returncode == 2 and f"{option} must be" in bad_prune.stderr
+    long_label = dlock_cmd(db, "run", "--label", "L" * 600, "x", "--", "true")
+    assert long_label.returncode == 2 and "--label is 600" in long_label.stderr, long_label.stderr
     negative_grace = dlock_cmd(db, "run", "--grace", "-1", "x", "--", "true")
     assert negative_grace.returncode == 2 and "--grace" in negative_grace.stderr
+    # Refused as it is not finite: "must be >= 0 seconds, not inf" read as a contradiction.
+    endless_grace = dlock_cmd(db, "run", "--grace", "inf", "x", "--", "true")
+    assert endless_grace.returncode == 2 and "finite" in endless_grace.stderr, endless_grace.stderr
     no_command = dlock_cmd(db, "run", "x")
     assert no_command.returncode == 2 and "no command" in no_command.stderr
     late_option = dlock_cmd(db, "run", "x", "-n", "--", "true")
@@ -1511,6 +1517,50 @@ def test_a_home_that_is_not_utf8_no_longer_fails_every_command(tmp_path: Path) -
         result = subprocess.run([DLOCK, *args], capture_output=True, text=True, env=env)
         assert result.returncode == 1 and result.stdout == "x: free\n", result.stderr
     assert os.path.exists(os.fsencode(home) + b"/.local/state/dlock/locks.sqlite3")
+
+
+def test_a_user_without_a_home_directory_no_longer_fails_every_command(tmp_path: Path) -> None:
+    """With no $HOME and no password entry (a container run as a bare UID), every
+    command failed with an internal error (70, a traceback), --help and those given
+    --url too, as did ``connect()`` of a named SQLite file: the default file's path,
+    not needed, could not be made. Only the default is out of reach now: a usage
+    error, and $XDG_STATE_HOME still names it."""
+    uid = next(uid for uid in range(54321, 65534) if not _has_password_entry(uid))
+    probe = ["unshare", "--user", f"--map-user={uid}", "true"]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode:
+        pytest.skip("cannot unshare a user namespace")
+    env = {k: v for k, v in os.environ.items() if k not in ("DLOCK_URL", "XDG_STATE_HOME")}
+    env.pop("HOME", None)
+
+    def dlock_as_nobody(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        argv = ["unshare", "--user", f"--map-user={uid}", DLOCK, *args]
+        return subprocess.run(
+            argv, capture_output=True, text=True, env={**env, **extra}, cwd=tmp_path
+        )
+
+    helped = dlock_as_nobody("status", "--help")
+    assert helped.returncode == 0 and "--url" in helped.stdout, helped.stderr
+    named = dlock_as_nobody("--url", f"sqlite://{tmp_path}/named.db", "status", "x")
+    assert named.returncode == 1 and named.stdout == "x: free\n", named.stderr
+    default = dlock_as_nobody("status", "x")
+    assert default.returncode == 2 and "XDG_STATE_HOME" in default.stderr, default.stderr
+    empty = dlock_as_nobody("status", "x", DLOCK_URL="")
+    assert empty.returncode == 2 and "$DLOCK_URL is empty" in empty.stderr, empty.stderr
+    state = dlock_as_nobody("status", "x", XDG_STATE_HOME=str(tmp_path))
+    assert state.returncode == 1, state.stderr
+    assert (tmp_path / "dlock" / "locks.sqlite3").exists()
+    # A relative $HOME would make the file depend on the working directory, as the
+    # relative $XDG_STATE_HOME that the XDG spec says to ignore.
+    relative = dlock_as_nobody("status", "x", HOME="home")
+    assert relative.returncode == 2 and "XDG_STATE_HOME" in relative.stderr, relative.stderr
+
+
+def _has_password_entry(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 def test_a_holder_written_with_a_label_that_is_not_text_no_longer_fails_the_command(

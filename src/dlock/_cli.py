@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from . import __version__
-from ._errors import BackendError, BackendUnavailable, LockError, LockLost
+from ._errors import BackendError, BackendUnavailable, ConfigurationError, LockError, LockLost
 from ._job import Interrupted, Job, forwarding_signals
 from ._registry import default_sqlite_url
 from ._sync.client import DEFAULT_TTL, Client, connect
@@ -35,6 +35,7 @@ from ._validation import (
     DEFAULT_PRUNE_AGE,
     SHORTEST_PRUNE_AGE,
     check_batch,
+    check_label,
     check_prune_age,
     check_timeout,
     check_ttl,
@@ -75,6 +76,11 @@ def command_line(argv: Sequence[str] | None) -> int:
         logging.getLogger("kazoo").setLevel(logging.ERROR)
     if args.handler is cmd_run:
         args.command, args.separated = run_command(argv, args.name, args.command)
+        try:  # before connect() checks it, to name it as the command line has it
+            check_label(args.label, "--label")
+        except LockError as exc:
+            note(f"dlock run: {exc}")
+            return EXIT_USAGE
     stdout = sys.stdout  # None if the caller closed it (>&-)
     # What a command prints is written once it is done: a failure to write it is then
     # told apart from the backend's, and ends with a status of its own. (``run`` prints
@@ -150,7 +156,10 @@ FAILURE_STATUSES = (
 
 def build_parser() -> argparse.ArgumentParser:
     # argparse formats help with %: a quoted path's own % must be doubled.
-    fallback = default_sqlite_url().replace("%", "%%")
+    try:
+        fallback = default_sqlite_url().replace("%", "%%")
+    except ConfigurationError:  # no home directory: said when the default is used
+        fallback = "none: no home directory is known"
     url_help = f"backend URL (default: $DLOCK_URL, else {fallback})"
     # --url is accepted before and after the command; SUPPRESS keeps the subcommand's
     # absent --url from overwriting one given before it.
@@ -333,7 +342,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         note("dlock run: no command given (dlock run NAME -- COMMAND ...)")
         return EXIT_USAGE
     if not math.isfinite(args.grace) or args.grace < 0:
-        note(f"dlock run: --grace must be >= 0 seconds, not {args.grace}")
+        note(f"dlock run: --grace must be a finite number of seconds >= 0, not {args.grace}")
         return EXIT_USAGE
     try:  # named as the command line has them, not as the library's arguments
         check_ttl(args.ttl, "--ttl")

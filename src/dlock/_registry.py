@@ -47,9 +47,12 @@ def default_url() -> str:
     if url is None:
         return default_sqlite_url()
     if not url:
+        try:
+            default = f" ({default_sqlite_url()})"
+        except ConfigurationError:
+            default = ""
         raise ConfigurationError(
-            "$DLOCK_URL is empty: set it to a backend URL, or unset it for the default"
-            f" ({default_sqlite_url()})"
+            f"$DLOCK_URL is empty: set it to a backend URL, or unset it for the default{default}"
         )
     return url
 
@@ -60,7 +63,17 @@ def default_sqlite_url() -> str:
     if not os.path.isabs(state):
         # The XDG spec says to ignore a relative path: it would make the file, and so
         # the locks, depend on the working directory.
-        state = str(Path.home() / ".local" / "state")
+        try:
+            home = Path.home()
+        except RuntimeError:  # no $HOME, and no password entry (a container's bare UID)
+            home = None
+        if home is None or not home.is_absolute():
+            raise ConfigurationError(
+                "no default lock file: the home directory is unknown (no $HOME, and no"
+                " password entry for this user) or relative; set $XDG_STATE_HOME to an"
+                " absolute path, or give a URL"
+            )
+        state = str(home / ".local" / "state")
     # A file name is bytes: one not in UTF-8 (a home named in Latin-1) is escaped as its
     # bytes, which the sqlite URL's unquoting gives back.
     path = str(Path(state, "dlock", "locks.sqlite3").absolute())
@@ -70,6 +83,14 @@ def default_sqlite_url() -> str:
 #: ``scheme://user:password@``: the password, up to the host's "@" (a "#" or "?" in it,
 #: which ought to be escaped, included).
 _PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:)[^@/]*@")
+
+
+def is_default_sqlite_url(url: str) -> bool:
+    """Whether ``url`` names the default file (False when there is none: no home)."""
+    try:
+        return url == default_sqlite_url()
+    except ConfigurationError:
+        return False
 
 
 def shown_url(url: str) -> str:

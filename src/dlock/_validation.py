@@ -70,20 +70,22 @@ def check_prefix(prefix: object) -> str:
     return prefix
 
 
-def check_label(label: object) -> str | None:
+def check_label(label: object, what: str = "label") -> str | None:
     """The holder's free-form label: text that every backend can store whole."""
     if label is None:
         return None
     if not isinstance(label, str):
-        raise InvalidArgument(f"label must be a str, not {type(label).__name__}")
+        raise InvalidArgument(f"{what} must be a str, not {type(label).__name__}")
     try:
         label.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgument("label is not valid Unicode (it contains a lone surrogate)") from None
+        raise InvalidArgument(
+            f"{what} is not valid Unicode (it contains a lone surrogate)"
+        ) from None
     escaped = len(json.dumps(label)) - 2
     if escaped > MAX_LABEL_LENGTH:
         raise InvalidArgument(
-            f"label is {escaped} characters long once JSON-escaped (a non-ASCII character"
+            f"{what} is {escaped} characters long once JSON-escaped (a non-ASCII character"
             f" counts 6 or 12); the limit is {MAX_LABEL_LENGTH}"
         )
     return label

@@ -22,7 +22,7 @@ from ... import _fork, _sqlite_fork
 from ..._backoff import Backoff
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import bounded_seconds, query_options
-from ..._registry import default_sqlite_url
+from ..._registry import is_default_sqlite_url
 from ..._sql import (
     DEFAULT_TABLES,
     check_identifier,
@@ -270,7 +270,7 @@ class AsyncSQLiteBackend(AsyncBackend):
             table=settings.get("table", DEFAULT_TABLES["lease"]),
             busy_timeout=bounded_seconds(settings.get("busy_timeout", 10.0), "busy_timeout"),
             synchronous=str(settings.get("synchronous", "full")).lower(),
-            create_directory=url == default_sqlite_url(),
+            create_directory=is_default_sqlite_url(url),
         )
 
     def schema_sql(self) -> list[str]:
