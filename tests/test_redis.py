@@ -3811,3 +3811,31 @@ def test_no_number_reaches_hiredis_where_a_ctrl_c_would_crash_the_interpreter(
     sent = [args for args in packed if args[0] != b"HELLO"]
     numbers = [args for args in sent if any(isinstance(a, int | float) for a in args)]
     assert not numbers
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_redlock_refuses_two_names_of_one_server_before_any_grant(
+    redlock_servers: list[RedisServer], face: str
+) -> None:
+    """``127.0.0.1:P`` and ``localhost:P`` are one server, which the URL's check of
+    addresses as written let through: with the third master down, that one server made
+    a majority alone and granted the lock. Each master's run_id is asked before its
+    vote counts, and two masters with one run_id are a ConfigurationError, with nothing
+    granted."""
+    first, second = redlock_servers[0], redlock_servers[1]
+    url = f"redis+redlock://127.0.0.1:{first.port},localhost:{first.port},127.0.0.1:{second.port}"
+    name = unique()
+
+    async def attempt_async() -> None:
+        async with dlock.aio.connect(url) as client:
+            await client.lock(name, ttl=5).acquire(timeout=0)
+
+    with pytest.raises(dlock.ConfigurationError, match="are one server"):
+        if face == "sync":
+            with dlock.connect(url) as client:
+                client.lock(name, ttl=5).acquire(timeout=0)
+        else:
+            asyncio.run(attempt_async())
+    with dlock.connect(make_redlock_url(redlock_servers)) as others:
+        assert others.inspect(name) is None
+        assert others.lock(name, ttl=5).acquire(timeout=0)

@@ -780,6 +780,21 @@ class AsyncRedisBackend(AsyncBackend):
         parts = urlsplit(self._url)
         return ((parts.hostname or "localhost").lower(), parts.port or 6379)
 
+    async def server_identity(self) -> str:
+        """The server's ``run_id`` (``INFO server``), one per server process: two
+        addresses of one server (a host name and its IP address, 127.0.0.1 and
+        ::ffff:127.0.0.1) answer the same."""
+        try:
+            answer = await self._run(self._get_client(), "INFO", "server")
+        except ERRORS as exc:
+            raise wrap(exc, self._where) from exc
+        if isinstance(answer, dict):  # parsed by redis-py (a client without our connections)
+            return str(answer.get("run_id", ""))
+        for line in _bytes(answer).decode("utf-8", "replace").splitlines():
+            if line.startswith("run_id:"):
+                return line.partition(":")[2].strip()
+        return ""
+
     def _describe(self) -> str:
         if self._url is None:
             return "(given client)"

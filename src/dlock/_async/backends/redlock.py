@@ -138,6 +138,8 @@ class AsyncRedlockBackend(AsyncBackend):
         #: made them. Masters that missed a call (failed there) disagree with each other
         #: in either direction, and no count among theirs need be the caller's.
         self._entries: dict[tuple[str, str], int] = {}
+        #: Each master's server identity (its run_id) once it told it (see _acquire_on).
+        self._identities: list[str | None] = [None] * len(self._masters)
 
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> AsyncRedlockBackend:
@@ -280,9 +282,13 @@ class AsyncRedlockBackend(AsyncBackend):
             )
         started = time.monotonic()
         results = await self._each(
-            lambda m: m.acquire(name, token, ttl, holder, reentrant, keep_place=True),
+            lambda m: self._acquire_on(m, name, token, ttl, holder, reentrant),
             decided=self._acquire_decided,
         )
+        one_server = self._one_server_twice()
+        if one_server is not None:
+            await self._give_back(name, token, results, reentrant)
+            raise ConfigurationError(one_server)
         granted = [
             (master, result)
             for master, result in zip(self._masters, results, strict=True)
@@ -306,16 +312,7 @@ class AsyncRedlockBackend(AsyncBackend):
                 return Acquired(fencing_token=fence, count=1, ttl=ttl - _drift(ttl))
             if lifted:
                 too_late = time.monotonic() - started
-        # No majority in time: give back what we got, so others are not blocked; on a
-        # master that failed too, as the call may have reached it and been granted. Not
-        # on a re-entry, though (whatever the masters that answered said): there a
-        # release where nothing was granted would take an entry of the outer hold.
-        for master, result in zip(self._masters, results, strict=True):
-            if isinstance(result, _LeftOut):
-                continue  # nothing was sent
-            if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentrant):
-                with suppress(BackendError):
-                    await master.release(name, token)
+        await self._give_back(name, token, results, reentrant)
         if too_late is not None:
             # Granted by a majority only after its validity ran out: as any backend's
             # grant that comes back after its lease ended, unavailable (answered busy, a
@@ -331,6 +328,56 @@ class AsyncRedlockBackend(AsyncBackend):
         waits = [r.retry_after for r in results if isinstance(r, Busy)]
         known = [w for w in waits if w is not None]
         return Busy(retry_after=min(known) if known and len(known) == len(waits) else None)
+
+    async def _give_back(self, name: str, token: str, results: list[Any], reentrant: bool) -> None:
+        """No majority in time: give back what we got, so others are not blocked; on a
+        master that failed too, as the call may have reached it and been granted. Not on
+        a re-entry, though (whatever the masters that answered said): there a release
+        where nothing was granted would take an entry of the outer hold."""
+        for master, result in zip(self._masters, results, strict=True):
+            if isinstance(result, _LeftOut):
+                continue  # nothing was sent
+            if isinstance(result, Acquired) or (isinstance(result, BackendError) and not reentrant):
+                with suppress(BackendError):
+                    await master.release(name, token)
+
+    async def _acquire_on(
+        self,
+        master: AsyncRedisBackend,
+        name: str,
+        token: str,
+        ttl: float,
+        holder: Holder,
+        reentrant: bool,
+    ) -> Acquired | Busy:
+        """One master's vote, its server's identity asked first the first time: masters
+        that turn out to be one server are refused (``_one_server_twice``) before their
+        votes count. Addresses as written cannot tell (a host name and its address)."""
+        i = self._masters.index(master)
+        if self._identities[i] is None:
+            try:
+                identity = await master.server_identity()
+            except BackendUnavailable:
+                raise  # as an acquire there would be: no vote
+            except BackendError:  # INFO refused (an ACL): addresses alone tell then
+                identity = ""
+            self._identities[i] = identity or f"(not told: {master._where})"
+        return await master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+
+    def _one_server_twice(self) -> str | None:
+        """What to say if two masters turned out to be one server, which would count
+        twice toward a majority (with a third master down, it alone would grant)."""
+        first: dict[str, AsyncRedisBackend] = {}
+        for master, known in zip(self._masters, self._identities, strict=True):
+            if known is None:
+                continue
+            if known in first:
+                return (
+                    f"Redlock masters {first[known]._where} and {master._where} are one"
+                    f" server (run_id {known}): it would count twice toward a majority"
+                )
+            first[known] = master
+        return None
 
     def _acquire_decided(self, results: list[Any]) -> bool:
         """Granted by a quorum; or no quorum can grant it, and a quorum answered (busy),
