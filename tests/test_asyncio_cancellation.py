@@ -143,3 +143,67 @@ async def test_a_body_that_catches_the_loss_cancellation_leaves_no_count(
 
         await asyncio.wait_for(job(lose_it), 15)
         assert outcome == ["body cancelled", "LockLost, cancelling 0", "timed out"], outcome
+
+
+@pytest.mark.parametrize("ends", ["close", "loss"])
+async def test_a_body_whose_hold_was_lost_before_is_not_cancelled_for_a_sharers_hold(
+    url: str, name: str, ends: str
+) -> None:
+    """Two tasks share a lock object that is not reentrant. The first's hold is lost;
+    its body catches the cancellation and stays in its block, and the second takes a
+    fresh hold in a block of its own. When that hold ends too (the client closes, or
+    it is lost), only the second's body is cancelled: the first's was cancelled again,
+    for a hold it never had, and left its block with that cancellation still counted."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        raise NotImplementedError("cancelling() is from 3.11")
+    async with dlock.aio.connect(url) as admin:
+        await admin.inspect("connected")
+        client = dlock.aio.connect(url)
+        lock = client.lock(name, ttl=1.5)
+        outcome: list[str] = []
+        first_in, second_in = asyncio.Event(), asyncio.Event()
+
+        async def first() -> None:
+            try:
+                async with lock:
+                    first_in.set()
+                    try:
+                        await asyncio.sleep(10)
+                    except asyncio.CancelledError:
+                        outcome.append("first cancelled")
+                    await second_in.wait()
+                    try:
+                        await asyncio.sleep(3)
+                    except asyncio.CancelledError:
+                        outcome.append("first cancelled again")
+            except dlock.LockLost:
+                outcome.append(f"first: LockLost, cancelling {current().cancelling()}")
+
+        async def second() -> None:
+            try:
+                async with lock:
+                    second_in.set()
+                    await asyncio.sleep(10)
+            except dlock.LockLost:
+                outcome.append("second: LockLost")
+
+        try:
+            holder = asyncio.create_task(first())
+            await asyncio.wait_for(first_in.wait(), 5)
+            assert await admin.force_release(name)
+            await renewal_finds_it_lost(lock)
+            await asyncio.sleep(0.05)
+            taker = asyncio.create_task(second())
+            await asyncio.wait_for(second_in.wait(), 5)
+            if ends == "close":
+                await client.aclose()
+            else:
+                assert await admin.force_release(name)
+            await asyncio.wait_for(asyncio.gather(holder, taker), 10)
+        finally:
+            await client.aclose()
+        assert outcome == [
+            "first cancelled",
+            "second: LockLost",
+            "first: LockLost, cancelling 0",
+        ], outcome

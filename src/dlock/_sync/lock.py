@@ -1233,11 +1233,18 @@ class Lock:
         LockLost before its callback was told.
         """
         with self._loss_lock:
+            bodies: list[Any] = []
             with self._sharing:
                 declared = not self._lost and generation in (None, self._generation)
                 if declared:
                     self._lost = True
                     self._lost_reason = reason
+                    # The bodies of this hold's blocks: not one whose own hold was
+                    # lost before and that goes on (it caught that cancellation),
+                    # while another user of this object took this one afresh.
+                    bodies = [
+                        task for task, _, held in self._blocks if held in (None, self._generation)
+                    ]
             if forget:
                 self._leave_lost_entry()
                 self._forget()
@@ -1263,7 +1270,7 @@ class Lock:
             if self.cancel_on_lost:
                 running = current_task() if told else None
                 for task in dict.fromkeys(self._body_tasks):
-                    if task is not None and task is not running:
+                    if task is not None and task is not running and task in bodies:
                         self._cancelled.add(task)
                         cancel_task(task, f"dlock: lost lock {self.name!r}")
             return True
