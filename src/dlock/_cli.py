@@ -33,6 +33,7 @@ from ._sync.lock import LOST_MESSAGE, Lock
 from ._types import LockInfo
 from ._validation import (
     DEFAULT_PRUNE_AGE,
+    MAX_BATCH,
     SHORTEST_PRUNE_AGE,
     check_batch,
     check_label,
@@ -194,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument(
-        "--ttl", type=float, default=DEFAULT_TTL, help="lease in seconds (%(default)s)"
+        "--ttl",
+        type=float,
+        default=DEFAULT_TTL,
+        metavar="SECONDS",
+        help="lease in seconds (%(default)s)",
     )
     wait = run.add_mutually_exclusive_group()
     # --timeout: flock(1)'s name for the same option.
@@ -310,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1000,
         metavar="ROWS",
-        help="rows deleted per transaction (%(default)s)",
+        help=f"rows deleted per transaction, 1 to {MAX_BATCH} (%(default)s)",
     )
     prune.set_defaults(handler=cmd_prune)
     return parser
