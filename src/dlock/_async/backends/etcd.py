@@ -1484,11 +1484,13 @@ class AsyncEtcdBackend(AsyncBackend):
                         return False
         except httpx.ReadTimeout:
             return False
-        except (httpx.HTTPError, RuntimeError) as exc:
+        except RuntimeError as exc:  # as in _send: closed between taking it and sending
+            if not self._closed:
+                raise
+            raise self._closed_error() from exc
+        except httpx.HTTPError as exc:
             if self._closed:
                 raise self._closed_error() from exc
-            if isinstance(exc, RuntimeError):
-                raise
             raise self._left(used, self._fail(exc)) from exc
         except BackendUnavailable as exc:
             # Said by the member in the stream: one that is stopping ends its watches

@@ -331,10 +331,11 @@ class RedlockBackend(Backend):
         return Busy(retry_after=min(known) if known and len(known) == len(waits) else None)
 
     def _give_back(self, name: str, token: str, results: list[Any], reentrant: bool) -> None:
-        """No majority in time: give back what we got, so others are not blocked; on a
-        master that failed too, as the call may have reached it and been granted. Not on
-        a re-entry, though (whatever the masters that answered said): there a release
-        where nothing was granted would take an entry of the outer hold."""
+        """An acquire that does not grant (no majority in time, or masters found to be
+        one server) gives back what it got, so others are not blocked; on a master that
+        failed too, as the call may have reached it and been granted. Not on a re-entry,
+        though (whatever the masters that answered said): there a release where nothing
+        was granted would take an entry of the outer hold."""
         for master, result in zip(self._masters, results, strict=True):
             if isinstance(result, _LeftOut):
                 continue  # nothing was sent
