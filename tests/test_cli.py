@@ -1231,6 +1231,15 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     for option, value in (("--older-than", "5"), ("--batch", "0")):
         bad_prune = dlock_cmd(db, "prune", option, value)
         assert bad_prune.returncode == 2 and f"{option} must be" in bad_prune.stderr
+        assert bad_prune.stderr.rstrip().endswith(f"not {value}"), bad_prune.stderr
+    # A number of seconds is repeated as typed: "not 5.0" for 5 read as a different value.
+    for command in (("run", "--ttl", "0"), ("run", "-w", "-1"), ("run", "--grace", "-1")):
+        echoed = dlock_cmd(db, *command, "x", "--", "true")
+        assert echoed.returncode == 2, echoed.stderr
+        assert echoed.stderr.rstrip().endswith(f"not {command[-1]}"), echoed.stderr
+    not_a_number = dlock_cmd(db, "run", "--ttl", "5s", "x", "--", "true")
+    assert not_a_number.returncode == 2, not_a_number.stderr
+    assert "--ttl: not a number of seconds: '5s'" in not_a_number.stderr, not_a_number.stderr
     long_label = dlock_cmd(db, "run", "--label", "L" * 600, "x", "--", "true")
     assert long_label.returncode == 2 and "--label is 600" in long_label.stderr, long_label.stderr
     negative_grace = dlock_cmd(db, "run", "--grace", "-1", "x", "--", "true")

@@ -51,6 +51,8 @@ EXIT_IOERR = 74  # EX_IOERR: the output could not be written (closed, disk full)
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost while the command ran
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), told apart from "busy"
 
+DEFAULT_GRACE = 10.0  # seconds between TERM and KILL
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Ctrl-C (SIGINT) wherever no handler of dlock run's own is in, the parsing and the
@@ -135,6 +137,25 @@ def discard_stdout() -> None:
     os.close(null)
 
 
+class Seconds(float):
+    """A number of seconds that messages repeat as it was typed: "not 5", not "not 5.0"."""
+
+    text: str
+
+    def __new__(cls, text: str) -> Seconds:
+        try:  # float's own spellings: "1e3", "inf", "nan"
+            seconds = super().__new__(cls, text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        seconds.text = text.strip()
+        return seconds
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
 def exit_status(text: str) -> int:
     """0-255: a process's status is one byte, so 256 would read as 0, success."""
     try:
@@ -196,15 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--ttl",
-        type=float,
+        type=Seconds,
         default=DEFAULT_TTL,
         metavar="SECONDS",
-        help="lease in seconds (%(default)s)",
+        help=f"lease in seconds ({DEFAULT_TTL:g})",
     )
     wait = run.add_mutually_exclusive_group()
     # --timeout: flock(1)'s name for the same option.
     wait.add_argument(
-        "-w", "--wait", "--timeout", type=float, metavar="SECONDS", help="wait at most this long"
+        "-w", "--wait", "--timeout", type=Seconds, metavar="SECONDS", help="wait at most this long"
     )
     wait.add_argument("-n", "--nonblock", action="store_true", help="fail at once if held")
     run.add_argument(
@@ -227,12 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--label", help="free-form text shown as part of the holder's identity")
     run.add_argument(
         "--grace",
-        type=float,
-        default=10.0,
+        type=Seconds,
+        default=DEFAULT_GRACE,
         metavar="SECONDS",
         help=(
             "time between TERM and KILL when the command's processes are stopped after a "
-            "lost lease, or left running when it ends (%(default)s)"
+            f"lost lease, or left running when it ends ({DEFAULT_GRACE:g})"
         ),
     )
     run.add_argument("name", metavar="NAME")
@@ -305,10 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prune.add_argument(
         "--older-than",
-        type=float,
+        type=Seconds,
         default=DEFAULT_PRUNE_AGE,
         metavar="SECONDS",
-        help=f"idle for at least this long, >= {SHORTEST_PRUNE_AGE:g} (%(default)s)",
+        help=f"idle for at least this long, >= {SHORTEST_PRUNE_AGE:g} ({DEFAULT_PRUNE_AGE:g})",
     )
     prune.add_argument(
         "--batch",
@@ -350,8 +371,8 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
         note(f"dlock run: --grace must be a finite number of seconds >= 0, not {args.grace}")
         return EXIT_USAGE
     try:  # named as the command line has them, not as the library's arguments
-        check_ttl(args.ttl, "--ttl")
-        check_timeout(args.wait, "--wait")
+        ttl = check_ttl(args.ttl, "--ttl")
+        wait = check_timeout(args.wait, "--wait")
     except LockError as exc:
         note(f"dlock run: {exc}")
         return EXIT_USAGE
@@ -364,8 +385,8 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
 
     # The loss is told once, by stop_after_loss, with what dlock does about it.
     logging.getLogger("dlock").addFilter(lambda record: record.msg != LOST_MESSAGE)
-    lock = client.lock(args.name, ttl=args.ttl, on_lost=on_lost)
-    timeout = 0 if args.nonblock else args.wait
+    lock = client.lock(args.name, ttl=ttl, on_lost=on_lost)
+    timeout = 0 if args.nonblock else wait
     # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile
     # is given back at once, not left to its TTL); once the lock is held, signals are
     # kept: one that came before the command starts ends dlock all the same, later ones
@@ -392,7 +413,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             "DLOCK_NAME": args.name,
             "DLOCK_FENCING_TOKEN": str(lock.fencing_token),
             # "30", not "30.0": shell arithmetic takes whole numbers only.
-            "DLOCK_TTL": str(int(args.ttl)) if args.ttl.is_integer() else repr(args.ttl),
+            "DLOCK_TTL": str(int(ttl)) if ttl.is_integer() else repr(ttl),
         }
         if forwarder.pending:
             # Since the wait: not a signal for a command that has not started (which
@@ -582,7 +603,7 @@ def cmd_init(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_prune(client: Client, args: argparse.Namespace) -> int:
     try:
-        check_prune_age(args.older_than, "--older-than")
+        older_than = check_prune_age(args.older_than, "--older-than")
         check_batch(args.batch, "--batch")
     except LockError as exc:
         note(f"dlock prune: {exc}")
@@ -590,7 +611,7 @@ def cmd_prune(client: Client, args: argparse.Namespace) -> int:
     if not keeps_a_table(client):
         note("dlock prune: this backend keeps no row per name; nothing to do")
         return 0
-    removed = client.prune(args.older_than, batch=args.batch)
+    removed = client.prune(older_than, batch=args.batch)
     print(f"dlock prune: {removed} idle names removed")
     return 0
 
