@@ -3763,6 +3763,7 @@ async def test_moved_replies_do_not_close_connections_under_other_calls(
             in_flight = asyncio.ensure_future(client.lock(paused, ttl=30).acquire(timeout=10))
             await asyncio.sleep(0.2)
             for i in range(1, 7):  # the name's slot to node 1, 0, 1, ...: a MOVED each
+                await _nodes_agree(admins, slot, ids[(i + 1) % 2])
                 source, target = admins[(i + 1) % 2], own_cluster.nodes[i % 2].port
                 admins[i % 2].cluster("SETSLOT", slot, "IMPORTING", ids[(i + 1) % 2])
                 source.cluster("SETSLOT", slot, "MIGRATING", ids[i % 2])
@@ -3770,6 +3771,7 @@ async def test_moved_replies_do_not_close_connections_under_other_calls(
                     source.migrate("127.0.0.1", target, key, 0, 5000)
                 for admin in (admins[i % 2], source, admins[2]):
                     admin.cluster("SETSLOT", slot, "NODE", ids[i % 2])
+                await _nodes_agree(admins, slot, ids[i % 2])
                 lock = client.lock(moved, ttl=30)
                 assert await lock.acquire(timeout=5)
                 await lock.release()
@@ -3778,6 +3780,29 @@ async def test_moved_replies_do_not_close_connections_under_other_calls(
         admins[2].client_unpause()
         for admin in admins:
             admin.close()
+
+
+async def _nodes_agree(admins: list[redis.Redis], slot: int, owner: str) -> None:
+    """Wait until every node maps ``slot`` to ``owner`` under one current epoch.
+
+    A node told it owns a slot bumps its config epoch only if it knows of no greater
+    one; moved again before the last move's epoch reached it, it kept the slot under
+    an older epoch, and the previous owner's gossip, sent before that owner let go,
+    took the slot back under the greater one: the nodes then sent each other's
+    clients MOVED in a circle for good (seen under load), whatever the client does.
+    """
+    for _ in range(200):
+        epochs = {admin.cluster("INFO")["cluster_current_epoch"] for admin in admins}
+        owners = {
+            node["node_id"]
+            for admin in admins
+            for node in admin.cluster("NODES").values()
+            if any(int(run[0]) <= slot <= int(run[-1]) for run in node["slots"])
+        }
+        if len(epochs) == 1 and owners == {owner}:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the nodes did not agree on slot {slot}: {owners}, epochs {epochs}")
 
 
 @pytest.mark.parametrize("deployment", ["redis_server", "redis_cluster"])
