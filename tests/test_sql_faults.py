@@ -228,6 +228,47 @@ def test_a_session_holder_is_told_within_a_second_that_its_connection_was_killed
     assert took < 1.5, f"told {took:.2f} s after the kill"
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_an_unrenewed_session_holder_is_told_within_a_second_that_its_connection_was_killed(
+    server: SQLServer, name: str, face: str
+) -> None:
+    """As above, for a lock with ``auto_renew=False`` held alone: the renewer asks the
+    backend about every held lease each second, but nothing started it for a lock it
+    does not renew, so the holder was told only when it next called, its lock free
+    for others all along."""
+    lost: list[float] = []
+
+    def killed_and_told() -> float:
+        killed = time.monotonic()
+        kill_other_sessions(server)
+        deadline = killed + 5
+        while not lost:
+            assert time.monotonic() < deadline, "not told within 5 s"
+            time.sleep(0.01)
+        return lost[0] - killed
+
+    def told(_: object) -> None:
+        lost.append(time.monotonic())
+
+    async def asyncio_face() -> float:
+        async with dlock.aio.connect(server.url("mode=session")) as client:
+            lock = client.lock(name, ttl=30, auto_renew=False, on_lost=told)
+            assert await lock.acquire(timeout=0)
+            took = await asyncio.to_thread(killed_and_told)
+            assert lock.lost and not lock.owned()
+            return took
+
+    if face == "asyncio":
+        took = asyncio.run(asyncio_face())
+    else:
+        with dlock.connect(server.url("mode=session")) as client:
+            lock = client.lock(name, ttl=30, auto_renew=False, on_lost=told)
+            assert lock.acquire(timeout=0)
+            took = killed_and_told()
+            assert lock.lost and not lock.owned()
+    assert took < 1.5, f"told {took:.2f} s after the kill"
+
+
 def test_an_answer_on_a_held_connection_is_not_taken_for_its_close(
     server: SQLServer, name: str
 ) -> None:

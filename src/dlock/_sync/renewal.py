@@ -127,8 +127,9 @@ class Renewer:
 
     def watch(self) -> None:
         """A lock not renewed here was granted: when the backend says that leases may
-        be gone, its holder must be told too, so this loop must run to hear it."""
-        if not self.told_of_losses:
+        be gone, or knows it without being asked (``knows_losses``), its holder must be
+        told too, so this loop must run to hear it."""
+        if not (self.told_of_losses or self._backend.knows_losses):
             return  # on every grant of such a lock: nothing more where nothing is told
         self._follow_fork()
         if not self._closed and not serving(self._runner):
