@@ -269,6 +269,38 @@ def test_an_unrenewed_session_holder_is_told_within_a_second_that_its_connection
     assert took < 1.5, f"told {took:.2f} s after the kill"
 
 
+def test_an_unrenewed_session_hold_carried_into_another_event_loop_is_still_watched(
+    server: SQLServer, name: str
+) -> None:
+    """As above, for a client used by two ``asyncio.run`` calls: the renewer's task
+    ends with the first loop, and a lock's first call in the next started it again only
+    for leases it renews, so an ``auto_renew=False`` holder was not told there."""
+    lost: list[float] = []
+    client = dlock.aio.connect(server.url("mode=session"))
+    lock = client.lock(
+        name, ttl=30, auto_renew=False, on_lost=lambda _: lost.append(time.monotonic())
+    )
+
+    async def take() -> None:
+        assert await lock.acquire(timeout=0)
+
+    async def killed_in_the_next_loop() -> float:
+        assert lock.owned()  # the lock's first call in this loop
+        killed = time.monotonic()
+        await asyncio.to_thread(kill_other_sessions, server)
+        while not lost:
+            assert time.monotonic() < killed + 5, "not told within 5 s"
+            await asyncio.sleep(0.01)
+        return lost[0] - killed
+
+    asyncio.run(take())
+    try:
+        took = asyncio.run(killed_in_the_next_loop())
+    finally:
+        asyncio.run(client.aclose())
+    assert took < 1.5, f"told {took:.2f} s after the kill"
+
+
 def test_an_answer_on_a_held_connection_is_not_taken_for_its_close(
     server: SQLServer, name: str
 ) -> None:

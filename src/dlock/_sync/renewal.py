@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,7 @@ class Renewer:
         self,
         backend: Backend,
         clock: Callable[[], float],
-        held: Callable[[], Iterable[Lock]] = tuple,
+        held: Callable[[], Sequence[Lock]] = tuple,
     ) -> None:
         self._backend = backend
         self._clock = clock
@@ -122,18 +122,24 @@ class Renewer:
         renewed nor told lost there until a new lease started it. Called as each call
         of a lock starts: a loop that makes no call of dlock's cannot be helped."""
         self._follow_fork()
-        if self._locks and not self._closed and not serving(self._runner) and can_spawn():
+        if self._closed or serving(self._runner) or not can_spawn():
+            return
+        if self._locks or (self._hears_losses() and self._held()):
             self._start()
 
     def watch(self) -> None:
         """A lock not renewed here was granted: when the backend says that leases may
         be gone, or knows it without being asked (``knows_losses``), its holder must be
         told too, so this loop must run to hear it."""
-        if not (self.told_of_losses or self._backend.knows_losses):
+        if not self._hears_losses():
             return  # on every grant of such a lock: nothing more where nothing is told
         self._follow_fork()
         if not self._closed and not serving(self._runner):
             self._start()
+
+    def _hears_losses(self) -> bool:
+        """Whether this loop learns of losses of leases it does not renew."""
+        return self.told_of_losses or self._backend.knows_losses
 
     def reschedule(self, lock: Lock) -> None:
         """Wake the loop if ``lock``, still renewed here, is now due before it wakes."""
