@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import json
 import math
@@ -654,6 +655,23 @@ def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
             assert lock.owned()
             assert not rival.lock("job", ttl=5).acquire(timeout=0)
         assert client.inspect("job") is None
+
+
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_owned_is_false_first_thing_in_a_child_forked_without_hooks(tmp_path: Path) -> None:
+    """uWSGI forks its workers from C without Python's at-fork hooks: the child notices
+    the fork as a call of the public API starts. ``owned()`` did not look, so a worker
+    asking it first was told that it held its parent's lock, True until some other call
+    noticed the fork."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=30)
+        with lock:
+
+            def asked_first() -> str:
+                return f"owned={lock.owned()}"
+
+            assert answer_in_a_child(asked_first, fork=ctypes.PyDLL(None).fork) == "owned=False"
+            assert lock.owned()
 
 
 @pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")

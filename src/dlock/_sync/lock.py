@@ -185,6 +185,7 @@ class Lock:
         only be sure of fencing tokens, which is why they exist. In a forked child, a
         hold taken in the parent is the parent's, not this object's (see _check_forked).
         """
+        _fork.current()  # notices a fork made without Python's hooks, as every public call
         self._check_forked()
         return self._count > 0 and not self.lost
 
