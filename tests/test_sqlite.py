@@ -1103,3 +1103,20 @@ def test_the_give_back_retrier_leaves_the_random_module_alone(tmp_path: Path) ->
         while client.inspect("job") is not None:  # given back once the file is free
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("holder", ["[]", '"host"', '{"host": "h", "pid": 1e999}'])
+def test_a_holder_that_is_no_object_or_has_no_integer_pid_names_an_unknown_holder(
+    tmp_path: Path, holder: str
+) -> None:
+    """The holder column is text any program with the file can write: JSON that is no
+    object (``[]``), or a pid past any integer (``1e999``), failed ``inspect`` and
+    ``list`` with an AttributeError or OverflowError, where other unreadable holders
+    name an unknown one."""
+    path = tmp_path / "locks.sqlite3"
+    with dlock.connect(f"sqlite://{path}") as client, client.lock("job", ttl=30):
+        with contextlib.closing(sqlite3.connect(path)) as other, other:
+            other.execute("UPDATE dlock_locks SET holder = ?", (holder,))
+        info = client.inspect("job")
+        assert info is not None and info.holder == dlock.Holder(host="?", pid=0)
+        assert [listed.holder for listed in client.list()] == [info.holder]

@@ -34,11 +34,13 @@ class Holder:
         """Parse what :meth:`to_json` wrote; anything unreadable becomes an unknown holder."""
         try:
             data = json.loads(text) if text else {}
+            if not isinstance(data, dict):
+                raise TypeError(f"a holder is a JSON object, not {type(data).__name__}")
             label = data.get("label")
             if not isinstance(label, (str, type(None))):
                 raise TypeError(f"a label is text, not {label!r}")
             return cls(host=str(data["host"]), pid=int(data["pid"]), label=label)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):  # a pid of 1e999
             return cls(host="?", pid=0, label=None)
 
 
