@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from .._errors import BackendError
 from .._types import Acquired, Busy, Holder, Lease, LockInfo
 from ._primitives import sleep
 
@@ -154,8 +153,9 @@ class AsyncBackend(ABC):
         """Delete what at most ``limit`` names nobody has held for ``older_than`` seconds
         left behind (a SQL table's rows), in one short transaction; return how many. The
         core calls it until fewer come back. Later grants of such a name must still get
-        larger fencing tokens. Only backends that keep such state implement it."""
-        raise BackendError(f"{type(self).__name__.removeprefix('Async')} cannot prune")
+        larger fencing tokens. Only backends that keep such state implement it; the
+        others leave nothing behind (their keys expire, their nodes are containers)."""
+        return 0
 
     async def aclose(self) -> None:
         """Release connections. Held leases are left to expire."""

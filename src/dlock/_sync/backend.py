@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .._errors import BackendError
 from .._types import Acquired, Busy, Holder, Lease, LockInfo
 from ._primitives import sleep
 
@@ -155,8 +154,9 @@ class Backend(ABC):
         """Delete what at most ``limit`` names nobody has held for ``older_than`` seconds
         left behind (a SQL table's rows), in one short transaction; return how many. The
         core calls it until fewer come back. Later grants of such a name must still get
-        larger fencing tokens. Only backends that keep such state implement it."""
-        raise BackendError(f"{type(self).__name__.removeprefix('Async')} cannot prune")
+        larger fencing tokens. Only backends that keep such state implement it; the
+        others leave nothing behind (their keys expire, their nodes are containers)."""
+        return 0
 
     def close(self) -> None:
         """Release connections. Held leases are left to expire."""

@@ -1689,10 +1689,6 @@ class AsyncEtcdBackend(AsyncBackend):
                 await self._revoke_quietly(lease)
         return True
 
-    async def prune(self, older_than: float, limit: int) -> int:
-        """Nothing to delete: a released lock leaves no key."""
-        return 0
-
     async def aclose(self) -> None:
         self._follow_fork()
         self._follow_loop()

@@ -1693,11 +1693,6 @@ class AsyncRedisBackend(AsyncBackend):
         infos = (self._info(name, reply) for name, reply in zip(names, replies, strict=True))
         return [info for info in infos if info is not None]
 
-    async def prune(self, older_than: float, limit: int) -> int:
-        """Nothing to delete: a name's keys expire by themselves, its fencing counter a
-        day after its last grant (``FENCE_KEPT_MS``)."""
-        return 0
-
     async def force_release(self, name: str) -> bool:
         k = self._keys(name)
         args = (k.wake, self._hand_over_flag())

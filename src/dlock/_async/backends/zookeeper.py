@@ -1853,11 +1853,6 @@ class AsyncZooKeeperBackend(AsyncBackend):
         with suppress(NoNodeError, NotEmptyError):
             await self._call(zk.delete_async(parent))
 
-    async def prune(self, older_than: float, limit: int) -> int:
-        """Nothing to delete: a name's node is a container, which the server deletes
-        once empty, and fencing tokens are zxids, which need no counter per name."""
-        return 0
-
     async def force_release(self, name: str) -> bool:
         self._follow_fork()
         deleted: builtins.list[str] = []  # the class's own list() shadows the type

@@ -1684,10 +1684,6 @@ class EtcdBackend(Backend):
                 self._revoke_quietly(lease)
         return True
 
-    def prune(self, older_than: float, limit: int) -> int:
-        """Nothing to delete: a released lock leaves no key."""
-        return 0
-
     def close(self) -> None:
         self._follow_fork()
         self._follow_loop()

@@ -716,11 +716,6 @@ class RedlockBackend(Backend):
         decided = (self._decided(infos, results, "list") for _, infos in sorted(by_name.items()))
         return [info for info in decided if info is not None]
 
-    def prune(self, older_than: float, limit: int) -> int:
-        """Nothing to delete: a name's keys expire by themselves, its fencing counter a
-        day after its last grant (``FENCE_KEPT_MS``)."""
-        return 0
-
     def force_release(self, name: str) -> bool:
         """Free ``name`` on every master that answers. Fewer than a majority is an
         error, as for the other calls: the silent masters may still hold the lease,

@@ -1852,11 +1852,6 @@ class ZooKeeperBackend(Backend):
         with suppress(NoNodeError, NotEmptyError):
             self._call(zk.delete_async(parent))
 
-    def prune(self, older_than: float, limit: int) -> int:
-        """Nothing to delete: a name's node is a container, which the server deletes
-        once empty, and fencing tokens are zxids, which need no counter per name."""
-        return 0
-
     def force_release(self, name: str) -> bool:
         self._follow_fork()
         deleted: builtins.list[str] = []  # the class's own list() shadows the type
