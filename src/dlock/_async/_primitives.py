@@ -51,7 +51,7 @@ class WakeupEvent:
     async def wait(self, timeout: float | None) -> bool:
         """Wait until set or the timeout passes; True if it was set."""
         self._loop = asyncio.get_running_loop()
-        return await wait_event(self._event, timeout)
+        return await _wait_event(self._event, timeout)
 
 
 def notices_fork(method: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
@@ -70,7 +70,7 @@ async def sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
-async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+async def _wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     """Wait until the event is set or the timeout passes; True if it was set."""
     if event.is_set():
         return True

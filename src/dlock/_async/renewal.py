@@ -61,7 +61,7 @@ class AsyncRenewer:
         self,
         backend: AsyncBackend,
         clock: Callable[[], float],
-        held: Callable[[], Sequence[AsyncLock]] = tuple,
+        held: Callable[[], Sequence[AsyncLock]],
     ) -> None:
         self._backend = backend
         self._clock = clock

@@ -56,10 +56,6 @@ def sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def wait_event(event: threading.Event, timeout: float | None) -> bool:
-    return event.wait(timeout)
-
-
 def run_blocking(func: Callable[..., T], *args: Any) -> T:
     return func(*args)
 

@@ -71,7 +71,6 @@ class Client:
         *,
         label: str | None = None,
         backoff: Backoff | None = None,
-        clock: Callable[[], float] = lease_clock,
     ) -> None:
         if backoff is not None and not isinstance(backoff, Backoff):
             raise InvalidArgument(
@@ -85,8 +84,8 @@ class Client:
         #: begun since leaves its hold to the close (see Lock.release).
         self._closing_holds = False
         self._backoff = Backoff() if backoff is None else backoff
-        self._clock = clock
-        self._renewer = Renewer(backend, clock, self._still_held)
+        self._clock = lease_clock
+        self._renewer = Renewer(backend, lease_clock, self._still_held)
         self._renewer.told_of_losses = backend.watch_leases(self._renewer.renew_now)
         #: Acquire and release calls in flight, each with its pid (after a fork, the
         #: parent's are not the child's to wait for), or 0 while it waits for a release.
@@ -97,7 +96,7 @@ class Client:
         #: Give-backs of acquire attempts cut off in flight, running in the background.
         self._give_backs: list[Any] = []
         #: Give-backs that got no answer, asked again until one does.
-        self._retrier = GiveBackRetrier(clock)
+        self._retrier = GiveBackRetrier(lease_clock)
         #: Every lock of this client holding a lease, renewed or not: close() gives them
         #: back. Weakly: an unrenewed lock dropped while held ends by its TTL, and the
         #: client must not keep it alive until it closes. After a fork, those held so
@@ -187,7 +186,7 @@ class Client:
         least ten minutes); return how many. A maintenance job for SQL lock tables,
         where every name used keeps a row: per-entity names would grow it without end.
         Held locks are never touched, and a name used again gets larger fencing tokens.
-        Redis and ZooKeeper clean up by themselves (0).
+        The other backends clean up by themselves (0).
 
         ``batch`` names go per transaction: a transaction holds what it deletes until
         it commits (SQLite: the whole database), and acquires of those names wait for

@@ -62,7 +62,7 @@ class Renewer:
         self,
         backend: Backend,
         clock: Callable[[], float],
-        held: Callable[[], Sequence[Lock]] = tuple,
+        held: Callable[[], Sequence[Lock]],
     ) -> None:
         self._backend = backend
         self._clock = clock
