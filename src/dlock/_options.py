@@ -63,6 +63,6 @@ def bounded_seconds(value: object, what: str) -> float:
     duration = seconds(value, what)
     if duration > MAX_TIMEOUT:
         raise ConfigurationError(
-            f"{what} is {value!r} seconds; the longest is {MAX_TIMEOUT:g} (about 11 days)"
+            f"{what} is {value!r} seconds; the longest is {MAX_TIMEOUT:g} (about 11.6 days)"
         )
     return duration

@@ -34,8 +34,8 @@ RETRY_AFTER = 1 / 10
 #: would make every acquire from idle wake it; with this, only a lease due sooner does.
 IDLE_TICK = 1.0
 #: The longest delay of the alarm that watches a renewal call in flight, however far
-#: off the first lease's end: a thread's wait overflows past about 9.2e9 s
-#: (``threading.TIMEOUT_MAX``: a TTL of about 290 years), and the renewer would die of it.
+#: off the first lease's end: an hour's alarm costs nothing, and keeps its delay far
+#: from a thread wait's limit (``threading.TIMEOUT_MAX``, about 9.2e9 s) whatever the TTL.
 LONGEST_SLEEP = 3600.0
 #: The longest sleep while leases are held. Sleeps (asyncio's timers, a thread's wait)
 #: run on CLOCK_MONOTONIC, which stops while the host is suspended, but leases are
