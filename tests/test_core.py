@@ -3538,6 +3538,18 @@ def test_a_release_in_flight_as_the_client_closes_ends_cleanly(tmp_path: Path) -
         assert admin.inspect("job") is None
 
 
+def test_an_unrenewed_lease_that_ran_out_is_told_as_its_ttl_ending(tmp_path: Path) -> None:
+    """A lock with ``auto_renew=False`` whose block outlived its TTL was told that "the
+    lease ran out before it could be renewed", as if a renewal had failed: nothing was
+    ever to renew it."""
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=0.3, auto_renew=False)
+        ended = r"its TTL ended \(auto_renew=False"
+        with pytest.raises(dlock.LockLost, match=ended) as lost, lock:
+            time.sleep(0.5)
+        assert "could be renewed" not in str(lost.value)
+
+
 @pytest.mark.parametrize("auto_renew", [True, False])
 def test_a_lock_object_dropped_while_held(tmp_path: Path, auto_renew: bool) -> None:
     """Dropping a held lock object does not release it. Renewed, it stays held until

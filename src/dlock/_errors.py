@@ -26,6 +26,8 @@ class LockLost(NotOwner):
 #: The loss told for a lease that ran out on the holder's clock (the watchdog's, a
 #: re-entry's or a release's finding alike).
 LEASE_RAN_OUT = "the lease ran out before it could be renewed"
+#: The same for a lock that is not renewed: "before it could be renewed" misled.
+UNRENEWED_LEASE_RAN_OUT = "the lease ran out: its TTL ended (auto_renew=False: not renewed)"
 
 
 class AlreadyAcquired(LockError, RuntimeError):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _fork
 from .._errors import (
     LEASE_RAN_OUT,
+    UNRENEWED_LEASE_RAN_OUT,
     AlreadyAcquired,
     BackendError,
     BackendUnavailable,
@@ -221,7 +222,7 @@ class Lock:
                 # backend answers with busy or a fresh grant is; and as there, the hold
                 # stays counted, lost, until its holder leaves it (release() and the
                 # block's end raise LockLost and give it up).
-                raise self._lost_error(LEASE_RAN_OUT, self._generation)
+                raise self._lost_error(self._ran_out(), self._generation)
             # A lock that is not reentrant is acquired afresh: the hold it had is gone.
             self._give_up_lost(told=False)
         if self._count and not self.reentrant:
@@ -1286,6 +1287,10 @@ class Lock:
             reason = self._lost_reason
         return LockLost(f"lock {self.name!r} was lost: {reason}")
 
+    def _ran_out(self) -> str:
+        """Why a lease that ran out on this holder's clock is lost."""
+        return LEASE_RAN_OUT if self.auto_renew else UNRENEWED_LEASE_RAN_OUT
+
     def _leave_lost_entry(self) -> None:
         """One entry of a lost hold is left (released, its block ended), the hold given
         up: the holder's other entries are still to be left, each told as a loss too.
@@ -1336,7 +1341,7 @@ class Lock:
             # Its on_lost may close the client: close() then gives the lease back while
             # the backend is still open, and nothing is left for this give-up to send.
             # Forgotten there, once the loss is flagged and before it is told.
-            error = self._lost_error(LEASE_RAN_OUT, generation, told, forget=True)
+            error = self._lost_error(self._ran_out(), generation, told, forget=True)
             if _WATCHDOG_TELLING.get():
                 # An on_lost run by the watchdog releases: the watchdog must not wait for
                 # the backend (it may be stuck behind the very renewal the watchdog gave
