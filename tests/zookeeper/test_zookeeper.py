@@ -1078,6 +1078,45 @@ def test_a_client_whose_kazoo_connection_thread_died_connects_anew(
         lock.release()
 
 
+def test_a_kazoo_connection_thread_that_dies_prints_no_traceback(
+    zookeeper_server: ZooKeeperEnsemble,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """dlock recovers from kazoo's connection thread dying (above), but the user saw two
+    tracebacks on stderr for it (a chaos run with leaders killed and paused): kazoo's
+    log of the error and the interpreter's report of the thread's exception. It is one
+    line of dlock's log now."""
+    name = f"quiet-dead-thread-{time.monotonic_ns()}"
+    died: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    with dlock.connect(zookeeper_server.url(session_timeout=4)) as client:
+        lock = client.lock(name, ttl=5)
+        assert lock.acquire(timeout=5)
+        lock.release()
+        original = ConnectionHandler._read_response
+        armed = [True]
+
+        def dying(self: Any, header: Any, buffer: Any, offset: Any) -> Any:
+            if armed[0] and header.xid > 0:  # an operation's reply, not a ping's
+                armed[0] = False
+                raise RuntimeError("xids do not match, expected %r received %r", 1, 2)
+            return original(self, header, buffer, offset)
+
+        monkeypatch.setattr(ConnectionHandler, "_read_response", dying)
+        with caplog.at_level(logging.INFO):
+            with contextlib.suppress(dlock.BackendUnavailable):
+                if lock.acquire(timeout=1):
+                    lock.release()
+            assert not armed[0], "the reply was never read"
+            assert lock.acquire(timeout=10), "the client did not recover"
+            lock.release()
+    assert died == [], "the thread's exception went to the interpreter"
+    tracebacks = [record for record in caplog.records if record.exc_info]
+    assert tracebacks == [], "a traceback was logged above DEBUG"
+    assert any("connection thread failed" in record.getMessage() for record in caplog.records)
+
+
 def test_a_lost_reply_never_adopts_a_node_given_up(zookeeper_server: ZooKeeperEnsemble) -> None:
     """A lock object keeps its owner token, so a node of ours given up earlier (waiting
     for the reaper) carries the same token as a later create whose reply was lost. It

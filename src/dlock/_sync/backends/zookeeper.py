@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from kazoo.client import KazooClient
@@ -130,6 +130,9 @@ CONNECTING = "Connecting to"
 #: What it warns of a host name that does not resolve (the host, then the error), before
 #: any connection attempt: that host is skipped.
 UNRESOLVED = "Cannot resolve"
+#: What kazoo logs, with the traceback, as an error kills its connection thread; the
+#: thread then re-raises it, for the interpreter to print once more.
+LOOP_DIED = "Unhandled exception in connection loop"
 #: A create whose reply was lost and that a search did not find may be applied later
 #: all the same (sent on a connection that dropped, it can go on through the ensemble):
 #: its node is searched for again every LOST_CREATE_EVERY seconds, until
@@ -2067,6 +2070,10 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         if isinstance(msg, str):
             self._note(msg, args)
+        if msg == LOOP_DIED:
+            # dlock recovers from it (see _connect) and says so in one line, from the
+            # thread's end (KazooHandler.spawn): no traceback on stderr for it.
+            level = logging.DEBUG
         if level >= logging.WARNING:
             for arg in args:
                 if isinstance(arg, BaseException):
@@ -2161,6 +2168,30 @@ class KazooHandler(SequentialThreadingHandler):  # type: ignore[misc]
             [item for item in wlist if ready.get(_fd(item), 0) & (select.POLLOUT | failed)],
             [],
         )
+
+    def spawn(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> threading.Thread:
+        """kazoo's threads; its connection thread ends quietly when an error kills it.
+
+        The error has reached the request in flight and the client is closed then
+        (kazoo issue 254: see _call and _connect); the interpreter would print its
+        traceback on stderr as well, on top of kazoo's own. (Its queue workers, which
+        dlock does not replace, are left as kazoo makes them.)
+        """
+        if getattr(func, "__name__", None) != "zk_loop":
+            return cast(threading.Thread, super().spawn(func, *args, **kwargs))
+
+        def zk_loop() -> None:
+            try:
+                func(*args, **kwargs)
+            except Exception as exc:
+                logger.warning(
+                    f"dlock: kazoo's connection thread failed ({exc!r}); the next call"
+                    " connects anew"
+                )
+
+        thread = threading.Thread(target=zk_loop, daemon=True)
+        thread.start()
+        return thread
 
     def async_result(self) -> AsyncResult:
         return _InlineResult(self)
