@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import gc
 import itertools
+import logging
 import os
 import ssl
 import sys
@@ -226,6 +227,40 @@ def test_restart_while_held_is_reported_as_a_loss(own_server: RedisServer) -> No
         assert again.acquire(timeout=1)
         assert again.fencing_token is not None and again.fencing_token > before
         again.release()
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_renewal_after_the_server_closed_the_connections_does_not_fail(
+    own_server: RedisServer, face: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Connections the server closed (``CLIENT KILL``, its idle ``timeout``, a restart):
+    redis-py 8's pool skips its check for a closed socket while its maintenance
+    notifications are on ("auto", the default), and lent the renewal's pipeline a dead
+    connection, so the renewal after each such close failed and warned (a chaos run:
+    "renewing 1 lease(s) failed after 0.001 s ... Connection closed by server"), to be
+    retried a tenth of the TTL later. Renewals go on dlock's own checked connections."""
+    name, url = unique(), url_of(own_server)
+    admin = redis.Redis(port=own_server.port)
+
+    def close_the_connections() -> None:
+        admin.client_kill_filter(_type="normal", skipme=True)
+
+    async def hold_async() -> None:
+        async with dlock.aio.connect(url) as client, client.lock(name, ttl=3):
+            await asyncio.sleep(1.3)  # renewed once, at 1 s: the renewal's connection is made
+            close_the_connections()
+            await asyncio.sleep(1.2)  # renewed again, at 2 s
+
+    with caplog.at_level(logging.WARNING, logger="dlock"):
+        if face == "asyncio":
+            asyncio.run(hold_async())
+        else:
+            with dlock.connect(url) as client, client.lock(name, ttl=3):
+                time.sleep(1.3)
+                close_the_connections()
+                time.sleep(1.2)
+    failures = [r.getMessage() for r in caplog.records if "renewing" in r.getMessage()]
+    assert not failures, failures
 
 
 def test_script_flush_is_survived(own_server: RedisServer) -> None:
@@ -726,6 +761,47 @@ def test_a_waiter_whose_attempt_got_no_answer_fails_after_one_timeout_not_two(
             own_server.resume()
     assert len(took) == 1, "the acquire did not fail"
     assert 1.9 < took[0] < 3.3, f"the acquire ended {took[0]:.2f} s after it began"
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_call_after_one_that_got_no_answer_waits_one_timeout_not_two(
+    own_server: RedisServer, face: str
+) -> None:
+    """A call that got no answer leaves its kept connection closed. On the sync face
+    the next call's check of that connection (redis-py's ``can_read``) connected it
+    again, waiting out the silent server's timeout there, and the send that followed
+    connected once more: a try-lock took 2 s with a 1 s ``socket_timeout`` (a chaos run:
+    an ``acquire(timeout=0.3)`` took 2.5 s, past the README's bound)."""
+    name, url = unique(), url_of(own_server)
+    took: list[float] = []
+
+    async def call_async() -> None:
+        async with dlock.aio.connect(url, socket_timeout=1) as client:
+            await client.inspect(name)  # connected before the pause
+            own_server.pause()
+            with pytest.raises(dlock.BackendUnavailable):
+                await client.inspect(name)
+            start = time.monotonic()
+            with pytest.raises(dlock.BackendUnavailable):
+                await client.lock(name, ttl=5).acquire(timeout=0)
+            took.append(time.monotonic() - start)
+
+    try:
+        if face == "asyncio":
+            asyncio.run(call_async())
+        else:
+            with dlock.connect(url, socket_timeout=1) as client:
+                client.inspect(name)
+                own_server.pause()
+                with pytest.raises(dlock.BackendUnavailable):
+                    client.inspect(name)
+                start = time.monotonic()
+                with pytest.raises(dlock.BackendUnavailable):
+                    client.lock(name, ttl=5).acquire(timeout=0)
+                took.append(time.monotonic() - start)
+    finally:
+        own_server.resume()
+    assert 0.9 < took[0] < 1.8, f"the try-lock ended {took[0]:.2f} s after it began"
 
 
 def test_a_parked_waiter_cancelled_with_the_server_paused_ends_at_once(
@@ -1487,11 +1563,13 @@ def test_renewal_is_batched(redis_server: RedisServer, monkeypatch: pytest.Monke
     pipelines: list[int] = []
     real = RedisBackend._pipeline
 
-    def counting(client: Any, command: str, script: str, calls: Any) -> list[Any]:
+    def counting(
+        self: RedisBackend, client: Any, command: str, script: str, calls: Any
+    ) -> list[Any]:
         pipelines.append(len(calls))
-        return real(client, command, script, calls)
+        return real(self, client, command, script, calls)
 
-    monkeypatch.setattr(RedisBackend, "_pipeline", staticmethod(counting))
+    monkeypatch.setattr(RedisBackend, "_pipeline", counting)
     assert backend.extend_many([Lease(name, name, 30) for name in names]) == [True] * 2000
     assert pipelines == [2000], "one round trip for every lease"
     for name in names:

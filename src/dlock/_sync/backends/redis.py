@@ -647,6 +647,11 @@ class _Connections:
             connection = self._idle.pop()
         except IndexError:
             return self._pool.get_connection()
+        if not _connected(connection):
+            # Closed after a call cut off: it connects as it sends. The sync face's check
+            # would connect it first, and a server that does not answer would then cost
+            # the call two timeouts, the check's and the send's.
+            return connection
         # redis-py 8 renamed the sync face's check to can_read(), the sync face's name.
         check = getattr(connection, "can_read", None) or connection.can_read_destructive
         try:
@@ -663,6 +668,15 @@ class _Connections:
         idle, self._idle = self._idle, []
         for connection in idle:
             self._pool.release(connection)
+
+
+def _connected(connection: Any) -> bool:
+    """Whether a redis-py connection has its socket (redis-py 5's sync face has no
+    ``is_connected``)."""
+    connected = getattr(connection, "is_connected", None)
+    if connected is None:
+        return getattr(connection, "_sock", None) is not None
+    return bool(connected)
 
 
 def _own_connections(client: Any) -> _Connections | None:
@@ -1134,18 +1148,46 @@ class RedisBackend(Backend):
                 raise BackendError(f"Redis {self._where}: {result!r}") from result
         return results
 
-    @staticmethod
     def _pipeline(
+        self,
         client: Any,
         command: str,
         script: str,
         calls: Sequence[tuple[Sequence[bytes], Sequence[Any]]],
     ) -> list[Any]:
+        commands = [_wire((command, script, len(keys), *keys, *args)) for keys, args in calls]
+        if self._connections is not None:
+            return self._run_many(self._connections, commands)
         pipe = client.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.execute_command(*_wire((command, script, len(keys), *keys, *args)))
+        for wired in commands:
+            pipe.execute_command(*wired)
         with torn_connections_lost():
             return list(pipe.execute(raise_on_error=False))
+
+    def _run_many(self, connections: _Connections, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Commands in one round trip on a connection of our own, an error reply as its
+        answer. Not redis-py's pipeline: redis-py 8's pool skips its check for a socket
+        the server closed while its maintenance notifications are on (the default), and
+        lent a dead connection to the renewal (on asyncio; the sync pipeline got by) after
+        each restart or ``CLIENT KILL``."""
+        connection = connections.take()
+        try:
+            connection.send_packed_command(connection.pack_commands(commands))
+            answers: list[Any] = []
+            for _ in commands:
+                try:
+                    answers.append(connection.read_response())
+                except ResponseError as exc:
+                    answers.append(exc)
+            return answers
+        except BaseException:
+            connection.disconnect()  # cut off: see _run
+            raise
+        finally:
+            if self._closed:
+                connection.disconnect()
+            else:
+                connections.give_back(connection)
 
     def acquire(
         self,
