@@ -263,6 +263,28 @@ def test_a_renewal_after_the_server_closed_the_connections_does_not_fail(
     assert not failures, failures
 
 
+def test_a_listing_after_the_server_closed_the_connections_does_not_fail(
+    own_server: RedisServer,
+) -> None:
+    """As above, for calls that go through redis-py's pool (a listing's SCAN): the
+    asyncio face's first listing after a ``CLIENT KILL`` or a restart failed with
+    "Connection closed by server". dlock's clients turn the notifications off."""
+    name, url = unique(), url_of(own_server)
+    admin = redis.Redis(port=own_server.port)
+
+    async def list_twice() -> None:
+        async with dlock.aio.connect(url) as client, client.lock(name, ttl=30):
+            assert [info.name for info in await client.list(name)] == [name]
+            admin.client_kill_filter(_type="normal", skipme=True)
+            await asyncio.sleep(0.1)  # the loop reads the close (as after any restart)
+            assert [info.name for info in await client.list(name)] == [name]
+
+    try:
+        asyncio.run(list_twice())
+    finally:
+        admin.close()
+
+
 def test_script_flush_is_survived(own_server: RedisServer) -> None:
     with dlock.connect(url_of(own_server)) as client:
         lock = client.lock(unique(), ttl=5)

@@ -671,6 +671,21 @@ class _Connections:
             await self._pool.release(connection)
 
 
+def _no_maintenance_notifications() -> dict[str, Any]:
+    """redis-py 8's pool lends its connections unchecked while its maintenance
+    notifications (for Redis Enterprise's planned fail-overs) are on, as they are by
+    default: after a restart or ``CLIENT KILL`` the asyncio face's next call through the
+    pool (a listing's SCAN) went out on a socket the server had closed and failed."""
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # an older redis-py: no such notifications
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+
+_NO_MAINTENANCE_NOTIFICATIONS = _no_maintenance_notifications()
+
+
 def _connected(connection: Any) -> bool:
     """Whether a redis-py connection has its socket (redis-py 5's sync face has no
     ``is_connected``)."""
@@ -872,6 +887,7 @@ class AsyncRedisBackend(AsyncBackend):
             "socket_timeout": SOCKET_TIMEOUT,
             "retry": Retry(NoBackoff(), 0),
             "max_connections": MAX_CONNECTIONS,
+            **_NO_MAINTENANCE_NOTIFICATIONS,
             **self._client_options,
         }
 
