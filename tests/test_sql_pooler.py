@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -174,3 +175,32 @@ def test_the_applications_pool_through_the_pooler(
         assert errors == []
         assert len(set(tokens)) == 20
         assert _advisory_locks(postgresql_server) == [], "a lock was left on a server session"
+
+
+def test_a_waiter_through_the_pooler_opens_no_connection_of_its_own(
+    pooler: SQLServer, name: str
+) -> None:
+    """A lease waiter that finds a pooler in front backs off on an ordinary pooled
+    connection. Before, each wait opened a new connection (a login through the pooler
+    and a setup round trip), found that it could not queue on it, and pooled or closed
+    it: 20 waits, 20 more connections."""
+    with dlock.connect(pooler.url()) as holders, dlock.connect(pooler.url()) as waiters:
+        backend: Any = waiters._backend
+        connects = 0
+        connect = backend._connect
+
+        def counting_connect() -> object:
+            nonlocal connects
+            connects += 1
+            return connect()
+
+        backend._connect = counting_connect
+        for _ in range(20):
+            held = holders.lock(name, ttl=10)
+            assert held.acquire(timeout=0)
+            release = threading.Timer(0.02, held.release)
+            release.start()
+            with waiters.lock(name, ttl=10, timeout=5):
+                pass
+            release.join()
+        assert connects <= 2

@@ -1244,7 +1244,9 @@ class AsyncServerSQLBackend(AsyncBackend):
         try:
             conn = self._queueing.pop()
         except IndexError:
-            conn = await self._connect()
+            # A pooled one, not a new one: behind a pooler it cannot queue, and goes
+            # back to the pool (a new connection per wait, each through the pooler).
+            conn = await self._take()
         try:
             # A borrowed connection is asked (a round trip) before it can queue.
             queues = self._queues_on(conn) and not await self._behind_proxy(conn)

@@ -1239,7 +1239,9 @@ class ServerSQLBackend(Backend):
         try:
             conn = self._queueing.pop()
         except IndexError:
-            conn = self._connect()
+            # A pooled one, not a new one: behind a pooler it cannot queue, and goes
+            # back to the pool (a new connection per wait, each through the pooler).
+            conn = self._take()
         try:
             # A borrowed connection is asked (a round trip) before it can queue.
             queues = self._queues_on(conn) and not self._behind_proxy(conn)
