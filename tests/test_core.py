@@ -3174,7 +3174,9 @@ def test_an_extend_answered_after_the_loss_was_told_no_longer_renews_the_lost_lo
     """Renewals fail, and extend(30) is applied but answered only after the renewer
     told the loss at the lease's deadline (on_lost called, owned() false). The answer
     put the lock back into the renewer, which kept renewing for good the lease of a
-    lock its holder was told it had lost, unless that holder released it."""
+    lock its holder was told it had lost, unless that holder released it. And the
+    extend returned normally, a hold extended after its holder was told it was gone:
+    it raises LockLost (a chaos helper saw it on etcd, its quorum back)."""
     url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
@@ -3195,7 +3197,8 @@ def test_an_extend_answered_after_the_loss_was_told_no_longer_renews_the_lost_lo
 
             monkeypatch.setattr(client._backend, "extend_many", unanswered)
             monkeypatch.setattr(client._backend, "extend", answered_after_the_loss)
-            await lock.extend(30)
+            with pytest.raises(dlock.LockLost):
+                await lock.extend(30)
             assert lock.lost and lock not in client._renewer._locks
 
     asyncio.run(main())

@@ -1639,6 +1639,38 @@ def test_a_holder_keeps_its_lock_when_the_member_it_talks_to_fails(
         rival.release()
 
 
+def test_an_extend_answered_after_the_holder_was_told_of_the_loss_raises_lock_lost(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """The cluster loses its quorum under a holder with a 2 s ttl that calls extend(3):
+    its lease grant waits for the quorum, the holder is told of the loss at its
+    deadline, and the quorum returns later, its new leader starting every lease
+    afresh, so the extend is applied. It returned normally (a chaos helper), a
+    hold extended by a call that came back after the holder was told it was gone;
+    now it raises LockLost, as a release or an extend after the loss does."""
+    leader = etcd_cluster.leader()
+    others = [i for i in range(3) if i != leader]
+    told: list[float] = []
+    with dlock.connect(etcd_cluster.url(prefix(), order=(leader, *others))) as client:
+        lock = client.lock(name, ttl=2, on_lost=lambda lock: told.append(time.monotonic()))
+        assert lock.acquire(timeout=0)
+        for i in others:
+            etcd_cluster.members[i].pause()
+        # The leader steps down first (no quorum): the extend is then held until the
+        # next election, not refused by the leader that steps down ("leader changed").
+        time.sleep(0.5)
+        back = threading.Timer(3.0, lambda: [etcd_cluster.members[i].resume() for i in others])
+        back.start()
+        try:
+            with pytest.raises(dlock.LockLost):
+                lock.extend(3)
+        finally:
+            back.join()
+        assert told and lock.lost and not lock.owned()
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+
+
 def test_a_queued_acquire_ends_near_its_timeout_when_the_cluster_stops_answering(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

@@ -1187,10 +1187,13 @@ class AsyncLock:
             raise self._lost_error(reason, generation)
         else:
             self._lease_renewed(started, seconds, cap)
-            if self.auto_renew and not self._lost:
+            if self._lost:
+                # Told lost while the extend was on its way (at its deadline): its answer
+                # came too late to keep the hold, which the holder was told is gone. Not
+                # renewed either: it would be kept for good by a holder told it had lost it.
+                raise self._lost_error("the lease ran out before it could be extended", generation)
+            if self.auto_renew:
                 # A shorter lease is due sooner than the renewer's sleep ends: wake it.
-                # Not a lease told lost meanwhile (at its deadline): renewed, it would
-                # be kept for good by a holder that was told it had lost it.
                 self._client._renewer.add(self)
         if cancel_requests() > cancels:
             await lost_cancel()  # extended, and the cancellation lost meanwhile
