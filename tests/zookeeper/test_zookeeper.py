@@ -631,6 +631,25 @@ def test_digest_auth_guards_the_locks(zookeeper_server: ZooKeeperEnsemble) -> No
         assert other.inspect("guarded") is None
 
 
+def test_the_digest_password_stays_out_of_the_log(
+    zookeeper_server: ZooKeeperEnsemble, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kazoo logs every request it sends at DEBUG, the authentication too, and that
+    request carries ``user:password`` in clear: an application logging at DEBUG wrote
+    the password to its log. Below DEBUG (its BLATHER), the server's answer to the
+    connect carries the session's password, which would let a reader take the session
+    over."""
+    root = f"/dlock-auth-log-{time.monotonic_ns()}"
+    authed = f"zookeeper://alice:s3cret-pw@{zookeeper_server.hosts}{root}"
+    with caplog.at_level(1, logger="kazoo"), dlock.connect(authed) as client:
+        assert client.lock("guarded", ttl=5).acquire(timeout=5)
+    logged = [record.getMessage() for record in caplog.records]
+    assert any("Auth(" in message and "alice:***" in message for message in logged), logged
+    assert not [message for message in logged if "s3cret-pw" in message]
+    sessions = [message for message in logged if "passwd=" in message]
+    assert sessions and all("passwd=b'***'" in message for message in sessions), sessions
+
+
 def test_a_refused_lock_node_create_never_leaves_a_node_heading_the_queue(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

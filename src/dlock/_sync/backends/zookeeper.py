@@ -56,7 +56,7 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import AsyncResult, KazooTimeoutError, SequentialThreadingHandler
 from kazoo.hosts import collect_hosts
-from kazoo.protocol.serialization import Create2
+from kazoo.protocol.serialization import Auth, Create2
 from kazoo.protocol.states import EventType, KazooState, KeeperState, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE, make_acl, make_digest_acl
 
@@ -2056,6 +2056,17 @@ def _cause(error: BaseException) -> BaseException | None:
     return error.__context__
 
 
+def _without_secrets(arg: object) -> object:
+    """What kazoo logs of a request or reply, its secrets masked: it logs them as they
+    are, the digest's ``user:password`` (DEBUG) and the session's password (its
+    BLATHER level), which let whoever reads the log take the session over."""
+    if isinstance(arg, Auth):
+        return arg._replace(auth=f"{str(arg.auth).partition(':')[0]}:***")
+    if isinstance(arg, tuple) and "passwd" in getattr(arg, "_fields", ()):
+        return arg._replace(passwd=b"***")  # type: ignore[attr-defined]
+    return arg
+
+
 class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """kazoo's own logger, which also hands each error kazoo warns about (a failed
     connection attempt, mostly) to a :class:`_Diagnosis`: kazoo's ``start`` only ever
@@ -2070,6 +2081,7 @@ class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
         if isinstance(msg, str):
             self._note(msg, args)
+            args = tuple(_without_secrets(arg) for arg in args)
         if msg == LOOP_DIED:
             # dlock recovers from it (see _connect) and says so in one line, from the
             # thread's end (KazooHandler.spawn): no traceback on stderr for it.
