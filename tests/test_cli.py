@@ -190,6 +190,17 @@ def test_run_waits_for_the_lock(db: str, name: str, spawn: Spawn) -> None:
         assert re.fullmatch(acquired, stderr), stderr
 
 
+def test_verbose_repeats_the_wait_as_typed(db: str, name: str) -> None:
+    """``-v`` names the bound of the wait as ``-w`` had it, as the error messages do:
+    it said "at most 0.123457 s" for 0.1234567 (and "1.23457e+06 s" for 1234567)."""
+    with dlock.connect(db) as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        busy = dlock_cmd(db, "run", "-v", "-w", "0.1234567", name, "--", "true")
+        assert busy.returncode == 1, busy.stderr
+        assert "; waiting (at most 0.1234567 s)\n" in busy.stderr, busy.stderr
+
+
 def resp_command(buffer: bytes) -> tuple[list[bytes], int] | None:
     """The first command of a client's RESP stream (an array of bulk strings): its
     arguments and its length in bytes, or None if it has not all come yet."""
@@ -1095,6 +1106,27 @@ def test_status_list_and_force_release(url: str, name: str) -> None:
         assert client.inspect(name) is None
         with pytest.raises(dlock.LockLost):
             lock.release()
+
+
+def test_status_names_the_waiters(redis_server: RedisServer, name: str, spawn: Spawn) -> None:
+    """The backends that queue waiters (here Redis) list them under the holder, a label
+    in parentheses as ``-v`` shows a holder's. It ran on from the pid ("pid 42 nightly
+    run"), and a waiter with none had a trailing blank."""
+    url = f"redis://{redis_server.address}/0"
+    with dlock.connect(url) as client, client.lock(name, ttl=30):
+        waiters = [
+            spawn([DLOCK, "run", *label, name, "--", "true"], env={**os.environ, "DLOCK_URL": url})
+            for label in (["--label", "nightly run"], [])
+        ]
+        deadline = time.monotonic() + 10
+        while (status := dlock_cmd(url, "status", name)).stdout.count("waiting #") < 2:
+            assert time.monotonic() < deadline, status.stdout + status.stderr
+            time.sleep(0.1)
+    shown = [line.split(" pid ", 1)[1] for line in status.stdout.splitlines()[2:]]
+    expected = [f"{waiters[0].pid} (nightly run)", str(waiters[1].pid)]
+    assert sorted(shown) == sorted(expected), status.stdout
+    for waiter in waiters:
+        assert waiter.wait(timeout=10) == 0
 
 
 def test_names_and_labels_cannot_drive_the_terminal(db: str, name: str) -> None:

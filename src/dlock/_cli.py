@@ -370,6 +370,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     if not math.isfinite(args.grace) or args.grace < 0:
         note(f"dlock run: --grace must be a finite number of seconds >= 0, not {args.grace}")
         return EXIT_USAGE
+    grace = float(args.grace)  # as typed in messages only: the guard is handed its repr
     try:  # named as the command line has them, not as the library's arguments
         ttl = check_ttl(args.ttl, "--ttl")
         wait = check_timeout(args.wait, "--wait")
@@ -386,7 +387,8 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     # The loss is told once, by stop_after_loss, with what dlock does about it.
     logging.getLogger("dlock").addFilter(lambda record: record.msg != LOST_MESSAGE)
     lock = client.lock(args.name, ttl=ttl, on_lost=on_lost)
-    timeout = 0 if args.nonblock else wait
+    # -w as typed (a Seconds), for -v to repeat: not "1.23457e+06" for 1234567.
+    timeout = 0 if args.nonblock else None if wait is None else args.wait
     # Handlers go in before the wait: a signal then ends the wait (a lock got meanwhile
     # is given back at once, not left to its TTL); once the lock is held, signals are
     # kept: one that came before the command starts ends dlock all the same, later ones
@@ -421,7 +423,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             give_back_unused(lock)
             return 128 + forwarder.pending[0]
         try:
-            job = Job(command, env, done, args.grace)
+            job = Job(command, env, done, grace)
         except OSError as exc:
             note(f"dlock: cannot run {command[0]!r}: {exc}")
             give_back_unused(lock)
@@ -435,10 +437,10 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             while not done.wait(0.1):
                 pass
             if lost.is_set() and (not job.ended.is_set() or job.running()):
-                return stop_after_loss(job, lock, args.grace)
+                return stop_after_loss(job, lock, grace)
             # Still under the handlers: a signal now goes to what is left of the group,
             # and cannot kill dlock halfway through the release.
-            return finish(job, lock, args.grace)
+            return finish(job, lock, grace)
         finally:
             job.close()
 
@@ -449,6 +451,7 @@ def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) ->
     the lock is busy, ``verbose`` says so on stderr, with its holder if the backend
     tells it, before the wait (else silent, like a hang), and how long the wait took
     once it is over."""
+    given = timeout
     timeout = check_timeout(timeout)  # a bad one is refused before the try, as it was
     start = time.monotonic()
     if lock.acquire(timeout=0):
@@ -456,7 +459,7 @@ def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) ->
     if timeout == 0:
         return False
     if verbose:
-        bound = "" if timeout is None else f" (at most {timeout:g} s)"
+        bound = "" if timeout is None else f" (at most {given} s)"
         note(
             f"dlock: {lock.name!r} is held by someone else{holder_if_told(client, lock.name)}; "
             f"waiting{bound}"
@@ -558,8 +561,9 @@ def cmd_status(client: Client, args: argparse.Namespace) -> int:
     else:
         print_table([info])
         for position, waiter in enumerate(info.waiters, 1):
-            label = shown(waiter.label or "")
-            print(f"  waiting #{position}: {shown(waiter.host)} pid {waiter.pid} {label}")
+            # As -v names a holder: a label with a blank ran on from the pid.
+            label = f" ({shown(waiter.label)})" if waiter.label else ""
+            print(f"  waiting #{position}: {shown(waiter.host)} pid {waiter.pid}{label}")
     return 0 if info else 1
 
 
