@@ -1088,22 +1088,10 @@ class AsyncRedisBackend(AsyncBackend):
         connections = self._connections
         if connections is None:
             return await self._execute(client, *command)
-        connection = await connections.take()
-        try:
-            await connection.send_command(*_wire(command))
-            return await connection.read_response()
-        except ResponseError:
-            raise  # a whole reply was read: the connection is in a known state
-        except BaseException:
-            # Cut off before the reply was read (timeout, cancellation): a later caller
-            # must not read this command's reply as its own.
-            await connection.disconnect()
-            raise
-        finally:
-            if self._closed:  # closed meanwhile: nobody would close it later
-                await connection.disconnect()
-            else:
-                connections.give_back(connection)
+        (answer,) = await self._run_many(connections, [_wire(command)])
+        if isinstance(answer, ResponseError):
+            raise answer
+        return answer
 
     async def _execute(self, client: Any, *command: Any) -> Any:
         """A script call (``EVAL[SHA] script numkeys key ...``) through redis-py's own
@@ -1184,11 +1172,12 @@ class AsyncRedisBackend(AsyncBackend):
     async def _run_many(
         self, connections: _Connections, commands: Sequence[Sequence[Any]]
     ) -> list[Any]:
-        """Commands in one round trip on a connection of our own, an error reply as its
-        answer. Not redis-py's pipeline: redis-py 8's pool skips its check for a socket
-        the server closed while its maintenance notifications are on (the default), and
-        lent a dead connection to the renewal (on asyncio; the sync pipeline got by) after
-        each restart or ``CLIENT KILL``."""
+        """Commands in one round trip on a connection of our own (see _Connections), an
+        error reply as its answer (a whole reply was read: the connection stays usable).
+        Not redis-py's pipeline for renewals: redis-py 8's pool skipped its check for a
+        socket the server closed while its maintenance notifications were on (its
+        default), and lent a dead connection to the renewal after each restart or
+        ``CLIENT KILL``."""
         connection = await connections.take()
         try:
             await connection.send_packed_command(connection.pack_commands(commands))
@@ -1200,7 +1189,9 @@ class AsyncRedisBackend(AsyncBackend):
                     answers.append(exc)
             return answers
         except BaseException:
-            await connection.disconnect()  # cut off: see _run
+            # Cut off before the replies were read (timeout, cancellation): a later
+            # caller must not read them as its own.
+            await connection.disconnect()
             raise
         finally:
             if self._closed:
