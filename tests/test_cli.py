@@ -1342,6 +1342,20 @@ def test_output_that_cannot_be_written(db: str, name: str, args: list[str], wher
     assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"]])
+@pytest.mark.parametrize("where", ["closed", "/dev/full"])
+def test_help_that_cannot_be_written(args: list[str], where: str) -> None:
+    """--help and --version fail as every command's output does (74, one line): they
+    exited 0, as argparse does, having printed nothing (a closed stdout, /dev/full)."""
+    if where == "closed":
+        result = subprocess.run(closing_stdout(*args), capture_output=True, text=True, timeout=30)
+    else:
+        result = dlock_cmd("", *args, stdout_to=where)
+    assert result.returncode == 74, result.stderr
+    assert result.stderr.startswith("dlock: cannot write to standard output: ")
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
 def test_nothing_to_write_to_a_closed_stdout(db: str) -> None:
     """Nothing to print, nothing to fail: an empty ``list`` with its stdout closed
     succeeds (as GNU tools do)."""
@@ -1355,7 +1369,7 @@ def test_nothing_to_write_to_a_closed_stdout(db: str) -> None:
     assert (result.returncode, result.stderr) == (0, "")
 
 
-@pytest.mark.parametrize("args", [["list"], ["list", "--json"], ["status", "--json"]])
+@pytest.mark.parametrize("args", [["list"], ["list", "--json"], ["status", "--json"], ["--help"]])
 def test_a_reader_that_goes_away_ends_the_output_quietly(
     db: str, name: str, args: list[str], spawn: Spawn
 ) -> None:

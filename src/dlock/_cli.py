@@ -71,7 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def command_line(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    stdout = sys.stdout  # None if the caller closed it (>&-)
+    # --help and --version print, then exit (0): their text is written as a command's
+    # output is, so that one that cannot be written is told and ends with 74 (or 141),
+    # not with a success that printed nothing. (argparse's own errors go to stderr.)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            args = parser.parse_args(argv)
+    except SystemExit as leaving:
+        code = leaving.code if isinstance(leaving.code, int) else EXIT_USAGE
+        return write_output(stdout, printed.getvalue(), code)
     if not getattr(args, "verbose", False):
         # dlock's stderr is its command's too: a client library's warnings about its
         # connections (kazoo's "Connection dropped", "Transition to CONNECTING") would
@@ -84,7 +94,6 @@ def command_line(argv: Sequence[str] | None) -> int:
         except LockError as exc:
             note(f"dlock run: {exc}")
             return EXIT_USAGE
-    stdout = sys.stdout  # None if the caller closed it (>&-)
     # What a command prints is written once it is done: a failure to write it is then
     # told apart from the backend's, and ends with a status of its own. (``run`` prints
     # nothing there: its command writes to the descriptor itself.)
@@ -133,8 +142,9 @@ def discard_stdout() -> None:
     """Point descriptor 1 at /dev/null: what stays in Python's buffer after a failed
     write is flushed again at exit, and would fail again (status 120, a traceback)."""
     null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1, inheritable=False)
-    os.close(null)
+    if null != 1:  # 1 itself when it was closed (>&-) and nothing took its number since
+        os.dup2(null, 1, inheritable=False)
+        os.close(null)
 
 
 class Seconds(float):
