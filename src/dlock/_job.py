@@ -58,8 +58,11 @@ class Job:
     and the script that called dlock keep it, and the terminal's Ctrl-C reaches them
     as before (dlock passes it on). A stop of the command (Ctrl-Z while it has the
     terminal, or a read from the background) is passed to dlock's own group, so the
-    shell sees its job stopped; a stop of dlock is passed to the command, and a
-    SIGCONT too."""
+    shell sees its job stopped. Of dlock's own stops only SIGTSTP (Ctrl-Z while dlock's
+    group has the terminal, or ``kill -TSTP``) is passed to the command: SIGSTOP cannot
+    be caught, and SIGTTIN or SIGTTOU (dlock itself touching the terminal from the
+    background) stop dlock alone, the command running on. A SIGCONT to dlock is passed
+    to the command whatever stopped either of them."""
 
     def __init__(
         self, command: list[str], env: dict[str, str], done: threading.Event, grace: float
