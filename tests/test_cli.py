@@ -201,6 +201,51 @@ def test_verbose_repeats_the_wait_as_typed(db: str, name: str) -> None:
         assert "; waiting (at most 0.1234567 s)\n" in busy.stderr, busy.stderr
 
 
+def test_verbose_names_the_holder_once_when_the_wait_runs_out(
+    db: str, name: str, spawn: Spawn
+) -> None:
+    """``-v -w`` that did not get the lock named its holder twice, as it began to wait
+    and again as it gave up. The last line says what is new: how long the wait took,
+    and the holder only if another has the lock by then."""
+    with dlock.connect(db, label="blocker") as client:
+        lock = client.lock(name, ttl=30)
+        assert lock.acquire(timeout=0)
+        info = client.inspect(name)
+        assert info is not None
+        holder = (
+            f"{info.holder.host} pid {os.getpid()} (blocker), fencing token {info.fencing_token}"
+        )
+        waiting = f"dlock: {name!r} is held by someone else: {holder}; waiting (at most %s s)\n"
+        gave_up = rf"dlock: did not acquire {re.escape(repr(name))} after \d+\.\d{{3}} s of waiting"
+        same = dlock_cmd(db, "run", "-v", "-w", "0.5", name, "--", "true")
+        assert same.returncode == 1, same.stderr
+        assert re.fullmatch(re.escape(waiting % "0.5") + gave_up + "\n", same.stderr), same.stderr
+        # Another holder has it as the wait ends: its row rewritten once the wait began,
+        # as one that took the lock in between would have left it.
+        process = spawn(
+            [DLOCK, "run", "-v", "-w", "5", name, "--", "true"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "DLOCK_URL": db},
+        )
+        assert announced_wait(process) == waiting % "5"
+        other = {"host": "elsewhere", "pid": 4321, "label": "second"}
+        with sqlite3.connect(db.removeprefix("sqlite://")) as conn:
+            conn.execute(
+                "UPDATE dlock_locks SET holder = ?, fence = fence + 1 WHERE name = ?",
+                (json.dumps(other), name.encode()),
+            )
+        conn.close()
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 1, stderr
+        now = f"elsewhere pid 4321 (second), fencing token {info.fencing_token + 1}"
+        assert re.fullmatch(
+            gave_up + re.escape(f"; now held by someone else: {now}") + "\n", stderr
+        ), stderr
+        with contextlib.suppress(dlock.LockLost):  # its token is no longer the row's
+            lock.release()
+
+
 def resp_command(buffer: bytes) -> tuple[list[bytes], int] | None:
     """The first command of a client's RESP stream (an array of bulk strings): its
     arguments and its length in bytes, or None if it has not all come yet."""

@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from . import __version__
 from ._errors import BackendError, BackendUnavailable, ConfigurationError, LockError, LockLost
@@ -407,7 +407,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
     with forwarding_signals() as forwarder:
         try:
             forwarder.listen()
-            acquired = acquire(client, lock, timeout, args.verbose)
+            acquired, waited = acquire(client, lock, timeout, args.verbose)
             # Asked while a signal still ends dlock: a backend round trip, as long as the
             # backend takes (a signal kept for a command that will not run was lost).
             holder = "" if acquired else holder_if_told(client, args.name)
@@ -418,7 +418,7 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
                 give_back_unused(lock)
             return 128 + stop.signum
         if not acquired:
-            note(f"dlock: {args.name!r} is held by someone else{holder}")
+            note(not_acquired(args.name, holder, waited))
             return int(args.conflict_exit_code)
         env = {
             **os.environ,
@@ -455,30 +455,50 @@ def cmd_run(client: Client, args: argparse.Namespace) -> int:
             job.close()
 
 
-def acquire(client: Client, lock: Lock, timeout: float | None, verbose: bool) -> bool:
+class Waited(NamedTuple):
+    """A wait that ``-v`` announced, and that ended without the lock."""
+
+    holder: str  #: as the announcement named it (see holder_if_told)
+    seconds: float  #: how long it took
+
+
+def acquire(
+    client: Client, lock: Lock, timeout: float | None, verbose: bool
+) -> tuple[bool, Waited | None]:
     """Take the lock, waiting at most ``timeout`` seconds (None: for ever). One try
     first, with or without ``verbose``, so that the flag changes the output alone: if
     the lock is busy, ``verbose`` says so on stderr, with its holder if the backend
     tells it, before the wait (else silent, like a hang), and how long the wait took
-    once it is over."""
+    once it is over: at once if it got the lock, else the caller says it with why (the
+    Waited returned)."""
     given = timeout
     timeout = check_timeout(timeout)  # a bad one is refused before the try, as it was
     start = time.monotonic()
     if lock.acquire(timeout=0):
-        return True
+        return True, None
     if timeout == 0:
-        return False
+        return False, None
+    holder = ""
     if verbose:
+        holder = holder_if_told(client, lock.name)
         bound = "" if timeout is None else f" (at most {given} s)"
-        note(
-            f"dlock: {lock.name!r} is held by someone else{holder_if_told(client, lock.name)}; "
-            f"waiting{bound}"
-        )
+        note(f"dlock: {lock.name!r} is held by someone else{holder}; waiting{bound}")
     left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
     acquired = lock.acquire(timeout=left)
+    seconds = time.monotonic() - start
     if acquired and verbose:
-        note(f"dlock: acquired {lock.name!r} after {time.monotonic() - start:.3f} s of waiting")
-    return acquired
+        note(f"dlock: acquired {lock.name!r} after {seconds:.3f} s of waiting")
+    return acquired, Waited(holder, seconds) if verbose and not acquired else None
+
+
+def not_acquired(name: str, holder: str, waited: Waited | None) -> str:
+    """Why ``dlock run`` did not get the lock, naming its holder (``holder``). After a
+    wait that ``-v`` announced, with the holder it named then, the line adds what is
+    new only: how long the wait took, and the holder if another has it now."""
+    if waited is None:
+        return f"dlock: {name!r} is held by someone else{holder}"
+    now = f"; now held by someone else{holder}" if holder and holder != waited.holder else ""
+    return f"dlock: did not acquire {name!r} after {waited.seconds:.3f} s of waiting{now}"
 
 
 def holder_if_told(client: Client, name: str) -> str:
