@@ -10,6 +10,7 @@ import os
 import pty
 import pwd
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -584,6 +585,36 @@ def test_a_command_that_kills_dlock_as_it_starts_is_stopped(
         while not ended(command):
             assert time.monotonic() < deadline, "the command outlived dlock, unguarded"
             time.sleep(0.05)
+
+
+def test_the_guard_ends_the_commands_group_not_another_sessions_with_its_run_id(
+    spawn: Spawn,
+) -> None:
+    """dlock killed before it told its guard the command's group: the guard finds the
+    group by the run's id in processes' environments. A nested ``dlock run``'s own
+    guard has that id too (its environment is the outer command's), in a session of
+    its own; listed first (/proc lists by pid, and pids wrap around), its group was
+    ended, and the command ran on unguarded. A process of another session, started
+    first, stands for it here; the guard is told dlock's session (this one's)."""
+    from dlock import _job
+
+    run_id = secrets.token_hex(8)
+    env = {**os.environ, "DLOCK_RUN_ID": run_id}
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    elsewhere = spawn(sleeper, env=env, start_new_session=True)
+    command = spawn(sleeper, env=env, preexec_fn=os.setpgrp)
+    guard = Path(_job.__file__).with_name("_guard.py")
+    subprocess.run(
+        [sys.executable, "-I", "-S", str(guard), "0.5", run_id, str(os.getsid(0))],
+        stdin=subprocess.DEVNULL,  # dlock gone before it wrote the group's id
+        timeout=30,
+    )
+    try:
+        status = command.wait(10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the command ran on, unguarded")
+    assert status == -signal.SIGTERM
+    assert elsewhere.poll() is None, "another session's process was ended"
 
 
 def test_a_guard_that_cannot_start_says_why(monkeypatch: pytest.MonkeyPatch) -> None:

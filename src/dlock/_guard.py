@@ -2,13 +2,14 @@
 has ended the command, end the command's process group, which nothing would stop
 otherwise, and which the lock stops covering once its lease runs out.
 
-A script, not a module of the package: ``python -I -S _guard.py GRACE RUN_ID`` imports
+A script, not a module of the package: ``python -I -S _guard.py GRACE RUN_ID SESSION`` imports
 nothing of dlock's and starts in milliseconds. Its standard input is a pipe that only
 dlock writes, a line at a time (see ``_job.Guard``): the command's group id, ``stopping``
 once dlock has sent the group TERM, ``done`` once the group is gone. Its end without
 ``done`` means dlock died, or left the group running. If dlock died before it could
 write the group's id (just after starting the command), the group is found by the
-``DLOCK_RUN_ID`` in its processes' environment.
+``DLOCK_RUN_ID`` in its processes' environment, among those of dlock's session
+(``SESSION``), where the command's group always is.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 
 def main() -> None:
-    grace, run_id = float(sys.argv[1]), sys.argv[2]
+    grace, run_id, session = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     pgid: int | None = None
     stopping_at: float | None = None
     with os.fdopen(0, "rb") as told:
@@ -33,7 +34,7 @@ def main() -> None:
             elif word.isdigit():
                 pgid = int(word)
     if pgid is None:
-        pgid = _group_of(f"DLOCK_RUN_ID={run_id}".encode())
+        pgid = _group_of(f"DLOCK_RUN_ID={run_id}".encode(), session)
         if pgid is None:
             return
     if stopping_at is None:
@@ -52,15 +53,23 @@ def main() -> None:
     _signal(pgid, signal.SIGKILL)
 
 
-def _group_of(variable: bytes) -> int | None:
-    """The process group of a process whose environment holds ``variable``, if any."""
+def _group_of(variable: bytes, session: int) -> int | None:
+    """The process group of a process of ``session`` whose environment holds
+    ``variable``, if any. Processes of other sessions inherit it too: a nested ``dlock
+    run``'s own guard (a session of its own, its environment the outer command's), a
+    daemon the command started with setsid. /proc lists by pid, and pids wrap around:
+    one of those, listed first, had its group ended instead of the command's, which
+    ran on unguarded."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        pid = int(entry)
         try:
+            if os.getsid(pid) != session:
+                continue
             with open(f"/proc/{entry}/environ", "rb") as environ:
                 if variable in environ.read().split(b"\0"):
-                    return os.getpgid(int(entry))
+                    return os.getpgid(pid)
         except OSError:
             continue
     return None

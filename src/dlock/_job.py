@@ -255,7 +255,8 @@ class Guard:
             with open(os.devnull, "wb") as null:
                 os.posix_spawn(
                     sys.executable,
-                    [sys.executable, "-I", "-S", script, repr(grace), run_id],
+                    # dlock's session, where the command's group will be.
+                    [sys.executable, "-I", "-S", script, repr(grace), run_id, str(os.getsid(0))],
                     os.environ,
                     file_actions=[
                         (os.POSIX_SPAWN_DUP2, read, 0),
