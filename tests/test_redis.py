@@ -1637,6 +1637,90 @@ def test_existing_sync_client_and_wrong_face(redis_server: RedisServer) -> None:
         dlock.aio.connect("redis://", client=redis.Redis())
 
 
+@contextlib.contextmanager
+def paused_for_at_most(servers: Sequence[RedisServer], seconds: float) -> Iterator[None]:
+    """The servers paused until the block ends, or ``seconds`` pass (a call that waits
+    for them to answer again then still ends, late)."""
+    for server in servers:
+        server.pause()
+    resume = threading.Timer(seconds, lambda: [server.resume() for server in servers])
+    resume.start()
+    try:
+        yield
+    finally:
+        resume.cancel()
+        for server in servers:
+            server.resume()
+
+
+@pytest.mark.parametrize("redlock", [False, True], ids=["one-server", "redlock"])
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
+    own_masters: list[RedisServer], face: str, redlock: bool
+) -> None:
+    """A client given with ``client=`` and ``socket_timeout=None`` (redis-py's default
+    before 8.0) left every call on a paused server waiting until it answered again,
+    whatever the caller's timeout: an ``acquire(timeout=1)`` took the whole pause (and
+    with Redlock one paused master of three held every call up). dlock's own calls on
+    it are bounded as on its own clients: 5 s per round trip on one server (it then
+    fails), a master's 0.5 s with Redlock (the others decide). The client itself, for
+    its owner's commands, keeps having no timeout."""
+    pause = 20.0
+    url = "redis+redlock://" if redlock else "redis://"
+    paused = own_masters[:1]
+    ports = [server.port for server in (own_masters if redlock else paused)]
+    bound = 3.0 if redlock else 8.0  # 0.5 s or 5 s, and a loaded machine's slack
+    name = unique()
+
+    def check(took: float, outcome: object) -> None:
+        assert took < bound, f"took {took:.1f} s: {outcome!r}"
+        if redlock:
+            assert outcome is True, outcome
+        else:
+            assert isinstance(outcome, dlock.BackendUnavailable), repr(outcome)
+
+    def sync() -> None:
+        given = [redis.Redis(port=port, socket_timeout=None) for port in ports]
+        with dlock.connect(url, client=given if redlock else given[0]) as client:
+            lock = client.lock(name, ttl=30)
+            assert client.inspect(name) is None  # connected before the pause
+            with paused_for_at_most(paused, pause):
+                start = time.monotonic()
+                try:
+                    outcome: object = lock.acquire(timeout=1)
+                except dlock.BackendError as error:
+                    outcome = error
+                check(time.monotonic() - start, outcome)
+            if lock.owned():
+                lock.release()
+        for each in given:
+            assert each.connection_pool.connection_kwargs["socket_timeout"] is None
+            each.close()
+
+    async def asyncio_face() -> None:
+        given = [redis.asyncio.Redis(port=port, socket_timeout=None) for port in ports]
+        async with dlock.aio.connect(url, client=given if redlock else given[0]) as client:
+            lock = client.lock(name, ttl=30)
+            assert await client.inspect(name) is None  # connected before the pause
+            with paused_for_at_most(paused, pause):
+                start = time.monotonic()
+                try:
+                    outcome: object = await lock.acquire(timeout=1)
+                except dlock.BackendError as error:
+                    outcome = error
+                check(time.monotonic() - start, outcome)
+            if lock.owned():
+                await lock.release()
+        for each in given:
+            assert each.connection_pool.connection_kwargs["socket_timeout"] is None
+            await each.aclose()
+
+    if face == "sync":
+        sync()
+    else:
+        asyncio.run(asyncio_face())
+
+
 def test_a_client_of_the_other_face_is_refused_naming_this_faces_classes() -> None:
     """The sync face's message is generated from the asyncio face's: spelled out, the
     asyncio class names in it were rewritten, and it told a sync user to pass what

@@ -161,9 +161,9 @@ MOVING_RETRY_MAX = 0.5
 #: follow a MOVED and an ASK; a TRYAGAIN past them is dlock's to ride out (``moving``).
 CLUSTER_REQUEST_TTL = 4
 _JITTER = random.SystemRandom()
-#: Seconds a call rides out a cluster moving the name's slot, when the backend has no
-#: read timeout of its own (a client given with ``client=``): redis-py's default-less
-#: reads would otherwise leave it unbounded (see ``RedisBackend._ride_out_bound``).
+#: dlock's read timeout: its own clients', that of its twin of a given client that has
+#: none (``_bounded_twin``), and how long a call rides out a cluster moving the name's
+#: slot on a given client (see ``RedisBackend._ride_out_bound``).
 SOCKET_TIMEOUT = 5.0
 #: A cluster's renewal waits for each node's answers at most this share of the shortest
 #: TTL in the batch (and no longer than the ride-out bound, ``socket_timeout``), and then
@@ -694,6 +694,34 @@ def _connected(connection: Any) -> bool:
     return bool(connected)
 
 
+def _bounded_twin(client: Any, seconds: float) -> Any:
+    """A client of our own for a given plain client that has no read timeout
+    (``socket_timeout=None``, redis-py's default before 8.0), or None when it has one.
+
+    Its connections would wait for a paused server (SIGSTOP, a hung host) until it
+    answers again, whatever the caller's timeout: an ``acquire(timeout=1)`` took the
+    whole of an 8 s pause. The twin reaches the same server with the same connection
+    settings (credentials, database, TLS), each round trip and connect bounded
+    by ``seconds``, as dlock's own clients are, and with the same cap on connections;
+    the given client itself, and its owner's commands, are left as they are."""
+    if not isinstance(client, redis_client.Redis):
+        return None  # a cluster client keeps its own (docs/redis.md)
+    pool = client.connection_pool
+    settings = dict(pool.connection_kwargs)
+    if settings.get("socket_timeout") is not None:
+        return None
+    settings["socket_timeout"] = seconds
+    if settings.get("socket_connect_timeout") is None:
+        settings["socket_connect_timeout"] = seconds
+    return redis_client.Redis.from_pool(
+        redis_client.ConnectionPool(
+            connection_class=pool.connection_class,
+            max_connections=pool.max_connections,
+            **settings,
+        )
+    )
+
+
 def _own_connections(client: Any) -> _Connections | None:
     """Our own connections for a plain client (from its pool: a single-connection
     client's one connection stays its owner's), never sent through its
@@ -768,9 +796,16 @@ class RedisBackend(Backend):
         self._cluster = cluster or isinstance(client, redis_client.RedisCluster)
         #: A cluster's seed nodes after the URL's first: any one answering maps the slots.
         self._seeds = list(seeds)
+        #: The client given with ``client=``, if any: never closed nor changed here.
+        self._given: Any = client
         self._client: Any = client
         self._connections = None if client is None else _own_connections(client)
         self._owns_client = client is None
+        #: The read timeout of ``_client`` when it is a bounded twin of the given client
+        #: (see bound_given), else None.
+        self._twin_timeout: float | None = None
+        if client is not None:
+            self.bound_given(SOCKET_TIMEOUT)
         self._prefix = prefix.encode("utf-8")
         self._client_options = client_options or {}
         self._queue_ttl_ms = _ms(queue_ttl)
@@ -800,6 +835,14 @@ class RedisBackend(Backend):
         self._where = self._describe()
         #: The sync face shares a backend between threads: create each client once.
         self._creating = threading.Lock()
+
+    def bound_given(self, seconds: float) -> None:
+        """Bound each round trip on a given client that has no read timeout of its own by
+        ``seconds`` (see ``_bounded_twin``); Redlock's masters take its shorter one."""
+        twin = _bounded_twin(self._given, seconds)
+        if twin is not None:
+            self._client, self._twin_timeout = twin, seconds
+            self._connections = _own_connections(twin)
 
     def server(self) -> tuple[str, int] | None:
         """The server's (host, port) from the URL (None for a given client)."""
@@ -911,6 +954,8 @@ class RedisBackend(Backend):
                 self._idle, self._subscribers, self._leaving = [], {}, {}
                 if self._owns_client:
                     self._client = self._connections = None
+                elif self._twin_timeout is not None:
+                    self.bound_given(self._twin_timeout)  # ours: made anew in this loop
                 else:
                     self._connections = _own_connections(self._client)
             self._loop = loop
@@ -923,12 +968,15 @@ class RedisBackend(Backend):
         another thread of the parent may have held as it forked, and that no thread of
         the child lets go (its first call hung). What the parent made is kept, unused:
         collected, redis-py would close it through those pools. A client given with
-        ``client=`` stays; its pool is its owner's to make fork-safe."""
+        ``client=`` stays; its pool is its owner's to make fork-safe (a bounded twin of
+        it is ours: made anew)."""
         self._parents.append((self._client, self._connections, self._idle, self._subscribers))
         self._idle, self._subscribers, self._leaving = [], {}, {}
         self._creating = threading.Lock()
         if self._owns_client:
             self._client = self._connections = None
+        elif self._twin_timeout is not None:
+            self.bound_given(self._twin_timeout)
 
     def _get_client(self) -> Any:
         self._check_open()
@@ -1071,14 +1119,20 @@ class RedisBackend(Backend):
         """A release or a queue's leave after close(): a wait that the close cut off
         leaves its place, and gives back a lease a release handed to it meanwhile,
         or the name stays taken for the lease's TTL. Sent on a connection of its own,
-        closed at once, as nothing would close it later (a caller's client stays theirs)."""
-        client = self._open_client() if self._owns_client else self._client
+        closed at once, as nothing would close it later (a caller's client stays theirs;
+        a bounded twin of it is made again, as the close closed it)."""
+        if self._owns_client:
+            client = self._open_client()
+        elif self._twin_timeout is not None:
+            client = _bounded_twin(self._given, self._twin_timeout)
+        else:
+            client = self._client
         try:
             return self._execute(client, "EVAL", script.source, len(keys), *keys, *args)
         except ERRORS as exc:
             raise wrap(exc, self._where) from exc
         finally:
-            if self._owns_client:
+            if self._owns_client or self._twin_timeout is not None:
                 with suppress(*ERRORS, OSError):
                     client.close()
 
@@ -1760,6 +1814,8 @@ class RedisBackend(Backend):
             client, self._client = self._client, None
             self._aclose_quietly(client)
             _disconnect_node_pools(client)
+        elif self._twin_timeout is not None:
+            self._aclose_quietly(self._client)  # its pool: ours, not the owner's
 
 
 BACKEND = RedisBackend

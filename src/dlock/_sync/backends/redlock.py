@@ -175,12 +175,15 @@ class RedlockBackend(Backend):
                 )
             # Each master checks that the query holds nothing its client would ignore.
             bare = urlunsplit((scheme, "", "", parts.query, ""))
-            return cls(
-                [
-                    RedisBackend.from_url(bare, {**options, "client": c})
-                    for c in sorted(clients, key=_client_address)
-                ]
-            )
+            masters = [
+                RedisBackend.from_url(bare, {**options, "client": c})
+                for c in sorted(clients, key=_client_address)
+            ]
+            for master in masters:
+                # A client without a read timeout of its own gets a master's default
+                # from dlock: one paused master held every call up until it answered.
+                master.bound_given(MASTER_TIMEOUT)
+            return cls(masters)
         # A short default per master, unless the URL's query or a keyword sets one.
         given = {key for key, _ in parse_qsl(parts.query)} | set(options)
         for key in ("socket_timeout", "socket_connect_timeout"):
