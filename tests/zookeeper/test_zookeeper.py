@@ -1593,6 +1593,30 @@ def test_a_stalled_request_warns_that_held_locks_may_be_lost_only_if_some_are(
     assert all(("held locks may be lost" in w) is holding for w in warned), warned
 
 
+def test_a_failed_renewal_says_what_happened_in_words(
+    zookeeper_server: ZooKeeperEnsemble, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A renewal sent to a paused server fails at the operation timeout, and warns of
+    it with the backend's error in words, not its repr
+    ('BackendUnavailable("ZooKeeper ...: KazooTimeoutError (...)")')."""
+    server = zookeeper_server.nodes[0]
+    with dlock.connect(zookeeper_server.url(operation_timeout=1)) as client:
+        lock = client.lock(f"renewal-words-{time.monotonic_ns()}", ttl=3)
+        assert lock.acquire(timeout=0)
+        with caplog.at_level(logging.WARNING, "dlock"):
+            server.pause()
+            try:
+                deadline = time.monotonic() + 10
+                while not any("renewing" in r.getMessage() for r in caplog.records):
+                    assert time.monotonic() < deadline, "the renewal never failed"
+                    time.sleep(0.05)
+            finally:
+                server.resume()
+    warning = next(r.getMessage() for r in caplog.records if "renewing" in r.getMessage())
+    assert f": ZooKeeper {zookeeper_server.hosts!r}: " in warning, warning
+    assert "Error(" not in warning and "Unavailable(" not in warning, warning
+
+
 def stall_by_pause(
     server: ZooKeeperEnsemble, client: dlock.Client, name: str
 ) -> dlock.BackendUnavailable:

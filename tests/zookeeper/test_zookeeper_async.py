@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import pytest
@@ -178,3 +179,28 @@ async def test_a_close_after_a_cancelled_one_is_quiet(zookeeper_server: ZooKeepe
     finally:
         server.resume()
     await client.aclose()
+
+
+async def test_a_renewal_cut_off_by_its_bound_says_so_in_words(
+    zookeeper_server: ZooKeeperEnsemble, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The renewal of a lease whose server is paused is cut off when the lease runs
+    out, and warns of it. The warning showed the asyncio bound's error as a repr,
+    "they ran out meanwhile: TimeoutError('no answer within 1.989 s')" (a chaos run,
+    a paused leader), where the other warnings say what happened in words."""
+    server = zookeeper_server.nodes[0]
+    async with dlock.aio.connect(zookeeper_server.url(operation_timeout=5)) as client:
+        lock = client.lock(f"renewal-words-{time.monotonic_ns()}", ttl=2)
+        assert await lock.acquire(timeout=0)
+        with caplog.at_level(logging.WARNING, "dlock"):
+            server.pause()
+            try:
+                deadline = time.monotonic() + 10
+                while not any("renewing" in r.getMessage() for r in caplog.records):
+                    assert time.monotonic() < deadline, "the renewal never failed"
+                    await asyncio.sleep(0.05)
+            finally:
+                server.resume()
+    (warning,) = [r.getMessage() for r in caplog.records if "renewing" in r.getMessage()]
+    assert "the backend did not answer in time (no answer within" in warning, warning
+    assert "Error(" not in warning, warning

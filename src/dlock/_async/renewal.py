@@ -45,6 +45,18 @@ LONGEST_SLEEP = 3600.0
 RESUME_CHECK = 1.0
 
 
+def _in_words(exc: BaseException) -> str:
+    """What a renewal ran into, said as the backends' errors say it. A repr read as a
+    crash in a log: the asyncio face's bound on the call, reached while a ZooKeeper
+    leader was paused, showed ``TimeoutError('no answer within 1.989 s')``."""
+    if isinstance(exc, BackendError):
+        return str(exc)
+    said = f" ({exc})" if str(exc) else ""
+    if isinstance(exc, TimeoutError):
+        return f"the backend did not answer in time{said}"
+    return f"{type(exc).__name__}{said}"
+
+
 class AsyncRenewer:
     """Renews every auto-renewed lock of one client from a single task or thread.
 
@@ -271,12 +283,12 @@ class AsyncRenewer:
             left = any(lock._count > 0 and not lock.lost for lock, _ in due)
             log(
                 "dlock: renewing %d lease(s) failed after %.3f s, begun %.3f s before "
-                "the first of them ends; %s: %r",
+                "the first of them ends; %s: %s",
                 len(due),
                 self._clock() - started,
                 time_left,
                 "will retry while they last" if left else "they ran out meanwhile",
-                exc,
+                _in_words(exc),
             )
             return
         caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
