@@ -1671,6 +1671,68 @@ def test_an_extend_answered_after_the_holder_was_told_of_the_loss_raises_lock_lo
             lock.release()
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_extend_and_release_on_a_cluster_without_quorum_end_within_their_bounds(
+    etcd_cluster: EtcdCluster, name: str, face: str
+) -> None:
+    """The quorum lost (both followers paused), a holder's extend() goes round the
+    members as a renewal does, and then fails: each member but the last gets a sixth
+    of the ttl, at most a fifth of the request timeout, the last the whole timeout
+    (docs/etcd.md: 1.4 request timeouts with three members). A long lease's sixth (5 s
+    for 30 s) was capped at the whole timeout only, so every member got all of it: 15 s
+    with the default 5 s, a chaos run 6.1 s for a short one. A release, a write sent
+    once, fails after one request timeout."""
+    request_timeout = 3.0
+    leader = etcd_cluster.leader()
+    followers = [i for i in range(3) if i != leader]
+    url = etcd_cluster.url(prefix(), order=(leader, *followers), timeout=request_timeout)
+    took: dict[str, float] = {}
+
+    def timed(what: str, start: float, error: BaseException | None) -> None:
+        took[what] = time.monotonic() - start
+        assert isinstance(error, dlock.BackendUnavailable), repr(error)
+
+    def sync() -> None:
+        with dlock.connect(url) as client:
+            lock = client.lock(name, ttl=30)
+            assert lock.acquire(timeout=0)
+            for member in followers:
+                etcd_cluster.members[member].pause()
+            for what, call in (("extend", lock.extend), ("release", lock.release)):
+                start, error = time.monotonic(), None
+                try:
+                    call()
+                except dlock.BackendError as failed:
+                    error = failed
+                timed(what, start, error)
+
+    async def asyncio_face() -> None:
+        async with dlock.aio.connect(url) as client:
+            lock = client.lock(name, ttl=30)
+            assert await lock.acquire(timeout=0)
+            for member in followers:
+                etcd_cluster.members[member].pause()
+            for what, call in (("extend", lock.extend), ("release", lock.release)):
+                start, error = time.monotonic(), None
+                try:
+                    await call()
+                except dlock.BackendError as failed:
+                    error = failed
+                timed(what, start, error)
+
+    try:
+        if face == "sync":
+            sync()
+        else:
+            asyncio.run(asyncio_face())
+    finally:
+        for member in followers:
+            etcd_cluster.members[member].resume()
+    # 4.2 s and 3 s, and a loaded machine's slack; the extend took 9 s before.
+    assert took["extend"] < 1.4 * request_timeout + 2.3, took
+    assert took["release"] < request_timeout + 2.3, took
+
+
 def test_a_queued_acquire_ends_near_its_timeout_when_the_cluster_stops_answering(
     etcd_cluster: EtcdCluster, name: str
 ) -> None:

@@ -1237,11 +1237,14 @@ class EtcdBackend(Backend):
         every such key in one transaction to check that it is still ours as we last
         wrote it. A new TTL moves the key to a new lease, one lock at a time.
 
-        Both change nothing if sent twice: each member gets a sixth of the shortest ttl
-        to answer them, then the next is asked (a member that hangs must not keep a
-        renewal waiting out the request timeout, longer than a short lease)."""
+        Both change nothing if sent twice: each member but the last gets a sixth of the
+        shortest ttl to answer them, at most a fifth of the request timeout as any
+        request that may be sent twice, then the next is asked (a member that hangs
+        must not keep a renewal waiting out the request timeout, longer than a short
+        lease; capped at the whole timeout, a lease of 30 s or more had a lost quorum
+        cost an extend() the timeout at every member, 15 s with three)."""
         idents = [(lease.name, lease.token) for lease in leases]
-        per_member = min([self._timeout.read or TIMEOUT, *(lease.ttl / 6 for lease in leases)])
+        per_member = min([self._resend_after(), *(lease.ttl / 6 for lease in leases)])
         answers = [False] * len(leases)
         sent = time.monotonic()
         records = [self._begin(ident) for ident in idents]
