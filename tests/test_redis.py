@@ -1663,8 +1663,9 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
     whatever the caller's timeout: an ``acquire(timeout=1)`` took the whole pause (and
     with Redlock one paused master of three held every call up). dlock's own calls on
     it are bounded as on its own clients: 5 s per round trip on one server (it then
-    fails), a master's 0.5 s with Redlock (the others decide). The client itself, for
-    its owner's commands, keeps having no timeout."""
+    fails), a master's 0.5 s with Redlock (the others decide), and retried never (a
+    list()'s SCAN went through redis-py's default retries: four timeouts). The client
+    itself, for its owner's commands, keeps having no timeout."""
     pause = 20.0
     url = "redis+redlock://" if redlock else "redis://"
     paused = own_masters[:1]
@@ -1691,6 +1692,11 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
                 except dlock.BackendError as error:
                     outcome = error
                 check(time.monotonic() - start, outcome)
+                start = time.monotonic()
+                with contextlib.suppress(dlock.BackendError):
+                    client.list()  # SCAN, through redis-py's own path
+                listed = time.monotonic() - start
+                assert listed < bound, f"list() took {listed:.1f} s"
             if lock.owned():
                 lock.release()
         for each in given:
@@ -1709,6 +1715,11 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
                 except dlock.BackendError as error:
                     outcome = error
                 check(time.monotonic() - start, outcome)
+                start = time.monotonic()
+                with contextlib.suppress(dlock.BackendError):
+                    await client.list()  # SCAN, through redis-py's own path
+                listed = time.monotonic() - start
+                assert listed < bound, f"list() took {listed:.1f} s"
             if lock.owned():
                 await lock.release()
         for each in given:
@@ -1719,6 +1730,42 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
         sync()
     else:
         asyncio.run(asyncio_face())
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_listing_on_a_given_client_is_not_retried(own_server: RedisServer, face: str) -> None:
+    """list()'s SCAN went through the given client's ``scan``, and so through its
+    retries (redis-py 6 and later retry a timeout three times by default, with a
+    backoff): with a 5 s read timeout, a list() took the whole of a 30 s pause. It is
+    sent once, on dlock's kept connections, as the lock's own commands are."""
+    timeout = 1.0
+
+    def sync() -> float:
+        given = redis.Redis(port=own_server.port, socket_timeout=timeout)
+        with dlock.connect("redis://", client=given) as client:
+            client.list()  # connected before the pause
+            with paused_for_at_most([own_server], 20.0):
+                start = time.monotonic()
+                with pytest.raises(dlock.BackendUnavailable):
+                    client.list()
+                took = time.monotonic() - start
+        given.close()
+        return took
+
+    async def asyncio_face() -> float:
+        given = redis.asyncio.Redis(port=own_server.port, socket_timeout=timeout)
+        async with dlock.aio.connect("redis://", client=given) as client:
+            await client.list()  # connected before the pause
+            with paused_for_at_most([own_server], 20.0):
+                start = time.monotonic()
+                with pytest.raises(dlock.BackendUnavailable):
+                    await client.list()
+                took = time.monotonic() - start
+        await given.aclose()
+        return took
+
+    took = sync() if face == "sync" else asyncio.run(asyncio_face())
+    assert took < timeout + 2.0, f"list() took {took:.1f} s"
 
 
 def test_a_client_of_the_other_face_is_refused_naming_this_faces_classes() -> None:

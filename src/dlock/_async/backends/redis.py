@@ -703,8 +703,9 @@ def _bounded_twin(client: Any, seconds: float) -> Any:
     answers again, whatever the caller's timeout: an ``acquire(timeout=1)`` took the
     whole of an 8 s pause. The twin reaches the same server with the same connection
     settings (credentials, database, TLS), each round trip and connect bounded
-    by ``seconds``, as dlock's own clients are, and with the same cap on connections;
-    the given client itself, and its owner's commands, are left as they are."""
+    by ``seconds`` and retried never, as dlock's own clients are, and with the same cap
+    on connections; the given client itself, and its owner's commands, are left as
+    they are."""
     if not isinstance(client, redis_client.Redis):
         return None  # a cluster client keeps its own (docs/redis.md)
     pool = client.connection_pool
@@ -714,6 +715,9 @@ def _bounded_twin(client: Any, seconds: float) -> Any:
     settings["socket_timeout"] = seconds
     if settings.get("socket_connect_timeout") is None:
         settings["socket_connect_timeout"] = seconds
+    # No silent retries, as on dlock's own clients: redis-py's default retried a SCAN
+    # that timed out three times, and a list() took the whole of a 12 s pause.
+    settings["retry"] = Retry(NoBackoff(), 0)
     return redis_client.Redis.from_pool(
         redis_client.ConnectionPool(
             connection_class=pool.connection_class,
@@ -1774,14 +1778,24 @@ class AsyncRedisBackend(AsyncBackend):
                 keys += await self._scan_node(client, match, {"target_nodes": node})
         return keys
 
-    @staticmethod
-    async def _scan_node(client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
-        """SCAN one server (on a cluster, the master ``where`` names) to its cursor's end."""
+    async def _scan_node(self, client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
+        """SCAN one server (on a cluster, the master ``where`` names) to its cursor's end.
+
+        On one server, sent on our kept connections as the lock's commands are: through
+        the client's ``scan``, a given client's retries (redis-py 6 and later: three, by
+        default) sent a SCAN that timed out again and again, and a list() took the whole
+        of a 30 s pause of the server, for a 5 s read timeout."""
         keys: list[Any] = []
         cursor: Any = 0
         while True:
             wired_cursor, wired_match, count = _wire((cursor, match, 1000))
-            cursor, batch = await client.scan(wired_cursor, wired_match, count, **where)
+            if self._connections is not None:
+                cursor, batch = await self._run(
+                    client, "SCAN", wired_cursor, "MATCH", wired_match, "COUNT", count
+                )
+                cursor = int(cursor)  # unparsed: bytes, or str if the client decodes
+            else:
+                cursor, batch = await client.scan(wired_cursor, wired_match, count, **where)
             if isinstance(cursor, dict):  # a cluster client's answer, by node name
                 (cursor,) = cursor.values()
             keys += batch
