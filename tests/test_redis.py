@@ -1653,10 +1653,14 @@ def paused_for_at_most(servers: Sequence[RedisServer], seconds: float) -> Iterat
             server.resume()
 
 
-@pytest.mark.parametrize("redlock", [False, True], ids=["one-server", "redlock"])
+@pytest.mark.parametrize(
+    ("redlock", "blocking"),
+    [(False, False), (False, True), (True, False)],
+    ids=["one-server", "one-server-blocking-pool", "redlock"],
+)
 @pytest.mark.parametrize("face", ["sync", "asyncio"])
 def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
-    own_masters: list[RedisServer], face: str, redlock: bool
+    own_masters: list[RedisServer], face: str, redlock: bool, blocking: bool
 ) -> None:
     """A client given with ``client=`` and ``socket_timeout=None`` (redis-py's default
     before 8.0) left every call on a paused server waiting until it answered again,
@@ -1665,7 +1669,8 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
     it are bounded as on its own clients: 5 s per round trip on one server (it then
     fails), a master's 0.5 s with Redlock (the others decide), and retried never (a
     list()'s SCAN went through redis-py's default retries: four timeouts). The client
-    itself, for its owner's commands, keeps having no timeout."""
+    itself, for its owner's commands, keeps having no timeout. A BlockingConnectionPool
+    stays one (its callers wait for a connection rather than fail)."""
     pause = 20.0
     url = "redis+redlock://" if redlock else "redis://"
     paused = own_masters[:1]
@@ -1681,10 +1686,20 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
             assert isinstance(outcome, dlock.BackendUnavailable), repr(outcome)
 
     def sync() -> None:
-        given = [redis.Redis(port=port, socket_timeout=None) for port in ports]
+        if blocking:
+            pools = [
+                redis.BlockingConnectionPool(port=port, socket_timeout=None)  # type: ignore[no-untyped-call]
+                for port in ports
+            ]
+            given = [redis.Redis(connection_pool=pool) for pool in pools]
+        else:
+            given = [redis.Redis(port=port, socket_timeout=None) for port in ports]
         with dlock.connect(url, client=given if redlock else given[0]) as client:
             lock = client.lock(name, ttl=30)
             assert client.inspect(name) is None  # connected before the pause
+            if blocking:
+                ours = client._backend._client.connection_pool  # type: ignore[attr-defined]
+                assert isinstance(ours, redis.BlockingConnectionPool), ours
             with paused_for_at_most(paused, pause):
                 start = time.monotonic()
                 try:
@@ -1704,10 +1719,23 @@ def test_a_given_client_without_a_read_timeout_gets_dlocks_bound(
             each.close()
 
     async def asyncio_face() -> None:
-        given = [redis.asyncio.Redis(port=port, socket_timeout=None) for port in ports]
+        if blocking:
+            given = [
+                redis.asyncio.Redis(
+                    connection_pool=redis.asyncio.BlockingConnectionPool(
+                        port=port, socket_timeout=None
+                    )
+                )
+                for port in ports
+            ]
+        else:
+            given = [redis.asyncio.Redis(port=port, socket_timeout=None) for port in ports]
         async with dlock.aio.connect(url, client=given if redlock else given[0]) as client:
             lock = client.lock(name, ttl=30)
             assert await client.inspect(name) is None  # connected before the pause
+            if blocking:
+                ours = client._backend._client.connection_pool  # type: ignore[attr-defined]
+                assert isinstance(ours, redis.asyncio.BlockingConnectionPool), ours
             with paused_for_at_most(paused, pause):
                 start = time.monotonic()
                 try:

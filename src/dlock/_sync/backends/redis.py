@@ -708,6 +708,9 @@ def _bounded_twin(client: Any, seconds: float) -> Any:
     if not isinstance(client, redis_client.Redis):
         return None  # a cluster client keeps its own (docs/redis.md)
     pool = client.connection_pool
+    kind = type(pool)
+    if kind not in (redis_client.ConnectionPool, redis_client.BlockingConnectionPool):
+        return None  # a Sentinel's pool, or one of its owner's making: how to copy it is theirs
     settings = dict(pool.connection_kwargs)
     if settings.get("socket_timeout") is not None:
         return None
@@ -717,8 +720,10 @@ def _bounded_twin(client: Any, seconds: float) -> Any:
     # No silent retries, as on dlock's own clients: redis-py's default retried a SCAN
     # that timed out three times, and a list() took the whole of a 12 s pause.
     settings["retry"] = Retry(NoBackoff(), 0)
+    if isinstance(pool, redis_client.BlockingConnectionPool):
+        settings["timeout"] = pool.timeout  # how long a caller waits for a connection
     return redis_client.Redis.from_pool(
-        redis_client.ConnectionPool(
+        kind(
             connection_class=pool.connection_class,
             max_connections=pool.max_connections,
             **settings,
