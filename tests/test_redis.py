@@ -423,15 +423,23 @@ def test_release_hands_the_lease_to_the_waiter_without_its_own_round_trip(
 ) -> None:
     name = unique()
     admin = redis.Redis(port=own_server.port)
+
+    def scripts_run() -> int:
+        return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
     with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:
         holder = first.lock(name, ttl=30)
         holder.acquire()
         waiter = second.lock(name, ttl=30)
+        admin.config_resetstat()
         acquired = acquire_in_thread(waiter, timeout=10)
-        deadline = time.monotonic() + 5
-        while not admin.exists(f"dlock:{{n:{name}}}:queue") and time.monotonic() < deadline:
+        # Parked: its first attempt queued it, it subscribed, then tried once more (a
+        # release before the subscription is not heard). A release before that second
+        # attempt (a loaded machine) has the attempt take the lease: two scripts.
+        deadline = time.monotonic() + 10
+        while not (admin.pubsub_channels(Keys(b"dlock", name).wake + b"*") and scripts_run() >= 2):
+            assert time.monotonic() < deadline, "the waiter never parked"
             time.sleep(0.01)
-        time.sleep(0.1)
         admin.config_resetstat()
         holder.release()
         assert acquired() is True
