@@ -3349,13 +3349,23 @@ def test_a_cancellation_while_unsubscribing_idle_connections_leaks_none(
         ):
             backend: Any = client._backend
             names = [unique() for _ in range(3)]
-            for name in names:
-                assert await other.lock(name, ttl=30).acquire(timeout=0)
-            # Two waits at once: two subscriptions, idle (lingering) once they time out.
-            results = await asyncio.gather(
-                *(client.lock(name).acquire(timeout=0.3) for name in names[:2])
-            )
-            assert results == [False, False]
+            holders = [other.lock(name, ttl=30) for name in names]
+            for holder in holders:
+                assert await holder.acquire(timeout=0)
+            # Two waits at once: two subscriptions, idle (lingering) once the waits end.
+            # Ended by a release once both are subscribed, not by a short timeout, which
+            # a first attempt slower than it (a loaded machine) ends before any wait.
+            waiting = [client.lock(name, ttl=30) for name in names[:2]]
+            waits = [asyncio.ensure_future(lock.acquire(timeout=30)) for lock in waiting]
+            deadline = time.monotonic() + 10
+            while subscribed() < 2:
+                assert time.monotonic() < deadline, "the waiters never subscribed"
+                await asyncio.sleep(0.05)
+            for holder in holders[:2]:
+                await holder.release()
+            assert await asyncio.gather(*waits) == [True, True]
+            for lock in waiting:
+                await lock.release()
             assert len(backend._idle) == 2 and subscribed() == 2
             reached = asyncio.Event()
             first = backend._idle[0][0]
