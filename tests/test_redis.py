@@ -3591,7 +3591,18 @@ def test_a_forked_child_does_not_share_the_parents_idle_subscriptions(
     with dlock.connect(url) as client, dlock.connect(url) as other:
         holder = other.lock(name, ttl=30)
         assert holder.acquire(timeout=0)
-        assert client.lock(name, ttl=30).acquire(timeout=0.2) is False  # waits, subscribed
+        # A wait that subscribes, then ends: its connection idle, still subscribed. Ended
+        # by the release once subscribed: a short timeout ends it before any wait when
+        # the first attempt is slower (a loaded machine).
+        waiting = client.lock(name, ttl=30)
+        acquired = acquire_in_thread(waiting, timeout=30)
+        deadline = time.monotonic() + 10
+        while not admin.pubsub_channels(channels):
+            assert time.monotonic() < deadline, "the waiter never subscribed"
+            time.sleep(0.01)
+        holder.release()
+        assert acquired() is True
+        waiting.release()
         assert len(admin.pubsub_channels(channels)) == 1
         pid = os.fork()
         if pid == 0:  # the child waits too, on a name of its own
@@ -3606,7 +3617,6 @@ def test_a_forked_child_does_not_share_the_parents_idle_subscriptions(
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert len(admin.pubsub_channels(channels)) == 1, "the child took the parent's socket"
-        holder.release()
     admin.close()
 
 
