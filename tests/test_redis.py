@@ -209,6 +209,7 @@ def acquire_in_thread(lock: dlock.Lock, timeout: float) -> Callable[[], bool | N
 def test_restart_while_held_is_reported_as_a_loss(own_server: RedisServer) -> None:
     lost: list[object] = []
     with dlock.connect(url_of(own_server)) as client:
+        client.inspect("connected")  # the short lease's acquire is one round trip
         lock = client.lock(unique(), ttl=0.9, on_lost=lost.append)
         lock.acquire()
         before = lock.fencing_token
@@ -412,6 +413,7 @@ def test_a_live_waiter_no_longer_loses_its_place_to_a_short_queue_ttl(
 def test_unreleased_lease_lets_waiter_in_when_it_expires(own_server: RedisServer) -> None:
     name = unique()
     with dlock.connect(url_of(own_server)) as first, dlock.connect(url_of(own_server)) as second:
+        first.inspect("connected")  # the short lease's acquire is one round trip
         first.lock(name, ttl=0.8, auto_renew=False).acquire()
         start = time.monotonic()
         assert second.lock(name, ttl=5).acquire(timeout=5)
@@ -933,6 +935,7 @@ def test_release_after_the_lease_ran_out_is_lock_lost_even_if_the_server_is_gone
     """A holder whose lease ran out on its own clock is told LockLost, not whatever the
     backend answers (here: nothing, a paused server)."""
     with dlock.connect(url_of(own_server), socket_timeout=0.3) as client:
+        client.inspect("connected")  # the short lease's acquire is one round trip
         lock = client.lock(unique(), ttl=0.3, auto_renew=False)
         assert lock.acquire(timeout=0)
         own_server.pause()
@@ -1130,6 +1133,7 @@ def test_redlock_grant_after_its_validity_is_unavailable_not_busy(
 def test_redlock_master_paused_during_hold(own_masters: list[RedisServer]) -> None:
     url = make_redlock_url(own_masters)
     with dlock.connect(url) as client, dlock.connect(url) as other:
+        client.inspect("connected")  # connected to every master before one is paused
         own_masters[2].pause()
         try:
             # A silent minority costs one master timeout (0.5 s), well inside a 1 s TTL.

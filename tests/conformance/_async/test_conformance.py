@@ -141,6 +141,7 @@ async def test_timeouts_are_honoured(url: str, name: str) -> None:
 
 async def test_expired_lease_is_taken_over(url: str, name: str) -> None:
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        await connected(first)
         stale = first.lock(name, ttl=0.5, auto_renew=False)
         # Timed from before the stale grant, whose lease cannot end before 0.5 s after
         # it (from after it, a slow return of acquire ate into the lower bound).
@@ -353,6 +354,7 @@ async def test_a_hold_told_lost_stays_counted_after_a_reentry_until_it_is_releas
     catches LockLost misses), and only then is the object free of it."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
         await connected(admin)
+        await connected(first)
         lock = first.lock(name, ttl=0.6, reentrant=True)
         assert await lock.acquire(timeout=0)
         await force_release_from_another_task(admin, name)
@@ -466,6 +468,7 @@ async def test_every_entry_of_a_lost_reentrant_hold_raises_lock_lost_when_releas
     third raises NotOwner. A fresh hold starts its own count."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
         await connected(admin)
+        await connected(first)
         lock = first.lock(name, ttl=0.6 if told_first else 30, reentrant=True)
         assert await lock.acquire(timeout=0) and await lock.acquire(timeout=0)
         await force_release_from_another_task(admin, name)
@@ -520,6 +523,7 @@ async def test_a_reentry_in_its_own_body_after_the_lease_ran_out_raises_lock_los
     """As above, for a lease that ran out on the holder's clock (not renewed): the
     re-entry is told the loss, not granted a new lease under the outer block."""
     async with dlock.aio.connect(url) as client:
+        await connected(client)
         lock = client.lock(name, ttl=0.5, reentrant=True, auto_renew=False)
         handled = False
         with pytest.raises(dlock.LockLost):
@@ -547,6 +551,7 @@ async def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept(
     lost hold's session still holds the lock, but its lease has run out: the fresh
     attempt ends that session and takes the lock, as it would another's.)"""
     async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+        await connected(client)
         lock = client.lock(name, ttl=0.5, auto_renew=False)
         assert await lock.acquire(timeout=0)
         deadline = time.monotonic() + 5
@@ -579,6 +584,7 @@ async def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     """Held for twice the ttl: unrenewed, the lease would have ended 0.6 s before the
     check (on both clocks), and one renewed only once (at 0.2 s) 0.4 s before it."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        await connected(first)
         lock = first.lock(name, ttl=0.6)
         async with lock:
             token = lock.fencing_token
@@ -636,6 +642,7 @@ async def test_extend(url: str, name: str) -> None:
     reports the time left in whole seconds rounded down: 4 s leaves a second of slack
     over the sleep before more than 1.5 s shows as 1.)"""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as second:
+        await connected(first)
         lock = first.lock(name, ttl=0.5, auto_renew=False)
         await lock.acquire()
         await lock.extend(4)
@@ -675,7 +682,9 @@ async def test_extend_shorter_than_the_renewal_interval_keeps_the_lease(
 async def connected(client: dlock.aio.AsyncClient) -> None:
     """Make ``client``'s first round trip (its connection's set-up) before a short lease
     (ttl=0.6) is taken: on a loaded machine, a first force-release took so long that the
-    lease it was to end had run out already."""
+    lease it was to end had run out already, and a holder's first acquire took longer
+    than the lease it asked for (granted 0.65 s after it was sent: given back, and
+    BackendUnavailable)."""
     await client.inspect("connected")
 
 
@@ -721,6 +730,7 @@ async def test_loss_is_reported(url: str, name: str) -> None:
 
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
         await connected(admin)
+        await connected(first)
         lock = first.lock(name, ttl=0.6, on_lost=slow_on_lost)
         start = time.monotonic()
         body_finished = False
@@ -741,6 +751,7 @@ async def test_loss_is_reported_after_a_nested_block(url: str, name: str) -> Non
     the outer one."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
         await connected(admin)
+        await connected(first)
         lock = first.lock(name, ttl=0.6, reentrant=True)
         body_finished = False
         with pytest.raises(dlock.LockLost):
@@ -776,6 +787,7 @@ async def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
     """The body waits until the renewer has told the loss (a cancellation, were one sent
     wrongly, is sent at that moment), then a while longer for one sent late to land."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        await connected(first)
         told: list[object] = []
         lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         body_finished = False
@@ -799,6 +811,7 @@ async def test_an_interrupt_ends_a_lost_block_as_itself(
     as itself (the loss shows in ``lost`` and ``on_lost``): turned into LockLost, the
     usual ``except LockLost`` retry loop swallowed the user's Ctrl-C."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
+        await connected(first)
         told: list[object] = []
         lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         with pytest.raises(interrupt) as raised:
@@ -1541,6 +1554,9 @@ async def test_a_reentrant_waiter_sharing_the_lock_object_waits_for_the_other_us
         assert await holder.acquire(timeout=0)
         told: list[dlock.aio.AsyncLock] = []
         shared = client.lock(name, ttl=30, reentrant=True, on_lost=told.append)
+        # Connected first: an attempt longer than the timeout (a fresh client's, on a
+        # loaded machine) ends the acquire before it waits, with no other user.
+        await connected(client)
         taken_while_waiting(client, holder, shared)
         assert not await shared.acquire(timeout=0.5), "entered while another user held it"
         assert shared.owned() and not shared.lost and told == []

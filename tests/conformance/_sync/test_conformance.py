@@ -140,6 +140,7 @@ def test_timeouts_are_honoured(url: str, name: str) -> None:
 
 def test_expired_lease_is_taken_over(url: str, name: str) -> None:
     with dlock.connect(url) as first, dlock.connect(url) as second:
+        connected(first)
         stale = first.lock(name, ttl=0.5, auto_renew=False)
         # Timed from before the stale grant, whose lease cannot end before 0.5 s after
         # it (from after it, a slow return of acquire ate into the lower bound).
@@ -350,6 +351,7 @@ def test_a_hold_told_lost_stays_counted_after_a_reentry_until_it_is_released(
     catches LockLost misses), and only then is the object free of it."""
     with dlock.connect(url) as first, dlock.connect(url) as admin:
         connected(admin)
+        connected(first)
         lock = first.lock(name, ttl=0.6, reentrant=True)
         assert lock.acquire(timeout=0)
         force_release_from_another_task(admin, name)
@@ -461,6 +463,7 @@ def test_every_entry_of_a_lost_reentrant_hold_raises_lock_lost_when_released(
     third raises NotOwner. A fresh hold starts its own count."""
     with dlock.connect(url) as first, dlock.connect(url) as admin:
         connected(admin)
+        connected(first)
         lock = first.lock(name, ttl=0.6 if told_first else 30, reentrant=True)
         assert lock.acquire(timeout=0) and lock.acquire(timeout=0)
         force_release_from_another_task(admin, name)
@@ -515,6 +518,7 @@ def test_a_reentry_in_its_own_body_after_the_lease_ran_out_raises_lock_lost(
     """As above, for a lease that ran out on the holder's clock (not renewed): the
     re-entry is told the loss, not granted a new lease under the outer block."""
     with dlock.connect(url) as client:
+        connected(client)
         lock = client.lock(name, ttl=0.5, reentrant=True, auto_renew=False)
         handled = False
         with pytest.raises(dlock.LockLost):
@@ -540,6 +544,7 @@ def test_a_fresh_hold_taken_while_a_lost_one_is_given_back_is_kept(url: str, nam
     lost hold's session still holds the lock, but its lease has run out: the fresh
     attempt ends that session and takes the lock, as it would another's.)"""
     with dlock.connect(url) as client, dlock.connect(url) as other:
+        connected(client)
         lock = client.lock(name, ttl=0.5, auto_renew=False)
         assert lock.acquire(timeout=0)
         deadline = time.monotonic() + 5
@@ -572,6 +577,7 @@ def test_renewal_keeps_lock_alive(url: str, name: str) -> None:
     """Held for twice the ttl: unrenewed, the lease would have ended 0.6 s before the
     check (on both clocks), and one renewed only once (at 0.2 s) 0.4 s before it."""
     with dlock.connect(url) as first, dlock.connect(url) as second:
+        connected(first)
         lock = first.lock(name, ttl=0.6)
         with lock:
             token = lock.fencing_token
@@ -629,6 +635,7 @@ def test_extend(url: str, name: str) -> None:
     reports the time left in whole seconds rounded down: 4 s leaves a second of slack
     over the sleep before more than 1.5 s shows as 1.)"""
     with dlock.connect(url) as first, dlock.connect(url) as second:
+        connected(first)
         lock = first.lock(name, ttl=0.5, auto_renew=False)
         lock.acquire()
         lock.extend(4)
@@ -666,7 +673,9 @@ def test_extend_shorter_than_the_renewal_interval_keeps_the_lease(url: str, name
 def connected(client: dlock.Client) -> None:
     """Make ``client``'s first round trip (its connection's set-up) before a short lease
     (ttl=0.6) is taken: on a loaded machine, a first force-release took so long that the
-    lease it was to end had run out already."""
+    lease it was to end had run out already, and a holder's first acquire took longer
+    than the lease it asked for (granted 0.65 s after it was sent: given back, and
+    BackendUnavailable)."""
     client.inspect("connected")
 
 
@@ -712,6 +721,7 @@ def test_loss_is_reported(url: str, name: str) -> None:
 
     with dlock.connect(url) as first, dlock.connect(url) as admin:
         connected(admin)
+        connected(first)
         lock = first.lock(name, ttl=0.6, on_lost=slow_on_lost)
         start = time.monotonic()
         body_finished = False
@@ -732,6 +742,7 @@ def test_loss_is_reported_after_a_nested_block(url: str, name: str) -> None:
     the outer one."""
     with dlock.connect(url) as first, dlock.connect(url) as admin:
         connected(admin)
+        connected(first)
         lock = first.lock(name, ttl=0.6, reentrant=True)
         body_finished = False
         with pytest.raises(dlock.LockLost):
@@ -767,6 +778,7 @@ def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
     """The body waits until the renewer has told the loss (a cancellation, were one sent
     wrongly, is sent at that moment), then a while longer for one sent late to land."""
     with dlock.connect(url) as first, dlock.connect(url) as admin:
+        connected(first)
         told: list[object] = []
         lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         body_finished = False
@@ -790,6 +802,7 @@ def test_an_interrupt_ends_a_lost_block_as_itself(
     as itself (the loss shows in ``lost`` and ``on_lost``): turned into LockLost, the
     usual ``except LockLost`` retry loop swallowed the user's Ctrl-C."""
     with dlock.connect(url) as first, dlock.connect(url) as admin:
+        connected(first)
         told: list[object] = []
         lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         with pytest.raises(interrupt) as raised:
@@ -1524,6 +1537,9 @@ def test_a_reentrant_waiter_sharing_the_lock_object_waits_for_the_other_user(
         assert holder.acquire(timeout=0)
         told: list[dlock.Lock] = []
         shared = client.lock(name, ttl=30, reentrant=True, on_lost=told.append)
+        # Connected first: an attempt longer than the timeout (a fresh client's, on a
+        # loaded machine) ends the acquire before it waits, with no other user.
+        connected(client)
         taken_while_waiting(client, holder, shared)
         assert not shared.acquire(timeout=0.5), "entered while another user held it"
         assert shared.owned() and not shared.lost and told == []
