@@ -313,7 +313,9 @@ class AsyncRedlockBackend(AsyncBackend):
                 # time, so that the holder's clock does not outlast masters' fast clocks.
                 self._entries[(name, token)] = 1
                 return Acquired(fencing_token=fence, count=1, ttl=ttl - _drift(ttl))
-            if lifted:
+            if lifted or validity <= 0:
+                # A lift that found the lease gone is too late as well: the lease ran out
+                # during the round trips (answered busy, it was asked again for ever).
                 too_late = time.monotonic() - started
         await self._give_back(name, token, results, reentrant)
         if too_late is not None:
