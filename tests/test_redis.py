@@ -342,12 +342,15 @@ def test_a_waiter_whose_subscription_dropped_subscribes_again_rather_than_pollin
             time.sleep(seconds)
             return int(admin.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
-        # It polls (UNHEARD_POLL) until it has subscribed again (RESUBSCRIBE_AFTER).
+        # It polls (UNHEARD_POLL) until it has subscribed again (RESUBSCRIBE_AFTER). A
+        # quiet 0.3 s alone does not show that: a loaded machine slows the polling too.
         deadline = time.monotonic() + 5
-        while (polled := attempts_in(0.3)) > 1 and time.monotonic() < deadline:
+        while (
+            (polled := attempts_in(0.3)) > 1 or not admin.pubsub_channels(channels)
+        ) and time.monotonic() < deadline:
             pass
         assert polled <= 1, f"the waiter kept polling: {polled} attempts in 0.3 s"
-        assert admin.pubsub_channels(channels)
+        assert admin.pubsub_channels(channels), "the waiter did not subscribe again"
         released = time.monotonic()
         holder.release()
         assert acquired() is True
@@ -2553,12 +2556,19 @@ def test_a_leave_refused_by_a_cluster_that_is_down_is_sent_again(
         with redis.Redis(port=serving, decode_responses=True) as admin:
             return str(admin.cluster("INFO")["cluster_state"])
 
+    async def queued(client: dlock.aio.AsyncClient) -> tuple[Holder, ...]:
+        info = await client.inspect(name)
+        return () if info is None else info.waiters
+
     async def scenario() -> bool:
         async with dlock.aio.connect(url) as holders, dlock.aio.connect(url) as waiters:
             holder = holders.lock(name, ttl=30)
             assert await holder.acquire(timeout=0)
             waiting = asyncio.create_task(waiters.lock(name, ttl=30).acquire(timeout=60))
-            await asyncio.sleep(0.5)  # its attempt made, it waits in line
+            deadline = time.monotonic() + 10
+            while not await queued(holders):  # its attempt made, it waits in line
+                assert time.monotonic() < deadline, "the waiter never got in line"
+                await asyncio.sleep(0.05)
             other.pause()
             try:
                 deadline = time.monotonic() + 20
@@ -2575,7 +2585,12 @@ def test_a_leave_refused_by_a_cluster_that_is_down_is_sent_again(
             while state() != "ok":
                 assert time.monotonic() < deadline, "the cluster did not come back"
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(1.5)  # the leave, sent again, has run
+            # The leave, sent again, runs: well before its place would lapse (30 s).
+            deadline = time.monotonic() + 10
+            while await queued(holders):
+                if time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.1)
             await holder.release()
             return await holders.lock(name, ttl=30).acquire(timeout=0)
 
