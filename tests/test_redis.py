@@ -1474,11 +1474,21 @@ def _redlock_head_cancelled(
         ):
             holder = holders.lock(unique(), ttl=30, auto_renew=False)
             assert await holder.acquire(timeout=0)
+
+            async def in_line(count: int) -> None:
+                deadline = time.monotonic() + 10
+                while True:
+                    info = await holders.inspect(holder.name)
+                    if info is not None and len(info.waiters) >= count:
+                        return
+                    assert time.monotonic() < deadline, f"{count} waiters never got in line"
+                    await asyncio.sleep(0.05)
+
             head = asyncio.create_task(heads.lock(holder.name, ttl=30).acquire(timeout=20))
-            await asyncio.sleep(0.5)  # its attempt made, it waits at the head
+            await in_line(1)  # its attempt made, it waits at the head
             next_lock = nexts.lock(holder.name, ttl=30)
             waiting = asyncio.create_task(next_lock.acquire(timeout=20))
-            await asyncio.sleep(0.5)
+            await in_line(2)
             for master in free_on:
                 with redis.Redis(port=master.port) as raw:
                     assert raw.delete(Keys(b"dlock", holder.name).lease) == 1
