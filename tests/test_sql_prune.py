@@ -193,14 +193,23 @@ def test_the_prune_command(
     assert not _has_row(server, table, name)
 
 
-def _a_delete_waits_for_a_row(server: SQLServer) -> bool:
+def _until_a_delete_waits_for_a_row(server: SQLServer, table: str, within: float) -> None:
+    """Return once a DELETE from ``table`` waits for a row lock; fail after ``within`` s.
+
+    MariaDB fills ``information_schema.innodb_trx`` from a cache that it refreshes
+    only when nobody has read it for 100 ms: polled more often, it kept showing the
+    moment before the DELETE waited, for ever (CI: "prune never waited for the row"
+    while the DELETE waited until its client timed out). So it is polled more slowly."""
     if server.scheme == "postgresql":
-        sql = """SELECT count(*) FROM pg_stat_activity
-                 WHERE wait_event_type = 'Lock' AND query LIKE '%DELETE%'"""
+        sql = f"""SELECT count(*) FROM pg_stat_activity
+                  WHERE wait_event_type = 'Lock' AND query LIKE '%DELETE FROM%{table}%'"""
     else:
-        sql = """SELECT count(*) FROM information_schema.innodb_trx
-                 WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE '%DELETE%'"""
-    return bool(admin(server)(sql, ())[0][0])
+        sql = f"""SELECT count(*) FROM information_schema.innodb_trx
+                  WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE '%DELETE FROM%{table}%'"""
+    deadline = time.monotonic() + within
+    while not admin(server)(sql, ())[0][0]:
+        assert time.monotonic() < deadline, "prune never waited for the row"
+        time.sleep(0.25)
 
 
 def test_a_name_taken_while_prune_waits_for_its_row_stays(
@@ -213,7 +222,8 @@ def test_a_name_taken_while_prune_waits_for_its_row_stays(
     url = server.url(f"table={table}")
     _use(url, name)
     _set_back(server, table, name)
-    with dlock.connect(url) as client:
+    # The prune's statement waits for as long as the test may take to see it wait.
+    with dlock.connect(f"{url}&timeout=60") as client:
         # Connected, and the table checked, before the transaction below holds it open.
         assert client.inspect(name) is None
         conn = server.connect(autocommit=False)
@@ -227,12 +237,9 @@ def test_a_name_taken_while_prune_waits_for_its_row_stays(
             pruned: list[int] = []
             pruning = threading.Thread(target=lambda: pruned.append(client.prune(AN_HOUR)))
             pruning.start()
-            deadline = time.monotonic() + 10
-            while not _a_delete_waits_for_a_row(server):
-                assert time.monotonic() < deadline, "prune never waited for the row"
-                time.sleep(0.02)
+            _until_a_delete_waits_for_a_row(server, table, within=30)
             conn.commit()
-            pruning.join(10)
+            pruning.join(30)
         finally:
             conn.close()
     assert pruned == [0]
