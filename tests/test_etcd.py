@@ -1413,6 +1413,50 @@ async def test_cancelled_acquires_leave_no_connection_behind(
         await lock.release()
 
 
+class _FailedImports:
+    """A finder that notes every module looked up past sys.modules; those still missing
+    from it afterwards are the failed imports."""
+
+    def __init__(self) -> None:
+        self.looked_up: list[str] = []
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        self.looked_up.append(name)
+
+    def failed(self) -> list[str]:
+        return sorted({name for name in self.looked_up if name not in sys.modules})
+
+
+async def test_asyncio_requests_make_no_failed_import(etcd_server: EtcdServer, name: str) -> None:
+    """httpx's asyncio pool asks which event loop runs it by importing sniffio, for each
+    lock, event and shield it sets up (several per request). anyio no longer brings
+    sniffio in; without it each of those was a failed import, a search of every directory
+    on sys.path (0.2 ms each): a quarter to a third of the CPU of a client with 120 waiters
+    (whose acquires, CPU-bound, ran past their 30 s timeout on a loaded machine). The etcd
+    extra installs sniffio. Looked at once the client is warm: a first use may import
+    lazily."""
+    url = etcd_server.url(prefix())
+    async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+        finder = _FailedImports()
+        for watched in (False, True):
+            if watched:
+                sys.meta_path.insert(0, finder)
+            try:
+                holder = other.lock(name, ttl=5)
+                assert await holder.acquire(timeout=0)
+                waiter = client.lock(name, ttl=5)
+                # Queued: a place, its watch (the other pool), then a timeout.
+                assert not await waiter.acquire(timeout=0.3)
+                await holder.release()
+                assert await waiter.acquire(timeout=5)
+                assert (await other.inspect(name)) is not None
+                await waiter.release()
+            finally:
+                if watched:
+                    sys.meta_path.remove(finder)
+        assert finder.failed() == []
+
+
 async def test_a_cancelled_acquire_whose_put_lands_late_holds_nothing(
     etcd_server: EtcdServer, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
