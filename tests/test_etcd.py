@@ -1497,19 +1497,22 @@ async def test_a_cancelled_acquire_whose_put_lands_late_holds_nothing(
 async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
     etcd_server: EtcdServer, name: str
 ) -> None:
-    """Three asyncio waiters queued: the first times out and the second is cancelled;
-    each one's queue key is gone at once (read past dlock), and the third, behind them,
-    gets the lock as soon as the holder releases it, not after their places lapse."""
+    """Three asyncio waiters queued: the first is cancelled and the second times out;
+    each one's queue key is gone once it has left (read past dlock), and the third,
+    behind them, gets the lock as soon as the holder releases it, not after their places
+    lapse. The places outlive the test (queue_ttl 30 s): with the default 6 s, a place
+    that was never left lapsed within the wait for it to go, and the test passed
+    without the leaves. The one that times out is queued second: its timeout must
+    outlast only the third's queueing (queued first, behind it two queueings on a
+    loaded machine, it at times timed out before the third was in line)."""
     path = prefix()
-    url = etcd_server.url(path)
-    clients = [dlock.aio.connect(url, label=label) for label in ("times-out", "cancelled", "last")]
+    url = etcd_server.url(path, queue_ttl=30)
+    clients = [dlock.aio.connect(url, label=label) for label in ("cancelled", "times-out", "last")]
     try:
         holder = clients[2].lock(name, ttl=30)
         assert await holder.acquire(timeout=0)
         old = holder.fencing_token
         assert old is not None
-        # Long enough for the others to queue behind it on a loaded machine.
-        times_out = asyncio.create_task(clients[0].lock(name, ttl=30).acquire(timeout=3.0))
 
         async def queued(count: int) -> None:
             deadline = time.monotonic() + 10
@@ -1517,15 +1520,17 @@ async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
                 assert time.monotonic() < deadline, f"never {count} queued"
                 await asyncio.sleep(0.01)
 
+        cancelled = asyncio.create_task(clients[0].lock(name, ttl=30).acquire(timeout=30))
         await queued(1)
-        cancelled = asyncio.create_task(clients[1].lock(name, ttl=30).acquire(timeout=30))
+        # Long enough for the last to queue behind it on a loaded machine.
+        times_out = asyncio.create_task(clients[1].lock(name, ttl=30).acquire(timeout=3.0))
         await queued(2)
         last_lock = clients[2].lock(name, ttl=30)
         last = asyncio.create_task(last_lock.acquire(timeout=30))
         await queued(3)
         info = await clients[2].inspect(name)
         assert info is not None
-        assert [waiter.label for waiter in info.waiters] == ["times-out", "cancelled", "last"]
+        assert [waiter.label for waiter in info.waiters] == ["cancelled", "times-out", "last"]
         assert await times_out is False
         await queued(2)
         cancelled.cancel()
