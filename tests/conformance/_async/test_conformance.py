@@ -788,6 +788,7 @@ async def test_loss_without_cancelling_the_body(url: str, name: str) -> None:
     wrongly, is sent at that moment), then a while longer for one sent late to land."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
         await connected(first)
+        await connected(admin)
         told: list[object] = []
         lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         body_finished = False
@@ -812,6 +813,7 @@ async def test_an_interrupt_ends_a_lost_block_as_itself(
     usual ``except LockLost`` retry loop swallowed the user's Ctrl-C."""
     async with dlock.aio.connect(url) as first, dlock.aio.connect(url) as admin:
         await connected(first)
+        await connected(admin)
         told: list[object] = []
         lock = first.lock(name, ttl=0.6, cancel_on_lost=False, on_lost=told.append)
         with pytest.raises(interrupt) as raised:
