@@ -1549,7 +1549,7 @@ async def test_waiters_that_time_out_or_are_cancelled_leave_the_queue(
         cancelled = asyncio.create_task(clients[0].lock(name, ttl=30).acquire(timeout=30))
         await queued(1)
         # Long enough for the last to queue behind it on a loaded machine.
-        times_out = asyncio.create_task(clients[1].lock(name, ttl=30).acquire(timeout=3.0))
+        times_out = asyncio.create_task(clients[1].lock(name, ttl=30).acquire(timeout=5.0))
         await queued(2)
         last_lock = clients[2].lock(name, ttl=30)
         last = asyncio.create_task(last_lock.acquire(timeout=30))
