@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,7 +27,11 @@ from typing import TypeVar
 #: from ``FIRST_BANDED``, below the kernel's ephemeral range (32768 and up on Linux),
 #: where no client connection takes its local port either.
 FIRST_BANDED, BAND, BANDS = 20000, 1500, 8
-_next_in_band = 0
+#: Where in its band a worker starts: at random, as two test runs at once (a developer's
+#: and a helper's) both have a ``gw0``; starting at the band's first port, they took the
+#: same ports in step, and one's servers failed to start ("exited at startup", "address
+#: already in use") or a readiness check found the other run's server.
+_next_in_band = random.randrange(BAND)
 
 
 def free_port() -> int:
