@@ -2490,13 +2490,16 @@ def test_a_waiters_timeout_holds_while_the_names_slot_moves(
     own_cluster: RedisCluster, moved: int
 ) -> None:
     """A waiter that times out while the name's slot is moving (none or some of its keys
-    moved) leaves the line, and its leave, refused (TRYAGAIN), was ridden out in the
-    foreground for up to the read timeout (5 s): acquire(timeout=0.5) returned after
-    5.9-6.9 s (a chaos helper's repro, every time). It now returns in time, the leave
-    sent again in the background until the move is over, and nothing of it stays in the
-    line. And each attempt's TRYAGAIN was sent again by redis-py 16 times, the last 8
-    after 50 ms each: acquire(timeout=0.2) returned after 0.82 s (another chaos run,
-    both faces); dlock rides the move out itself, within the waiter's timeout."""
+    moved): its leave, refused (TRYAGAIN), was ridden out in the foreground for up to
+    the read timeout (5 s): acquire(timeout=0.5) returned after 5.9-6.9 s (a chaos
+    helper's repro, every time). It now returns in time, the leave sent again in the
+    background until the move is over, and nothing of it is left to hold the name up.
+    And each attempt's TRYAGAIN was sent again by redis-py 16 times, the last 8 after
+    50 ms each: acquire(timeout=0.2) returned after 0.82 s (another chaos run, both
+    faces); dlock rides the move out itself, within the waiter's timeout. Here the
+    waiter's attempts are all refused (the queue key it would make is missing from the
+    slot's old node), so it never gets a place: that a queued waiter's refused leave is
+    sent again until it runs is test_a_leave_refused_by_a_cluster_that_is_down_is_sent_again."""
     name = unique()
     move = _SlotMove(own_cluster, name)
     try:

@@ -34,6 +34,11 @@ from tests.servers.tls import Certificates, make_certificates
 JAR = Path("/usr/share/java/zookeeper.jar")
 #: Netty's codecs, which its TLS handler needs: the Debian jar's manifest leaves them out.
 NETTY_CODEC_JAR = Path("/usr/share/java/netty-codec.jar")
+#: SLF4J's binding to log4j 1.2 (Debian's libslf4j-java and liblog4j1.2-java, which the
+#: zookeeper package pulls in), for the log4j.properties written below: without it the
+#: server logs through SLF4J's no-op logger, and one that exited at startup said nothing
+#: of why in its log.
+LOGGING_JARS = [Path("/usr/share/java/slf4j-log4j12.jar"), Path("/usr/share/java/log4j-1.2.jar")]
 TICK_MS = 100
 #: How often the server deletes empty container nodes (ZooKeeper's default: a minute).
 CONTAINER_CHECK_MS = 200
@@ -87,7 +92,7 @@ class ZooKeeperEnsemble:
         self.client_ports = [free_port() for _ in range(size)]
         self.secure_port: int | None = None
         self.certificates: Certificates | None = None
-        classpath = [JAR]
+        classpath = [JAR, *(jar for jar in LOGGING_JARS if jar.exists())]
         tls_lines: list[str] = []
         if tls:
             self.secure_port = free_port()
