@@ -74,3 +74,15 @@ class InvalidTTL(InvalidArgument):
 
 class InvalidTimeout(InvalidArgument):
     """A timeout is negative or not a number."""
+
+
+def in_words(exc: BaseException) -> str:
+    """What a call ran into, said as the backends' errors say it, for a log line. A repr
+    read as a crash: the asyncio face's bound on a renewal, reached while a ZooKeeper
+    leader was paused, showed ``TimeoutError('no answer within 1.989 s')``."""
+    if isinstance(exc, BackendError):
+        return str(exc)
+    said = f" ({exc})" if str(exc) else ""
+    if isinstance(exc, TimeoutError):
+        return f"the backend did not answer in time{said}"
+    return f"{type(exc).__name__}{said}"

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .._errors import LEASE_RAN_OUT, BackendError
+from .._errors import LEASE_RAN_OUT, BackendError, in_words
 from .._fork import ForkFollower
 from ._primitives import (
     WakeupEvent,
@@ -44,18 +44,6 @@ LONGEST_SLEEP = 3600.0
 #: meanwhile is told lost within this, not when the sleep for its next renewal ends
 #: (up to a third of its TTL later). One wake-up a second per client that holds locks.
 RESUME_CHECK = 1.0
-
-
-def _in_words(exc: BaseException) -> str:
-    """What a renewal ran into, said as the backends' errors say it. A repr read as a
-    crash in a log: the sync face's bound on the call, reached while a ZooKeeper
-    leader was paused, showed ``TimeoutError('no answer within 1.989 s')``."""
-    if isinstance(exc, BackendError):
-        return str(exc)
-    said = f" ({exc})" if str(exc) else ""
-    if isinstance(exc, TimeoutError):
-        return f"the backend did not answer in time{said}"
-    return f"{type(exc).__name__}{said}"
 
 
 class Renewer:
@@ -289,7 +277,7 @@ class Renewer:
                 self._clock() - started,
                 time_left,
                 "will retry while they last" if left else "they ran out meanwhile",
-                _in_words(exc),
+                in_words(exc),
             )
             return
         caps = [lock._write_done(write) for (lock, _), write in zip(due, writes, strict=True)]
