@@ -23,7 +23,13 @@ async def cancel_a_parked_waiter(
         assert await holder.acquire(timeout=0)
         lock = client.lock(name, ttl=30)
         waiting = asyncio.create_task(lock.acquire(timeout=30))
-        await asyncio.sleep(0.5)  # parked, waiting for a release
+        # Parked: in line behind the holder (a fixed sleep could end before a loaded
+        # machine's attempt had queued it, and cancel an attempt instead of a wait).
+        deadline = time.monotonic() + 10
+        while not ((info := await holders.inspect(name)) and info.waiters):
+            assert time.monotonic() < deadline, "the waiter never got in line"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # past its attempt, in its wait for a release
         pause()
         try:
             started = time.monotonic()
