@@ -27,7 +27,7 @@ import dlock.aio
 from dlock import _registry
 from dlock._backoff import Backoff
 from dlock._fork import ForkFollower
-from tests.forking import answer_in_a_child
+from tests.forking import answer_in_a_child, in_a_fresh_interpreter
 
 
 def test_backoff_grows_with_jitter_up_to_the_cap() -> None:
@@ -657,12 +657,15 @@ def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
         assert client.inspect("job") is None
 
 
-@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_owned_is_false_first_thing_in_a_child_forked_without_hooks(tmp_path: Path) -> None:
     """uWSGI forks its workers from C without Python's at-fork hooks: the child notices
     the fork as a call of the public API starts. ``owned()`` did not look, so a worker
     asking it first was told that it held its parent's lock, True until some other call
     noticed the fork."""
+    in_a_fresh_interpreter(owned_is_false_first_thing, tmp_path)
+
+
+def owned_is_false_first_thing(tmp_path: Path) -> None:
     with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
         lock = client.lock("job", ttl=30)
         with lock:
@@ -670,7 +673,8 @@ def test_owned_is_false_first_thing_in_a_child_forked_without_hooks(tmp_path: Pa
             def asked_first() -> str:
                 return f"owned={lock.owned()}"
 
-            assert answer_in_a_child(asked_first, fork=ctypes.PyDLL(None).fork) == "owned=False"
+            answer = answer_in_a_child(asked_first, fork=ctypes.PyDLL(None).fork)
+            assert answer == "owned=False", answer
             assert lock.owned()
 
 

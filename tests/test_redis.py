@@ -34,7 +34,7 @@ from dlock._sync.backends.redis import Keys, RedisBackend, wrap
 from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.cancelling import cancel_a_parked_waiter
-from tests.forking import answer_in_a_child
+from tests.forking import answer_in_a_child, in_a_fresh_interpreter
 from tests.servers import Partition, free_port, stop_every
 from tests.servers.redis import (
     RedisCluster,
@@ -1057,13 +1057,15 @@ def test_a_child_forked_while_a_thread_uses_the_pool_does_not_hang(
         assert answer == "acquired True", answer or "the child hung"
 
 
-@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_child_forked_without_pythons_hooks_is_noticed(redis_server: RedisServer) -> None:
     """uWSGI forks its workers from C without Python's at-fork hooks (its default). The
     worker must still renew its own lease (the parent's renewer thread looks alive in
     it), show itself as the holder, and not give back the parent's lock on close.
     ``ctypes.PyDLL(None).fork()`` forks that way, keeping the GIL as uWSGI's master does."""
-    url = url_of(redis_server)
+    in_a_fresh_interpreter(a_child_forked_without_hooks_is_noticed, url_of(redis_server))
+
+
+def a_child_forked_without_hooks_is_noticed(url: str) -> None:
     with dlock.connect(url) as client, dlock.connect(url) as rival:
         parents = client.lock(unique(), ttl=30)
         assert parents.acquire(timeout=0)  # the renewer thread runs from now on

@@ -23,7 +23,7 @@ import dlock
 import dlock.aio
 from dlock._sync.backends.sqlite import SQLiteBackend
 from tests.conformance.helpers import ROOT
-from tests.forking import answer_in_a_child
+from tests.forking import answer_in_a_child, in_a_fresh_interpreter
 
 # Imports first, then waits for the start signal, so that every process opens the file
 # within the same few milliseconds.
@@ -730,7 +730,6 @@ def _in_a_child_forked_without_hooks(client: dlock.Client, fork_first: bool = Fa
     return answer_in_a_child(try_the_lock, fork=ctypes.PyDLL(None).fork)
 
 
-@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
     tmp_path: Path,
 ) -> None:
@@ -739,9 +738,14 @@ def test_a_child_forked_without_pythons_hooks_refuses_an_inherited_connection(
     hold no lock (SQLite's record of the parent's is copied, the locks are not). It must
     refuse, with a hint; a worker whose parent had no connection open is fine.
     ``ctypes.PyDLL(None).fork()`` forks that way."""
+    in_a_fresh_interpreter(refuses_an_inherited_connection, tmp_path)
+
+
+def refuses_an_inherited_connection(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.sqlite3"
     with dlock.connect(url) as unused:
-        assert _in_a_child_forked_without_hooks(unused) == "acquired True"
+        answer = _in_a_child_forked_without_hooks(unused)
+        assert answer == "acquired True", answer
     with dlock.connect(url) as used:
         assert used.inspect("job") is None  # its connection is open from now on
         answer = _in_a_child_forked_without_hooks(used)
@@ -778,6 +782,10 @@ def test_a_child_forked_without_hooks_while_a_thread_opens_the_file_refuses(
     """A thread of the parent opening the connection holds the backend's mutex, and a
     child forked without Python's hooks gets it held by a thread it does not have: its
     first statement waited for ever. It refuses, as when the connection was open."""
+    in_a_fresh_interpreter(refuses_while_a_thread_opens_the_file, tmp_path)
+
+
+def refuses_while_a_thread_opens_the_file(tmp_path: Path) -> None:
     with (
         dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as opening,
         a_thread_opening_the_file(opening),
@@ -791,6 +799,10 @@ def test_a_child_forked_without_hooks_can_fork_before_it_uses_dlock(tmp_path: Pa
     """Such a child's own ``os.fork()`` ran the hook that closes every connection first,
     taking each backend's mutex: it waited for ever for the one a thread that is not
     there held (and would have closed connections that are the parent's)."""
+    in_a_fresh_interpreter(forks_before_it_uses_dlock, tmp_path)
+
+
+def forks_before_it_uses_dlock(tmp_path: Path) -> None:
     with (
         dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as opening,
         a_thread_opening_the_file(opening),
@@ -799,7 +811,6 @@ def test_a_child_forked_without_hooks_can_fork_before_it_uses_dlock(tmp_path: Pa
     assert answer.startswith("BackendError"), f"the child answered {answer!r}"
 
 
-@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_a_child_forked_without_hooks_refuses_sqlite_whichever_face_had_it_open(
     tmp_path: Path,
 ) -> None:
@@ -808,6 +819,10 @@ def test_a_child_forked_without_hooks_refuses_sqlite_whichever_face_had_it_open(
     client had a connection open would hold no lock on a new connection of a sync client
     either. Each face kept a set of its own backends, so the sync face saw none open and
     went ahead."""
+    in_a_fresh_interpreter(refuses_whichever_face_had_it_open, tmp_path)
+
+
+def refuses_whichever_face_had_it_open(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/locks.sqlite3"
 
     async def main() -> None:
