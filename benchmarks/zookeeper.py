@@ -33,7 +33,7 @@ from benchmarks.common import (
     print_round_rates,
     print_table,
 )
-from dlock._sync.backends.zookeeper import KazooHandler
+from dlock._zookeeper_common import KazooHandler
 from tests.servers.zookeeper import ZooKeeperEnsemble
 
 RAW = "raw create|children, delete"

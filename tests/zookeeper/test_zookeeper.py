@@ -26,8 +26,9 @@ from kazoo.protocol.connection import ConnectionHandler
 from kazoo.security import make_acl
 
 import dlock
-from dlock._sync.backends.zookeeper import ZooKeeperBackend, decode_name, encode_name
+from dlock._sync.backends.zookeeper import ZooKeeperBackend
 from dlock._types import Acquired, Holder
+from dlock._zookeeper_common import decode_name, encode_name
 from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import WORKER_ENV, read_line
 from tests.servers import Partition
