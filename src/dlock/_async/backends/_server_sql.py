@@ -97,7 +97,7 @@ class Conn:
     prepared: set[str] = field(default_factory=set)
     #: Borrowed from the application's pool (``client=``), else ours to close.
     loan: Loan | None = None
-    #: The event loop it was made in (asyncio face; None in the sync face): it can be
+    #: The event loop it was made in (under asyncio; None in the sync face): it can be
     #: neither used nor closed in another.
     loop: Any = None
     #: Closed, or given back closed (``_drop``).
@@ -441,7 +441,7 @@ class AsyncServerSQLBackend(AsyncBackend):
             loan.context = made
             made = await made.__aenter__()
         elif inspect.isawaitable(made):
-            # The asyncio face's factory may be a coroutine function.
+            # Under asyncio the factory may be a coroutine function.
             made = await made
         if hasattr(made, "driver_connection"):
             loan.proxy = made
@@ -1537,7 +1537,7 @@ class AsyncServerSQLBackend(AsyncBackend):
 
 
 def _running_loop() -> Any:
-    """The running event loop (asyncio face), or None (sync face)."""
+    """The running event loop (under asyncio), or None (sync face)."""
     task = current_task()
     return None if task is None else task.get_loop()
 

@@ -1,7 +1,7 @@
 """The embedded default: a lease table in a SQLite file, for processes on one host.
 
 SQLite has no client/server split and no notifications, so waiters back off with
-jitter. Every statement runs in a worker thread under the asyncio face.
+jitter. Every statement runs in a worker thread under asyncio.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the lock's node is deleted and made again.
 kazoo is synchronous and there is no maintained asyncio ZooKeeper client, but its
 requests are asynchronous underneath: kazoo's connection thread sends them and sets their
 results. So the operations are written once, awaiting each result (``wait_result``): the
-sync face blocks on it, the asyncio face is woken by the result's callback, without a
+sync face blocks on it, an asyncio one is woken by the result's callback, without a
 worker thread in between. Round trips are pipelined where they can be.
 """
 

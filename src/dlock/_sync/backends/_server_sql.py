@@ -98,7 +98,7 @@ class Conn:
     prepared: set[str] = field(default_factory=set)
     #: Borrowed from the application's pool (``client=``), else ours to close.
     loan: Loan | None = None
-    #: The event loop it was made in (sync face; None in the sync face): it can be
+    #: The event loop it was made in (under asyncio; None in the sync face): it can be
     #: neither used nor closed in another.
     loop: Any = None
     #: Closed, or given back closed (``_drop``).
@@ -440,7 +440,7 @@ class ServerSQLBackend(Backend):
             loan.context = made
             made = made.__enter__()
         elif inspect.isawaitable(made):
-            # The sync face's factory may be a coroutine function.
+            # Under asyncio the factory may be a coroutine function.
             made = made
         if hasattr(made, "driver_connection"):
             loan.proxy = made
@@ -1530,7 +1530,7 @@ class ServerSQLBackend(Backend):
 
 
 def _running_loop() -> Any:
-    """The running event loop (sync face), or None (sync face)."""
+    """The running event loop (under asyncio), or None (sync face)."""
     task = current_task()
     return None if task is None else task.get_loop()
 

@@ -652,7 +652,7 @@ class _Connections:
             # would connect it first, and a server that does not answer would then cost
             # the call two timeouts, the check's and the send's.
             return connection
-        # redis-py 8 renamed the sync face's check to can_read(), the sync face's name.
+        # redis-py 8 renamed the asyncio client's check to can_read(), the sync client's name.
         check = getattr(connection, "can_read", None) or connection.can_read_destructive
         try:
             if check():
@@ -673,7 +673,7 @@ class _Connections:
 def _no_maintenance_notifications() -> dict[str, Any]:
     """redis-py 8's pool lends its connections unchecked while its maintenance
     notifications (for Redis Enterprise's planned fail-overs) are on, as they are by
-    default: after a restart or ``CLIENT KILL`` the sync face's next call through the
+    default: after a restart or ``CLIENT KILL`` an asyncio client's next call through the
     pool (a listing's SCAN) went out on a socket the server had closed and failed."""
     try:
         from redis.maint_notifications import MaintNotificationsConfig
@@ -822,7 +822,7 @@ class RedisBackend(Backend):
         self._subscribers: dict[str, Any] = {}
         #: After close(): calls are refused rather than reconnecting.
         self._closed = False
-        #: The event loop the connections above were made in (sync face).
+        #: The event loop the connections above were made in (under asyncio).
         self._loop: Any = None
         #: Idle pub/sub connections: (connection, channel still subscribed, idle since).
         self._idle: list[tuple[Any, bytes | None, float]] = []
