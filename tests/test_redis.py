@@ -48,6 +48,7 @@ from tests.servers.redis import (
 from tests.servers.redis import (
     redlock_url as make_redlock_url,
 )
+from tests.test_core import losing_cancellations
 
 
 def unique() -> str:
@@ -3211,6 +3212,64 @@ def test_a_cancellation_lost_while_waiting_for_a_release_stops_the_wait(
                     await client.lock(name, ttl=30).acquire(timeout=10)
             assert time.monotonic() - started < 1.5, "the wait went on"
             assert task.cancelling() == 0
+            await holder.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+def test_a_cancellation_lost_by_an_attempt_stops_the_acquire_before_it_waits(
+    redis_server: RedisServer,
+) -> None:
+    """Before Python 3.12, redis-py sends every command under ``asyncio.wait_for``, which
+    can lose a cancellation that races the answer. Lost by a waiter's attempt after its
+    subscription (the wait then listens), it was seen by nobody: the wait counts the
+    cancellations pending as it begins, and went on to its timer or a wake-up, keeping
+    its place at the head of the queue (a Redlock head of the line cancelled in a CI
+    run: the next waiter's 20 s timeout ran out first). The caller's ``asyncio.timeout``
+    must end the acquire at once."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    # Nothing ends the wait sooner but the cancellation: no timer, nor a refresh of the
+    # place (a third of queue_ttl).
+    url = f"{url_of(redis_server)}?queue_ttl=90"
+    slow_timer = dlock.Backoff(notify_fallback=60)
+
+    async def main() -> None:
+        async with (
+            dlock.aio.connect(url, backoff=slow_timer) as client,
+            dlock.aio.connect(url) as other,
+        ):
+            backend: Any = client._backend
+            real_acquire = backend.acquire
+            expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
+            attempts = 0
+            deadline: Any = None
+
+            async def acquire(*args: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                if attempts == 2:  # the first attempt after the subscription
+                    expire_at_answer.append(deadline)
+                return await real_acquire(*args)
+
+            backend.acquire = losing_cancellations(acquire, expire_at_answer)
+            name = unique()
+            holder = other.lock(name, ttl=30)
+            assert await holder.acquire(timeout=0)
+            task = asyncio.current_task()
+            assert task is not None
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    await client.lock(name, ttl=30).acquire(timeout=10)
+            assert attempts == 2 and not expire_at_answer, "the cancellation was not lost"
+            assert time.monotonic() - started < 5, "the wait went on"
+            assert task.cancelling() == 0
+            # Its leave goes on by itself, as for any cancelled waiter.
+            while (info := await other.inspect(name)) is not None and info.waiters:
+                assert time.monotonic() - started < 5, "its place was kept"
+                await asyncio.sleep(0.05)
             await holder.release()
 
     asyncio.run(main())

@@ -453,6 +453,13 @@ class AsyncLock:
                 busy = await self._attempt(reentry)
                 if busy is None:
                     return True
+                # Again before the wait: a cancellation that a client library lost
+                # during the attempt (redis-py's ``wait_for`` before Python 3.12) is not
+                # seen by the wait, which counts the cancellations pending as it begins.
+                # It went on to its timer or a wake-up, holding its place at the head of
+                # the queue, and everyone behind it out (a Redlock head of the line
+                # cancelled in a CI run: the next waiter's 20 s timed out first).
+                await self._still_wanted(call)
                 remaining = None if deadline is None else deadline - clock()
                 if remaining is not None and remaining <= 0:
                     return False
