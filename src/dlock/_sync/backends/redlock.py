@@ -26,7 +26,9 @@ from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from .._primitives import (
     Cancelled,
     WakeupEvent,
+    cancel_requests,
     join,
+    lost_cancel,
     run_detached,
     serving,
     shielded,
@@ -359,7 +361,13 @@ class RedlockBackend(Backend):
     ) -> Acquired | Busy:
         """One master's vote, its server's identity asked first the first time: masters
         that turn out to be one server are refused (``_one_server_twice``) before their
-        votes count. Addresses as written cannot tell (a host name and its address)."""
+        votes count. Addresses as written cannot tell (a host name and its address).
+
+        A cancellation that redis-py lost meanwhile (its ``wait_for`` before Python
+        3.12) is raised here, before the next master is asked: the attempt went on to
+        the others, each a timeout if it did not answer, and the caller cancelled got
+        an error seconds later instead (10 s in a loaded test run, two masters held up)."""
+        cancels = cancel_requests()
         i = self._masters.index(master)
         if self._identities[i] is None:
             try:
@@ -369,7 +377,11 @@ class RedlockBackend(Backend):
             except BackendError:  # INFO refused (an ACL): addresses alone tell then
                 identity = ""
             self._identities[i] = identity or f"(not told: {master._where})"
-        return master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+        vote = master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
+        if cancel_requests() > cancels:
+            # Granted or not, the core gives the attempt back, on every master.
+            lost_cancel()
+        return vote
 
     def _one_server_twice(self) -> str | None:
         """What to say if two masters turned out to be one server, which would count
