@@ -363,10 +363,31 @@ class AsyncRedlockBackend(AsyncBackend):
         votes count. Addresses as written cannot tell (a host name and its address).
 
         A cancellation that redis-py lost meanwhile (its ``wait_for`` before Python
-        3.12) is raised here, before the next master is asked: the attempt went on to
-        the others, each a timeout if it did not answer, and the caller cancelled got
-        an error seconds later instead (10 s in a loaded test run, two masters held up)."""
+        3.12) is raised here, in place of the vote or the error, before the next master
+        is asked: the attempt went on to the others, each a timeout if it did not
+        answer, and the caller cancelled got an error seconds later instead (10 s in a
+        loaded test run, two masters held up). Granted or not, the core then gives the
+        attempt back on every master, as any attempt cut off."""
         cancels = cancel_requests()
+        try:
+            vote = await self._vote_of(master, name, token, ttl, holder, reentrant)
+        except BackendError:
+            if cancel_requests() > cancels:
+                await lost_cancel()
+            raise
+        if cancel_requests() > cancels:
+            await lost_cancel()
+        return vote
+
+    async def _vote_of(
+        self,
+        master: AsyncRedisBackend,
+        name: str,
+        token: str,
+        ttl: float,
+        holder: Holder,
+        reentrant: bool,
+    ) -> Acquired | Busy:
         i = self._masters.index(master)
         if self._identities[i] is None:
             try:
@@ -376,11 +397,7 @@ class AsyncRedlockBackend(AsyncBackend):
             except BackendError:  # INFO refused (an ACL): addresses alone tell then
                 identity = ""
             self._identities[i] = identity or f"(not told: {master._where})"
-        vote = await master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
-        if cancel_requests() > cancels:
-            # Granted or not, the core gives the attempt back, on every master.
-            await lost_cancel()
-        return vote
+        return await master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
 
     def _one_server_twice(self) -> str | None:
         """What to say if two masters turned out to be one server, which would count
