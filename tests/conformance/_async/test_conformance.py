@@ -1254,6 +1254,44 @@ async def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> N
         finish(holder)
 
 
+#: Tries at an outage test's set-up (see client_holding).
+SET_UP_TRIES = 3
+
+
+async def client_holding(
+    outage: Outage, names: Sequence[str], **options: Any
+) -> tuple[dlock.aio.AsyncClient, list[dlock.aio.AsyncLock]]:
+    """A client of ``outage.url`` and a lock of each name, held: the set-up of a test
+    that cuts the backend off next.
+
+    These requests carry the outage's short bounds too, and a loaded machine can hold
+    one up past them (in CI a ZooKeeper create got no answer within its 1 s): the test
+    failed before its cut, which is what it checks. Longer bounds would make that
+    rarer, not impossible, and lengthen every wait in the cuts; nor can a client with
+    the usual bounds take the locks, as the client holding them is what the tests
+    check. So a set-up that got no answer starts over: its client closed, on a fresh
+    one, under fresh names (a lease that the stalled request may yet leave is
+    not in the way). One that keeps failing still fails the test, after SET_UP_TRIES."""
+    tries = 0
+    while True:
+        tries += 1
+        client = dlock.aio.connect(outage.url)
+        suffix = f"-try{tries}" if tries > 1 else ""
+        locks = [client.lock(name + suffix, **options) for name in names]
+        try:
+            for lock in locks:
+                assert await lock.acquire(timeout=0), f"{lock.name!r} is held"
+        except dlock.BackendUnavailable:
+            await client.aclose()
+            if tries == SET_UP_TRIES:
+                raise
+        except BaseException:
+            await client.aclose()
+            raise
+        else:
+            return client, locks
+
+
 async def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
     outage: Outage, name: str
 ) -> None:
@@ -1262,9 +1300,8 @@ async def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
     everyone until its TTL ended; asked again until answered, the give-back frees it
     within seconds of the outage's end. Sent under the old owner token, it cannot free
     the fresh hold that the same lock object then takes."""
-    async with dlock.aio.connect(outage.url) as client, dlock.aio.connect(outage.url) as other:
-        lock = client.lock(name, ttl=30)
-        assert await lock.acquire(timeout=0)
+    client, (lock,) = await client_holding(outage, [name], ttl=30)
+    async with client, dlock.aio.connect(outage.url) as other:
         outage.begin()
         with pytest.raises(dlock.BackendUnavailable):
             await lock.release()
@@ -1276,8 +1313,8 @@ async def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
         assert elapsed_since(ended) < 4
         await sleep(3)  # the give-back is asked no more
         assert lock.owned()
-        await assert_held_by(other, name, lock)
-        assert await other.lock(name, ttl=5).acquire(timeout=0) is False
+        await assert_held_by(other, lock.name, lock)
+        assert await other.lock(lock.name, ttl=5).acquire(timeout=0) is False
         await lock.release()
 
 
@@ -1303,9 +1340,9 @@ async def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
         )
     look_after = 2.0  # time enough for the late request to land first
     monkeypatch.setattr(giveback, "LOOK_AGAIN_AFTER", look_after)
-    async with dlock.aio.connect(outage.url) as client, dlock.aio.connect(outage.url) as other:
-        lock = client.lock(name, ttl=30, reentrant=reentry)
-        assert await lock.acquire(timeout=0)  # connected, the table made
+    # Connected, the table made.
+    client, (lock,) = await client_holding(outage, [name], ttl=30, reentrant=reentry)
+    async with client, dlock.aio.connect(outage.url) as other:
         if not reentry:
             await lock.release()
         for partition in outage.partitions:
@@ -1319,12 +1356,12 @@ async def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
             assert not lock.owned()
         if lock._give_back is not None:
             await wait_done(lock._give_back)
-        assert await other.inspect(name) is None, "the request held up was not held up"
+        assert await other.inspect(lock.name) is None, "the request held up was not held up"
         assert elapsed_since(cut_off) < look_after - 1, "too slow to show it"
         for partition in outage.partitions:
             partition.deliver()
         await sleep(0.5)  # for it to land
-        assert await other.lock(name, ttl=5).acquire(timeout=10), "a late acquire kept it"
+        assert await other.lock(lock.name, ttl=5).acquire(timeout=10), "a late acquire kept it"
         assert elapsed_since(cut_off) < look_after + 3
 
 
@@ -1336,16 +1373,14 @@ async def test_close_gives_back_what_an_outage_left(
     (put off past the test here)."""
     monkeypatch.setattr(giveback, "RETRY_FIRST", 60.0)
     async with dlock.aio.connect(outage.url) as other:
-        client = dlock.aio.connect(outage.url)
-        lock = client.lock(name, ttl=30)
-        assert await lock.acquire(timeout=0)
+        client, (lock,) = await client_holding(outage, [name], ttl=30)
         outage.begin()
         with pytest.raises(dlock.BackendUnavailable):
             await lock.release()
         await sleep(3)  # the give-back in the background fails too, and is asked again
         outage.end()
         await client.aclose()
-        assert await other.inspect(name) is None
+        assert await other.inspect(lock.name) is None
 
 
 def count_releases(
@@ -1376,12 +1411,9 @@ async def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
     close with hundreds of holds took minutes). A batch that got no answer at all now
     ends the give-backs, the rest left to their TTLs: one batch is sent, not three."""
     monkeypatch.setattr(giveback, "GIVE_BACKS_AT_ONCE", 4)
-    client = dlock.aio.connect(outage.url)
+    client, locks = await client_holding(outage, [f"{name}-{i}" for i in range(12)], ttl=30)
     sent: list[str] = []
     try:
-        locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(12)]
-        for lock in locks:
-            assert await lock.acquire(timeout=0)
         count_releases(client, sent)
         outage.begin()
         await client.aclose()
@@ -1399,12 +1431,10 @@ async def test_a_close_after_a_release_cut_off_asks_its_give_back_once(
     background, which gets no answer either. The close then asked it once more, and
     waited out another timeout: `dlock run` exited three timeouts after its command
     (a helper saw 16-31 s). Two requests now: the release and its give-back."""
-    client = dlock.aio.connect(outage.url)
+    client, (lock,) = await client_holding(outage, [name], ttl=30)
     sent: list[str] = []
     took: list[float] = []
     try:
-        lock = client.lock(name, ttl=30)
-        assert await lock.acquire(timeout=0)
         outage.begin()
         count_releases(client, sent, took)
         with pytest.raises(dlock.BackendUnavailable):

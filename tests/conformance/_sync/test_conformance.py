@@ -1245,6 +1245,44 @@ def test_killed_holder_frees_the_lock_within_ttl(url: str, name: str) -> None:
         finish(holder)
 
 
+#: Tries at an outage test's set-up (see client_holding).
+SET_UP_TRIES = 3
+
+
+def client_holding(
+    outage: Outage, names: Sequence[str], **options: Any
+) -> tuple[dlock.Client, list[dlock.Lock]]:
+    """A client of ``outage.url`` and a lock of each name, held: the set-up of a test
+    that cuts the backend off next.
+
+    These requests carry the outage's short bounds too, and a loaded machine can hold
+    one up past them (in CI a ZooKeeper create got no answer within its 1 s): the test
+    failed before its cut, which is what it checks. Longer bounds would make that
+    rarer, not impossible, and lengthen every wait in the cuts; nor can a client with
+    the usual bounds take the locks, as the client holding them is what the tests
+    check. So a set-up that got no answer starts over: its client closed, on a fresh
+    one, under fresh names (a lease that the stalled request may yet leave is
+    not in the way). One that keeps failing still fails the test, after SET_UP_TRIES."""
+    tries = 0
+    while True:
+        tries += 1
+        client = dlock.connect(outage.url)
+        suffix = f"-try{tries}" if tries > 1 else ""
+        locks = [client.lock(name + suffix, **options) for name in names]
+        try:
+            for lock in locks:
+                assert lock.acquire(timeout=0), f"{lock.name!r} is held"
+        except dlock.BackendUnavailable:
+            client.close()
+            if tries == SET_UP_TRIES:
+                raise
+        except BaseException:
+            client.close()
+            raise
+        else:
+            return client, locks
+
+
 def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
     outage: Outage, name: str
 ) -> None:
@@ -1253,9 +1291,8 @@ def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
     everyone until its TTL ended; asked again until answered, the give-back frees it
     within seconds of the outage's end. Sent under the old owner token, it cannot free
     the fresh hold that the same lock object then takes."""
-    with dlock.connect(outage.url) as client, dlock.connect(outage.url) as other:
-        lock = client.lock(name, ttl=30)
-        assert lock.acquire(timeout=0)
+    client, (lock,) = client_holding(outage, [name], ttl=30)
+    with client, dlock.connect(outage.url) as other:
         outage.begin()
         with pytest.raises(dlock.BackendUnavailable):
             lock.release()
@@ -1267,8 +1304,8 @@ def test_a_release_cut_off_by_an_outage_frees_the_lock_soon_after_it(
         assert elapsed_since(ended) < 4
         sleep(3)  # the give-back is asked no more
         assert lock.owned()
-        assert_held_by(other, name, lock)
-        assert other.lock(name, ttl=5).acquire(timeout=0) is False
+        assert_held_by(other, lock.name, lock)
+        assert other.lock(lock.name, ttl=5).acquire(timeout=0) is False
         lock.release()
 
 
@@ -1294,9 +1331,9 @@ def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
         )
     look_after = 2.0  # time enough for the late request to land first
     monkeypatch.setattr(giveback, "LOOK_AGAIN_AFTER", look_after)
-    with dlock.connect(outage.url) as client, dlock.connect(outage.url) as other:
-        lock = client.lock(name, ttl=30, reentrant=reentry)
-        assert lock.acquire(timeout=0)  # connected, the table made
+    # Connected, the table made.
+    client, (lock,) = client_holding(outage, [name], ttl=30, reentrant=reentry)
+    with client, dlock.connect(outage.url) as other:
         if not reentry:
             lock.release()
         for partition in outage.partitions:
@@ -1310,12 +1347,12 @@ def test_an_acquire_that_reaches_the_backend_late_leaves_no_lease(
             assert not lock.owned()
         if lock._give_back is not None:
             wait_done(lock._give_back)
-        assert other.inspect(name) is None, "the request held up was not held up"
+        assert other.inspect(lock.name) is None, "the request held up was not held up"
         assert elapsed_since(cut_off) < look_after - 1, "too slow to show it"
         for partition in outage.partitions:
             partition.deliver()
         sleep(0.5)  # for it to land
-        assert other.lock(name, ttl=5).acquire(timeout=10), "a late acquire kept it"
+        assert other.lock(lock.name, ttl=5).acquire(timeout=10), "a late acquire kept it"
         assert elapsed_since(cut_off) < look_after + 3
 
 
@@ -1327,16 +1364,14 @@ def test_close_gives_back_what_an_outage_left(
     (put off past the test here)."""
     monkeypatch.setattr(giveback, "RETRY_FIRST", 60.0)
     with dlock.connect(outage.url) as other:
-        client = dlock.connect(outage.url)
-        lock = client.lock(name, ttl=30)
-        assert lock.acquire(timeout=0)
+        client, (lock,) = client_holding(outage, [name], ttl=30)
         outage.begin()
         with pytest.raises(dlock.BackendUnavailable):
             lock.release()
         sleep(3)  # the give-back in the background fails too, and is asked again
         outage.end()
         client.close()
-        assert other.inspect(name) is None
+        assert other.inspect(lock.name) is None
 
 
 def count_releases(client: dlock.Client, sent: list[str], took: list[float] | None = None) -> None:
@@ -1365,12 +1400,9 @@ def test_a_close_while_cut_off_sends_one_batch_of_give_backs(
     close with hundreds of holds took minutes). A batch that got no answer at all now
     ends the give-backs, the rest left to their TTLs: one batch is sent, not three."""
     monkeypatch.setattr(giveback, "GIVE_BACKS_AT_ONCE", 4)
-    client = dlock.connect(outage.url)
+    client, locks = client_holding(outage, [f"{name}-{i}" for i in range(12)], ttl=30)
     sent: list[str] = []
     try:
-        locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(12)]
-        for lock in locks:
-            assert lock.acquire(timeout=0)
         count_releases(client, sent)
         outage.begin()
         client.close()
@@ -1386,12 +1418,10 @@ def test_a_close_after_a_release_cut_off_asks_its_give_back_once(outage: Outage,
     background, which gets no answer either. The close then asked it once more, and
     waited out another timeout: `dlock run` exited three timeouts after its command
     (a helper saw 16-31 s). Two requests now: the release and its give-back."""
-    client = dlock.connect(outage.url)
+    client, (lock,) = client_holding(outage, [name], ttl=30)
     sent: list[str] = []
     took: list[float] = []
     try:
-        lock = client.lock(name, ttl=30)
-        assert lock.acquire(timeout=0)
         outage.begin()
         count_releases(client, sent, took)
         with pytest.raises(dlock.BackendUnavailable):
