@@ -3340,6 +3340,78 @@ def test_a_cancellation_lost_by_one_master_stops_a_redlock_attempt_there(
     asyncio.run(main())
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio counts cancellations from 3.11")
+@pytest.mark.parametrize("operation", ["acquire", "try-acquire", "release", "extend"])
+def test_a_cancellation_lost_before_a_call_failed_is_raised_in_place_of_its_error(
+    own_server: RedisServer, operation: str
+) -> None:
+    """redis-py sends a command under ``asyncio.wait_for`` too, which before Python 3.12
+    loses a cancellation that races the send's end; the read that follows then waits
+    for the answer of a server held up, and times out. The caller, whose
+    ``asyncio.timeout`` expired as the request went out, got that BackendUnavailable
+    after the read's timeout instead of its cancellation: no TimeoutError, and a
+    TaskGroup sibling's failure surfacing as a backend error. It must get its
+    cancellation, the backend's error chained to it, once the call has failed; and
+    nothing of a failed acquire may stay held once the server answers again."""
+    if sys.version_info < (3, 11):  # for mypy, which checks against 3.10
+        return
+    url = f"{url_of(own_server)}?socket_timeout=1"
+    method = "acquire" if operation.endswith("acquire") else operation
+
+    async def main() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            backend: Any = client._backend
+            expire_at_answer: list[Any] = []  # asyncio.Timeout, unknown to 3.10
+            send = losing_cancellations(lambda: asyncio.sleep(0), expire_at_answer)
+            real_call = getattr(backend, method)
+
+            async def sent_then_unanswered(*args: Any) -> Any:
+                await send()
+                return await real_call(*args)
+
+            name = unique()
+            lock = client.lock(name, ttl=30, auto_renew=False)  # no renewal while paused
+            if operation in ("release", "extend"):
+                assert await lock.acquire(timeout=0)
+            calls = {
+                "acquire": lambda: lock.acquire(timeout=10),
+                "try-acquire": lambda: lock.acquire(timeout=0),
+                "release": lock.release,
+                "extend": lambda: lock.extend(60),
+            }
+            setattr(backend, method, sent_then_unanswered)
+            task = asyncio.current_task()
+            assert task is not None
+            own_server.pause()
+            try:
+                started = time.monotonic()
+                with pytest.raises(TimeoutError) as timed_out:
+                    async with asyncio.timeout(None) as deadline:
+                        expire_at_answer.append(deadline)
+                        await calls[operation]()
+                took = time.monotonic() - started
+            finally:
+                own_server.resume()
+            assert not expire_at_answer, "the cancellation was not lost"
+            assert task.cancelling() == 0
+            cancelled = timed_out.value.__cause__ or timed_out.value.__context__
+            assert isinstance(cancelled, asyncio.CancelledError)
+            assert isinstance(cancelled.__cause__, dlock.BackendUnavailable)
+            assert took < 3, "waited out more than the failed read"
+            setattr(backend, method, real_call)
+            if operation == "extend":
+                assert lock.owned()  # unsure whether it was extended: still held
+                await lock.release()
+            else:
+                assert not lock.owned()
+            # The failed acquire's give-back (or the release that was held up) goes.
+            while (info := await other.inspect(name)) is not None:
+                assert time.monotonic() - started < 10, f"left on the server: {info}"
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+
+
 def slow_to_leave(server: Any, leaving: asyncio.Event) -> None:
     """``server``'s leaves (DEQUEUE) set ``leaving``, then take 0.3 s before they are
     sent: where a second cancellation of the waiter lands."""

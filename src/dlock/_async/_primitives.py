@@ -330,16 +330,24 @@ def cancels_of(task: asyncio.Task[Any] | None) -> int:
     return task.cancelling()
 
 
-async def lost_cancel() -> None:
-    """Raise the cancellation requested during a call that returned normally.
+async def lost_cancel(cause: BaseException | None = None) -> None:
+    """Raise the cancellation requested during a call that returned normally, or that
+    failed: ``cause``, its error, chained to the cancellation raised in its place.
 
     If it is still on its way, the checkpoint delivers it. Else a client library lost
     it: before Python 3.12, ``asyncio.wait_for`` (redis-py sends every command under
     one) returns its inner task's result when a cancellation races that task's end, and
     ``asyncio.timeout`` or a TaskGroup would then never stop the caller.
     """
-    await asyncio.sleep(0)
-    raise asyncio.CancelledError
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError as delivered:
+        if cause is None:
+            raise
+        raise delivered from cause
+    if cause is None:
+        raise asyncio.CancelledError
+    raise asyncio.CancelledError from cause
 
 
 def cancel_task(task: asyncio.Task[Any], message: str) -> None:

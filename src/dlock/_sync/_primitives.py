@@ -180,7 +180,7 @@ def cancels_of(task: Any) -> int:
     return 0
 
 
-def lost_cancel() -> None:
+def lost_cancel(cause: BaseException | None = None) -> None:
     """Never called: threads are not cancelled, so ``cancel_requests`` stays 0."""
     return None
 
