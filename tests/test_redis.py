@@ -3323,7 +3323,7 @@ def test_a_cancellation_lost_by_one_master_stops_a_redlock_attempt_there(
                 master.pause()
             try:
                 started = time.monotonic()
-                with pytest.raises(TimeoutError):
+                with pytest.raises(TimeoutError) as timed_out:
                     async with asyncio.timeout(None) as deadline:
                         expire_at_answer.append(deadline)
                         await lock.acquire(timeout=20)
@@ -3332,6 +3332,10 @@ def test_a_cancellation_lost_by_one_master_stops_a_redlock_attempt_there(
                 for master in paused:
                     master.resume()
             assert not expire_at_answer, "the cancellation was not lost"
+            if there == "failed":  # the master's error, chained to the cancellation
+                cancelled = timed_out.value.__cause__ or timed_out.value.__context__
+                assert isinstance(cancelled, asyncio.CancelledError)
+                assert isinstance(cancelled.__cause__, dlock.BackendUnavailable)
             # The read of a master that lost it is waited out (2 s), not the next one's.
             assert took < (1.5 if there == "answered" else 3.5), "the attempt went on"
             assert task.cancelling() == 0

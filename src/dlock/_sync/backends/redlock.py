@@ -368,13 +368,15 @@ class RedlockBackend(Backend):
         is asked: the attempt went on to the others, each a timeout if it did not
         answer, and the caller cancelled got an error seconds later instead (10 s in a
         loaded test run, two masters held up). Granted or not, the core then gives the
-        attempt back on every master, as any attempt cut off."""
+        attempt back on every master, as any attempt cut off. (The core raises a
+        cancellation lost before a call failed as well, but only once the attempt has
+        ended: here it spares the next masters' timeouts.)"""
         cancels = cancel_requests()
         try:
             vote = self._vote_of(master, name, token, ttl, holder, reentrant)
-        except BackendError:
+        except BackendError as exc:
             if cancel_requests() > cancels:
-                lost_cancel()
+                lost_cancel(exc)
             raise
         if cancel_requests() > cancels:
             lost_cancel()
