@@ -86,3 +86,13 @@ def in_words(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return f"the backend did not answer in time{said}"
     return f"{type(exc).__name__}{said}"
+
+
+def gives_way_to_a_cancel(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a call whose caller's cancellation a client library
+    lost meanwhile, gives way to that cancellation: a failure of what was asked (the
+    backend's error, among others), which the caller no longer wants. Not a loss
+    (LockLost): that tells of a hold the caller believed in, which nothing else may tell
+    (a release's), nor a BaseException (a cancellation, or KeyboardInterrupt), which
+    goes on as it is."""
+    return isinstance(exc, Exception) and not isinstance(exc, LockLost)

@@ -25,6 +25,7 @@ from .._errors import (
     LockLost,
     LockTimeout,
     NotOwner,
+    gives_way_to_a_cancel,
 )
 from .._types import Acquired, Busy, Lease
 from .._validation import check_timeout, check_ttl
@@ -256,7 +257,7 @@ class Lock:
             # the wait, or the client closed meanwhile): the caller is told it did not
             # get the lock, so it must not stay held and renewed.
             self._undo_entry(call)
-            if _told_in_place_of_cancel(exc) and cancels_of(task) > call.cancels:
+            if gives_way_to_a_cancel(exc) and cancels_of(task) > call.cancels:
                 # A cancellation that a client library lost before the call failed
                 # (redis-py's send under ``wait_for`` before Python 3.12, its read then
                 # timing out on a server held up): the caller is cancelled, not told
@@ -1043,7 +1044,7 @@ class Lock:
             raise self._lost_error("its client was closed", generation)
         if isinstance(outcome, BaseException):
             self._release_failed(generation, last)
-            if _told_in_place_of_cancel(outcome) and cancel_requests() > cancels:
+            if gives_way_to_a_cancel(outcome) and cancel_requests() > cancels:
                 lost_cancel(outcome)  # lost before it failed: see _enter
             raise outcome
         if outcome is _GONE:
@@ -1188,7 +1189,7 @@ class Lock:
         except BaseException as exc:
             self._unanswered(seconds)
             self._lease_unsure(started, seconds, self._write_done(write))
-            if _told_in_place_of_cancel(exc) and cancel_requests() > cancels:
+            if gives_way_to_a_cancel(exc) and cancel_requests() > cancels:
                 lost_cancel(exc)  # lost before it failed: see _enter
             raise
         cap = self._write_done(write)
@@ -1528,15 +1529,6 @@ _LOST, _CLOSED, _GONE = object(), object(), object()
 _WATCHDOG_TELLING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "dlock_watchdog_telling", default=False
 )
-
-
-def _told_in_place_of_cancel(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a call whose caller's cancellation was lost meanwhile,
-    gives way to that cancellation: a failure of what was asked (the backend's error,
-    among others), which the caller no longer wants. Not a loss (LockLost): that tells
-    of a hold the caller believed in, which nothing else may tell (a release's), nor a
-    BaseException (a cancellation, or KeyboardInterrupt), which goes on as it is."""
-    return isinstance(exc, Exception) and not isinstance(exc, LockLost)
 
 
 class _Call:

@@ -372,7 +372,16 @@ class AsyncRedlockBackend(AsyncBackend):
         ended: here it spares the next masters' timeouts.)"""
         cancels = cancel_requests()
         try:
-            vote = await self._vote_of(master, name, token, ttl, holder, reentrant)
+            i = self._masters.index(master)
+            if self._identities[i] is None:
+                try:
+                    identity = await master.server_identity()
+                except BackendUnavailable:
+                    raise  # as an acquire there would be: no vote
+                except BackendError:  # INFO refused (an ACL): addresses alone tell then
+                    identity = ""
+                self._identities[i] = identity or f"(not told: {master._where})"
+            vote = await master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
         except BackendError as exc:
             if cancel_requests() > cancels:
                 await lost_cancel(exc)
@@ -380,26 +389,6 @@ class AsyncRedlockBackend(AsyncBackend):
         if cancel_requests() > cancels:
             await lost_cancel()
         return vote
-
-    async def _vote_of(
-        self,
-        master: AsyncRedisBackend,
-        name: str,
-        token: str,
-        ttl: float,
-        holder: Holder,
-        reentrant: bool,
-    ) -> Acquired | Busy:
-        i = self._masters.index(master)
-        if self._identities[i] is None:
-            try:
-                identity = await master.server_identity()
-            except BackendUnavailable:
-                raise  # as an acquire there would be: no vote
-            except BackendError:  # INFO refused (an ACL): addresses alone tell then
-                identity = ""
-            self._identities[i] = identity or f"(not told: {master._where})"
-        return await master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
 
     def _one_server_twice(self) -> str | None:
         """What to say if two masters turned out to be one server, which would count

@@ -373,7 +373,16 @@ class RedlockBackend(Backend):
         ended: here it spares the next masters' timeouts.)"""
         cancels = cancel_requests()
         try:
-            vote = self._vote_of(master, name, token, ttl, holder, reentrant)
+            i = self._masters.index(master)
+            if self._identities[i] is None:
+                try:
+                    identity = master.server_identity()
+                except BackendUnavailable:
+                    raise  # as an acquire there would be: no vote
+                except BackendError:  # INFO refused (an ACL): addresses alone tell then
+                    identity = ""
+                self._identities[i] = identity or f"(not told: {master._where})"
+            vote = master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
         except BackendError as exc:
             if cancel_requests() > cancels:
                 lost_cancel(exc)
@@ -381,26 +390,6 @@ class RedlockBackend(Backend):
         if cancel_requests() > cancels:
             lost_cancel()
         return vote
-
-    def _vote_of(
-        self,
-        master: RedisBackend,
-        name: str,
-        token: str,
-        ttl: float,
-        holder: Holder,
-        reentrant: bool,
-    ) -> Acquired | Busy:
-        i = self._masters.index(master)
-        if self._identities[i] is None:
-            try:
-                identity = master.server_identity()
-            except BackendUnavailable:
-                raise  # as an acquire there would be: no vote
-            except BackendError:  # INFO refused (an ACL): addresses alone tell then
-                identity = ""
-            self._identities[i] = identity or f"(not told: {master._where})"
-        return master.acquire(name, token, ttl, holder, reentrant, keep_place=True)
 
     def _one_server_twice(self) -> str | None:
         """What to say if two masters turned out to be one server, which would count
