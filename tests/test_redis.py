@@ -2404,7 +2404,7 @@ class _SlotMove:
     (SETSLOT IMPORTING / MIGRATING) and finished on demand (MIGRATE of its keys, then
     SETSLOT NODE on every node)."""
 
-    def __init__(self, cluster: RedisCluster, name: str) -> None:
+    def __init__(self, cluster: RedisCluster, name: str, target_port: int | None = None) -> None:
         from redis.crc import key_slot
 
         self.cluster = cluster
@@ -2416,6 +2416,9 @@ class _SlotMove:
             port = mapped.get_node_from_key(self.keys.lease).port
         self.source = next(i for i, node in enumerate(cluster.nodes) if node.port == port)
         self.target = (self.source + 1) % len(cluster.nodes)
+        if target_port is not None:
+            ports = [node.port for node in cluster.nodes]
+            self.target = ports.index(target_port)
 
     def begin(self) -> None:
         self.admins[self.target].cluster("SETSLOT", self.slot, "IMPORTING", self.ids[self.source])
@@ -2861,6 +2864,79 @@ def test_a_list_rides_out_a_slot_move_and_nodes_that_disagree_on_the_slots(
             move.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("begun", ["before the list", "within its pass"])
+def test_a_list_names_a_lock_whose_keys_moved_between_its_scans_of_two_masters(
+    own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch, begun: str
+) -> None:
+    """A list SCANs the masters one after another: a resharding that MIGRATEs a held
+    name's keys from a master not yet scanned to one already scanned hides the lock
+    from that pass. The list sees the move in the masters' word on their slots (a move
+    under way, or one begun and over within the pass) and scans again."""
+
+    async def main() -> None:
+        async with dlock.aio.connect(own_cluster.url) as client:
+            backend: Any = client._backend
+            await client.inspect(unique())  # the client has mapped the slots
+            mapped = backend._get_client()
+            order = [node.port for node in mapped.get_primaries()]
+            name = next(
+                name
+                for name in (unique() for _ in range(1000))
+                if mapped.get_node_from_key(Keys(b"dlock", name).lease).port != order[0]
+            )
+            lock = client.lock(name, ttl=30, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            move = _SlotMove(own_cluster, name, target_port=order[0])
+            scanned: list[int] = []
+            real_scan_node = backend._scan_node
+
+            async def scan_node(node_client: Any, match: bytes, where: dict[str, Any]) -> Any:
+                keys = await real_scan_node(node_client, match, where)
+                port = where["target_nodes"].port
+                if not scanned:
+                    assert port == order[0]
+                    if begun == "within its pass":
+                        move.begin()
+                    move.finish()  # after the target's SCAN, before the source's
+                scanned.append(port)
+                return keys
+
+            try:
+                if begun == "before the list":
+                    move.begin()
+                monkeypatch.setattr(backend, "_scan_node", scan_node)
+                infos = await client.list()
+                assert scanned[: len(order)] == order
+                assert [info.name for info in infos if info.name == name] == [name]
+                assert len(scanned) > len(order)  # the masters were scanned again
+                assert move.admins[move.target].exists(move.keys.lease)
+                await lock.release()
+            finally:
+                move.close()
+
+    asyncio.run(main())
+
+
+def test_a_list_by_a_user_refused_cluster_nodes_scans_once(own_cluster: RedisCluster) -> None:
+    """A user whose ACL refuses CLUSTER NODES (a managed service may too) still lists:
+    one pass of SCANs, as before the list learnt to look for moves, not an error."""
+    for node in own_cluster.nodes:
+        with redis.Redis(port=node.port) as admin:
+            admin.execute_command("ACL", "SETUSER", "lister", "on", "nopass", "+@all", "~*")
+            admin.execute_command("ACL", "SETUSER", "lister", "-cluster|nodes")
+        with (
+            redis.Redis(port=node.port, username="lister", password="x") as lister,
+            pytest.raises(redis.exceptions.NoPermissionError),
+        ):
+            lister.execute_command("CLUSTER NODES")
+    url = own_cluster.url.replace("//", "//lister:x@", 1)
+    with dlock.connect(url) as client:
+        lock = client.lock(unique(), ttl=30)
+        assert lock.acquire(timeout=0)
+        assert [info.name for info in client.list() if info.name == lock.name] == [lock.name]
+        lock.release()
 
 
 def test_a_release_refused_past_its_bound_is_unavailable(own_cluster: RedisCluster) -> None:

@@ -129,6 +129,10 @@ RESUBSCRIBE_AFTER = 1.0
 IDLE_SUBSCRIBERS = 8
 
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
+# A list's passes of SCANs while a resharding moves slots (see ``_slot_views``): a key
+# moves once per move, so a second pass finds one that moved during the first; a third
+# allows for a move that begins during the second.
+SCAN_PASSES = 3
 #: What redis-py raises; its cluster errors do not all derive from RedisError.
 ERRORS = (RedisError, RedisClusterException)
 #: What a closed backend still sends: giving back, never taking.
@@ -181,6 +185,11 @@ def moving_delay(refusals: int) -> float:
     of it at random (25 to 50 ms first), so that callers do not retry in lockstep."""
     delay = min(MOVING_RETRY * 2 ** min(refusals - 1, 16), MOVING_RETRY_MAX)
     return _JITTER.uniform(delay / 2, delay)
+
+
+def _moving_any(views: list[Any]) -> bool:
+    """Whether a master in ``views`` (see ``_slot_views``) is moving a slot in or out."""
+    return any(migrations for _, _, _, migrations in views)
 
 
 def moving(exc: BaseException | None) -> bool:
@@ -1779,9 +1788,36 @@ class AsyncRedisBackend(AsyncBackend):
             await client.initialize()  # the sync face's client maps slots as it is made
         keys: list[Any] = []
         with torn_connections_lost():
-            for node in client.get_primaries():
-                keys += await self._scan_node(client, match, {"target_nodes": node})
+            before = await self._slot_views(client)
+            for _ in range(SCAN_PASSES):
+                for node in client.get_primaries():
+                    keys += await self._scan_node(client, match, {"target_nodes": node})
+                after = await self._slot_views(client)
+                if before is None or (after == before and not _moving_any(after)):
+                    break
+                before = after
         return keys
+
+    async def _slot_views(self, client: Any) -> list[Any] | None:
+        """Each master's word on its own slots: config epoch, slots, and the moves it
+        is part of (CLUSTER NODES). A pass of SCANs over the masters, one after another,
+        misses a key that a resharding MIGRATEs from a master not yet scanned to one
+        already scanned; the pass is sound only if no move was under way at its start
+        or end and no master's word changed in between (a move that began and ended
+        within it bumps the importing master's epoch). None where the cluster does not
+        answer CLUSTER NODES (a managed service may rename it): one pass, as before."""
+        views: list[Any] = []
+        for node in client.get_primaries():
+            try:
+                answer = await client.execute_command("CLUSTER NODES", target_nodes=node)
+            except ResponseError:
+                return None
+            views += [
+                (view["node_id"], view["epoch"], view["slots"], view["migrations"])
+                for view in answer.values()
+                if "myself" in view["flags"]
+            ]
+        return views
 
     async def _scan_node(self, client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
         """SCAN one server (on a cluster, the master ``where`` names) to its cursor's end.
