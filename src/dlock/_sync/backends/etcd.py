@@ -58,6 +58,7 @@ from ..._tls import (
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import name_bytes, name_from_bytes
 from .._primitives import (
+    IS_ASYNC,
     Mutex,
     WakeupEvent,
     current_task,
@@ -230,8 +231,13 @@ class _Value:
 #: opened. Those past the cap wait their turn (within the request timeout), never
 #: failed: a request is short. Idle ones are not capped apart: past that cap httpcore
 #: closed idle connections, at times one just lent to a thread that had not begun its
-#: request yet, whose read then failed (EBADF) with etcd fine.
-REQUEST_LIMITS = httpx.Limits(max_connections=32, max_keepalive_connections=None)
+#: request yet, whose read then failed (EBADF) with etcd fine. Under asyncio the cap is
+#: lower: every request's CPU is the one event loop's, and there each connection costs
+#: more (anyio answers httpcore's check of an idle one with a getpeername per call),
+#: so past a few they cost waiters more CPU than they save in waiting: 120 waiters of
+#: one client took their locks with 2.7-3.2 s of CPU at 2, 3.4-4.2 s at 4, 4.7-5.1 s at
+#: 8 and 6.6-9.3 s at 32. Threads gain from more (2.8 s at 32, 6.3-7.2 s at 4).
+REQUEST_LIMITS = httpx.Limits(max_connections=8 if IS_ASYNC else 32, max_keepalive_connections=None)
 #: Watches are not capped: each holds a connection for as long as its wait, and a cap
 #: left the rest waiting out their pool timeout (PoolTimeout, with etcd fine).
 WATCH_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
