@@ -41,13 +41,17 @@ def _acquire_interrupted_in_line(client: Any, holder: Any, name: str) -> None:
     client.lock(name, ttl=5).acquire()
 
 
-def _free_within(url: str, name: str) -> float:
+def _free_now(url: str, name: str) -> bool:
+    """Whether a fresh client's try (``timeout=0``) takes the lock. A place left in line
+    refuses every try until it lapses (``queue_ttl``, 6 s): exact where a time bound on
+    a wait behind it (it was 1.5 s) failed on a loaded machine, the fresh client's
+    connecting alone taking most of it."""
     with dlock.connect(url) as third:
-        started = time.monotonic()
         lock = third.lock(name, ttl=5)
-        assert lock.acquire(timeout=10)
-        lock.release()
-        return time.monotonic() - started
+        taken = lock.acquire(timeout=0)
+        if taken:
+            lock.release()
+        return taken
 
 
 def test_etcd_waiter_interrupted_then_closed_leaves_its_place(etcd_server: EtcdServer) -> None:
@@ -63,7 +67,7 @@ def test_etcd_waiter_interrupted_then_closed_leaves_its_place(etcd_server: EtcdS
             _acquire_interrupted_in_line(client, holder, name)
         client.close()
         held.release()
-    assert _free_within(url, name) < 1.5
+    assert _free_now(url, name)
 
 
 async def test_etcd_waiter_cancelled_then_closed_leaves_its_place(etcd_server: EtcdServer) -> None:
@@ -79,7 +83,7 @@ async def test_etcd_waiter_cancelled_then_closed_leaves_its_place(etcd_server: E
             await waiter
         await client.aclose()
         held.release()
-    assert await asyncio.to_thread(_free_within, url, name) < 1.5
+    assert await asyncio.to_thread(_free_now, url, name)
 
 
 def test_etcd_revoke_of_a_cut_off_waiter_that_meets_the_closed_client_says_nothing(
@@ -122,7 +126,7 @@ def test_etcd_revoke_of_a_cut_off_waiter_that_meets_the_closed_client_says_nothi
             leaver.join(10)
         held.release()
     assert failures == []
-    assert _free_within(url, name) < 1.5
+    assert _free_now(url, name)
 
 
 class _InterruptOnce:
@@ -166,4 +170,4 @@ def test_zookeeper_ctrl_c_in_kazoo_wakeup_stays_keyboard_interrupt(
         assert not wake.armed
         if lock.owned():
             lock.release()
-    assert _free_within(url, name) < 1.5
+    assert _free_now(url, name)
