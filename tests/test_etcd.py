@@ -38,6 +38,7 @@ import dlock
 import dlock.aio
 from dlock._async import giveback
 from dlock._async.backends.etcd import lease_seconds
+from dlock._types import Acquired, Busy
 from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
 from tests.servers import Partition, free_port
@@ -1280,6 +1281,50 @@ def test_a_quiet_wait_costs_no_writes_and_still_hears_the_release(
             assert time.monotonic() - released < 1.0
         finally:
             waiter.join()
+
+
+def test_a_wait_that_its_keepalive_runs_out_leaves_the_next_attempt_quiet(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A waiter's wait that ends while it renews its place (the keepalive takes the rest
+    of the wait: here the server paused, in CI a loaded client) has seen nothing change
+    since its last look either, as one that its watch's timeout ended: the next attempt
+    sends nothing. Before, it granted a lease, ran a transaction and revoked the lease:
+    120 waiters of one client on a loaded machine, each renewing every 2 s, so kept the
+    client busy with attempts that its holder's 120 releases took 37 s, and waiters
+    timed out with the locks released one by one meanwhile. The release still wakes it."""
+    with dlock.connect(own_etcd.url(prefix())) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        backend: Any = client._backend
+        token = client.lock(name, ttl=30)._token
+        with backend.waiter(name, token) as waiter:
+            busy = backend.acquire(name, token, 30, client._holder, False)
+            assert isinstance(busy, Busy)
+            place = backend._places[(name, token)]
+            place.renewed -= 3.0  # its keepalive is due (every third of queue_ttl, 6 s)
+            renewed = place.renewed
+            grants = requests_started(own_etcd, "LeaseGrant")
+            txns = requests_started(own_etcd, "Txn")
+            own_etcd.process.pause()
+            resume = threading.Timer(0.5, own_etcd.process.resume)
+            resume.start()
+            try:
+                waiter.wait(0.1)
+            finally:
+                resume.join()
+            assert place.renewed > renewed, "no keepalive was sent"
+            again = backend.acquire(name, token, 30, client._holder, False)
+            assert isinstance(again, Busy)
+            assert requests_started(own_etcd, "LeaseGrant") == grants, "an attempt granted"
+            assert requests_started(own_etcd, "Txn") == txns, "an attempt was sent"
+            holder.release()
+            released = time.monotonic()
+            waiter.wait(5.0)
+            assert time.monotonic() - released < 1.0, "the release was not heard"
+            granted = backend.acquire(name, token, 30, client._holder, False)
+            assert isinstance(granted, Acquired)
+            backend.release(name, token)
 
 
 def test_a_deletion_between_the_read_and_the_watch_is_not_missed(

@@ -177,7 +177,8 @@ class _Place:
     just ahead in the queue, or the lock's), as a read at revision ``watch_from`` - 1
     found it (created at ``watch_created``).
 
-    ``quiet``: the last wait ended at its timeout, having seen that key stay: an attempt
+    ``quiet``: the last wait ended at its timeout (its watch's, or the rest of it taken
+    by a keepalive or a look), having seen that key stay: an attempt
     now would find the queue and the lock as the last one did, so none is sent (the
     core's fallback timer costs no writes). The next wait's watch starts at the same
     revision, so a change meanwhile still ends it at once."""
@@ -1451,6 +1452,14 @@ class AsyncEtcdBackend(AsyncBackend):
                 place.follow(lock_key, lock, revision)
             else:
                 return
+        place = self._places.get(ident)
+        if place is not None and place.watch:
+            # Run out by a keepalive or a look (a loaded client, a slow member): the key
+            # it watches was last seen staying, as when a watch times out. Otherwise
+            # each such wait cost an attempt (a grant, a transaction, a revoke), and
+            # 120 waiters of one loaded client, renewing every 2 s, so kept it busy
+            # enough that its holder's 120 releases took 37 s.
+            place.quiet = True
 
     async def _watch_deletion(self, key: str, seen: tuple[int, int] | None, timeout: float) -> bool:
         """Whether ``key`` is deleted within ``timeout``, counting from ``seen``: (the
