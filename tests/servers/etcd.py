@@ -230,7 +230,13 @@ class EtcdCluster:
             deadline = time.monotonic() + 30
             while not all(healthy(port) for port in self.ports):
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the etcd cluster elected no leader in time")
+                    # Each member's log tells a stall under load from a port taken
+                    # between free_port() and the member's bind.
+                    logs = "\n".join(
+                        f"--- member {i}: {member.log_tail(10)}"
+                        for i, member in enumerate(self.members)
+                    )
+                    raise RuntimeError(f"the etcd cluster elected no leader in time\n{logs}")
                 time.sleep(0.05)
 
         start_all(self.members, then=quorum)
