@@ -1785,8 +1785,10 @@ class RedisBackend(Backend):
             for _ in range(SCAN_PASSES):
                 for node in client.get_primaries():
                     keys += self._scan_node(client, match, {"target_nodes": node})
+                if before is None:
+                    break  # the cluster does not say: one pass
                 after = self._slot_views(client)
-                if before is None or (after == before and not _moving_any(after)):
+                if after == before and not _moving_any(after):
                     break
                 before = after
         return keys
