@@ -38,6 +38,7 @@ import dlock
 import dlock.aio
 from dlock._async import giveback
 from dlock._async.backends.etcd import lease_seconds
+from dlock._sync.backends.etcd import _Place
 from dlock._types import Acquired, Busy
 from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import ROOT, WORKER_ENV, read_line
@@ -1283,38 +1284,45 @@ def test_a_quiet_wait_costs_no_writes_and_still_hears_the_release(
             waiter.join()
 
 
-def test_a_wait_that_its_keepalive_runs_out_leaves_the_next_attempt_quiet(
+def test_a_wait_that_its_look_runs_out_leaves_the_next_attempt_quiet(
     own_etcd: EtcdServer, name: str
 ) -> None:
-    """A waiter's wait that ends while it renews its place (the keepalive takes the rest
-    of the wait: here the server paused, in CI a loaded client) has seen nothing change
-    since its last look either, as one that its watch's timeout ended: the next attempt
-    sends nothing. Before, it granted a lease, ran a transaction and revoked the lease:
-    120 waiters of one client on a loaded machine, each renewing every 2 s, so kept the
-    client busy with attempts that its holder's 120 releases took 37 s, and waiters
-    timed out with the locks released one by one meanwhile. The release still wakes it."""
+    """A waiter's wait that ends while it looks who is ahead now (the look takes the
+    rest of the wait: here the server paused, in CI a loaded client) has seen nothing
+    change since either, as one that its watch's timeout ended: the next attempt sends
+    nothing. Else it granted a lease, ran a transaction and revoked the lease: 120
+    waiters of one client on a loaded machine so kept the client busy with attempts
+    that its holder's 120 releases took 37 s. The release still wakes it."""
     with dlock.connect(own_etcd.url(prefix())) as client:
         holder = client.lock(name, ttl=30)
         assert holder.acquire(timeout=0)
         backend: Any = client._backend
-        token = client.lock(name, ttl=30)._token
-        with backend.waiter(name, token) as waiter:
-            busy = backend.acquire(name, token, 30, client._holder, False)
-            assert isinstance(busy, Busy)
-            place = backend._places[(name, token)]
-            place.renewed -= 3.0  # its keepalive is due (every third of queue_ttl, 6 s)
-            renewed = place.renewed
-            grants = requests_started(own_etcd, "LeaseGrant")
-            txns = requests_started(own_etcd, "Txn")
-            own_etcd.process.pause()
+        first, second = client.lock(name, ttl=30)._token, client.lock(name, ttl=30)._token
+        with backend.waiter(name, second) as waiter:
+            with backend.waiter(name, first):
+                assert isinstance(backend.acquire(name, first, 30, client._holder, False), Busy)
+                assert isinstance(backend.acquire(name, second, 30, client._holder, False), Busy)
+            # The first left the queue: the second's wait sees it gone and looks.
+            place = backend._places[(name, second)]
+            real_look = backend._look
             resume = threading.Timer(0.5, own_etcd.process.resume)
-            resume.start()
+
+            def slow_look(*args: Any) -> Any:
+                own_etcd.process.pause()
+                resume.start()
+                return real_look(*args)
+
+            backend._look = slow_look
             try:
                 waiter.wait(0.1)
             finally:
                 resume.join()
-            assert place.renewed > renewed, "no keepalive was sent"
-            again = backend.acquire(name, token, 30, client._holder, False)
+                del backend._look
+            assert place.watch == backend._places[(name, second)].watch
+            assert place.quiet, "the look did not run the wait out"
+            grants = requests_started(own_etcd, "LeaseGrant")
+            txns = requests_started(own_etcd, "Txn")
+            again = backend.acquire(name, second, 30, client._holder, False)
             assert isinstance(again, Busy)
             assert requests_started(own_etcd, "LeaseGrant") == grants, "an attempt granted"
             assert requests_started(own_etcd, "Txn") == txns, "an attempt was sent"
@@ -1322,9 +1330,119 @@ def test_a_wait_that_its_keepalive_runs_out_leaves_the_next_attempt_quiet(
             released = time.monotonic()
             waiter.wait(5.0)
             assert time.monotonic() - released < 1.0, "the release was not heard"
-            granted = backend.acquire(name, token, 30, client._holder, False)
+            granted = backend.acquire(name, second, 30, client._holder, False)
             assert isinstance(granted, Acquired)
-            backend.release(name, token)
+            backend.release(name, second)
+
+
+def test_one_clients_waiters_have_their_places_renewed_together_and_watch_on(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """20 waiters of one client, each for a lock of its own, wait 5 s: their places
+    are renewed together, a keepalive request or two every 2 s for them all, and no
+    renewal cuts a waiter's watch short (its fallback here is 30 s). Before, each
+    waiter renewed its own place, a request each every 2 s, and opened its watch again
+    after each: 120 waiters of one client sent 200 requests a second. Each still holds
+    its place, and gets its lock when the holder lets go."""
+    count = 20
+    path = prefix()
+    url = own_etcd.url(path)
+    patient = dlock.Backoff(notify_fallback=30)
+    with dlock.connect(url) as other, dlock.connect(url, backoff=patient) as client:
+        held = [other.lock(f"{name}-{i}", ttl=30) for i in range(count)]
+        for lock in held:
+            assert lock.acquire(timeout=0)
+        locks = [client.lock(f"{name}-{i}", ttl=30) for i in range(count)]
+        results: list[bool] = []
+        threads = [
+            threading.Thread(target=lambda lock=lock: results.append(lock.acquire(timeout=30)))
+            for lock in locks
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            until(lambda: len(queue_keys(own_etcd, path)) == count, "the waiters queued")
+            time.sleep(0.3)  # each has opened its watch
+            keepalives = requests_started(own_etcd, "LeaseKeepAlive")
+            watches = requests_started(own_etcd, "Watch")
+            time.sleep(5.0)
+            renewals = requests_started(own_etcd, "LeaseKeepAlive") - keepalives
+            assert 1 <= renewals <= 6, f"{renewals} keepalive requests for {count} places"
+            assert requests_started(own_etcd, "Watch") == watches, "a watch was opened again"
+            assert len(queue_keys(own_etcd, path)) == count, "a place was lost"
+        finally:
+            for lock in held:
+                lock.release()
+            for thread in threads:
+                thread.join(30)
+        assert results == [True] * count
+        for lock in locks:
+            lock.release()
+
+
+def test_a_quiet_wait_reads_its_key_once_after_other_writes_not_at_each_fallback(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A waiter's watch opened after other writes reads the key it watches once (a
+    deletion before the watch began would be missed): still there, that read is its
+    last sight of the key, so the next fallback's watch, with nothing written since,
+    reads nothing. Before, every fallback read (every 0.2 s here; 2 s by default, for
+    each of 120 idle waiters of one client: 60 reads a second)."""
+    url = own_etcd.url(prefix())
+    eager = dlock.Backoff(notify_fallback=0.2)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = ThreadWaiter(url, name, "quiet", backoff=eager)
+        try:
+            until(lambda: queued_labels(client, name) == ["quiet"], "the waiter queued")
+            with client.lock(f"{name}-other", ttl=30):
+                pass  # writes after the waiter's last look
+            time.sleep(0.5)  # a fallback or two in
+            reads = requests_started(own_etcd, "Range")
+            time.sleep(2.0)
+            assert requests_started(own_etcd, "Range") == reads, "fallbacks read the key"
+            released = time.monotonic()
+            holder.release()
+            assert waiter.held.wait(5), "the waiter never got the lock"
+            assert time.monotonic() - released < 1.0
+        finally:
+            waiter.join()
+
+
+def test_a_waiter_whose_place_ended_queues_again_without_a_release(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A place whose lease ended behind its waiter's back (revoked here; a client
+    stalled past queue_ttl in life) is found so by the next renewal of the client's
+    places, and the waiter takes a new place at its next wait, not only once a
+    release wakes it: a waiter that came meanwhile is not left ahead of it for longer
+    than that. It gets the lock at the release."""
+    path = prefix()
+    url = own_etcd.url(path)
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        waiter = ThreadWaiter(url, name, "lapsed", backoff=dlock.Backoff(notify_fallback=0.5))
+        try:
+            until(lambda: queued_labels(client, name) == ["lapsed"], "the waiter queued")
+            held = stored(own_etcd, path, name)
+            assert held is not None
+            (lease,) = live_leases(own_etcd) - {held[1]}
+            httpx.post(
+                f"http://{own_etcd.address}/v3/lease/revoke",
+                json={"ID": str(lease)},
+                timeout=5,
+                trust_env=False,
+            ).raise_for_status()
+            assert queued_labels(client, name) == []
+            # The next renewal is due 2 s after the place's put; the wait after it, 0.5 s.
+            until(lambda: queued_labels(client, name) == ["lapsed"], "queued again", 4.0)
+            assert lease not in live_leases(own_etcd)
+            holder.release()
+            assert waiter.held.wait(5), "the waiter never got the lock"
+        finally:
+            waiter.join()
 
 
 def test_a_deletion_between_the_read_and_the_watch_is_not_missed(
@@ -1351,7 +1469,8 @@ def test_a_deletion_between_the_read_and_the_watch_is_not_missed(
             if created_again:
                 assert lock.acquire(timeout=0)
             started = time.monotonic()
-            assert backend._watch_deletion(key, (revision + 1, created), 3.0) is True
+            seen = _Place(0, 0, 0.0, key, revision + 1, created)
+            assert backend._watch_deletion(key, seen, 3.0) is True
             assert time.monotonic() - started < 1.0, "the deletion was missed"
             if created_again:
                 lock.release()
@@ -1360,7 +1479,8 @@ def test_a_deletion_between_the_read_and_the_watch_is_not_missed(
         revision, created = read()
         other = client.lock(f"{name}-other", ttl=30)
         assert other.acquire(timeout=0)  # a write in the gap, not of this key
-        assert backend._watch_deletion(key, (revision + 1, created), 0.5) is False
+        seen = _Place(0, 0, 0.0, key, revision + 1, created)
+        assert backend._watch_deletion(key, seen, 0.5) is False
         other.release()
         lock.release()
 

@@ -13,8 +13,9 @@ key from the revision their attempt saw, so no release between the attempt and t
 watch is missed.
 
 Waiters queue, in arrival order: a waiter's busy attempt puts a key of its own in the
-name's queue, bound to a waiter lease that it keeps alive while it waits (so a waiter
-that crashed loses its place after ``queue_ttl``). A grant needs the lock key never
+name's queue, bound to a waiter lease kept alive while it waits (so a waiter that
+crashed loses its place after ``queue_ttl``): one task of the client (a thread in the
+sync face) renews all its waiters' places together. A grant needs the lock key never
 created and no queue key older than the attempt's own (none at all for an attempt
 without a place), and deletes the attempt's queue key. Each waiter watches the deletion
 of the queue key just ahead of its own, the head the lock key's: a release wakes only
@@ -31,6 +32,7 @@ from __future__ import annotations
 import base64
 import builtins
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -174,15 +176,15 @@ class _Held:
 class _Place:
     """A waiter's place in its name's queue: the waiter lease its queue key is bound to,
     the key's create revision (its rank), when the lease was last renewed (on this
-    host's monotonic clock), and the key whose deletion the waiter waits for (the one
-    just ahead in the queue, or the lock's), as a read at revision ``watch_from`` - 1
-    found it (created at ``watch_created``).
+    host's monotonic clock; by the keeper, see _keep_places), and the key whose deletion
+    the waiter waits for (the one just ahead in the queue, or the lock's), as a read at
+    revision ``watch_from`` - 1 found it (created at ``watch_created``).
 
     ``quiet``: the last wait ended at its timeout (its watch's, or the rest of it taken
-    by a keepalive or a look), having seen that key stay: an attempt
-    now would find the queue and the lock as the last one did, so none is sent (the
-    core's fallback timer costs no writes). The next wait's watch starts at the same
-    revision, so a change meanwhile still ends it at once."""
+    by a look), having seen that key stay: an attempt now would find the queue and the
+    lock as the last one did, so none is sent (the core's fallback timer costs no
+    writes). The next wait counts from the place's last sight of that key, so a change
+    meanwhile still ends it at once."""
 
     lease: int
     rank: int
@@ -193,6 +195,11 @@ class _Place:
     quiet: bool = False
     #: Our grant deleted the queue key: the lease holds nothing any more.
     used: bool = False
+    #: The keeper found the lease ended: the next attempt takes a place at the back.
+    lapsed: bool = False
+    #: Why the keeper's last renewal failed (the cluster did not answer it, or refused
+    #: it): the waiter's next wait raises it, as a wait that renewed its place did.
+    unrenewed: BackendError | None = None
 
     def follow(self, key: str, kv: dict[str, Any], revision: int) -> None:
         """Wait next for the deletion of ``key``, found as ``kv`` by a read at
@@ -371,7 +378,11 @@ class EtcdBackend(Backend):
         self._reaper: Any = None
         self._reaper_wakeup = WakeupEvent()
         self._reaper_next = math.inf
+        #: Starting and ending the reaper and the keeper.
         self._reaper_lock = threading.Lock()
+        #: Renews the places together (see _keep_places); started by the first place.
+        self._keeper: Any = None
+        self._keeper_wakeup = WakeupEvent()
         #: Leases of places that a grant emptied, for the reaper to revoke.
         self._emptied: list[int] = []
         #: Leases whose revoke went unanswered, for the reaper to revoke again (each
@@ -442,7 +453,7 @@ class EtcdBackend(Backend):
         self._client = self._watcher = None
         self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
         self._emptied, self._unrevoked, self._revoke_at = [], {}, math.inf
-        self._reaper = None
+        self._reaper = self._keeper = None
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
         self._creating = threading.Lock()
@@ -906,7 +917,7 @@ class EtcdBackend(Backend):
     ) -> Acquired | Busy:
         ident = (name, token)
         place = self._places.get(ident)
-        if place is not None and place.quiet and ident in self._waiting:
+        if place is not None and place.quiet and not place.lapsed and ident in self._waiting:
             return Busy()
         with self._using(ident):
             sent = time.monotonic()
@@ -1098,6 +1109,7 @@ class EtcdBackend(Backend):
             # Noted before the put: a waiter cut off meanwhile (cancelled) revokes it as
             # it leaves, rather than leave a place holding up the queue until it ends.
             place = self._places[ident] = _Place(lease, 0, sent, "", 0)
+            self._keep_places()
             try:
                 answer = self._txn(
                     [],
@@ -1236,9 +1248,13 @@ class EtcdBackend(Backend):
         return self._post(path, body, resend=self._resend_after())
 
     def _read(self, key: str) -> dict[str, Any] | None:
+        return (self._read_at(key))[1]
+
+    def _read_at(self, key: str) -> tuple[int, dict[str, Any] | None]:
+        """The revision of the read, and ``key`` as it found it (None if absent)."""
         answer = self._read_only("/v3/kv/range", {"key": key})
         kvs = answer.get("kvs") or []
-        return kvs[0] if kvs else None
+        return self._revision(answer), kvs[0] if kvs else None
 
     def extend(self, name: str, token: str, ttl: float) -> bool:
         return (self.extend_many([Lease(name, token, ttl)]))[0]
@@ -1386,10 +1402,10 @@ class EtcdBackend(Backend):
 
     def _wait_turn(self, name: str, token: str, timeout: float) -> None:
         """Wait in line (see ``_wait_in_line``). A member that dies or hangs under the
-        watch or a keepalive of the place ends the wait once the next request has been
-        moved to the next member: a wait changes nothing (its keepalives may go twice),
-        and the place outlives the member, so the next attempt looks again through the
-        next member (and fails, as it should, if none answers)."""
+        watch or a look ends the wait once the next request has been moved to the next
+        member: a wait changes nothing, and the place outlives the member, so the next
+        attempt looks again through the next member (and fails, as it should, if none
+        answers)."""
         host = self._current
         try:
             self._wait_in_line(name, token, timeout)
@@ -1399,9 +1415,9 @@ class EtcdBackend(Backend):
 
     def _wait_in_line(self, name: str, token: str, timeout: float) -> None:
         """Return when the waiter may be first in line with the lock free, its place
-        lapsed, or after ``timeout``. Renews the place every third of ``queue_ttl``.
-        When the key ahead goes, looks who is ahead now and waits on, so that a grant
-        to the head wakes nobody else."""
+        lapsed, or after ``timeout``. The keeper renews the place meanwhile, so the
+        watch runs the whole wait (see _keep_places). When the key ahead goes, looks who
+        is ahead now and waits on, so that a grant to the head wakes nobody else."""
         ident = (name, token)
         lock_key = b64(self._key(name))
         deadline = time.monotonic() + timeout
@@ -1414,30 +1430,15 @@ class EtcdBackend(Backend):
                 # give-back in flight): wait for the lock key's deletion.
                 self._watch_deletion(lock_key, None, left)
                 return
-            # A third of the lease granted (whole seconds), not of a sub-second queue_ttl.
-            lease = lease_seconds(self._queue_ttl)
-            now = time.monotonic()
-            renew_in = place.renewed + lease / 3 - now
-            if renew_in <= 0 and place.renewed + lease - now > left + lease / 3 + 1:
-                # Due, but the place outlives the rest of this wait with room for a
-                # keepalive after it: none now. One sent as an acquire's last wait ends
-                # held the acquire up past its timeout by its whole round of the members
-                # while the cluster did not answer (then the leave's: a chaos helper
-                # saw three request timeouts).
-                renew_in = left
-            if renew_in <= 0:
-                sent = time.monotonic()
-                # Sent again to the next member if one hangs (see _send): left to the
-                # request timeout, a place with a short queue_ttl would lapse.
-                alive = self._keepalive([place.lease], resend=self._queue_ttl / 6)
-                if place.lease not in alive:
-                    self._places.pop(ident, None)
-                    return  # the place lapsed: the next attempt takes a new one
-                place.renewed = sent
-                continue
+            if place.lapsed:
+                self._places.pop(ident, None)
+                return  # the next attempt takes a new one
+            if place.unrenewed is not None:
+                # A copy: the waiters of one client that share the failure raise it
+                # each in a thread (or task) of its own.
+                raise copy.copy(place.unrenewed) from place.unrenewed
             watch = place.watch or lock_key
-            seen = (place.watch_from, place.watch_created) if place.watch else None
-            if not self._watch_deletion(watch, seen, min(left, renew_in)):
+            if not self._watch_deletion(watch, place if place.watch else None, left):
                 place.quiet = True  # unless the loop goes on (see _Place)
                 continue
             if watch == lock_key:
@@ -1455,22 +1456,26 @@ class EtcdBackend(Backend):
                 return
         place = self._places.get(ident)
         if place is not None and place.watch:
-            # Run out by a keepalive or a look (a loaded client, a slow member): the key
-            # it watches was last seen staying, as when a watch times out. Otherwise
-            # each such wait cost an attempt (a grant, a transaction, a revoke), and
-            # 120 waiters of one loaded client, renewing every 2 s, so kept it busy
-            # enough that its holder's 120 releases took 37 s.
+            # Run out by a look (a loaded client, a slow member): the key it watches
+            # was last seen staying, as when a watch times out. Otherwise each such
+            # wait cost an attempt (a grant, a transaction, a revoke), and 120 waiters
+            # of one loaded client so kept it busy enough that its holder's 120
+            # releases took 37 s.
             place.quiet = True
 
-    def _watch_deletion(self, key: str, seen: tuple[int, int] | None, timeout: float) -> bool:
-        """Whether ``key`` is deleted within ``timeout``, counting from ``seen``: (the
-        revision after the read that last found it, its create revision then).
+    def _watch_deletion(self, key: str, seen: _Place | None, timeout: float) -> bool:
+        """Whether ``key`` is deleted within ``timeout``, counting from ``seen``: the
+        place whose watched key it is, last found by a read at its ``watch_from`` - 1
+        (created at its ``watch_created``).
 
         The watch itself starts at its creation: etcd serves a watch that starts at a
         past revision from a loop that runs every 100 ms, which delayed most hand-offs
         under contention by up to that (any write since the read makes the start past).
         When the watch was created after other writes, the key is read once more, with
-        the watch in place: gone, or created anew, it was deleted."""
+        the watch in place: gone, or created anew, it was deleted; still there, that read
+        is the place's last sight of it, so the next wait's watch, on a cluster written
+        to by nobody meanwhile, needs no read (120 idle waiters of one client read 60
+        times a second, one read per 2 s fallback wait each)."""
         request: dict[str, Any] = {"key": key}
         client = self._http(watch=True)
         auth = self._token()
@@ -1499,10 +1504,11 @@ class EtcdBackend(Backend):
                     message = json.loads(line)
                     if self._released(message):  # a refused (cancelled) watch included
                         return True
-                    if seen is not None and self._created_after(message, seen[0]):
-                        kv = self._read(key)
-                        if kv is None or int(kv["create_revision"]) != seen[1]:
+                    if seen is not None and self._created_after(message, seen.watch_from):
+                        revision, kv = self._read_at(key)
+                        if kv is None or int(kv["create_revision"]) != seen.watch_created:
                             return True
+                        seen.watch_from = revision + 1
                     if time.monotonic() >= deadline:
                         return False
         except httpx.ReadTimeout:
@@ -1570,6 +1576,55 @@ class EtcdBackend(Backend):
             raise BackendError(self._unauthenticated(reason))
         elif PERMISSION_DENIED in reason:
             raise BackendError(self._denied())
+
+    # -- the waiters' places ----------------------------------------------------------
+
+    def _keep_places(self) -> None:
+        """Have the keeper renew the places (started by a place put while none runs)."""
+        with self._reaper_lock:
+            if not self._closed and not serving(self._keeper):
+                self._keeper_wakeup = WakeupEvent()
+                self._keeper = spawn(self._keep, name="dlock-etcd-places")
+
+    def _keep(self) -> None:
+        """Renew this client's places together, each about a third of its lease after
+        its last renewal, until none is left. Renewed by their waiters, each place cost
+        a keepalive of its own and cut its waiter's watch short, to be opened again:
+        120 waiters of one client sent 200 requests a second while they waited."""
+        lease = lease_seconds(self._queue_ttl)
+        while not self._closed:
+            with self._reaper_lock:
+                places = [p for p in self._places.values() if not (p.used or p.lapsed)]
+                if not places:
+                    self._keeper = None
+                    return
+            now = time.monotonic()
+            first = min(place.renewed for place in places) + lease / 3
+            if first > now:
+                self._keeper_wakeup.wait(first - now)
+                continue
+            # With it, those due within a sixth of the lease: the places of waiters that
+            # came together go on being renewed together.
+            due = [place for place in places if place.renewed + lease / 3 <= now + lease / 6]
+            sent = time.monotonic()
+            try:
+                # Sent again to the next member if one hangs (see _send): left to the
+                # request timeout, a place with a short queue_ttl would lapse.
+                alive = self._keepalive([place.lease for place in due], resend=self._queue_ttl / 6)
+            except BackendError as exc:
+                # Unanswered or refused: each waiter is told at its next wait; asked
+                # again shortly, for the waiters that go on (their places may lapse
+                # meanwhile: the next keepalive, or the waiter's attempt, finds that).
+                for place in due:
+                    place.unrenewed = exc
+                self._keeper_wakeup.wait(self._queue_ttl / 6)
+                continue
+            for place in due:
+                place.unrenewed = None
+                if place.lease in alive:
+                    place.renewed = sent
+                else:
+                    place.lapsed = True
 
     # -- leases that run out unrenewed -------------------------------------------------
 
@@ -1729,6 +1784,7 @@ class EtcdBackend(Backend):
                 pass
         self._closed = True
         self._reaper_wakeup.set()
+        self._keeper_wakeup.set()
         clients = [self._client, self._watcher]
         self._client = self._watcher = None
         for client in clients:
