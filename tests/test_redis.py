@@ -2974,6 +2974,97 @@ def test_a_list_by_a_user_refused_cluster_nodes_scans_once(own_cluster: RedisClu
         lock.release()
 
 
+def _join_a_new_master(cluster: RedisCluster) -> RedisServer:
+    """Start a node, empty, and have the cluster meet it (it joins ``cluster.nodes``,
+    removed with them)."""
+    port, bus = free_port(), free_port()
+    node = RedisServer(
+        f"cluster{len(cluster.nodes)}",
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        "2000",
+        "--cluster-port",
+        str(bus),
+        port=port,
+    )
+    node.start()
+    cluster.nodes.append(node)
+    with redis.Redis(port=cluster.nodes[0].port, decode_responses=True) as admin:
+        admin.execute_command("CLUSTER", "MEET", "127.0.0.1", port, bus)
+    deadline = time.monotonic() + 30
+    for each in cluster.nodes:  # every node knows every other, the new one too
+        with redis.Redis(port=each.port, decode_responses=True) as admin:
+            while True:
+                lines = admin.execute_command("CLUSTER", "NODES").splitlines()
+                met = len(lines) == len(cluster.nodes) and not any("handshake" in x for x in lines)
+                if met and "cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"):
+                    break
+                assert time.monotonic() < deadline, "the cluster did not meet the new node"
+                time.sleep(0.05)
+    return node
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_list_names_a_lock_on_a_master_added_since_the_client_mapped_the_slots(
+    own_cluster: RedisCluster, face: str
+) -> None:
+    """A node joins the cluster and a held name's slot moves to it. The client's slot
+    map, made before, lacks the node until a MOVED sends a command there, and a list
+    SCANned only the masters that map names: the lock went unlisted. The masters name
+    the new one in CLUSTER NODES, so the list maps the slots again and scans it too."""
+    name = unique()
+
+    def move_to_a_new_master() -> _SlotMove:
+        added = _join_a_new_master(own_cluster)
+        move = _SlotMove(own_cluster, name, target_port=added.port)
+        move.begin()
+        move.finish()
+        assert move.admins[move.target].exists(move.keys.lease)
+        return move
+
+    def ports(mapped: Any) -> set[int]:
+        return {node.port for node in mapped.get_primaries()}
+
+    if face == "sync":
+        with dlock.connect(own_cluster.url) as client:
+            lock = client.lock(name, ttl=30, auto_renew=False)  # no renewal: no MOVED
+            assert lock.acquire(timeout=0)
+            mapped = client._backend._get_client()  # type: ignore[attr-defined]
+            masters = ports(mapped)
+            move = move_to_a_new_master()
+            try:
+                assert ports(mapped) == masters
+                assert [info.name for info in client.list() if info.name == name] == [name]
+                assert ports(mapped) == masters | {own_cluster.nodes[-1].port}
+                lock.release()
+                assert client.inspect(name) is None
+            finally:
+                move.close()
+        return
+
+    async def main() -> None:
+        async with dlock.aio.connect(own_cluster.url) as client:
+            lock = client.lock(name, ttl=30, auto_renew=False)
+            assert await lock.acquire(timeout=0)
+            mapped = client._backend._get_client()  # type: ignore[attr-defined]
+            masters = ports(mapped)
+            move = await asyncio.to_thread(move_to_a_new_master)
+            try:
+                assert ports(mapped) == masters
+                infos = await client.list()
+                assert [info.name for info in infos if info.name == name] == [name]
+                assert ports(mapped) == masters | {own_cluster.nodes[-1].port}
+                await lock.release()
+                assert await client.inspect(name) is None
+            finally:
+                move.close()
+
+    asyncio.run(main())
+
+
 def test_a_release_refused_past_its_bound_is_unavailable(own_cluster: RedisCluster) -> None:
     """A move that is not over within the call's bound (socket_timeout, here 2 s) fails
     the release as unavailable, naming the move: in bounded time (a wait that would end

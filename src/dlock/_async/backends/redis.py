@@ -187,6 +187,22 @@ def moving_delay(refusals: int) -> float:
     return _JITTER.uniform(delay / 2, delay)
 
 
+def _serving_master(view: dict[str, Any]) -> bool:
+    """Whether a node of CLUSTER NODES (as redis-py parses it) is a master that serves
+    slots and that the cluster holds reachable."""
+    flags = set(view["flags"].split(","))
+    return "master" in flags and bool(view["slots"]) and not flags & {"fail", "handshake"}
+
+
+def _mapped(address: str, view: dict[str, Any], known: set[tuple[str, int]]) -> bool:
+    """Whether a node that CLUSTER NODES names at ``address`` (ip:port, and maybe a
+    host name) is one of ``known`` (a client's masters, as host and port)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return True  # no address to reach it at (noaddr): nothing to map
+    return (host, int(port)) in known or (view["hostname"], int(port)) in known
+
+
 def _moving_any(views: list[Any]) -> bool:
     """Whether a master in ``views`` (see ``_slot_views``) is moving a slot in or out."""
     return any(migrations for _, _, _, migrations in views)
@@ -1807,19 +1823,37 @@ class AsyncRedisBackend(AsyncBackend):
         already scanned; the pass is sound only if no move was under way at its start
         or end and no master's word changed in between (a move that began and ended
         within it bumps the importing master's epoch). None where the cluster does not
-        answer CLUSTER NODES (a managed service may rename it): one pass, as before."""
+        answer CLUSTER NODES (a managed service may rename it): one pass, as before.
+
+        A master serving slots that a master names and the client's map lacks (a node
+        added to the cluster: redis-py maps it only once a MOVED sends a command there)
+        has the map made again, once: its keys went unscanned, its locks unlisted."""
+        read = await self._read_slot_views(client)
+        if read is not None and read[1]:
+            await client.nodes_manager.initialize()
+            read = await self._read_slot_views(client)
+        return None if read is None else read[0]
+
+    @staticmethod
+    async def _read_slot_views(client: Any) -> tuple[list[Any], bool] | None:
+        """The masters' words on their slots (see ``_slot_views``), and whether one
+        names a master serving slots that ``client`` has not mapped; None if refused."""
         views: list[Any] = []
+        unmapped = False
+        known = {(node.host, int(node.port)) for node in client.get_primaries()}
         for node in client.get_primaries():
             try:
                 answer = await client.execute_command("CLUSTER NODES", target_nodes=node)
             except ResponseError:
                 return None
-            views += [
-                (view["node_id"], view["epoch"], view["slots"], view["migrations"])
-                for view in answer.values()
-                if "myself" in view["flags"]
-            ]
-        return views
+            for address, view in answer.items():
+                if "myself" in view["flags"]:
+                    views.append(
+                        (view["node_id"], view["epoch"], view["slots"], view["migrations"])
+                    )
+                elif _serving_master(view) and not _mapped(address, view, known):
+                    unmapped = True
+        return views, unmapped
 
     async def _scan_node(self, client: Any, match: bytes, where: dict[str, Any]) -> list[Any]:
         """SCAN one server (on a cluster, the master ``where`` names) to its cursor's end.
