@@ -40,6 +40,7 @@ from tests.servers.redis import (
     RedisCluster,
     RedisServer,
     TLSRedis,
+    cluster_node,
     start_cluster,
     start_masters,
     start_single,
@@ -2978,18 +2979,7 @@ def _join_a_new_master(cluster: RedisCluster) -> RedisServer:
     """Start a node, empty, and have the cluster meet it (it joins ``cluster.nodes``,
     removed with them)."""
     port, bus = free_port(), free_port()
-    node = RedisServer(
-        f"cluster{len(cluster.nodes)}",
-        "--cluster-enabled",
-        "yes",
-        "--cluster-config-file",
-        "nodes.conf",
-        "--cluster-node-timeout",
-        "2000",
-        "--cluster-port",
-        str(bus),
-        port=port,
-    )
+    node = cluster_node(f"cluster{len(cluster.nodes)}", port, bus)
     node.start()
     cluster.nodes.append(node)
     with redis.Redis(port=cluster.nodes[0].port, decode_responses=True) as admin:

@@ -107,6 +107,23 @@ def start_masters(count: int = 3) -> list[RedisServer]:
     return masters
 
 
+def cluster_node(name: str, port: int, bus: int, *extra: str) -> RedisServer:
+    """A cluster-enabled server (not started) on ``port``, its cluster bus on ``bus``."""
+    return RedisServer(
+        name,
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        "2000",
+        "--cluster-port",
+        str(bus),
+        *extra,
+        port=port,
+    )
+
+
 def start_cluster(masters: int = 3, relayed: bool = False) -> RedisCluster:
     """``relayed``: each node announces a relay (a ``Partition``) as its address, so
     that clients reach every node, redirects and slot maps included, through relays a
@@ -125,21 +142,7 @@ def start_cluster(masters: int = 3, relayed: bool = False) -> RedisCluster:
                 "--cluster-announce-bus-port",
                 str(bus),
             )
-        nodes.append(
-            RedisServer(
-                f"cluster{i}",
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                "2000",
-                "--cluster-port",
-                str(bus),
-                *announced,
-                port=port,
-            )
-        )
+        nodes.append(cluster_node(f"cluster{i}", port, bus, *announced))
 
     def form_cluster() -> None:
         _cli(
