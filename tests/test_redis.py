@@ -30,7 +30,14 @@ from redis.retry import Retry
 import dlock
 import dlock.aio
 from dlock._redis_scripts import DEQUEUE, FENCE_KEPT_MS
-from dlock._sync.backends.redis import CLUSTER_REQUEST_TTL, Keys, RedisBackend, wrap
+from dlock._sync.backends.redis import (
+    CLUSTER_REQUEST_TTL,
+    Keys,
+    RedisBackend,
+    _mapped,
+    _serving_master,
+    wrap,
+)
 from dlock._sync.backends.redlock import DRIFT_FACTOR, RedlockBackend
 from dlock._types import Acquired, Holder, Lease
 from tests.cancelling import cancel_a_parked_waiter
@@ -3053,6 +3060,36 @@ def test_a_list_names_a_lock_on_a_master_added_since_the_client_mapped_the_slots
                 move.close()
 
     asyncio.run(main())
+
+
+def test_a_list_maps_the_slots_again_only_for_a_reachable_serving_master_it_lacks() -> None:
+    """The list's reading of CLUSTER NODES lines (as redis-py parses them): a master
+    serving slots at an address the client's map lacks sends it to map again; a
+    replica, a master without slots, one failed, in handshake or without an address,
+    and one the map knows by its host name do not (a node without an address would
+    have had every list map the slots again)."""
+    from redis._parsers.helpers import parse_cluster_nodes
+
+    lines = [
+        "a 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460",
+        "b 127.0.0.1:7001@17001 master - 0 0 2 connected 5461-10922",
+        "c 127.0.0.1:7002@17002 slave b 0 0 2 connected",
+        "d 127.0.0.1:7003@17003 master - 0 0 0 connected",
+        "e 127.0.0.1:7004@17004 master,fail - 0 0 3 connected 10923-16000",
+        "f 127.0.0.1:7006@17006 master,handshake - 0 0 3 connected 16001-16100",
+        "g :0@0 master,noaddr - 0 0 4 disconnected 16101-16200",
+        "h 10.0.0.9:7005@17005,node-h master - 0 0 5 connected 16201-16383",
+    ]
+    known = {("127.0.0.1", 7000), ("node-h", 7005)}
+    views = parse_cluster_nodes("\n".join(lines))  # type: ignore[no-untyped-call]
+    unmapped = [
+        address
+        for address, view in views.items()
+        if "myself" not in view["flags"]
+        and _serving_master(view)
+        and not _mapped(address, view, known)
+    ]
+    assert unmapped == ["127.0.0.1:7001"]
 
 
 def test_a_release_refused_past_its_bound_is_unavailable(own_cluster: RedisCluster) -> None:

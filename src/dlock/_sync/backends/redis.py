@@ -192,15 +192,16 @@ def _serving_master(view: dict[str, Any]) -> bool:
     """Whether a node of CLUSTER NODES (as redis-py parses it) is a master that serves
     slots and that the cluster holds reachable."""
     flags = set(view["flags"].split(","))
-    return "master" in flags and bool(view["slots"]) and not flags & {"fail", "handshake"}
+    unreachable = {"fail", "handshake", "noaddr"}
+    return "master" in flags and bool(view["slots"]) and not flags & unreachable
 
 
 def _mapped(address: str, view: dict[str, Any], known: set[tuple[str, int]]) -> bool:
     """Whether a node that CLUSTER NODES names at ``address`` (ip:port, and maybe a
     host name) is one of ``known`` (a client's masters, as host and port)."""
     host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return True  # no address to reach it at (noaddr): nothing to map
+    if not port.isdigit() or port == "0":
+        return True  # no address to reach it at: nothing to map
     return (host, int(port)) in known or (view["hostname"], int(port)) in known
 
 
