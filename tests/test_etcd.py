@@ -1392,6 +1392,80 @@ def test_one_clients_waiters_have_their_places_renewed_together_and_watch_on(
             lock.release()
 
 
+class _PlacesSlowToIterate(dict):  # type: ignore[type-arg]
+    """A client's places whose iteration lets other threads run between two places, as
+    a thread switch may: the waiters of the sync face come and go meanwhile."""
+
+    def values(self) -> Any:
+        for place in super().values():
+            yield place
+            time.sleep(0.05)
+
+
+def test_the_keeper_thread_goes_on_while_waiters_come_and_go(
+    etcd_server: EtcdServer, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync face's keeper reads the client's places in a thread of its own, while
+    the waiters' threads put and drop theirs: a read that ran across a waiter's put
+    raised (the dict changed size during iteration), which ended the keeper, and the
+    places of the waiters still in line lapsed (1 s here), each one a waiter sent to
+    the back of its queue. The places stay, renewed, while others come and go."""
+    count = 6
+    path = prefix()
+    url = etcd_server.url(path, queue_ttl=1)
+    patient = dlock.Backoff(notify_fallback=30)
+    failures: list[str] = []
+    real_hook = threading.excepthook
+
+    def hook(args: Any) -> None:
+        failures.append(f"{args.thread.name if args.thread else '?'}: {args.exc_value!r}")
+        real_hook(args)
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    with dlock.connect(url) as other, dlock.connect(url, backoff=patient) as client:
+        backend: Any = client._backend
+        backend._places = _PlacesSlowToIterate()
+        held = [other.lock(f"{name}-{i}", ttl=30) for i in range(count + 1)]
+        for lock in held:
+            assert lock.acquire(timeout=0)
+        results: list[bool] = []
+        stop = threading.Event()
+
+        def come_and_go() -> None:
+            passing = client.lock(f"{name}-{count}", ttl=30)
+            while not stop.is_set():
+                passing.acquire(timeout=0.1)
+
+        passer = threading.Thread(target=come_and_go)
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.append(
+                    client.lock(f"{name}-{i}", ttl=30).acquire(timeout=30)
+                )
+            )
+            for i in range(count)
+        ]
+        try:
+            passer.start()
+            for thread in threads:
+                thread.start()
+                time.sleep(0.1)
+            until(lambda: len(queue_keys(etcd_server, path)) >= count, "the waiters queued")
+            time.sleep(2.5)  # past two leases: a place left unrenewed has ended
+            stop.set()
+            passer.join(10)
+            assert failures == []
+            assert len(queue_keys(etcd_server, path)) == count, "a place was lost"
+        finally:
+            stop.set()
+            for lock in held:
+                lock.release()
+            for thread in [passer, *threads]:
+                if thread.ident is not None:
+                    thread.join(30)
+        assert results == [True] * count
+
+
 def test_a_waiter_whose_place_ended_queues_again_without_a_release(
     own_etcd: EtcdServer, name: str
 ) -> None:

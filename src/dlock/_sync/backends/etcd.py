@@ -1594,7 +1594,11 @@ class EtcdBackend(Backend):
         lease = lease_seconds(self._queue_ttl)
         while not self._closed:
             with self._reaper_lock:
-                places = [p for p in self._places.values() if not (p.used or p.lapsed)]
+                # From a copy, taken at once: in the sync face the waiters' threads put
+                # and drop their places meanwhile, and an iteration of the dict itself
+                # that a thread switch let one of them change raised (the keeper ended,
+                # and the places of the waiters left in line lapsed).
+                places = [p for p in self._places.copy().values() if not (p.used or p.lapsed)]
                 if not places:
                     self._keeper = None
                     return
