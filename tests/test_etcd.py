@@ -1466,6 +1466,29 @@ def test_the_keeper_thread_goes_on_while_waiters_come_and_go(
         assert results == [True] * count
 
 
+def test_the_keeper_ends_with_the_last_wait_not_at_its_next_renewal(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """An asyncio waiter that gave up (its acquire timed out) left the client's keeper
+    task waiting for the next renewal of a place that was gone (2 s on): an event loop
+    closed then, by a program that runs its calls with run_until_complete, destroyed
+    the task pending ("Task was destroyed but it is pending!"). Before the keeper, such
+    a wait left no task behind. The keeper ends as the last place goes."""
+    url = etcd_server.url(prefix())
+    with dlock.connect(url) as other:
+        assert other.lock(name, ttl=30).acquire(timeout=0)
+        client = dlock.aio.connect(url)
+        loop = asyncio.new_event_loop()
+        try:
+            gave_up = loop.run_until_complete(client.lock(name, ttl=30).acquire(timeout=0.5))
+            assert gave_up is False
+            left = [task.get_name() for task in asyncio.all_tasks(loop)]
+            assert left == [], f"tasks left pending by a wait that ended: {left}"
+        finally:
+            loop.run_until_complete(client.aclose())
+            loop.close()
+
+
 def test_a_waiter_whose_place_ended_queues_again_without_a_release(
     own_etcd: EtcdServer, name: str
 ) -> None:

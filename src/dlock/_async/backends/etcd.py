@@ -1383,6 +1383,11 @@ class AsyncEtcdBackend(AsyncBackend):
         finally:
             self._waiting.discard(ident)
             place = self._places.pop(ident, None)
+            if not self._places:
+                # The keeper ends now, not at the renewal it waits for: left waiting, its
+                # task outlived the wait, and an event loop closed meanwhile (by a
+                # program that runs its calls with run_until_complete) destroyed it.
+                self._keeper_wakeup.set()
             if place is not None and place.used:
                 # The grant deleted our key; its lease, which holds nothing now, is
                 # revoked by the reaper, not in the new holder's way.
@@ -1594,6 +1599,7 @@ class AsyncEtcdBackend(AsyncBackend):
         120 waiters of one client sent 200 requests a second while they waited."""
         lease = lease_seconds(self._queue_ttl)
         while not self._closed:
+            self._keeper_wakeup.clear()  # set by the last wait's end, and by close
             with self._reaper_lock:
                 # From a copy, taken at once: in the sync face the waiters' threads put
                 # and drop their places meanwhile, and an iteration of the dict itself
