@@ -2223,6 +2223,77 @@ def test_a_waiter_keeps_its_place_when_the_member_it_talks_to_hangs(
                 second.join()
 
 
+def test_a_patient_waiter_hears_the_release_when_the_member_under_its_watch_hangs(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """A queued waiter with a long fallback (30 s), its member (a follower) paused:
+    the keeper's keepalive moves the client to the next member, and the waiter's
+    watch, left on the paused one, is cut then, so the release is heard through a live
+    member at once. Before, a watch ran its whole wait there: the release went unheard
+    for 30 s. (When each waiter renewed its own place, its watch was opened again after
+    each renewal, through the member the keepalive went to.)"""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    queue_ttl = 3
+    patient = dlock.Backoff(notify_fallback=30)
+    with dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        url = etcd_cluster.url(path, order=(victim, *others), queue_ttl=queue_ttl)
+        waiter = ThreadWaiter(url, name, "patient", backoff=patient)
+        try:
+            until(lambda: queued_labels(client, name) == ["patient"], "the waiter queued")
+            time.sleep(0.3)  # its watch is open
+            etcd_cluster.members[victim].pause()
+            try:
+                time.sleep(queue_ttl + 1.5)  # a renewal moved on from the paused member
+                assert queued_labels(client, name) == ["patient"]
+                holder.release()
+                assert waiter.held.wait(5), "the release went unheard"
+            finally:
+                etcd_cluster.members[victim].resume()
+        finally:
+            waiter.join()
+
+
+async def test_an_asyncio_waiter_hears_the_release_when_the_member_under_its_watch_hangs(
+    etcd_cluster: EtcdCluster, name: str
+) -> None:
+    """The same on the asyncio face, whose watch's socket is asyncio's: the keeper's
+    keepalive moves the client on from the paused member, and the watch left there is
+    cut, so the release is heard at once (before, after the 30 s fallback)."""
+    path = prefix()
+    victim, *others = a_follower_first(etcd_cluster)
+    patient = dlock.Backoff(notify_fallback=30)
+    url = etcd_cluster.url(path, order=(victim, *others), queue_ttl=3)
+    with dlock.connect(etcd_cluster.url(path, order=(*others, victim))) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        async with dlock.aio.connect(url, backoff=patient) as waiting:
+            acquire = asyncio.ensure_future(waiting.lock(name, ttl=30).acquire(timeout=40))
+            try:
+                for _ in range(1000):
+                    if len(queued_labels(client, name)) == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the waiter never queued")
+                await asyncio.sleep(0.3)  # its watch is open
+                etcd_cluster.members[victim].pause()
+                try:
+                    await asyncio.sleep(4.5)  # a renewal moved on from the paused member
+                    assert len(queued_labels(client, name)) == 1
+                    holder.release()
+                    assert await asyncio.wait_for(acquire, 5), "the release went unheard"
+                finally:
+                    etcd_cluster.members[victim].resume()
+            finally:
+                if not acquire.done():
+                    acquire.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await acquire
+
+
 def test_places_and_a_lost_hold_left_by_an_outage_go_soon_after_it(
     own_etcd: EtcdServer, name: str
 ) -> None:

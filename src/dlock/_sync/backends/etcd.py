@@ -36,6 +36,7 @@ import copy
 import hashlib
 import json
 import math
+import socket
 import ssl
 import threading
 import time
@@ -383,6 +384,8 @@ class EtcdBackend(Backend):
         #: Renews the places together (see _keep_places); started by the first place.
         self._keeper: Any = None
         self._keeper_wakeup = WakeupEvent()
+        #: The waiters' watches open, by the endpoint each went to (see _cut_watches).
+        self._watches: dict[int, set[httpx.Response]] = {}
         #: Leases of places that a grant emptied, for the reaper to revoke.
         self._emptied: list[int] = []
         #: Leases whose revoke went unanswered, for the reaper to revoke again (each
@@ -454,6 +457,8 @@ class EtcdBackend(Backend):
         self._held, self._busy, self._places, self._waiting = {}, {}, {}, set()
         self._emptied, self._unrevoked, self._revoke_at = [], {}, math.inf
         self._reaper = self._keeper = None
+        # The parent's: shut down here, they would end its watches too.
+        self._watches = {}
         self._lock = threading.Lock()
         self._reaper_lock = threading.Lock()
         self._creating = threading.Lock()
@@ -622,6 +627,35 @@ class EtcdBackend(Backend):
         call has moved on from it already."""
         if self._current == used:
             self._current = (used + 1) % len(self._endpoints)
+            if len(self._endpoints) > 1:
+                self._cut_watches(used)
+
+    def _cut_watches(self, used: int) -> None:
+        """End the waiters' watches on endpoint ``used``, which the client has left: a
+        watch runs its waiter's whole wait (its place renewed by the keeper meanwhile),
+        and one on a member that hangs heard no release until the wait's end (a 30 s
+        fallback: 30 s). Each ends as its stream does (shut down under it, whichever
+        thread or task reads it) with BackendUnavailable, which ends the wait (see
+        _wait_turn): the next attempt goes to the member the client moved to."""
+        for response in builtins.list(self._watches.get(used, ())):
+            stream = response.extensions.get("network_stream")
+            # A socket.socket, or asyncio's TransportSocket (which has shutdown too).
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    @contextlib.contextmanager
+    def _watching(self, used: int, response: httpx.Response) -> Iterator[None]:
+        """Note ``response`` as a watch open on endpoint ``used`` (see _cut_watches)."""
+        watches = self._watches.setdefault(used, set())
+        watches.add(response)
+        try:
+            if self._current != used:
+                self._cut_watches(used)  # left while this watch was being opened
+            yield
+        finally:
+            watches.discard(response)
 
     def _left(self, used: int, error: BackendError) -> BackendError:
         """A request sent to endpoint ``used`` got no usable answer: it is not sent
@@ -1499,23 +1533,24 @@ class EtcdBackend(Backend):
                     timeout=limit,
                 ),
             ) as response:
-                if response.status_code != 200:
-                    content = response.read()
-                    self._answer(response.status_code, content)
-                    return True
-                for line in response.iter_lines():
-                    if not line.strip():
-                        continue
-                    message = json.loads(line)
-                    if self._released(message):  # a refused (cancelled) watch included
+                with self._watching(used, response):
+                    if response.status_code != 200:
+                        content = response.read()
+                        self._answer(response.status_code, content)
                         return True
-                    if seen is not None and self._created_after(message, seen.watch_from):
-                        revision, kv = self._read_at(key)
-                        if kv is None or int(kv["create_revision"]) != seen.watch_created:
+                    for line in response.iter_lines():
+                        if not line.strip():
+                            continue
+                        message = json.loads(line)
+                        if self._released(message):  # a refused (cancelled) watch included
                             return True
-                        seen.watch_from = revision + 1
-                    if time.monotonic() >= deadline:
-                        return False
+                        if seen is not None and self._created_after(message, seen.watch_from):
+                            revision, kv = self._read_at(key)
+                            if kv is None or int(kv["create_revision"]) != seen.watch_created:
+                                return True
+                            seen.watch_from = revision + 1
+                        if time.monotonic() >= deadline:
+                            return False
         except httpx.ReadTimeout:
             return False
         except RuntimeError as exc:  # as in _send: closed between taking it and sending
