@@ -1557,6 +1557,54 @@ def test_a_hand_off_counts_the_lease_no_further_than_the_session_surely_lives(
         second.release()
 
 
+def test_a_hand_off_to_an_attempt_slow_to_run_is_held_until_the_session_surely_ends(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """The attempt woken by the holder's release waits for its stripe (another
+    operation of its client holds it; on a loaded machine, just the CPU) for longer
+    than the session surely lives from one ping to the next. The hand-off's lease ends
+    when the session may, and the core counts it from the attempt's start: measured
+    from the grant instead, it had ended by the core's count before it was granted,
+    and the acquire failed ("granted 1.607 s after the acquire was sent, no sooner
+    than its lease of 1.1162 s ended: given back"), 2 to 62 of 120 waiters of the
+    conformance suite at a time under load, their session alive all along."""
+    name = f"hand-off-slow-{time.monotonic_ns()}"
+    url = zookeeper_server.url(session_timeout=1.5)  # sure for 1.125 s after a ping
+    only_events = dlock.Backoff(notify_fallback=60)
+    with dlock.connect(url) as holding, dlock.connect(url, backoff=only_events) as waiting:
+        first = holding.lock(name, ttl=30)
+        assert first.acquire(timeout=5)
+        second = waiting.lock(name, ttl=30)
+        granted: list[object] = []
+
+        def wait() -> None:
+            try:
+                granted.append(second.acquire(timeout=20))
+            except dlock.BackendError as exc:
+                granted.append(exc)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        backend: Any = waiting._backend
+        parent = backend._parent(name)
+        wait_until(lambda: backend._zk is not None and backend._zk.connected)
+        zk = backend._zk
+        wait_until(lambda: len(zk.get_children(parent)) == 2)
+        time.sleep(0.3)  # its watch on our node is set by the same round trip or next
+        stripe = backend._stripe((name, second._token))
+        with stripe:
+            first.release()
+            time.sleep(2.0)  # the woken attempt waits for the stripe
+        thread.join(20)
+        assert granted == [True]
+        assert second.owned()
+        surely = backend._alive_until()
+        assert second._deadline <= surely, (
+            f"lease counted {second._deadline - surely:.3f} s past the session's sure life"
+        )
+        second.release()
+
+
 def test_requests_answered_unlogged_leave_nothing_behind(
     zookeeper_server: ZooKeeperEnsemble,
 ) -> None:

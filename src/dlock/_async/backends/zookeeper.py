@@ -650,6 +650,8 @@ class AsyncZooKeeperBackend(AsyncBackend):
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
     ) -> Acquired | Busy:
         key = (name, token)
+        # No later than the core's start of the attempt, which it counts the lease from.
+        began = time.monotonic()
 
         async def attempt(retrying: bool) -> Acquired | Busy:
             zk = await self._client()
@@ -664,7 +666,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
                 # past (client=), each node is given up as it is made, and acquires
                 # failed after a short server pause until another call ended the stall.
                 self._heard(sent)
-                result = await self._check_queue(zk, key, node, ttl)
+                result = await self._check_queue(zk, key, node, ttl, began)
                 if self._closed:
                     await self._closed_meanwhile(zk, key)
                 if result is not None:
@@ -914,10 +916,11 @@ class AsyncZooKeeperBackend(AsyncBackend):
         return None
 
     async def _check_queue(
-        self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float
+        self, zk: KazooClient, key: tuple[str, str], node: _Node, ttl: float, began: float
     ) -> Acquired | Busy | None:
         """Held if our node is the lowest; else queue behind the predecessor (inside a
-        waiter) or leave (outside one). None: our node vanished, start again."""
+        waiter) or leave (outside one). None: our node vanished, start again.
+        ``began``: when the acquire call began (see _granted)."""
         waiting = key in self._waiters
         ahead = node.ahead
         if (
@@ -930,7 +933,7 @@ class AsyncZooKeeperBackend(AsyncBackend):
             # The hand-off without a round trip: the node just ahead of ours was the
             # lowest once and is gone, and the queue is in the order of creation, so
             # nothing can ever be ahead of ours again.
-            return self._granted(node, ttl, handed=True)
+            return self._granted(node, ttl, handed=began)
         parent, child = node.path.rsplit("/", 1)
         listing, node.listing = node.listing, None
         if listing is None:
@@ -1024,19 +1027,24 @@ class AsyncZooKeeperBackend(AsyncBackend):
         if ahead.deleted:
             ahead.watching_data = ahead.watching_delete = False
 
-    def _granted(self, node: _Node, ttl: float, handed: bool = False) -> Acquired:
+    def _granted(self, node: _Node, ttl: float, handed: float | None = None) -> Acquired:
         """``handed``: granted on the watch event of the node ahead, with no round trip
-        since the attempt began. The core counts the lease from the attempt, but the
-        server last heard us earlier (our latest answered ping, up to a third of the
-        session before): the session surely lives only until _alive_until, which may
-        come first. A holder paused past it and resumed must not find ``owned()`` true
-        while another client holds the lock, so the lease told is no longer."""
+        since the attempt began (at ``handed``, the monotonic clock). The core counts
+        the lease from the attempt, but the server last heard us earlier (our latest
+        answered ping, up to a third of the session before): the session surely lives
+        only until _alive_until, which may come first. A holder paused past it and
+        resumed must not find ``owned()`` true while another client holds the lock, so
+        the lease told ends no later: counted, as the core counts it, from the
+        attempt's start (which the core took before this call began), not from now.
+        From now, an attempt that waited longer than that for its stripe (or for the
+        CPU, on a loaded machine) was told a lease that had ended by the core's count
+        before it was granted: the grant was given back and the acquire failed."""
         node.held = True
         self._unwatch(node)
         self._lease(node, ttl)
         lease = None
-        if handed:
-            surely = self._alive_until() - time.monotonic()
+        if handed is not None:
+            surely = self._alive_until() - handed
             if surely < ttl:
                 lease = max(0.0, surely)
         return Acquired(fencing_token=node.czxid, count=int(node.data["count"]), ttl=lease)
