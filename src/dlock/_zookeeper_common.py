@@ -117,6 +117,9 @@ LOST_CREATE_WATCH = 30.0
 MAX_KNOWN_PARENTS = 10_000
 #: Encoded node data kept for reuse (one per holder and TTL in use).
 MAX_PAYLOADS = 64
+#: The most a renewal's transaction carries (paths and data, with some room per op): far
+#: below the 1 MB a server takes in one request (its ``jute.maxbuffer``).
+MAX_RENEWAL_BYTES = 256 * 1024
 
 #: The longest session timeout: ZooKeeper counts it in 32-bit milliseconds (kazoo's
 #: connection thread dies of a longer one, and the client then never connects).
@@ -722,6 +725,34 @@ def _create_container(zk: KazooClient, path: str) -> AsyncResult:
     )
     zk._call(request, result)  # as kazoo's create_async does; on failure, result has it
     return result
+
+
+def _renewal_chunks(
+    rewrites: list[tuple[int, Any, dict[str, Any], bytes]],
+) -> list[list[tuple[int, Any, dict[str, Any], bytes]]]:
+    """A renewal's rewrites (index, node, data, encoded data), in transactions of at
+    most MAX_RENEWAL_BYTES each."""
+    chunks: list[list[tuple[int, Any, dict[str, Any], bytes]]] = []
+    size = MAX_RENEWAL_BYTES
+    for rewrite in rewrites:
+        cost = len(rewrite[1].path.encode()) + len(rewrite[3]) + 32
+        if size + cost > MAX_RENEWAL_BYTES and (not chunks or chunks[-1]):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(rewrite)
+        size += cost
+    return chunks
+
+
+def _refused_ops(results: list[Any]) -> dict[int, BaseException]:
+    """The operations a transaction failed on, by position (none: it was applied). The
+    others are told as rolled back (before the failure) or not tried (after it)."""
+    return {
+        position: result
+        for position, result in enumerate(results)
+        if isinstance(result, Exception)
+        and not isinstance(result, (RolledBackError, RuntimeInconsistency))
+    }
 
 
 def _committed(results: list[Any]) -> None:

@@ -27,7 +27,7 @@ from kazoo.security import make_acl
 
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend
-from dlock._types import Acquired, Holder
+from dlock._types import Acquired, Holder, Lease
 from dlock._zookeeper_common import decode_name, encode_name
 from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import WORKER_ENV, read_line
@@ -1603,6 +1603,39 @@ def test_a_hand_off_to_an_attempt_slow_to_run_is_held_until_the_session_surely_e
             f"lease counted {second._deadline - surely:.3f} s past the session's sure life"
         )
         second.release()
+
+
+def test_a_batch_of_renewals_is_one_write_and_skips_a_node_gone(
+    zookeeper_server: ZooKeeperEnsemble,
+) -> None:
+    """A renewal rewrites its batch's nodes in one transaction: one write for the
+    ensemble to agree on (every node's mzxid the same), where 200 writes, one per
+    lease, took longer than 3 s leases could wait on a loaded machine. A node gone
+    (force released) fails the transaction: its lease is told lost, the others are
+    renewed all the same."""
+    name = f"renew-batch-{time.monotonic_ns()}"
+    with (
+        dlock.connect(zookeeper_server.url()) as client,
+        dlock.connect(zookeeper_server.url()) as other,
+    ):
+        locks = [client.lock(f"{name}-{i}", ttl=30, auto_renew=False) for i in range(50)]
+        for lock in locks:
+            assert lock.acquire(timeout=5)
+        backend: Any = client._backend
+        zk = backend._zk
+        paths = [backend._nodes[(lock.name, lock._token)].path for lock in locks]
+        assert other.force_release(locks[17].name)
+        leases = [Lease(lock.name, lock._token, 20) for lock in locks]
+        answers = backend.extend_many(leases)
+        assert answers == [i != 17 for i in range(50)]
+        stats = [zk.exists(path) for i, path in enumerate(paths) if i != 17]
+        assert len({stat.mzxid for stat in stats}) == 1, "one write per lease"
+        assert all(stat.version == 1 for stat in stats)
+        info = client.inspect(locks[0].name)
+        assert info is not None and info.expires_in is not None and info.expires_in <= 20
+        for i, lock in enumerate(locks):
+            if i != 17:
+                lock.release()
 
 
 def test_requests_answered_unlogged_leave_nothing_behind(

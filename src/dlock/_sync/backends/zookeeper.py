@@ -76,6 +76,8 @@ from ..._zookeeper_common import (
     _KazooLog,
     _missing_chroot,
     _Node,
+    _refused_ops,
+    _renewal_chunks,
     _stop_in_background,
     _tls_settings,
     encode_name,
@@ -1235,7 +1237,7 @@ class ZooKeeperBackend(Backend):
         return self._release(name, token)
 
     def _extend_all(self, leases: list[Lease]) -> list[bool]:
-        """Rewrite each held node (one pipelined round trip for the batch).
+        """Rewrite each held node (one transaction for the batch: see _extend_locked).
 
         The write proves the session alive now and moves ``mtime``, from which
         inspection tells how long the lease has left.
@@ -1309,8 +1311,15 @@ class ZooKeeperBackend(Backend):
         return taken
 
     def _extend_locked(self, zk: KazooClient, leases: list[Lease]) -> list[bool]:
+        """Rewrite the held nodes of ``leases`` in one transaction (a multi; more for a
+        batch past MAX_RENEWAL_BYTES, all pipelined): one write for the ensemble to
+        agree on, not one per lease. Under load that is what a renewal costs: 200
+        pipelined writes took a three-node ensemble 1.5 s (4 s at worst) with 6 CPU
+        burners on 2 CPUs, longer than leases of 3 s could wait; one transaction of
+        them 0.15 s (0.47 s). A transaction is applied whole or not at all: one whose
+        node is gone (its session ended, a force release) is sent again without it."""
         answers: list[bool] = [False] * len(leases)
-        pending: list[tuple[int, _Node, dict[str, Any], Any]] = []
+        pending: list[tuple[int, _Node, dict[str, Any], bytes]] = []
         for index, lease in enumerate(leases):
             node = self._nodes.get((lease.name, lease.token))
             if node is None or not node.held:
@@ -1325,24 +1334,44 @@ class ZooKeeperBackend(Backend):
                 answers[index] = True
                 continue
             data = {**node.data, "ttl": lease.ttl}
-            pending.append((index, node, data, zk.set_async(node.path, _dump(data))))
-        for index, node, data, result in pending:
-            key = (leases[index].name, leases[index].token)
-            try:
-                stat = self._call_while_alive(result, node)
-            except NoNodeError:
-                self._forget(key, node)
-                continue
-            except CLIENT_ERRORS as exc:
-                if isinstance(exc, KazooTimeoutError):
-                    self._stalled()
-                raise self._wrap(exc) from exc
-            if stat is None or stat.ephemeralOwner != node.session or not self._session_alive(node):
-                self._give_up(key, node)
-                continue
-            node.data = data
-            self._lease(node, leases[index].ttl)
-            answers[index] = True
+            pending.append((index, node, data, _dump(data)))
+        while pending:
+            sent = []
+            for chunk in _renewal_chunks(pending):
+                transaction = zk.transaction()
+                for _, node, _, payload in chunk:
+                    transaction.set_data(node.path, payload)
+                sent.append((chunk, transaction.commit_async()))
+            pending = []
+            for chunk, result in sent:
+                try:
+                    results = self._call_while_alive(result, chunk[0][1])
+                except CLIENT_ERRORS as exc:
+                    if isinstance(exc, KazooTimeoutError):
+                        self._stalled()
+                    raise self._wrap(exc) from exc
+                refused = {} if results is None else _refused_ops(results)
+                for position, (index, node, data, payload) in enumerate(chunk):
+                    key = (leases[index].name, leases[index].token)
+                    if results is None:
+                        self._give_up(key, node)  # the session was given up meanwhile
+                        continue
+                    if refused:
+                        error = refused.get(position)
+                        if error is None:
+                            pending.append((index, node, data, payload))  # not applied
+                        elif isinstance(error, NoNodeError):
+                            self._forget(key, node)
+                        else:
+                            raise self._wrap(error)
+                        continue
+                    stat = results[position]
+                    if stat.ephemeralOwner != node.session or not self._session_alive(node):
+                        self._give_up(key, node)
+                        continue
+                    node.data = data
+                    self._lease(node, leases[index].ttl)
+                    answers[index] = True
         return answers
 
     def _give_up(self, key: tuple[str, str], node: _Node) -> None:
