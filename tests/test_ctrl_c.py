@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import gc
 import sys
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
 import pytest
@@ -31,14 +33,28 @@ def _wait_listed(client: Any, name: str) -> None:
 
 def _acquire_interrupted_in_line(client: Any, holder: Any, name: str) -> None:
     """``client`` waits for ``name`` (held by ``holder``'s client), and is interrupted
-    as Ctrl-C does once it is in line."""
+    as Ctrl-C does once it is in line: the acquire raises KeyboardInterrupt.
+
+    An interrupt that lands inside the socket library (``socket.create_connection``
+    closes the socket it made only on an OSError) leaves a socket that no one owns,
+    to be closed by the collector: it is collected here, its ResourceWarning ignored,
+    rather than in whichever test runs next (two CI runs failed so, one in a later
+    test; the socket's allocation, traced, was create_connection's, unconnected)."""
 
     def interrupt() -> None:
         _wait_listed(holder, name)
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt, daemon=True).start()
-    client.lock(name, ttl=5).acquire()
+    interrupted = False
+    try:
+        client.lock(name, ttl=5).acquire()
+    except KeyboardInterrupt:
+        interrupted = True
+    assert interrupted, "the acquire returned, not interrupted"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
 
 
 def _free_now(url: str, name: str) -> bool:
@@ -63,8 +79,7 @@ def test_etcd_waiter_interrupted_then_closed_leaves_its_place(etcd_server: EtcdS
         held.acquire()
         client = dlock.connect(url)
 
-        with pytest.raises(KeyboardInterrupt):
-            _acquire_interrupted_in_line(client, holder, name)
+        _acquire_interrupted_in_line(client, holder, name)
         client.close()
         held.release()
     assert _free_now(url, name)
@@ -116,8 +131,7 @@ def test_etcd_revoke_of_a_cut_off_waiter_that_meets_the_closed_client_says_nothi
 
         monkeypatch.setattr(backend, "_http", held_up_http)
 
-        with pytest.raises(KeyboardInterrupt):
-            _acquire_interrupted_in_line(client, holder, name)
+        _acquire_interrupted_in_line(client, holder, name)
         client.close()
         closed.set()
         assert revoked.wait(10), "the waiter's place was never revoked in a thread"
