@@ -733,10 +733,10 @@ def _renewal_chunks(
     """A renewal's rewrites (index, node, data, encoded data), in transactions of at
     most MAX_RENEWAL_BYTES each."""
     chunks: list[list[tuple[int, Any, dict[str, Any], bytes]]] = []
-    size = MAX_RENEWAL_BYTES
+    size = 0
     for rewrite in rewrites:
         cost = len(rewrite[1].path.encode()) + len(rewrite[3]) + 32
-        if size + cost > MAX_RENEWAL_BYTES and (not chunks or chunks[-1]):
+        if not chunks or size + cost > MAX_RENEWAL_BYTES:
             chunks.append([])
             size = 0
         chunks[-1].append(rewrite)

@@ -28,7 +28,12 @@ from kazoo.security import make_acl
 import dlock
 from dlock._sync.backends.zookeeper import ZooKeeperBackend
 from dlock._types import Acquired, Holder, Lease
-from dlock._zookeeper_common import decode_name, encode_name
+from dlock._zookeeper_common import (
+    MAX_RENEWAL_BYTES,
+    _renewal_chunks,
+    decode_name,
+    encode_name,
+)
 from tests.cancelling import cancel_a_parked_waiter
 from tests.conformance.helpers import WORKER_ENV, read_line
 from tests.servers import Partition
@@ -2154,3 +2159,29 @@ def test_acquiring_works_again_after_a_short_server_pause(
         if kazoo is not None:
             kazoo.stop()
             kazoo.close()
+
+
+def test_a_renewal_batch_is_split_into_transactions_under_the_size_limit() -> None:
+    """A renewal's rewrites go in transactions of at most MAX_RENEWAL_BYTES each, in
+    order, none empty: one rewrite past the limit alone goes in one of its own (the
+    server's own limit, 1 MB, is four times higher)."""
+
+    @dataclass
+    class Node:
+        path: str
+
+    payload = b"x" * (100 * 1024)
+    rewrites: list[tuple[int, Any, dict[str, Any], bytes]] = [
+        (i, Node(f"/dlock/n{i}"), {}, payload) for i in range(9)
+    ]
+    rewrites.insert(4, (99, Node("/dlock/big"), {}, b"y" * (MAX_RENEWAL_BYTES + 1)))
+    chunks = _renewal_chunks(rewrites)
+    assert [rewrite for chunk in chunks for rewrite in chunk] == rewrites
+    assert [[index for index, *_ in chunk] for chunk in chunks] == [
+        [0, 1],
+        [2, 3],
+        [99],
+        [4, 5],
+        [6, 7],
+        [8],
+    ]
