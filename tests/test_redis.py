@@ -1934,6 +1934,16 @@ def test_urls_and_options() -> None:
             dlock.connect(typo)
 
 
+@pytest.mark.parametrize("prefix", [None, b"dlock", 5, "\ud800"])
+@pytest.mark.parametrize("url", ["redis://localhost", "redis+redlock://a:1,b:2,c:3"])
+def test_a_prefix_that_is_not_text_is_refused(url: str, prefix: object) -> None:
+    """``prefix=None`` or ``b"dlock"`` were made keys under ``None:`` and ``b'dlock':``:
+    a lock space apart from the default's, excluding none of its clients."""
+    for connect in (dlock.connect, dlock.aio.connect):
+        with pytest.raises(dlock.ConfigurationError, match="prefix"):
+            connect(url, prefix=prefix)
+
+
 def test_keys_share_one_slot_for_awkward_names() -> None:
     from redis.crc import key_slot
 

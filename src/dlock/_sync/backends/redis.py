@@ -534,6 +534,22 @@ class Keys:
         return (self.lease, self.fence, self.queue, self.qexp, self.info)
 
 
+def _check_prefix(prefix: object) -> None:
+    """The key prefix, as given. Not made a str: ``prefix=None`` or ``b"dlock"`` were
+    keys under ``None:`` and ``b'dlock':``, a lock space apart from the clients that
+    left the default, where nothing said so."""
+    if not isinstance(prefix, str):
+        raise ConfigurationError(f"prefix must be a str, not {type(prefix).__name__}")
+    if not prefix or "{" in prefix or "}" in prefix:
+        raise ConfigurationError("prefix must be non-empty and contain no '{' or '}'")
+    try:
+        prefix.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigurationError(
+            "prefix is not valid Unicode (it contains a lone surrogate)"
+        ) from None
+
+
 @lru_cache(maxsize=4096)
 def _keys(prefix: bytes, name: str) -> Keys:
     """Keys of recently used names, so a hot lock does not re-encode its name each time."""
@@ -815,8 +831,7 @@ class RedisBackend(Backend):
         queue_ttl: float = QUEUE_TTL,
         seeds: Sequence[tuple[str, int]] = (),
     ) -> None:
-        if not prefix or "{" in prefix or "}" in prefix:
-            raise ConfigurationError("prefix must be non-empty and contain no '{' or '}'")
+        _check_prefix(prefix)
         if client is not None and not isinstance(
             client, (redis_client.Redis, redis_client.RedisCluster)
         ):
@@ -950,7 +965,7 @@ class RedisBackend(Backend):
             clean if settings.get("client") is None else None,
             cluster=cluster,
             client=settings.get("client"),
-            prefix=str(settings.get("prefix", "dlock")),
+            prefix=settings.get("prefix", "dlock"),
             client_options=client_options,
             queue_ttl=queue_ttl,
             seeds=seeds[1:],
