@@ -298,6 +298,28 @@ def test_sql_driver_keywords_are_checked(url: str, options: dict[str, Any]) -> N
         dlock.connect(url, **options)
 
 
+@pytest.mark.parametrize(
+    ("url", "options"),
+    [
+        ("sqlite:///tmp/x.db?table=a", {"table": "b"}),
+        ("postgresql://u@h/db?table=a", {"table": "b"}),
+        ("mysql://u@h/db?mode=session", {"mode": "lease"}),
+        ("redis://h?prefix=a", {"prefix": "b"}),
+        ("redis+redlock://a:1,b:2,c:3?prefix=a", {"prefix": "b"}),
+        ("zookeeper://h:2181/p?session_timeout=5", {"session_timeout": 5}),
+        ("etcd://h:2379/p?queue_ttl=6", {"queue_ttl": 6}),
+    ],
+)
+def test_an_option_in_both_the_url_and_a_keyword_is_refused(
+    url: str, options: dict[str, Any]
+) -> None:
+    """As one given twice in the query: the keyword silently won, and a table, mode or
+    key prefix apart from the URL's was a lock space apart from its other clients."""
+    for connect in (dlock.connect, dlock.aio.connect):
+        with pytest.raises(dlock.ConfigurationError, match=f"{next(iter(options))}.* both"):
+            connect(url, **options)
+
+
 def test_default_database_path_is_quoted_into_its_url(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

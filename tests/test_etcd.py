@@ -1830,7 +1830,7 @@ def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
     queue_ttl = 1.0
     with a_waiter_process_queued(etcd_server, name, "paused", queue_ttl) as scene:
         client, holder, paused = scene.client, scene.holder, scene.waiter
-        other = ThreadWaiter(scene.url, name, "other", queue_ttl=queue_ttl)
+        other = ThreadWaiter(scene.url, name, "other")  # the URL has queue_ttl
         try:
             until(lambda: queued_labels(client, name) == ["paused", "other"], "the second")
             os.kill(paused.pid, signal.SIGSTOP)

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import SplitResult, quote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, quote, urlsplit
 
 from ._errors import BackendNotInstalled, ConfigurationError
 
@@ -153,6 +153,15 @@ def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
         raise ConfigurationError(
             f"{shown_url(url)!r} has a #fragment, which no backend reads: a '#' in a"
             " password or a file name is written %23"
+        )
+    query = split_url(url).query
+    twice = sorted({key for key, _ in parse_qsl(query, keep_blank_values=True)} & set(options))
+    if twice:
+        # As for an option given twice in the query: which one was meant? Silently the
+        # keyword's, a table or key prefix apart from the URL's was a lock space apart.
+        raise ConfigurationError(
+            f"option(s) {', '.join(twice)} given both in the URL's query and as keywords"
+            " to connect(): give each once"
         )
     entry = BACKENDS.get(scheme)
     if entry is None:
