@@ -1330,6 +1330,41 @@ def test_bad_lock_options_are_refused(tmp_path: Path, bad: dict[str, object]) ->
         aclient.lock("job", **bad)  # type: ignore[arg-type]
 
 
+def test_a_coroutine_function_as_on_lost_is_refused(tmp_path: Path) -> None:
+    """on_lost is called, not awaited: an ``async def`` one made a coroutine that never
+    ran, and a loss was told to nobody but a RuntimeWarning."""
+
+    async def told(lock: object) -> None:
+        raise AssertionError("never run")
+
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, pytest.raises(dlock.InvalidArgument, match="awaited"):
+        client.lock("job", on_lost=told)
+    aclient = dlock.aio.connect(url)
+    with pytest.raises(dlock.InvalidArgument, match="awaited"):
+        aclient.lock("job", on_lost=told)
+
+
+async def test_an_on_lost_that_returns_a_coroutine_is_told_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain function that makes a coroutine (``lambda lock: notify(lock)``) is called
+    and its coroutine closed, unrun: the log says so, as for a callback that raised."""
+    ran: list[str] = []
+
+    async def notify(lock: dlock.aio.AsyncLock) -> None:
+        ran.append(lock.name)
+
+    async with dlock.aio.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=0.3, on_lost=lambda lock: notify(lock))
+        with caplog.at_level("ERROR", logger="dlock"), pytest.raises(dlock.LockLost):
+            async with lock:
+                await client.force_release("job")
+                await asyncio.sleep(1)
+    assert "returned a coroutine" in caplog.text
+    assert ran == []
+
+
 def test_an_interrupt_just_after_the_grant_gives_the_lease_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
@@ -136,6 +137,13 @@ class AsyncClient:
         """
         if on_lost is not None and not callable(on_lost):
             raise InvalidArgument(f"on_lost must be callable, not {type(on_lost).__name__}")
+        if inspect.iscoroutinefunction(on_lost):
+            # It is called, not awaited: the coroutine it made never ran, and the loss
+            # was told to nobody (a RuntimeWarning at most).
+            raise InvalidArgument(
+                "on_lost is called, not awaited: give a plain function, not a coroutine"
+                " function (it may start a task of its own)"
+            )
         flags = {"reentrant": reentrant, "auto_renew": auto_renew, "cancel_on_lost": cancel_on_lost}
         for flag, value in flags.items():
             # bool("no") is True: a string or number here is a mistake, not a choice.

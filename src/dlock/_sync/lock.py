@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import math
 import secrets
@@ -1280,7 +1281,16 @@ class Lock:
             if self.on_lost is not None:
                 telling = _WATCHDOG_TELLING.set(watchdog)
                 try:
-                    self.on_lost(self)
+                    returned = self.on_lost(self)
+                    if inspect.iscoroutine(returned):
+                        # A plain function that made a coroutine (``lambda lock:
+                        # notify(lock)``): not awaited, its body would never run.
+                        returned.close()
+                        logger.error(
+                            "dlock: on_lost callback for %r returned a coroutine, which is"
+                            " not awaited: the loss was told to nobody",
+                            self.name,
+                        )
                 except Exception:
                     logger.exception("dlock: on_lost callback for %r failed", self.name)
                 except BaseException:
