@@ -1328,6 +1328,9 @@ def test_bad_input_and_unreachable_backend(db: str) -> None:
     assert empty.returncode == 2 and "empty" in empty.stderr
     unknown = dlock_cmd("nosuch://x", "status", "x")
     assert unknown.returncode == 2 and "unknown URL scheme" in unknown.stderr
+    # A Latin-1 file name's byte, as Python decodes $DLOCK_URL: exit 70 and a traceback.
+    latin1 = dlock_cmd("sqlite:///tmp/caf\udce9.db", "status", "x")
+    assert latin1.returncode == 2 and "percent-encoded (%E9)" in latin1.stderr, latin1.stderr
     unusable = dlock_cmd("sqlite:///proc/no-such-dir/x.db", "run", "x", "--", "true")
     assert unusable.returncode == 76 and "backend error" in unusable.stderr
     nobody_there = f"postgresql://dlock@127.0.0.1:{free_port()}/dlock?connect_timeout=1"

@@ -252,6 +252,10 @@ def test_a_password_with_an_unencoded_slash_or_question_mark_is_not_quoted(url: 
         ("sqlite:///tmp/a\tb.db", "a control character \\('\\\\t'\\)"),
         ("zookeeper://h:2181/p\u00a0", "control character"),
         ("redis://h:6379/0\u200b", "control character"),
+        # A byte not in UTF-8, as Python decodes a command line or the environment: an
+        # internal error (quote() cannot encode it), where percent-encoding it works.
+        ("sqlite:///tmp/caf\udce9.db", r"a byte that is not UTF-8 \('\\udce9'\).*\(%E9\)"),
+        ("redis://h:6379/0\ud800", "a lone surrogate .* not valid Unicode"),
         # Past what a socket or a thread's wait holds: an OverflowError at first use.
         ("redis://h?socket_timeout=1e10", "socket_timeout is '1e10' seconds; the longest"),
         ("redis://h?socket_connect_timeout=1e10", "socket_connect_timeout is '1e10'"),

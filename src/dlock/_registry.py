@@ -139,9 +139,20 @@ def load_backend(package: str, url: str, options: dict[str, Any]) -> Any:
             blank, where = url[0], "a blank at its start"
         else:
             blank, where = url[-1], "a blank at its end"
+        if "\ud800" <= blank <= "\udfff":
+            # A byte not in UTF-8 (a Latin-1 file name in --url or $DLOCK_URL), as
+            # Python decodes argv and the environment, or a lone surrogate: quote()
+            # could not encode it, and the refusal was an internal error's traceback.
+            where = "a byte that is not UTF-8" if blank >= "\udc80" else "a lone surrogate"
+        try:
+            written = quote(blank, errors="surrogateescape")
+        except UnicodeEncodeError:  # a lone surrogate stands for no byte to write
+            raise ConfigurationError(
+                f"{scheme}:// URL has {where} ({blank!r}), which is not valid Unicode"
+            ) from None
         raise ConfigurationError(
             f"{scheme}:// URL has {where} ({blank!r}):"
-            f" write it percent-encoded ({quote(blank)}), or drop it"
+            f" write it percent-encoded ({written}), or drop it"
         )
     if _password_spilled(url):
         # Not shown: what follows the break is the rest of a password.
