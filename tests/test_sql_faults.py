@@ -541,6 +541,44 @@ def test_mysql_clock_ignores_daylight_saving(mariadb_server: SQLServer) -> None:
         conn.close()
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+@pytest.mark.parametrize("first", ["lease", "session"])
+def test_a_table_made_for_one_mode_is_refused_to_the_other(
+    server: SQLServer, name: str, first: str, face: str
+) -> None:
+    """A lease-mode and a session-mode client given one ``table=`` did not exclude
+    each other: session mode takes the database's own lock whatever lease the row
+    holds, so both held the name at once. The table's kind (durable for leases;
+    UNLOGGED or MEMORY for session locks, which die with their connections anyway)
+    tells which mode made it, and the other mode's client is refused."""
+    table = f"one_{uuid.uuid4().hex[:8]}"
+    modes = {"lease": server.url(), "session": server.url("mode=session")}
+    second = "session" if first == "lease" else "lease"
+
+    async def hold_then_try_other() -> None:
+        async with dlock.aio.connect(modes[first], table=table) as holding:
+            held = holding.lock(name, ttl=30)
+            assert await held.acquire(timeout=0)
+            async with dlock.aio.connect(modes[second], table=table) as other:
+                with pytest.raises(dlock.ConfigurationError, match=f"{table}.* {first} mode"):
+                    await other.lock(name, ttl=30).acquire(timeout=0)
+                assert held.owned()
+            await held.release()
+
+    if face == "asyncio":
+        asyncio.run(hold_then_try_other())
+    else:
+        with dlock.connect(modes[first], table=table) as holding:
+            held = holding.lock(name, ttl=30)
+            assert held.acquire(timeout=0)
+            with dlock.connect(modes[second], table=table) as other:
+                with pytest.raises(dlock.ConfigurationError, match=f"{table}.* {first} mode"):
+                    other.lock(name, ttl=30).acquire(timeout=0)
+                assert held.owned()
+            held.release()
+    admin(server)(f"DROP TABLE {table}", ())
+
+
 def test_full_session_table_prunes_free_names(mariadb_server: SQLServer, name: str) -> None:
     """MariaDB's MEMORY session table has a fixed size; rows of free names make room,
     while a held lock's row (and its token) stays."""

@@ -63,6 +63,18 @@ POSTGRESQL_FIND_TABLE = """
         (SELECT format('%%I.%%I', s, lower(%(table)s))
          FROM pg_catalog.current_schema() AS s WHERE s IS NOT NULL))"""
 
+#: Whether a table survives a restart ('p', a plain table) or not ('u', UNLOGGED, as
+#: session mode makes its own); no row if there is no such table.
+POSTGRESQL_TABLE_PERSISTENCE = """
+    SELECT relpersistence FROM pg_catalog.pg_class
+    WHERE oid = pg_catalog.to_regclass(%(table)s)"""
+
+#: MySQL: a table's storage engine (MEMORY, as session mode makes its own table, does
+#: not survive a restart); no row if there is no such table.
+MYSQL_TABLE_ENGINE = """
+    SELECT ENGINE FROM information_schema.TABLES
+    WHERE TABLE_SCHEMA = COALESCE(%(schema)s, DATABASE()) AND TABLE_NAME = %(table)s"""
+
 #: PostgreSQL: a qualified table spelled as the unqualified one's lookup spells it (a
 #: reserved word such as ``order`` quoted), so that lock keys made from either spelling
 #: are one set.

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._fork import ForkFollower
-from ..._sql import NoSuchSchema, ServerSettings, encode_name, lock_info
+from ..._sql import DEFAULT_TABLES, NoSuchSchema, ServerSettings, encode_name, lock_info
 from ..._types import Acquired, Busy, Holder, Lease, LockInfo
 from ..._validation import SHORTEST_PRUNE_AGE
 from .._primitives import (
@@ -154,6 +154,8 @@ class AsyncServerSQLBackend(AsyncBackend):
         self.queues_waiters = self._session_mode
         self._idle: list[Conn] = []
         self._schema_ready = not settings.create_table
+        #: Whether the table was found made for this client's mode (``_check_table_kind``).
+        self._table_kind_checked = False
         self._held: dict[str, Held] = {}
         #: Session locks a waiter obtained inside the server, for the next acquire.
         self._parked: dict[str, Held] = {}
@@ -192,6 +194,12 @@ class AsyncServerSQLBackend(AsyncBackend):
     @abstractmethod
     def _statements(self, table: str) -> tuple[dict[str, str], str]:
         """This database's statements and schema DDL for ``table``."""
+
+    @abstractmethod
+    async def _driver_table_durable(self, conn: Conn) -> bool | None:
+        """Whether the lock table survives a restart: a plain table, as lease mode makes
+        it, not an UNLOGGED (PostgreSQL) or MEMORY (MySQL) one, as session mode makes
+        its own; None if there is no such table."""
 
     @abstractmethod
     async def _driver_find_table(self, conn: Conn, table: str) -> str:
@@ -362,6 +370,8 @@ class AsyncServerSQLBackend(AsyncBackend):
                 await self._pin_table(conn)
             if not self._schema_ready:
                 await self._ensure_schema(conn)
+            if not self._table_kind_checked:
+                await self._check_table_kind(conn)
         except BaseException:
             await self._drop(conn)
             raise
@@ -503,6 +513,26 @@ class AsyncServerSQLBackend(AsyncBackend):
                     "or create it beforehand with `dlock init` as a privileged user"
                 ) from exc
         self._schema_ready = True
+
+    async def _check_table_kind(self, conn: Conn) -> None:
+        """Refuse a table made for the other mode. A lease-mode and a session-mode client
+        of one table do not exclude each other (session mode takes the database's own
+        lock, whatever lease the name's row holds), and a lease kept in a table that a
+        restart empties is lost with it. Which mode made a table shows in its kind."""
+        durable = await self._driver_table_durable(conn)
+        if durable is None:
+            return  # not there yet (create_table=false): every statement will say so
+        if durable == self._session_mode:
+            made, mode = ("lease", "session") if durable else ("session", "lease")
+            raise ConfigurationError(
+                f"the lock table {self._table!r} was made for {made} mode"
+                f" ({'a plain table' if durable else 'UNLOGGED or MEMORY: a restart empties it'}),"
+                f" and this client is in {mode} mode: clients of one table in two modes"
+                " do not exclude each other. Keep each mode in a table of its own (the"
+                f" defaults are {DEFAULT_TABLES['lease']} and {DEFAULT_TABLES['session']});"
+                f" `dlock init --print` shows the table {mode} mode makes"
+            )
+        self._table_kind_checked = True
 
     def _missing_table(self, reason: str) -> BackendError:
         """The lock table is not there (``create_table=false``, or dropped since): say

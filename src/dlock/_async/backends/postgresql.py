@@ -29,6 +29,7 @@ from ..._sql import (
     POSTGRESQL,
     POSTGRESQL_FIND_TABLE,
     POSTGRESQL_QUOTE_TABLE,
+    POSTGRESQL_TABLE_PERSISTENCE,
     NoSuchSchema,
     ServerSettings,
     advisory_key,
@@ -290,6 +291,10 @@ class AsyncPostgreSQLBackend(AsyncServerSQLBackend):
             RELEASE_GATE, RELEASE_GATE_PARAMETERS, self._sql["release_gate"]
         )
         self._prepare_record = _prepare(RECORD, RECORD_PARAMETERS, self._sql["session_record"])
+
+    async def _driver_table_durable(self, conn: Conn) -> bool | None:
+        rows = (await self._run(conn, POSTGRESQL_TABLE_PERSISTENCE, {"table": self._table})).rows
+        return None if not rows else rows[0][0] == "p"
 
     async def _driver_find_table(self, conn: Conn, table: str) -> str:
         if "." in table:

@@ -31,6 +31,7 @@ from ..._errors import BackendError, BackendUnavailable, ConfigurationError
 from ..._options import flag
 from ..._sql import (
     MYSQL,
+    MYSQL_TABLE_ENGINE,
     NoSuchSchema,
     ServerSettings,
     check_client_key,
@@ -253,6 +254,16 @@ class MySQLBackend(ServerSQLBackend):
             for key in WAITS:
                 statements[key] = f"SET STATEMENT max_statement_time = 0 FOR {statements[key]}"
         return statements, MYSQL.schema(table, session=self._session_mode)
+
+    def _driver_table_durable(self, conn: Conn) -> bool | None:
+        schema, _, table = self._settings.table.rpartition(".")
+        params = {"schema": schema or None, "table": table}
+        rows = (self._run(conn, MYSQL_TABLE_ENGINE, params)).rows
+        if not rows or rows[0][0] is None:
+            return None
+        engine = rows[0][0]
+        engine = engine.decode() if isinstance(engine, bytes) else str(engine)
+        return engine.upper() != "MEMORY"
 
     def _driver_find_table(self, conn: Conn, table: str) -> str:
         database = (self._run(conn, "SELECT DATABASE()", {})).rows[0][0]
