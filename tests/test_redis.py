@@ -539,6 +539,49 @@ def test_a_handed_lease_whose_confirmation_gets_no_answer_is_given_back_in_the_b
         assert second.inspect(name) is None
 
 
+def test_a_handed_lease_confirmed_no_sooner_than_it_ran_out_is_not_held(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease handed over long after the waiter's latest attempt is confirmed by an
+    owner-checked renewal, counted from when that was sent. One answered no sooner than
+    that lease ended (a backend stalled longer than the TTL) holds nothing, as a fresh
+    grant answered so late does: BackendUnavailable, and the lease is given back. The
+    acquire returned True with a lock already run out on the holder's clock."""
+    name = unique()
+    url = url_of(redis_server)
+    with dlock.connect(url) as first, dlock.connect(url) as second:
+        holder = first.lock(name, ttl=30)
+        holder.acquire()
+        waiter = second.lock(name, ttl=0.3)
+        real_extend = second._backend.extend
+
+        def answered_late(name: str, token: str, ttl: float) -> bool:
+            extended = real_extend(name, token, ttl)
+            time.sleep(0.4)  # the answer held up past the lease it confirmed
+            return extended
+
+        monkeypatch.setattr(second._backend, "extend", answered_late)
+        outcome: list[object] = []
+
+        def acquire() -> None:
+            try:
+                outcome.append(waiter.acquire(timeout=5))
+            except BaseException as exc:
+                outcome.append(type(exc))
+
+        thread = threading.Thread(target=acquire)
+        thread.start()
+        time.sleep(0.5)  # well past a third of the waiter's TTL since its attempt
+        holder.release()
+        thread.join(5)
+        assert not thread.is_alive()
+        assert outcome == [dlock.BackendUnavailable]
+        assert not waiter.owned()
+        for give_back in second._give_backs:
+            give_back.join(5)
+        assert second.inspect(name) is None
+
+
 @contextlib.contextmanager
 def queued_behind_a_holder(
     redis_server: RedisServer, token: str

@@ -544,6 +544,7 @@ class Lock:
         from then. If little of that is left (a long wait since), confirm it with an
         owner-checked renewal first; if it has lapsed meanwhile, keep waiting. So too
         when it is shorter than ours (Redis: a place's length) and nothing renews it.
+        A confirmation answered no sooner than the lease it set ended is BackendUnavailable.
         """
         ttl = self.ttl if handed.ttl is None else handed.ttl
         renewed = self.auto_renew or ttl >= self.ttl
@@ -562,6 +563,17 @@ class Lock:
             self._give_back_later(1)
             raise
         if confirmed:
+            answered = self._client._clock()
+            if answered >= self._lease_end(started, self.ttl):
+                # Confirmed no sooner than the lease it confirmed ended, counted from
+                # when the renewal was sent (a backend stalled that long): no lock to
+                # hold, as for a fresh grant answered so late (see _answered).
+                self._give_back_later(1)
+                raise BackendUnavailable(
+                    f"lock {self.name!r} was handed over and confirmed "
+                    f"{answered - started:.3f} s after the confirmation was sent, no "
+                    f"sooner than its lease of {self.ttl:g} s ended: given back, not held"
+                )
             self._granted(Acquired(handed.fencing_token, handed.count), started)
         return confirmed
 
