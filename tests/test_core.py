@@ -2405,6 +2405,50 @@ def test_two_closes_both_end_when_the_acquire_in_flight_does(tmp_path: Path) -> 
         assert max(closed) - answered < 2, "a close waited for the bound"
 
 
+def test_an_acquire_answered_past_the_close_gives_back_without_reopening_sqlite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits for an acquire in flight only so long (5 s: here 0.3): a grant
+    answered after the close had closed the backend is given back all the same, but
+    the give-back opened the SQLite file again, and nothing closed it any more."""
+    import dlock._sync.client as client_module
+
+    monkeypatch.setattr(client_module, "CLOSE_WAIT", 0.3)
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    client = dlock.connect(url)
+    backend: Any = client._backend
+    real_acquire = backend.acquire
+    granted, answer = threading.Event(), threading.Event()
+
+    def answered_late(*args: Any) -> Any:
+        answered = real_acquire(*args)
+        granted.set()
+        answer.wait(10)  # until the close has ended
+        return answered
+
+    backend.acquire = answered_late
+    refused: list[Exception] = []
+
+    def acquire() -> None:
+        try:
+            client.lock("job").acquire(timeout=0)
+        except dlock.BackendError as exc:  # granted as the client closed: given back
+            refused.append(exc)
+
+    acquiring = threading.Thread(target=acquire)
+    acquiring.start()
+    assert granted.wait(10)
+    client.close()
+    answer.set()
+    acquiring.join(10)
+    assert len(refused) == 1
+    for give_back in client._give_backs:
+        give_back.join(10)
+    with dlock.connect(url) as other:
+        assert other.inspect("job") is None, "the late grant was not given back"
+    assert backend._connection is None, "the give-back left the file open for good"
+
+
 def test_a_close_waiting_for_an_acquire_renews_nothing_and_still_tells_losses(
     tmp_path: Path,
 ) -> None:

@@ -236,6 +236,10 @@ class SQLiteBackend(Backend):
         #: Lease writes whose caller was cancelled while their thread ran on (asyncio).
         self._cut_off: set[Any] = set()
         self._user: int | None = None
+        #: Closed by close(): a statement made since (the give-back of an acquire whose
+        #: grant came back after its client's close stopped waiting for it) opens the
+        #: file for itself only, as nothing would close it later.
+        self._closed = False
         # Quoted: a plain identifier may be a keyword (``order``), as the servers allow.
         self._sql = sqlite_statements(f'"{self._table}"')
         _sqlite_fork.register(self)  # its connection is closed before a fork
@@ -392,41 +396,50 @@ class SQLiteBackend(Backend):
         """Run statements in one transaction; each one's rows and changed-row count."""
         _sqlite_fork.check_process()
         with self._using():
-            if self._connection is not None and not self._same_file():
-                # Closing skips the checkpoint and the WAL's deletion: SQLite sees the
-                # file has moved, and the WAL at the path is the new file's.
-                self._connection.close()
-                self._connection = None
-            if self._connection is None:
-                self._connection = self._open()
-            conn = self._connection
             try:
-                if len(steps) == 1:
-                    cursor = conn.execute(*steps[0])
-                    return [(cursor.fetchall(), cursor.rowcount)]
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    results = []
-                    for statement, params in steps:
-                        cursor = conn.execute(statement, params)
-                        results.append((cursor.fetchall(), cursor.rowcount))
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                conn.execute("COMMIT")
-                return results
-            except sqlite3.Error as exc:
-                if _busy(exc):
-                    # Another connection kept the file write-locked past busy_timeout:
-                    # not answering in time, like a hung server, and worth retrying.
-                    raise BackendUnavailable(
-                        f"SQLite {self._path!r}: {exc} for busy_timeout={self._busy_timeout:g} s"
-                    ) from exc
-                if _io_failed(exc):
-                    raise BackendUnavailable(
-                        f"SQLite {self._path!r}: {exc}{IO_ERROR_HINT}"
-                    ) from exc
-                raise BackendError(f"SQLite {self._path!r}: {exc}") from exc
+                return self._transaction_now(steps)
+            finally:
+                if self._closed and self._connection is not None:
+                    self._connection.close()
+                    self._connection = None
+
+    def _transaction_now(
+        self, steps: list[tuple[str, dict[str, Any]]]
+    ) -> list[tuple[list[Any], int]]:
+        """_transaction's work, under the mutex."""
+        if self._connection is not None and not self._same_file():
+            # Closing skips the checkpoint and the WAL's deletion: SQLite sees the
+            # file has moved, and the WAL at the path is the new file's.
+            self._connection.close()
+            self._connection = None
+        if self._connection is None:
+            self._connection = self._open()
+        conn = self._connection
+        try:
+            if len(steps) == 1:
+                cursor = conn.execute(*steps[0])
+                return [(cursor.fetchall(), cursor.rowcount)]
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                results = []
+                for statement, params in steps:
+                    cursor = conn.execute(statement, params)
+                    results.append((cursor.fetchall(), cursor.rowcount))
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return results
+        except sqlite3.Error as exc:
+            if _busy(exc):
+                # Another connection kept the file write-locked past busy_timeout:
+                # not answering in time, like a hung server, and worth retrying.
+                raise BackendUnavailable(
+                    f"SQLite {self._path!r}: {exc} for busy_timeout={self._busy_timeout:g} s"
+                ) from exc
+            if _io_failed(exc):
+                raise BackendUnavailable(f"SQLite {self._path!r}: {exc}{IO_ERROR_HINT}") from exc
+            raise BackendError(f"SQLite {self._path!r}: {exc}") from exc
 
     def _acquire(
         self, name: str, token: str, ttl: float, holder: Holder, reentrant: bool
@@ -525,6 +538,7 @@ class SQLiteBackend(Backend):
                 self._user = None
 
     def _close(self) -> None:
+        self._closed = True
         if _sqlite_fork.refusal_now() is not None:
             # Left alone: its statement may be the parent's, cut off by the fork (and
             # its mutex held by a thread that is not here).
