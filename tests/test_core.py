@@ -3325,6 +3325,32 @@ def test_an_extend_answered_after_the_loss_was_told_no_longer_renews_the_lost_lo
     asyncio.run(main())
 
 
+def test_an_extend_answered_no_sooner_than_the_lease_it_set_ended_raises_lock_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """extend(0.2) applied, but answered only after 0.2 s from when it was sent (a
+    backend stalled that long): counted as every lease is, the lease it set ended
+    before the answer came, and the hold is lost on arrival, as a fresh grant answered
+    so late holds nothing. The extend returned normally, the lock already lost."""
+    told: list[object] = []
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=30, on_lost=told.append)
+        assert lock.acquire(timeout=0)
+        real_extend = client._backend.extend
+
+        def answered_late(name: str, token: str, ttl: float) -> bool:
+            applied = real_extend(name, token, ttl)
+            time.sleep(0.3)
+            return applied
+
+        monkeypatch.setattr(client._backend, "extend", answered_late)
+        with pytest.raises(dlock.LockLost):
+            lock.extend(0.2)
+        assert lock.lost and told == [lock]
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+
+
 def test_a_lease_taken_while_a_renewal_is_stuck_is_told_lost_at_its_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

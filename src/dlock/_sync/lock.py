@@ -1223,6 +1223,12 @@ class Lock:
                 # came too late to keep the hold, which the holder was told is gone. Not
                 # renewed either: it would be kept for good by a holder told it had lost it.
                 raise self._lost_error("the lease ran out before it could be extended", generation)
+            if self._client._clock() >= self._deadline:
+                # Answered no sooner than the lease it set ended, counted from when it
+                # was sent (a backend stalled that long): lost on arrival, as a fresh
+                # grant answered so late holds nothing (see _answered).
+                reason = f"the extend was answered after the {seconds:g} s lease it set ran out"
+                raise self._lost_error(reason, generation)
             if self.auto_renew:
                 # A shorter lease is due sooner than the renewer's sleep ends: wake it.
                 self._client._renewer.add(self)
