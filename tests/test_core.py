@@ -3351,6 +3351,41 @@ def test_an_extend_answered_no_sooner_than_the_lease_it_set_ended_raises_lock_lo
             lock.release()
 
 
+@pytest.mark.parametrize("auto_renew", [True, False], ids=["renewed", "not-renewed"])
+def test_a_reentry_answered_no_sooner_than_the_lease_it_set_ended_is_a_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, auto_renew: bool
+) -> None:
+    """A re-entry applied, but answered only after the lock's TTL from when it was sent
+    (a backend stalled that long): the lease it set ended before the answer came. A
+    renewed lock was told lost by the renewer at that deadline, and the re-entry raised
+    LockLost; one not renewed returned True, its hold already run out. Both are a loss,
+    its entries left one by one, each release told so."""
+    told: list[object] = []
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        lock = client.lock(
+            "job", ttl=0.3, reentrant=True, auto_renew=auto_renew, on_lost=told.append
+        )
+        assert lock.acquire(timeout=0)
+        real_acquire = client._backend.acquire
+
+        def answered_late(*args: Any) -> Any:
+            answer = real_acquire(*args)
+            time.sleep(0.4)
+            return answer
+
+        monkeypatch.setattr(client._backend, "acquire", answered_late)
+        with pytest.raises(dlock.LockLost):
+            lock.acquire(timeout=0)
+        assert lock.lost and told == [lock]
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        with pytest.raises(dlock.LockLost):
+            lock.release()
+        with dlock.connect(url) as other:
+            assert other.inspect("job") is None
+
+
 def test_a_lease_taken_while_a_renewal_is_stuck_is_told_lost_at_its_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -598,7 +598,11 @@ class AsyncLock:
             answer = await self._send_attempt(reentry, generation)
         finally:
             self._end_count_turn()
-        if answer is not _HOLD_GONE:
+        if answer is _RAN_OUT:
+            reason = "the re-entry was answered after the lease it set ran out"
+        elif answer is _HOLD_GONE:
+            reason = "the lease was gone when re-entering"
+        else:
             return answer
         # Told only once the attempt and its turn have ended: an on_lost that acquires
         # afresh may wait for a fresh hold's turn, and that hold for this object's
@@ -606,14 +610,15 @@ class AsyncLock:
         # another user's release would wait for this turn. Only if the hold is still
         # the one that was re-entered: another user may have ended it and taken a fresh
         # one since, which is not lost. The caller is told all the same: its hold is.
-        raise self._lost_error("the lease was gone when re-entering", generation)
+        raise self._lost_error(reason, generation)
 
     async def _send_attempt(self, reentry: bool, generation: int) -> Busy | None:
-        """_attempt's round trip; _HOLD_GONE if a re-entry found its hold gone."""
+        """_attempt's round trip; _HOLD_GONE if a re-entry found its hold gone, _RAN_OUT
+        if it was answered after the lease it set ran out (see _answered_late)."""
         while (give_back := self._attempt_starts()) is not None:
             await wait_done(give_back)
         result: Acquired | Busy | None = None
-        gone = False
+        gone = late = False
         write: int | None = None
         cap = math.inf
         try:
@@ -640,6 +645,7 @@ class AsyncLock:
                 self._reentry_gone(result)
                 or self._lost_meanwhile(result, generation)
                 or self._left_meanwhile(result, generation)
+                or (late := self._answered_late(result, started, cap, generation))
             )
             if not gone:
                 return self._answered(result, started, cap, reentry)
@@ -694,8 +700,8 @@ class AsyncLock:
                 self._lease_unsure(started, self.ttl, cap)
             raise
         finally:
-            self._attempt_ends(gone and generation == self._generation)
-        return _HOLD_GONE
+            self._attempt_ends(gone and not late and generation == self._generation)
+        return _RAN_OUT if late else _HOLD_GONE
 
     def _attempt_starts(self) -> Any:
         """Count an attempt in flight, unless a give-back runs: that releases under this
@@ -851,6 +857,26 @@ class AsyncLock:
                 return False
             if isinstance(result, Acquired) and result.count > self._count:
                 self._count = result.count
+            return True
+
+    def _answered_late(
+        self, result: Acquired | Busy, started: float, cap: float, generation: int
+    ) -> bool:
+        """True if a re-entry of hold ``generation`` that the backend granted was answered
+        no sooner than the lease it set ended, counted from when it was sent (a backend
+        stalled that long): the hold is lost on arrival, as a fresh grant answered so
+        late holds nothing. The renewer tells that loss first, at the deadline that the
+        re-entry in flight caps; nothing does for a lock it does not renew. Its entry is
+        counted, as in _lost_meanwhile, for the holder's release to give back."""
+        if not isinstance(result, Acquired):
+            return False
+        ttl = self.ttl if result.ttl is None else result.ttl
+        if self._client._clock() < self._lease_end(started, ttl, cap):
+            return False
+        with self._sharing:
+            if generation != self._generation or not self._count:
+                return False
+            self._count = self._reentered(result.count)
             return True
 
     def _left_meanwhile(self, result: Acquired | Busy, generation: int) -> bool:
@@ -1549,6 +1575,8 @@ class _HoldEnded(Exception):
 _SHARER_HOLDS = Busy()
 #: A re-entry's answer when the backend no longer has the hold it re-entered.
 _HOLD_GONE = Busy()
+#: A re-entry's answer when it came after the lease it set ran out (see _answered_late).
+_RAN_OUT = Busy()
 #: What a release came to, to be told out of the count's turn (see release): the hold
 #: was lost before it was sent; the client was closing; the backend had no lease.
 _LOST, _CLOSED, _GONE = object(), object(), object()
