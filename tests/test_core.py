@@ -683,6 +683,46 @@ def test_a_forked_child_neither_releases_nor_enters_its_parents_hold(
         assert client.inspect("job") is None
 
 
+@pytest.mark.filterwarnings("ignore:.*fork\\(\\) may lead to deadlocks:DeprecationWarning")
+def test_a_child_forked_during_a_renewal_renews_its_own_hold_of_the_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process forked while its renewer's call for a lock object was in flight: the
+    child got that renewal's write, never to end there, among the object's writes in
+    flight. Every renewal of the child's own hold of the object overlapped it, so was
+    counted to end no later than it (see _write_done), and the hold was told lost a
+    TTL after the parent's renewal was sent, renewed all along."""
+    parent = os.getpid()
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client:
+        real_extend_many = client._backend.extend_many
+        in_flight, go_on = threading.Event(), threading.Event()
+
+        def held_up_in_the_parent(leases: list[Any]) -> Any:
+            if os.getpid() == parent:
+                in_flight.set()
+                go_on.wait(10)
+            return real_extend_many(leases)
+
+        monkeypatch.setattr(client._backend, "extend_many", held_up_in_the_parent)
+        lock = client.lock("job", ttl=1.0)
+        assert lock.acquire(timeout=0)
+        try:
+            assert in_flight.wait(5)
+            # The parent lets go once the child waits for the lock.
+            threading.Timer(0.2, lock.release).start()
+
+            def hold_for_two_ttls() -> str:
+                if not lock.acquire(timeout=5):
+                    return "not acquired"
+                time.sleep(2.0)
+                return f"owned={lock.owned()}"
+
+            assert answer_in_a_child(hold_for_two_ttls) == "owned=True"
+        finally:
+            go_on.set()
+
+
 def test_owned_is_false_first_thing_in_a_child_forked_without_hooks(tmp_path: Path) -> None:
     """uWSGI forks its workers from C without Python's at-fork hooks: the child notices
     the fork as a call of the public API starts. ``owned()`` did not look, so a worker

@@ -716,13 +716,13 @@ class AsyncLock:
             return None
 
     def _check_forked(self) -> None:
-        """In a forked child, the sharing state copied is the parent's: attempts that
-        its other threads had in flight (never to end here, so the child's give-backs
-        would wait for them for ever), its give-back, and a lock one of them may hold or
-        seek (a seeker that never ends here). Checked once as each call that reads the
-        hold starts (acquire, release, extend, owned, a ``with`` block's exit), which
-        covers all it does, and by the helpers that close() reaches (_wake_sharers,
-        _give_back_later).
+        """In a forked child, the sharing state copied is the parent's: attempts that its
+        other threads had in flight (never to end here, so the child's give-backs would wait
+        for them for ever), its give-back, its renewer's write in flight, and a lock one of
+        them may hold or seek (a seeker that never ends here). Checked once as each call
+        that reads the hold starts (acquire, release, extend, owned, a ``with`` block's
+        exit), which covers all it does, and by the helpers that close() reaches
+        (_wake_sharers, _give_back_later).
 
         Once per call is enough: the calls of the parent's other threads do not go on
         in the child. One of the thread that forked (from a signal handler) does, with
@@ -742,6 +742,11 @@ class AsyncLock:
                     # Taken, perhaps, by a thread that stayed in the parent (its
                     # renewer telling a loss): it would never be let go here.
                     self._sharing, self._loss_lock = threading.Lock(), threading.RLock()
+                    # The writes in flight are the parent's renewer's and its threads'
+                    # (never to end here): left, each of the child's own writes of the
+                    # object overlapped them, and was counted to end no later than they
+                    # (see _write_done), its hold told lost a TTL after the fork.
+                    self._writes, self._writes_guard = {}, threading.Lock()
                     self._attempts = self._to_give_back = 0
                     self._give_back = self._seeker = self._changed = None
                     self._counting, self._counting_depth, self._counted = None, 0, None
