@@ -3540,6 +3540,34 @@ def test_a_lease_is_renewed_a_third_of_its_ttl_in_not_a_sixth(tmp_path: Path) ->
         lock.release()
 
 
+def test_a_failed_renewal_of_a_lease_shorter_than_the_ttl_is_retried_before_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed renewal is tried again while the lease lasts. After extend(0.6) of a
+    30 s lock, the retry was set a tenth of the TTL later (3 s), past the lease's end:
+    its one retry came at the deadline, and one refused renewal lost the lock with
+    0.4 s left to try again."""
+    told: list[object] = []
+    with dlock.connect(f"sqlite://{tmp_path}/locks.sqlite3") as client:
+        lock = client.lock("job", ttl=30, on_lost=told.append)
+        assert lock.acquire(timeout=0)
+        real_extend_many = client._backend.extend_many
+        calls: list[float] = []
+
+        def refused_once(leases: list[Any]) -> Any:
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                raise dlock.BackendUnavailable("connection refused")
+            return real_extend_many(leases)
+
+        monkeypatch.setattr(client._backend, "extend_many", refused_once)
+        lock.extend(0.6)
+        time.sleep(1.0)
+        assert len(calls) >= 2, "never retried"
+        assert lock.owned() and not told
+        lock.release()
+
+
 def test_a_renewal_never_shortens_a_lease_the_holder_extended(tmp_path: Path) -> None:
     """``extend(600)`` on a lock with a 30 s TTL promises the lease for 600 s (a holder
     about to block where it cannot renew). The watchdog renewed it with the lock's own

@@ -308,10 +308,13 @@ class Renewer:
     def _retry_later(self, lock: Lock, started: float, ttl: float, cap: float) -> None:
         """A renewal with no answer may have been applied all the same (an answer lost,
         a call cut short): the lease may now end as early as it set. Tried again soon,
-        until the lease's deadline."""
+        until the lease's deadline: after a tenth of the lease's length where it is
+        shorter than the TTL (an extend(1) of a 30 s lock, a lease handed over for a
+        place's length), else its one retry came at the deadline, when it was lost."""
         lock._unanswered(ttl)
         lock._lease_unsure(started, ttl, cap)
-        lock._renew_at = min(lock._deadline, self._clock() + lock.ttl * RETRY_AFTER)
+        every = min(lock.ttl, lock._lease_ttl) * RETRY_AFTER
+        lock._renew_at = min(lock._deadline, self._clock() + every)
 
     def _tell_known_losses(self, locks: Iterable[Lock]) -> None:
         """Tell the loss of the held ``locks`` that the backend knows to be gone. After
