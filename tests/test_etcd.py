@@ -2061,13 +2061,19 @@ def test_a_queued_acquire_ends_near_its_timeout_when_the_cluster_stops_answering
     leave after it too: a chaos helper saw the acquire return three request timeouts
     past its own. Now the last wait sends no keepalive that the place does not need,
     and a leave after a failure goes on by itself: past the timeout, one round at
-    most (README: 1.4 request timeouts with three members)."""
+    most (README: 1.4 request timeouts with three members).
+
+    Each hang has a name of its own: the keeper renews the place 2 s after taking it,
+    and a renewal that lands just before the hang (a Timer late on a loaded machine)
+    keeps the place until about 2 s past the resume, its leave and the close having gone
+    unanswered (a place outlives its last keepalive by queue_ttl). The next hang's
+    holder, on the same name, was then refused its try."""
     request_timeout, timeout = 3.0, 2.2
     path = prefix()
     url = etcd_cluster.url(path, timeout=request_timeout)
     for hang_at in (1.96, 2.04):  # as the waiter's last wait begins
         with dlock.connect(url) as holding, dlock.connect(url) as waiting:
-            holder = holding.lock(name, ttl=30)
+            holder = holding.lock(f"{name}-{hang_at}", ttl=30)
             assert holder.acquire(timeout=0)
             hang = threading.Timer(
                 hang_at, lambda: [member.pause() for member in etcd_cluster.members]
@@ -2076,7 +2082,7 @@ def test_a_queued_acquire_ends_near_its_timeout_when_the_cluster_stops_answering
             hang.start()
             try:
                 with contextlib.suppress(dlock.BackendUnavailable):
-                    assert not waiting.lock(name, ttl=5).acquire(timeout=timeout)
+                    assert not waiting.lock(holder.name, ttl=5).acquire(timeout=timeout)
                 took = time.monotonic() - started
             finally:
                 hang.join()
