@@ -1683,6 +1683,29 @@ async def test_cancelled_acquires_leave_no_connection_behind(
         await lock.release()
 
 
+def test_an_idle_request_connection_is_not_closed_for_its_age(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """httpx closes a connection left idle past its keepalive expiry (5 s by default)
+    at the pool's next pass, which every request's start and end makes. httpcore 1.0's
+    pool (its issue 1110) so closed one it had just lent to another thread, whose
+    request, not yet begun, then failed: its write's EBADF is ignored, its read raised
+    httpx.ReadError "[Errno 9] Bad file descriptor" (the conformance test of 120 waiters
+    of one client, sync face, once: their request connections sat idle while they
+    waited, their places renewed by the keeper). Idle connections are now kept until
+    the server closes them: the one a request used serves the next after 5 s idle."""
+    with dlock.connect(etcd_server.url(prefix())) as client:
+        assert client.inspect(name) is None
+        backend: Any = client._backend
+        pool = backend._client._transport._pool
+        idle = [c for c in pool.connections if c.is_idle()]
+        assert idle
+        time.sleep(5.5)
+        assert client.inspect(name) is None
+        kept = [c for c in idle if c in pool.connections and not c.is_closed()]
+        assert kept, "the pool closed its idle connections for their age"
+
+
 class _FailedImports:
     """A finder that notes every module looked up past sys.modules; those still missing
     from it afterwards are the failed imports."""

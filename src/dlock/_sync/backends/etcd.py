@@ -246,7 +246,14 @@ class _Value:
 #: so past a few they cost waiters more CPU than they save in waiting: 120 waiters of
 #: one client took their locks with 2.7-3.2 s of CPU at 2, 3.4-4.2 s at 4, 4.7-5.1 s at
 #: 8 and 6.6-9.3 s at 32. Threads gain from more (2.8 s at 32, 6.3-7.2 s at 4).
-REQUEST_LIMITS = httpx.Limits(max_connections=8 if IS_ASYNC else 32, max_keepalive_connections=None)
+#: Nor are idle ones closed for their age (httpx's keepalive expiry, 5 s), for the same
+#: reason: one idle past it was closed at another request's pass through the pool
+#: after being lent, and its request failed (EBADF). The waiters' places renewed by the
+#: keeper, a client's connections sit idle for as long as its waiters wait. The server
+#: closing one makes it readable, which the pool checks before lending it.
+REQUEST_LIMITS = httpx.Limits(
+    max_connections=8 if IS_ASYNC else 32, max_keepalive_connections=None, keepalive_expiry=None
+)
 #: Watches are not capped: each holds a connection for as long as its wait, and a cap
 #: left the rest waiting out their pool timeout (PoolTimeout, with etcd fine).
 WATCH_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None)
