@@ -2424,6 +2424,42 @@ def test_close_asks_revokes_left_by_a_hung_server_for_one_timeout_not_one_each(
         holding.close()
 
 
+def test_close_asks_no_revoke_of_a_leave_that_went_unanswered_but_has_not_ended(
+    own_etcd: EtcdServer, name: str
+) -> None:
+    """A leave (a failed waiter's revoke, by itself) that went unanswered notes its
+    lease to be asked again, then ends, and only then leaves the leases a close must
+    revoke. A close in between asked that lease again and waited out a whole timeout
+    for it, though its revoke had gone unanswered a moment before (the test above,
+    once). The gap is widened here: the leaves pause there (1.5 s)."""
+    url = own_etcd.url(prefix(), timeout=1)
+    holding = dlock.connect(url)
+    waiting = dlock.connect(url)
+    backend: Any = waiting._backend
+    noted = backend._revoke_later
+
+    def slow_to_end(lease: int) -> None:
+        noted(lease)
+        if threading.current_thread().name == "dlock-leave":
+            time.sleep(1.5)
+
+    backend._revoke_later = slow_to_end
+    try:
+        assert holding.lock(name, ttl=30).acquire(timeout=0)
+        waits = [waiting.lock(name, ttl=30) for _ in range(3)]
+        waits_failed_by(own_etcd.process.pause, waits, holding)
+        until(lambda: len(backend._unrevoked) == 3, "their revokes were kept", 5)
+        assert backend._cut_off, "the leaves ended before the close (the gap was missed)"
+        started = time.monotonic()
+        waiting.close()
+        took = time.monotonic() - started
+        assert took < 0.5, f"close took {took:.2f} s, asking a revoke unanswered just before"
+    finally:
+        own_etcd.process.resume()
+        waiting.close()
+        holding.close()
+
+
 def test_close_gives_back_its_holds_at_once_while_the_server_hangs(
     own_etcd: EtcdServer, name: str
 ) -> None:

@@ -1822,7 +1822,9 @@ class EtcdBackend(Backend):
         with self._lock:
             emptied, self._emptied = self._emptied, []
             unrevoked, self._unrevoked = builtins.list(self._unrevoked), {}
-        cut_off, self._cut_off = builtins.list(self._cut_off), set()
+        # A leave or give-back notes its unanswered revoke before it ends (and leaves
+        # _cut_off): such a lease is one of the unrevoked, asked under their rule.
+        cut_off, self._cut_off = builtins.list(self._cut_off - set(unrevoked)), set()
         if time.monotonic() < self._unanswered_at + (self._timeout.read or TIMEOUT):
             unrevoked = []  # one went unanswered within a timeout: so would these
         # Once each, the unanswered ones too (the reaper ends with the client), until
