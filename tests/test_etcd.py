@@ -1884,6 +1884,51 @@ def test_a_paused_waiter_loses_its_place_and_queues_again_at_the_back(
             other.join()
 
 
+def test_a_waiter_whose_place_ended_unseen_is_not_granted_ahead_of_the_queue(
+    etcd_server: EtcdServer, name: str
+) -> None:
+    """A waiter's place ends (its lease revoked here, as etcd ends a lapsed one) before
+    its client's keeper has seen it, and the release wakes the waiter, the head in its
+    own eyes. Its attempt compared the queue with its old rank: every key left was
+    created after it, so the compare held and it was granted ahead of the waiter that
+    was behind it, now the head (paused here: a slow one). A place that ended goes to
+    the back (docs/etcd.md): the grant now also needs the waiter's own key, at its
+    rank."""
+    url = etcd_server.url(prefix())
+    with dlock.connect(url) as client:
+        holder = client.lock(name, ttl=30)
+        assert holder.acquire(timeout=0)
+        # queue_ttl 30: its keeper looks at the place again only 10 s after its put.
+        first = ThreadWaiter(url, name, "first", queue_ttl=30)
+        behind = None
+        try:
+            until(lambda: queued_labels(client, name) == ["first"], "the first waiter")
+            behind = start_waiter(url, name, "behind", timeout=30, hold=0)
+            until(lambda: queued_labels(client, name) == ["first", "behind"], "the second")
+            os.kill(behind.pid, signal.SIGSTOP)
+            (place,) = first.client._backend._places.values()  # type: ignore[attr-defined]
+            httpx.post(
+                f"http://{etcd_server.address}/v3/lease/revoke",
+                json={"ID": str(place.lease)},
+                timeout=5,
+                trust_env=False,
+            ).raise_for_status()
+            assert queued_labels(client, name) == ["behind"]
+            holder.release()
+            assert not first.held.wait(1.0), "granted with a place that had ended"
+            os.kill(behind.pid, signal.SIGCONT)
+            assert read_line(behind).startswith("held "), "the head never got the lock"
+            assert first.held.wait(10), "the waiter queued again never got the lock"
+        finally:
+            if behind is not None:
+                os.kill(behind.pid, signal.SIGCONT)
+                behind.kill()
+                behind.wait()
+                assert behind.stdout is not None
+                behind.stdout.close()
+            first.join()
+
+
 def test_a_prefix_of_slashes_alone_is_refused_not_taken_for_the_root() -> None:
     """``etcd://host//`` made the prefix "/": every key of the cluster (another
     application's, Kubernetes' /registry/...) was a lock name to `dlock list` and to

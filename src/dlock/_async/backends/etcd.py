@@ -1026,7 +1026,7 @@ class AsyncEtcdBackend(AsyncBackend):
             answer = await self._txn(
                 [
                     {"target": "CREATE", "key": key, "create_revision": "0"},
-                    self._first_in_line(name, place),
+                    *self._first_in_line(name, token, place),
                 ],
                 success,
                 failure,
@@ -1051,19 +1051,28 @@ class AsyncEtcdBackend(AsyncBackend):
             return Busy()
         raise BackendError(f"etcd {self._where}: {name!r} kept changing under us")
 
-    def _first_in_line(self, name: str, place: _Place | None) -> dict[str, Any]:
-        """The compare that lets an attempt pass only the waiters queued after it: with
-        a place of rank r, every queue key of the name was created at r or later (an
-        empty range compares as a key created at 0, and fails: the place has lapsed);
-        without one, the queue is empty."""
+    def _first_in_line(self, name: str, token: str, place: _Place | None) -> list[dict[str, Any]]:
+        """The compares that let an attempt pass only the waiters queued after it: with
+        a place of rank r, our own queue key is there, created at r, and every queue key
+        of the name was created at r or later; without one, the queue is empty. The
+        first: a place that ended before the keeper saw it (a lapse, its lease revoked)
+        passed the second when others had queued behind it, and its waiter was granted
+        ahead of them, though such a place goes to the back."""
         if place is None:
-            return {"target": "CREATE", **self._queue_range(name), "create_revision": "0"}
-        return {
-            "target": "CREATE",
-            **self._queue_range(name),
-            "result": "GREATER",
-            "create_revision": str(place.rank - 1),
-        }
+            return [{"target": "CREATE", **self._queue_range(name), "create_revision": "0"}]
+        return [
+            {
+                "target": "CREATE",
+                "key": self._place_key(name, token),
+                "create_revision": str(place.rank),
+            },
+            {
+                "target": "CREATE",
+                **self._queue_range(name),
+                "result": "GREATER",
+                "create_revision": str(place.rank - 1),
+            },
+        ]
 
     def _ahead_reads(self, name: str, token: str, rank: int) -> list[dict[str, Any]]:
         """Reads of our own queue key, then of the one just ahead of it (the newest
