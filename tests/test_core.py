@@ -1522,6 +1522,90 @@ def test_an_on_lost_calling_sys_exit_does_not_stop_the_renewer(tmp_path: Path) -
         assert info is not None and info.fencing_token == keeper.fencing_token
 
 
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_renewal_answered_with_the_wrong_number_of_results_still_tells_the_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, face: str
+) -> None:
+    """A broken backend answers extend_many with one result too few. The renewer died
+    of the error, and the lease ran out told to nobody (no on_lost, no renewer left).
+    Now the round counts as a renewal with no answer: logged with its traceback,
+    retried, and its lease told lost at its deadline."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    told: list[object] = []
+
+    async def asyncio_face() -> bool:
+        async with dlock.aio.connect(url) as client:
+            lock = client.lock("job", ttl=1, on_lost=told.append)
+            assert await lock.acquire(timeout=0)
+            real = client._backend.extend_many
+
+            async def one_short(leases: Sequence[Any]) -> Any:
+                return (await real(leases))[1:]
+
+            monkeypatch.setattr(client._backend, "extend_many", one_short)
+            await asyncio.sleep(2)
+            assert len(told) == 1, "the loss was told to nobody"
+            return not client._renewer._runner.done()
+
+    with caplog.at_level("ERROR", logger="dlock"):
+        if face == "asyncio":
+            renewing = asyncio.run(asyncio_face())
+        else:
+            with dlock.connect(url) as client:
+                lock = client.lock("job", ttl=1, on_lost=told.append)
+                assert lock.acquire(timeout=0)
+                real = client._backend.extend_many
+                monkeypatch.setattr(client._backend, "extend_many", lambda ls: real(ls)[1:])
+                time.sleep(2)
+                assert len(told) == 1, "the loss was told to nobody"
+                renewing = client._renewer._runner.is_alive()
+    assert renewing, "the renewer died"
+    assert any(record.exc_info for record in caplog.records), "no traceback logged"
+
+
+@pytest.mark.parametrize("face", ["sync", "asyncio"])
+def test_a_renewal_round_that_breaks_unexpectedly_does_not_stop_the_renewer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, face: str
+) -> None:
+    """A round breaks off outside the renewal call: the backend's lease_lost raises as
+    the renewer asks about an unrenewed lock after renew_now(). The renewer died, and
+    the client's other lease was no longer renewed, nor its loss told. Now the next
+    round renews it as before."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    told: list[object] = []
+
+    def broken(name: str, token: str) -> bool:
+        raise RuntimeError("a bug")
+
+    async def asyncio_face() -> None:
+        async with dlock.aio.connect(url) as client, dlock.aio.connect(url) as other:
+            unrenewed = client.lock("unrenewed", ttl=30, auto_renew=False)
+            renewed = client.lock("renewed", ttl=1, on_lost=told.append)
+            assert await unrenewed.acquire(timeout=0) and await renewed.acquire(timeout=0)
+            monkeypatch.setattr(client._backend, "lease_lost", broken)
+            client._renewer.renew_now()
+            await asyncio.sleep(2.5)
+            assert not client._renewer._runner.done(), "the renewer died"
+            info = await other.inspect("renewed")
+            assert info is not None and info.fencing_token == renewed.fencing_token
+            assert not told
+
+    if face == "asyncio":
+        asyncio.run(asyncio_face())
+    else:
+        with dlock.connect(url) as client, dlock.connect(url) as other:
+            unrenewed = client.lock("unrenewed", ttl=30, auto_renew=False)
+            renewed = client.lock("renewed", ttl=1, on_lost=told.append)
+            assert unrenewed.acquire(timeout=0) and renewed.acquire(timeout=0)
+            monkeypatch.setattr(client._backend, "lease_lost", broken)
+            client._renewer.renew_now()
+            time.sleep(2.5)
+            assert client._renewer._runner.is_alive(), "the renewer died"
+            info = other.inspect("renewed")
+            assert info is not None and info.fencing_token == renewed.fencing_token
+            assert not told
+
+
 @contextlib.contextmanager
 def _held(
     url: str, name: str, **options: Any

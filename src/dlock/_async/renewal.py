@@ -191,7 +191,13 @@ class AsyncRenewer:
         while not self._closed and epoch == self._epoch:
             self._sleeping_until = math.inf
             self._wakeup.clear()
-            await self._renew_due()
+            try:
+                await self._renew_due()
+            except Exception:
+                # A bug (a backend's or ours): this loop is all that renews and tells
+                # the client's leases, so it must not end with it.
+                logger.exception("dlock: a renewal round failed unexpectedly; will retry")
+                self._round_failed()
             delay = self._next_wakeup()
             self._sleeping_until = self._clock() + delay
             await self._wakeup.wait(delay)
@@ -253,6 +259,11 @@ class AsyncRenewer:
                         ),
                         time_left,
                     )
+                    if len(renewed) != len(due):
+                        # Which answer is whose is unknown: as a renewal not answered.
+                        raise TypeError(
+                            f"extend_many answered {len(renewed)} results for {len(due)} leases"
+                        )
                 finally:
                     self._ring_soon = None
         except BaseException as exc:
@@ -312,8 +323,21 @@ class AsyncRenewer:
         place's length), else its one retry came at the deadline, when it was lost."""
         lock._unanswered(ttl)
         lock._lease_unsure(started, ttl, cap)
+        self._retry_soon(lock)
+
+    def _retry_soon(self, lock: AsyncLock) -> None:
         every = min(lock.ttl, lock._lease_ttl) * RETRY_AFTER
         lock._renew_at = min(lock._deadline, self._clock() + every)
+
+    def _round_failed(self) -> None:
+        """A round broke off unexpectedly, perhaps before it told the leases past their
+        deadline: tell them now. Those it was to renew are retried as after a failed
+        renewal, not at once: a bug that recurs would spin and flood the log."""
+        self._declare_overdue()
+        now = self._clock()
+        for lock in tuple(self._locks):
+            if lock._renew_at <= now:
+                self._retry_soon(lock)
 
     def _tell_known_losses(self, locks: Iterable[AsyncLock]) -> None:
         """Tell the loss of the held ``locks`` that the backend knows to be gone. After
