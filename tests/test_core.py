@@ -1606,6 +1606,41 @@ def test_a_renewal_round_that_breaks_unexpectedly_does_not_stop_the_renewer(
             assert not told
 
 
+def test_first_grants_made_at_once_by_many_threads_start_one_renewer(tmp_path: Path) -> None:
+    """Threads making a fresh client's first grants at once each saw no renewer running
+    (the first one still being started) and each started one: two or more renewed the
+    same leases side by side. Threads switch every microsecond here, so that the
+    interleaving comes within a few rounds."""
+
+    def renewers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "dlock-renewer"}
+
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    switch_interval = sys.getswitchinterval()
+    for round_ in range(20):
+        before = renewers()
+        with dlock.connect(url) as client:
+            client.inspect("job")  # the file and table exist before the race
+            locks = [client.lock(f"job-{round_}-{i}", ttl=30) for i in range(16)]
+            start = threading.Barrier(len(locks))
+
+            def take(lock: dlock.Lock, start: threading.Barrier) -> None:
+                start.wait()
+                assert lock.acquire(timeout=0)
+
+            threads = [threading.Thread(target=take, args=(lock, start)) for lock in locks]
+            sys.setswitchinterval(1e-6)
+            try:
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            finally:
+                sys.setswitchinterval(switch_interval)
+            assert all(lock.owned() for lock in locks)
+            assert len(renewers() - before) == 1, f"round {round_}: more than one renewer"
+
+
 @contextlib.contextmanager
 def _held(
     url: str, name: str, **options: Any

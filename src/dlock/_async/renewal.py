@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,8 @@ class AsyncRenewer:
         self._locks: set[AsyncLock] = set()
         self._wakeup = WakeupEvent()
         self._runner: Any = None
+        #: Held while the loop is started: see _start.
+        self._starting = threading.Lock()
         #: Bumped whenever a new runner starts; an older runner that resumes stops.
         self._epoch = 0
         self._follow_fork = ForkFollower(self._forget_parent)
@@ -90,8 +93,9 @@ class AsyncRenewer:
     def _forget_parent(self) -> None:
         """In a forked child: the leases in the set are its parent's to renew (renewing
         them here would keep them alive after the parent died), and the renewer thread
-        or task stayed behind in the parent."""
+        or task stayed behind in the parent, as may have a thread holding the guard."""
         self._locks, self._runner = set(), None
+        self._starting = threading.Lock()
 
     def add(self, lock: AsyncLock) -> None:
         self._follow_fork()
@@ -107,12 +111,17 @@ class AsyncRenewer:
             self._alarm_looks_again()
 
     def _start(self) -> None:
-        # The old event may belong to an ended loop, or (threads) hold an internal lock
-        # taken by a thread that stayed in a fork's parent.
-        self._wakeup = WakeupEvent()
-        self._sleeping_until = math.inf
-        self._epoch += 1
-        self._runner = spawn(partial(self._run, self._epoch), name="dlock-renewer")
+        """Start the loop unless it runs. Checked again under a guard: threads making
+        their first grants at once each saw none running, and each started one."""
+        with self._starting:
+            if serving(self._runner):
+                return
+            # The old event may belong to an ended loop, or (threads) hold an internal
+            # lock taken by a thread that stayed in a fork's parent.
+            self._wakeup = WakeupEvent()
+            self._sleeping_until = math.inf
+            self._epoch += 1
+            self._runner = spawn(partial(self._run, self._epoch), name="dlock-renewer")
 
     def resume(self) -> None:
         """Start the loop again if it is not running while leases are held. Under
