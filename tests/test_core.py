@@ -1430,6 +1430,30 @@ def test_an_interrupt_just_after_the_grant_gives_the_lease_back(
         assert lock not in client._still_held()
 
 
+def test_an_interrupt_between_a_releases_answer_and_its_count_ends_the_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt after the backend released the lock but before the release
+    was counted (here: as the count starts, where a signal handler may run): the object
+    went on holding the lock it had released, owned() true until its TTL, while another
+    client took it. It ends the hold, as an interrupt during the call does."""
+    url = f"sqlite://{tmp_path}/locks.sqlite3"
+    with dlock.connect(url) as client, dlock.connect(url) as other:
+
+        def interrupted(remaining: int, last: bool) -> None:
+            raise KeyboardInterrupt
+
+        lock = client.lock("job", ttl=30)
+        assert lock.acquire(timeout=0)
+        with monkeypatch.context() as patch:
+            patch.setattr(lock, "_count_released", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                lock.release()
+        assert other.lock("job", ttl=30).acquire(timeout=0), "released"
+        assert not lock.owned(), "still holding the lock it released"
+        assert lock not in client._still_held()
+
+
 def test_an_interrupt_as_a_with_block_enters_gives_the_lock_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1154,13 +1154,15 @@ class Lock:
             try:
                 try:
                     remaining = self._client._backend.release(self.name, self._token)
+                    # Counted in the same guard: a Ctrl-C between the answer and its
+                    # count left the object holding the lock it had released.
+                    if remaining is not None and generation == self._generation and self._count:
+                        self._count_released(remaining, last)
                 except BaseException as exc:
                     self._unanswered(math.inf)
                     return exc, generation, last
                 if remaining is None:
                     return _GONE, generation, last
-                if generation == self._generation and self._count:
-                    self._count_released(remaining, last)
                 return None, generation, last
             finally:
                 # A give-back left meanwhile goes now, once the count is this answer's.
